@@ -1,0 +1,649 @@
+"""Configuration: model configs, hardware profiles, workloads (``spec/config.md``).
+
+Rule 1: every file goes through one strict cattrs converter into ``@attrs.frozen`` classes.
+        Unknown keys are errors; scalars are never coerced (``7.9`` is not an int,
+        ``"false"`` is not a bool; an int is accepted where a float is expected).
+Rule 2: every error is a :class:`ConfigError` whose message is one line naming the file and
+        the key path (``configs/x.toml: scheduler.max_num_seqs: must be >= 1, got 0``).
+Rule 3: a model config is valid as a whole or not at all: every ``[hardware.*]`` entry is
+        resolved against its profile and checked (parallelism, precisions, fit, KV blocks)
+        at load time, never later at run time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+import cattrs
+import numpy as np
+from cattrs.errors import (
+    AttributeValidationNote,
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+    IterableValidationNote,
+)
+
+from inference_lab.errors import ConfigError
+
+BYTES_PER_VALUE: dict[str, float] = {"fp4": 0.5, "fp8": 1.0, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
+PRECISIONS = tuple(BYTES_PER_VALUE)
+POLICIES = ("fcfs", "priority", "sjf", "ljf")
+ROUTERS = ("round_robin", "least_loaded")
+ARRIVAL_PATTERNS = ("poisson", "uniform", "burst", "batched", "closed_loop")
+
+T = TypeVar("T")
+
+
+class FieldError(ValueError):
+    """A validator's complaint about one field; the loader adds the path."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+# ---------------------------------------------------------------------------------------
+# validators (messages are the tail of "file: key.path: <message>")
+
+
+def _ge(lo: float) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and value < lo:
+            raise FieldError(attr.name, f"must be >= {lo}, got {value!r}")
+
+    return check
+
+
+def _gt(lo: float) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and not value > lo:
+            raise FieldError(attr.name, f"must be > {lo}, got {value!r}")
+
+    return check
+
+
+def _le(hi: float) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None and value > hi:
+            raise FieldError(attr.name, f"must be <= {hi}, got {value!r}")
+
+    return check
+
+
+def _one_of(options: tuple[str, ...]) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value not in options:
+            raise FieldError(attr.name, f"must be one of {', '.join(options)}; got {value!r}")
+
+    return check
+
+
+def _lower(value: str) -> str:
+    return value.lower() if isinstance(value, str) else value
+
+
+def _nonempty(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    if len(value) == 0:
+        raise FieldError(attr.name, "must have at least one entry")
+
+
+# ---------------------------------------------------------------------------------------
+# model config
+
+
+@attrs.frozen(kw_only=True)
+class Routing:
+    routed_experts: int = attrs.field(validator=_ge(1))
+    experts_per_tok: int = attrs.field(validator=_ge(1))
+    moe_layers: int = attrs.field(validator=_ge(1))
+
+
+@attrs.frozen(kw_only=True)
+class WeightStream:
+    precision: str = attrs.field(validator=_one_of(PRECISIONS))
+    active_params: float = attrs.field(validator=_gt(0))
+    resident_params: float = attrs.field()
+    routing: Routing | None = None
+
+    @resident_params.validator
+    def _check_resident(self, attr: attrs.Attribute[Any], value: float) -> None:
+        if value < self.active_params:
+            raise FieldError(
+                attr.name, f"must be >= active_params ({self.active_params:g}), got {value:g}"
+            )
+
+    @property
+    def resident_bytes(self) -> int:
+        return math.floor(self.resident_params * BYTES_PER_VALUE[self.precision])
+
+
+@attrs.frozen(kw_only=True)
+class AttentionLayer:
+    kind: str = attrs.field(default="attention")
+    count: int = attrs.field(validator=_ge(1))
+    heads: int = attrs.field(validator=_ge(1))
+    head_dim: int = attrs.field(validator=_ge(1))
+    kv_heads: int = attrs.field(validator=_ge(1))
+    kv_precision: str = attrs.field(default="bf16", validator=_one_of(PRECISIONS))
+    kv_shared: bool = False
+    window: int = attrs.field(default=0, validator=_ge(0))
+
+    @property
+    def kv_bytes_per_position(self) -> float:
+        return (
+            (1 if self.kv_shared else 2)
+            * self.kv_heads
+            * self.head_dim
+            * BYTES_PER_VALUE[self.kv_precision]
+        )
+
+
+@attrs.frozen(kw_only=True)
+class LinearLayer:
+    kind: str = attrs.field(default="linear")
+    count: int = attrs.field(validator=_ge(1))
+    state_bytes: int = attrs.field(validator=_ge(0))
+
+
+Layer = AttentionLayer | LinearLayer
+
+
+@attrs.frozen(kw_only=True)
+class ModelArch:
+    name: str = attrs.field(validator=attrs.validators.min_len(1))
+    hidden_dim: int = attrs.field(validator=_ge(1))
+    max_seq_len: int = attrs.field(validator=_ge(2))
+    attention_precision: str = attrs.field(default="bf16", validator=_one_of(PRECISIONS))
+    activation_bytes: int = attrs.field(default=2, validator=_ge(1))
+    weights: tuple[WeightStream, ...] = attrs.field(validator=_nonempty)
+    layers: tuple[Layer, ...] = attrs.field(validator=_nonempty)
+
+    @layers.validator
+    def _check_full_attention(self, attr: attrs.Attribute[Any], value: tuple[Layer, ...]) -> None:
+        if not any(isinstance(layer, AttentionLayer) and layer.window == 0 for layer in value):
+            raise FieldError(
+                attr.name,
+                "needs at least one full-context attention class (window = 0); "
+                "the KV block size is defined by those layers",
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return sum(layer.count for layer in self.layers)
+
+    @property
+    def resident_weight_bytes(self) -> int:
+        return sum(w.resident_bytes for w in self.weights)
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = attrs.field(validator=_ge(1))
+    max_num_seqs: int = attrs.field(validator=_ge(1))
+    max_waiting: int = attrs.field(default=0, validator=_ge(0))
+    policy: str = attrs.field(default="fcfs", converter=_lower, validator=_one_of(POLICIES))
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = attrs.field(default=0, validator=_ge(0))
+    block_size: int = attrs.field(default=16, validator=_ge(1))
+    gpu_memory_utilization: float = attrs.field(default=0.9, validator=[_gt(0), _le(1)])
+    kv_cache_capacity: float = attrs.field(default=0, validator=_ge(0))
+
+
+@attrs.frozen(kw_only=True)
+class TimeCorrection:
+    alpha: float = attrs.field(default=1.0, validator=_gt(0))
+    beta: float = attrs.field(default=0.0, validator=_ge(0))
+
+
+@attrs.frozen(kw_only=True)
+class HardwareEntry:
+    tp: int = attrs.field(default=1, validator=_ge(1))
+    ep: int = attrs.field(default=1, validator=_ge(1))
+    replicas: int = attrs.field(default=1, validator=_ge(1))
+    router: str = attrs.field(default="round_robin", converter=_lower, validator=_one_of(ROUTERS))
+    time_correction: TimeCorrection = attrs.field(factory=TimeCorrection)
+
+
+# ---------------------------------------------------------------------------------------
+# hardware profile
+
+
+@attrs.frozen(kw_only=True)
+class Link:
+    bandwidth: float = attrs.field(validator=_gt(0))
+    latency: float = attrs.field(validator=_ge(0))
+    in_network_reduction: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class Fabric:
+    gpus_per_node: int = attrs.field(validator=_ge(1))
+    scale_up: Link
+    scale_out: Link | None = None
+
+
+@attrs.frozen(kw_only=True)
+class HardwareProfile:
+    name: str
+    flops_fp4: float | None = attrs.field(default=None, validator=_gt(0))
+    flops_fp8: float | None = attrs.field(default=None, validator=_gt(0))
+    flops_bf16: float | None = attrs.field(default=None, validator=_gt(0))
+    flops_fp16: float | None = attrs.field(default=None, validator=_gt(0))
+    memory_bandwidth: float = attrs.field(validator=_gt(0))
+    memory_capacity: float = attrs.field(validator=_gt(0))
+    fabric: Fabric | None = None
+
+    def flops(self, precision: str) -> float | None:
+        """FLOP/s of one GPU at ``precision`` (fp32 is fp16 / 2), or None if absent."""
+        if precision == "fp32":
+            return None if self.flops_fp16 is None else self.flops_fp16 / 2
+        value: float | None = getattr(self, f"flops_{precision}")
+        return value
+
+
+# ---------------------------------------------------------------------------------------
+# deployment: one model config x one of its hardware entries
+
+
+@attrs.frozen(kw_only=True)
+class Deployment:
+    """Everything the engine needs, resolved and validated."""
+
+    model: ModelArch
+    scheduler: SchedulerConfig
+    hardware: HardwareEntry
+    profile: HardwareProfile
+    hardware_name: str
+    config_path: Path
+
+    @property
+    def kv_bytes(self) -> float:
+        """KV bytes of one replica (``roofline.md``, KV capacity)."""
+        if self.scheduler.kv_cache_capacity > 0:
+            return self.scheduler.kv_cache_capacity
+        pool = math.floor(
+            self.profile.memory_capacity * self.hardware.tp * self.scheduler.gpu_memory_utilization
+        )
+        return pool - self.model.resident_weight_bytes
+
+    @property
+    def block_bytes(self) -> float:
+        return sum(
+            layer.count * layer.kv_bytes_per_position * self.scheduler.block_size
+            for layer in self.model.layers
+            if isinstance(layer, AttentionLayer) and layer.window == 0
+        )
+
+    @property
+    def total_blocks(self) -> int:
+        return max(0, math.floor(self.kv_bytes / self.block_bytes))
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    path: Path
+    model: ModelArch
+    scheduler: SchedulerConfig
+    deployments: Mapping[str, Deployment]
+
+
+# ---------------------------------------------------------------------------------------
+# workload
+
+
+def _floor_at_least_one(values: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
+    out: np.ndarray[Any, np.dtype[np.int64]] = np.maximum(np.floor(values), 1).astype(np.int64)
+    return out
+
+
+@attrs.frozen(kw_only=True)
+class FixedDist:
+    type: str = "fixed"
+    value: float = attrs.field(validator=_ge(1))
+
+    def sample(self, rng: np.random.Generator, size: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        return _floor_at_least_one(np.full(size, self.value, dtype=np.float64))
+
+
+@attrs.frozen(kw_only=True)
+class UniformDist:
+    type: str = "uniform"
+    min: int = attrs.field(validator=_ge(1))
+    max: int = attrs.field()
+
+    @max.validator
+    def _check_max(self, attr: attrs.Attribute[Any], value: int) -> None:
+        if value < self.min:
+            raise FieldError(attr.name, f"must be >= min ({self.min}), got {value}")
+
+    def sample(self, rng: np.random.Generator, size: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        return rng.integers(self.min, self.max, size=size, endpoint=True).astype(np.int64)
+
+
+@attrs.frozen(kw_only=True)
+class NormalDist:
+    type: str = "normal"
+    mean: float
+    std_dev: float = attrs.field(validator=_ge(0))
+
+    def sample(self, rng: np.random.Generator, size: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        return _floor_at_least_one(rng.normal(self.mean, self.std_dev, size=size))
+
+
+@attrs.frozen(kw_only=True)
+class LognormalDist:
+    type: str = "lognormal"
+    mean: float
+    std_dev: float = attrs.field(validator=_ge(0))
+
+    def sample(self, rng: np.random.Generator, size: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        return _floor_at_least_one(rng.lognormal(self.mean, self.std_dev, size=size))
+
+
+LengthDist = FixedDist | UniformDist | NormalDist | LognormalDist
+_DISTS: dict[str, type[Any]] = {
+    "fixed": FixedDist,
+    "uniform": UniformDist,
+    "normal": NormalDist,
+    "lognormal": LognormalDist,
+}
+
+
+@attrs.frozen(kw_only=True)
+class Workload:
+    arrival_pattern: str = attrs.field(converter=_lower, validator=_one_of(ARRIVAL_PATTERNS))
+    arrival_rate: float = attrs.field(default=1.0, validator=_gt(0))
+    num_concurrent_users: int | None = attrs.field(default=None, validator=_ge(1))
+    closed_loop_jitter_secs: float = attrs.field(default=0.0, validator=_ge(0))
+    input_len_dist: LengthDist
+    output_len_dist: LengthDist
+    num_requests: int | None = attrs.field(default=None, validator=_ge(1))
+    duration_secs: float | None = attrs.field(default=None, validator=_gt(0))
+    seed: int = attrs.field(validator=_ge(0))
+
+    def __attrs_post_init__(self) -> None:
+        if self.arrival_pattern == "closed_loop" and self.num_concurrent_users is None:
+            raise FieldError(
+                "num_concurrent_users", "is required when arrival_pattern = closed_loop"
+            )
+        if self.num_requests is None and self.duration_secs is None:
+            raise FieldError("num_requests", "set num_requests or duration_secs (or both)")
+        if self.arrival_pattern == "batched" and self.num_requests is None:
+            raise FieldError("num_requests", "is required when arrival_pattern = batched")
+
+
+# ---------------------------------------------------------------------------------------
+# the strict converter
+
+
+def _strict_int(value: Any, _type: Any) -> int:
+    if type(value) is not int:
+        raise TypeError(f"must be an integer, got {value!r}")
+    return value
+
+
+def _strict_float(value: Any, _type: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"must be a number, got {value!r}")
+    return float(value)
+
+
+def _strict_bool(value: Any, _type: Any) -> bool:
+    if type(value) is not bool:
+        raise TypeError(f"must be true or false, got {value!r}")
+    return value
+
+
+def _strict_str(value: Any, _type: Any) -> str:
+    if type(value) is not str:
+        raise TypeError(f"must be a string, got {value!r}")
+    return value
+
+
+def _tagged(tag: str, options: dict[str, type[Any]]) -> Callable[[Any, Any], Any]:
+    def structure(value: Any, _type: Any) -> Any:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"must be a table, got {value!r}")
+        kind = value.get(tag)
+        if kind not in options:
+            raise FieldError(tag, f"must be one of {', '.join(options)}; got {kind!r}")
+        return CONVERTER.structure(value, options[kind])
+
+    return structure
+
+
+def make_strict_converter(forbid_extra_keys: bool) -> cattrs.Converter:
+    """A cattrs converter whose scalar hooks never coerce (shared with the HTTP layer)."""
+    conv = cattrs.Converter(forbid_extra_keys=forbid_extra_keys)
+    conv.register_structure_hook(int, _strict_int)
+    conv.register_structure_hook(float, _strict_float)
+    conv.register_structure_hook(bool, _strict_bool)
+    conv.register_structure_hook(str, _strict_str)
+    return conv
+
+
+CONVERTER = make_strict_converter(forbid_extra_keys=True)
+CONVERTER.register_structure_hook(
+    Layer, _tagged("kind", {"attention": AttentionLayer, "linear": LinearLayer})
+)
+CONVERTER.register_structure_hook(LengthDist, _tagged("type", _DISTS))
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, KeyError):
+        return "missing required key"
+    if isinstance(exc, ForbiddenExtraKeysError):
+        return "unknown key"
+    text = str(exc)
+    return text if text else type(exc).__name__
+
+
+def _error_lines(exc: BaseException, path: str) -> list[tuple[str, str]]:
+    """Flatten a cattrs error tree into ``(key path, message)`` pairs."""
+    if isinstance(exc, ForbiddenExtraKeysError):
+        return [(_join(path, key), "unknown key") for key in sorted(exc.extra_fields)]
+    if isinstance(exc, ClassValidationError | IterableValidationError):
+        out: list[tuple[str, str]] = []
+        with_notes, without = exc.group_exceptions()
+        for sub, note in with_notes:
+            if isinstance(note, AttributeValidationNote):
+                out += _error_lines(sub, _join(path, note.name))
+            elif isinstance(note, IterableValidationNote):
+                out += _error_lines(sub, f"{path}[{note.index}]")
+            else:
+                out += _error_lines(sub, path)
+        for sub in without:
+            out += _error_lines(sub, path)
+        return out
+    if isinstance(exc, FieldError):
+        return [(_join(path, exc.field), str(exc))]
+    return [(path, _describe(exc))]
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _structure(raw: Any, cls: type[T], file: Path, path: str) -> T:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{file}: {path or '(top level)'}: must be a table, got {raw!r}")
+    try:
+        return CONVERTER.structure(raw, cls)
+    except Exception as exc:  # noqa: BLE001 - every structuring failure becomes a ConfigError
+        lines = _error_lines(exc, path)
+        key, message = lines[0] if lines else (path, str(exc))
+        more = f" (and {len(lines) - 1} more)" if len(lines) > 1 else ""
+        raise ConfigError(f"{file}: {key or '(top level)'}: {message}{more}") from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected a TOML file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+
+
+def _check_keys(raw: Mapping[str, Any], allowed: tuple[str, ...], file: Path, path: str) -> None:
+    for key in raw:
+        if key not in allowed:
+            raise ConfigError(f"{file}: {_join(path, key)}: unknown key")
+
+
+def load_hardware_profile(path: Path) -> HardwareProfile:
+    """Read one ``hardware_profiles/<name>.toml``; raises ConfigError."""
+    return _structure(_read_toml(path), HardwareProfile, path, "")
+
+
+def default_profiles_dir(config_path: Path) -> Path:
+    """Where hardware profiles are looked up for ``config_path``.
+
+    ``$INFERENCE_LAB_HARDWARE_PROFILES`` if set; else the first of
+    ``<config dir>/../hardware_profiles``, ``<config dir>/hardware_profiles``,
+    ``./hardware_profiles`` that exists (the last one when none does).
+    """
+    env = os.environ.get("INFERENCE_LAB_HARDWARE_PROFILES")
+    if env:
+        return Path(env)
+    here = config_path.resolve().parent
+    for candidate in (here.parent / "hardware_profiles", here / "hardware_profiles"):
+        if candidate.is_dir():
+            return candidate
+    return Path("hardware_profiles")
+
+
+def _validate_deployment(dep: Deployment, file: Path, profile_path: Path) -> None:
+    where = f"{file}: hardware.{dep.hardware_name}"
+    hw, profile, model = dep.hardware, dep.profile, dep.model
+    if hw.tp % hw.ep != 0:
+        raise ConfigError(f"{where}.ep: must divide tp (tp = {hw.tp}, ep = {hw.ep})")
+    if hw.tp > 1:
+        if profile.fabric is None:
+            raise ConfigError(f"{where}.tp: tp = {hw.tp} needs a [fabric] table in {profile_path}")
+        if hw.tp > profile.fabric.gpus_per_node and profile.fabric.scale_out is None:
+            raise ConfigError(
+                f"{where}.tp: tp = {hw.tp} spans more than gpus_per_node = "
+                f"{profile.fabric.gpus_per_node} and needs fabric.scale_out in {profile_path}"
+            )
+    used = [(f"model.weights[{i}].precision", w.precision) for i, w in enumerate(model.weights)]
+    used.append(("model.attention_precision", model.attention_precision))
+    for key, precision in used:
+        if profile.flops(precision) is None:
+            rate = "flops_fp16" if precision == "fp32" else f"flops_{precision}"
+            raise ConfigError(
+                f"{file}: {key}: precision {precision} has no FLOP rate ({rate}) in "
+                f"hardware profile {profile_path} used by hardware.{dep.hardware_name}"
+            )
+    sched = dep.scheduler
+    if sched.kv_cache_capacity == 0:
+        pool = math.floor(profile.memory_capacity * hw.tp * sched.gpu_memory_utilization)
+        weights = model.resident_weight_bytes
+        if weights >= pool:
+            raise ConfigError(
+                f"{where}: resident weights ({weights:,} B) do not fit in memory_capacity x tp x "
+                f"gpu_memory_utilization ({pool:,} B); raise tp or set kv_cache_capacity"
+            )
+    if dep.total_blocks < 1:
+        raise ConfigError(
+            f"{where}: the KV cache ({dep.kv_bytes:,.0f} B) holds no block of "
+            f"{dep.block_bytes:,.0f} B"
+        )
+
+
+def load_model_config(
+    path: str | os.PathLike[str], profiles_dir: Path | None = None
+) -> ModelConfig:
+    """Read and validate a model config and every one of its hardware entries.
+
+    Raises ConfigError (one line: file and key path) on any problem; returns only a
+    config in which every deployment is usable.
+    """
+    file = Path(path)
+    raw = _read_toml(file)
+    _check_keys(raw, ("model", "scheduler", "hardware", "fault"), file, "")
+    if "fault" in raw:
+        raise ConfigError(
+            f"{file}: fault: static fault injection is not available in this version "
+            "(the test-harness features are not built yet)"
+        )
+    for key in ("model", "scheduler", "hardware"):
+        if key not in raw:
+            raise ConfigError(f"{file}: {key}: missing required table [{key}]")
+    model = _structure(raw["model"], ModelArch, file, "model")
+    sched_raw = raw["scheduler"]
+    scheduler = _structure(sched_raw, SchedulerConfig, file, "scheduler")
+    hw_tables = raw["hardware"]
+    if not isinstance(hw_tables, Mapping) or not hw_tables:
+        raise ConfigError(f"{file}: hardware: needs at least one [hardware.<name>] table")
+    profiles = profiles_dir if profiles_dir is not None else default_profiles_dir(file)
+    deployments: dict[str, Deployment] = {}
+    for name, table in hw_tables.items():
+        prefix = f"hardware.{name}"
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{file}: {prefix}: must be a table, got {table!r}")
+        entry_raw = dict(table)
+        override = entry_raw.pop("scheduler", {})
+        if not isinstance(override, Mapping):
+            raise ConfigError(f"{file}: {prefix}.scheduler: must be a table, got {override!r}")
+        entry = _structure(entry_raw, HardwareEntry, file, prefix)
+        merged = _structure({**sched_raw, **override}, SchedulerConfig, file, f"{prefix}.scheduler")
+        profile_path = profiles / f"{name}.toml"
+        if not profile_path.is_file():
+            raise ConfigError(f"{file}: {prefix}: no hardware profile {profile_path}")
+        profile = load_hardware_profile(profile_path)
+        dep = Deployment(
+            model=model,
+            scheduler=merged,
+            hardware=entry,
+            profile=profile,
+            hardware_name=name,
+            config_path=file,
+        )
+        _validate_deployment(dep, file, profile_path)
+        deployments[name] = dep
+    return ModelConfig(path=file, model=model, scheduler=scheduler, deployments=deployments)
+
+
+def select_deployment(config: ModelConfig, hardware: str | None) -> Deployment:
+    """The entry named ``hardware``; with None, the only entry (ConfigError if several)."""
+    names = list(config.deployments)
+    if hardware is None:
+        if len(names) != 1:
+            raise ConfigError(
+                f"{config.path}: hardware: several entries ({', '.join(names)}); "
+                "choose one with --hardware"
+            )
+        return config.deployments[names[0]]
+    if hardware not in config.deployments:
+        raise ConfigError(
+            f"{config.path}: hardware.{hardware}: no such entry (available: {', '.join(names)})"
+        )
+    return config.deployments[hardware]
+
+
+def load_deployment(
+    config_path: str | os.PathLike[str],
+    hardware: str | None = None,
+    profiles_dir: Path | None = None,
+) -> Deployment:
+    """Load ``config_path`` and return its ``[hardware.<hardware>]`` deployment."""
+    return select_deployment(load_model_config(config_path, profiles_dir), hardware)
+
+
+def load_workload(path: str | os.PathLike[str]) -> Workload:
+    """Read and validate a workload TOML; raises ConfigError."""
+    file = Path(path)
+    return _structure(_read_toml(file), Workload, file, "")

@@ -1,0 +1,186 @@
+"""The step-cost model (``spec/roofline.md``).
+
+Rule 1: a step is priced from datasheet peaks only. Each precision stream costs
+        ``max(FLOPs[p] / R_p, Bytes[p] / BW)``; streams are summed (serial kernels);
+        collectives are added serially; ``alpha * t + beta`` applies last.
+Rule 2: the per-request work is vectorised with numpy over the batch (one array per
+        request attribute); nothing loops per request per layer.
+Rule 3: KV capacity and ``blocks_for`` are pure functions of the deployment; the engine's
+        block accounting and the serving layer's fit check both use them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import numpy as np
+
+from inference_lab.config import BYTES_PER_VALUE, AttentionLayer, Deployment, LinearLayer
+
+IntArray = np.ndarray[Any, np.dtype[np.int64]]
+
+
+@attrs.frozen
+class StepCost:
+    """The price of one step: ``seconds`` after time_correction, and the parts of the
+    uncorrected roofline that were compute time and memory time (for utilisation)."""
+
+    seconds: float
+    roofline: float
+    compute: float
+    memory: float
+
+
+def expert_read_fraction(num_experts: int, k: int, tokens: int) -> float:
+    """Expected distinct experts touched when ``tokens`` tokens each pick ``k`` of E."""
+    return float(num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** (k * tokens)))
+
+
+class Roofline:
+    """Prices engine steps for one deployment. Built once per engine; ``step_cost`` is the
+    hot path called once per engine step."""
+
+    def __init__(self, dep: Deployment) -> None:
+        model, profile, hw = dep.model, dep.profile, dep.hardware
+        tp = hw.tp
+        self.deployment = dep
+        self.alpha = hw.time_correction.alpha
+        self.beta = hw.time_correction.beta
+        self.bandwidth = profile.memory_bandwidth * tp
+        self.block_size = dep.scheduler.block_size
+        self.block_bytes = dep.block_bytes
+        self.total_blocks = dep.total_blocks
+        precisions = sorted({w.precision for w in model.weights} | {model.attention_precision})
+        self._precisions = precisions
+        self._index = {p: i for i, p in enumerate(precisions)}
+        rates = []
+        for p in precisions:
+            rate = profile.flops(p)
+            if rate is None:  # config validation guarantees this cannot happen
+                raise ValueError(f"no FLOP rate for {p} in profile {profile.name}")
+            rates.append(rate * tp)
+        self._rates = rates
+        self._attn_idx = self._index[model.attention_precision]
+        # weight streams: (precision index, active, routing terms or None)
+        self._weights: list[tuple[int, float, float, tuple[float, float, int, int] | None]] = []
+        for w in model.weights:
+            b = BYTES_PER_VALUE[w.precision]
+            routed = None
+            if w.routing is not None and w.routing.routed_experts > w.routing.experts_per_tok:
+                e, k = w.routing.routed_experts, w.routing.experts_per_tok
+                per_expert = (w.resident_params - w.active_params) / (e - k)
+                shared = max(0.0, w.active_params - k * per_expert)
+                routed = (shared, per_expert, e, k)
+            self._weights.append((self._index[w.precision], w.active_params, b, routed))
+        # attention / KV / state, grouped by window so the batch is touched once per group
+        attn_flops: dict[int, float] = {}  # window -> Σ count·4·heads·head_dim
+        kv_bytes: dict[int, float] = {}  # window -> Σ count·kvpp
+        state = 0.0
+        for layer in model.layers:
+            if isinstance(layer, AttentionLayer):
+                attn_flops[layer.window] = attn_flops.get(layer.window, 0.0) + (
+                    layer.count * 4 * layer.heads * layer.head_dim
+                )
+                kv_bytes[layer.window] = kv_bytes.get(layer.window, 0.0) + (
+                    layer.count * layer.kv_bytes_per_position
+                )
+            elif isinstance(layer, LinearLayer):
+                state += layer.count * layer.state_bytes
+        self._windows = [(w, attn_flops[w], kv_bytes[w]) for w in sorted(attn_flops)]
+        self._state_bytes = state
+        self._windowed_kv = [(w, kv_bytes[w]) for w in sorted(kv_bytes) if w > 0]
+        # collectives
+        self._collective: tuple[float, float, float] | None = None  # (fixed, per byte) per AR
+        self._message_per_token = model.hidden_dim * model.activation_bytes
+        if tp > 1 and profile.fabric is not None:
+            fab = profile.fabric
+            up = fab.scale_up
+            k = fab.gpus_per_node
+            calls = 2 * model.num_layers
+            if tp <= k:
+                f = 1.0 if up.in_network_reduction else 2 * (tp - 1) / tp
+                fixed, per_byte = up.latency, f / up.bandwidth
+            else:
+                out = fab.scale_out
+                if out is None:  # validation guarantees this cannot happen
+                    raise ValueError("tp wider than a node needs fabric.scale_out")
+                n = math.ceil(tp / k)
+                f_out = 1.0 if out.in_network_reduction else 2 * (n - 1) / n
+                fixed = 2 * up.latency + out.latency
+                per_byte = 2 * (k - 1) / k / up.bandwidth + f_out / k / out.bandwidth
+            self._collective = (calls * fixed, calls * per_byte, 0.0)
+
+    # ----------------------------------------------------------------------------------
+    def weight_read(self, tokens: int) -> list[float]:
+        """Bytes read from HBM by each weight stream for a step of ``tokens`` tokens."""
+        out = []
+        for _idx, active, b, routed in self._weights:
+            if routed is None or tokens == 0:
+                out.append(b * active)
+            else:
+                shared, per_expert, e, k = routed
+                out.append(b * (shared + per_expert * expert_read_fraction(e, k, tokens)))
+        return out
+
+    def collective_time(self, tokens: int) -> float:
+        if self._collective is None or tokens == 0:
+            return 0.0
+        fixed, per_byte, _ = self._collective
+        return fixed + per_byte * tokens * self._message_per_token
+
+    def step_cost(self, n: IntArray, c: IntArray) -> StepCost:
+        """Price a batch: request i computes ``n[i]`` new positions on top of ``c[i]``."""
+        tokens = int(n.sum())
+        nreq = len(n)
+        flops = [0.0] * len(self._rates)
+        mem = [0.0] * len(self._rates)
+        for idx, active, b, routed in self._weights:
+            flops[idx] += 2.0 * active * tokens
+            if routed is None or tokens == 0:
+                mem[idx] += b * active
+            else:
+                shared, per_expert, e, k = routed
+                mem[idx] += b * (shared + per_expert * e * (1.0 - (1.0 - 1.0 / e) ** (k * tokens)))
+        if nreq:
+            m = c + (n + 1) // 2
+            a = self._attn_idx
+            for window, attn_coef, kv_coef in self._windows:
+                att = np.minimum(m, window) if window > 0 else m
+                flops[a] += attn_coef * float(np.dot(n, att))
+                mem[a] += kv_coef * float(att.sum())
+            mem[a] += self._state_bytes * nreq
+        compute = memory = roof = 0.0
+        bw = self.bandwidth
+        for rate, f, byt in zip(self._rates, flops, mem, strict=True):
+            tc = f / rate
+            tm = byt / bw
+            compute += tc
+            memory += tm
+            roof += tc if tc > tm else tm
+        roof += self.collective_time(tokens)
+        return StepCost(self.alpha * roof + self.beta, roof, compute, memory)
+
+    def step_time(self, n: IntArray, c: IntArray) -> float:
+        """Seconds for the batch, after time_correction."""
+        return self.step_cost(n, c).seconds
+
+    # ----------------------------------------------------------------------------------
+    def blocks_for(self, positions: int) -> int:
+        """KV blocks a request holding ``positions`` resident positions needs."""
+        content = -(-positions // self.block_size)
+        if not self._windowed_kv and self._state_bytes == 0:
+            return content
+        private = self._state_bytes + sum(
+            kvpp * min(positions, window) for window, kvpp in self._windowed_kv
+        )
+        return content + math.ceil(private / self.block_bytes)
+
+    def has_private_blocks(self) -> bool:
+        return bool(self._windowed_kv) or self._state_bytes > 0
+
+    def private_blocks_cap(self) -> int:
+        """The most private blocks any request can need (windows saturate)."""
+        private = self._state_bytes + sum(kvpp * window for window, kvpp in self._windowed_kv)
+        return math.ceil(private / self.block_bytes)

@@ -1,0 +1,74 @@
+"""Helpers for engine tests: small deployments built from the shipped configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from inference_lab.config import Deployment, load_deployment
+from inference_lab.engine import Engine, Finished, RequestSpec, StepEvents
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA8B = ROOT / "configs" / "Llama-3.1-8B-Instruct.toml"
+GPT_OSS_20B = ROOT / "configs" / "gpt-oss-20b.toml"
+
+
+def deployment(
+    config: Path = LLAMA8B,
+    hardware: str = "b200",
+    *,
+    blocks: int | None = None,
+    replicas: int | None = None,
+    router: str | None = None,
+    **scheduler: Any,
+) -> Deployment:
+    """A shipped deployment with scheduler keys overridden; ``blocks`` sets the KV cache to
+    exactly that many blocks per replica (via kv_cache_capacity)."""
+    dep = load_deployment(config, hardware)
+    sched = attrs.evolve(dep.scheduler, **scheduler)
+    dep = attrs.evolve(dep, scheduler=sched)
+    if blocks is not None:
+        sched = attrs.evolve(sched, kv_cache_capacity=blocks * dep.block_bytes)
+        dep = attrs.evolve(dep, scheduler=sched)
+    hw = dep.hardware
+    if replicas is not None:
+        hw = attrs.evolve(hw, replicas=replicas)
+    if router is not None:
+        hw = attrs.evolve(hw, router=router)
+    return attrs.evolve(dep, hardware=hw)
+
+
+def run(engine: Engine, until: float | None = None) -> list[StepEvents]:
+    """Step until no event is left (or the next is later than ``until``)."""
+    out = []
+    while True:
+        t = engine.next_event_time()
+        if t is None or (until is not None and t > until):
+            return out
+        out.append(engine.step())
+
+
+def finished(events: list[StepEvents]) -> dict[int, Finished]:
+    return {f.request_id: f for ev in events for f in ev.finished}
+
+
+def tokens_by_request(events: list[StepEvents]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for ev in events:
+        for rid, n in ev.tokens:
+            counts[rid] = counts.get(rid, 0) + n
+    return counts
+
+
+def spec(prompt: int, max_tokens: int, **kw: Any) -> RequestSpec:
+    return RequestSpec(prompt_tokens=prompt, max_tokens=max_tokens, **kw)
+
+
+def assert_blocks_conserved(engine: Engine) -> None:
+    """Rule 4 of the engine: free + held == total on every worker."""
+    for w in engine.workers:
+        held = sum(r.blocks for r in w.running)
+        assert w.free_blocks + held == w.total_blocks, (w.free_blocks, held, w.total_blocks)
+        assert w.free_blocks >= 0
