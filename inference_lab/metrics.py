@@ -1,0 +1,233 @@
+"""Offline-simulation metrics: per-request latencies, throughput, utilisation (engine.md).
+
+Rule 1: pure functions of what the engine reported (`Finished` records and `StepInfo`
+        batches); nothing here reads a clock or touches the engine.
+Rule 2: latencies are computed in seconds and reported in milliseconds, as
+        min / mean / p50 / p90 / p95 / p99 / max with numpy's linear-interpolation percentiles.
+        An empty set (e.g. TPOT when every request produced one token) reports count 0 and
+        None for every statistic (JSON null), never NaN.
+Rule 3: TPOT is defined only for requests with more than one output token; refused requests
+        never enter the latency statistics, they are counted apart.
+Rule 4: throughput is measured over the simulated span, from the first arrival to the last
+        completion (the idle time before the first arrival is not the server's).
+
+Who calls this: `inference_lab.sim` after a run; tests with hand-made records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "PERCENTILES",
+    "LATENCY_COLUMNS",
+    "FinishedLike",
+    "LatencyStats",
+    "SimSummary",
+    "StepLike",
+    "summarize",
+]
+
+PERCENTILES: tuple[int, ...] = (50, 90, 95, 99)
+#: The statistics of a latency, in table / JSON order.
+LATENCY_COLUMNS: tuple[str, ...] = ("min", "mean", "p50", "p90", "p95", "p99", "max")
+
+
+class FinishedLike(Protocol):
+    """What metrics need from a finished request (`engine.Finished` has these fields)."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def output_tokens(self) -> int: ...
+    @property
+    def arrival_time(self) -> float: ...
+    @property
+    def first_scheduled_time(self) -> float: ...
+    @property
+    def first_token_time(self) -> float: ...
+    @property
+    def finish_time(self) -> float: ...
+
+
+class StepLike(Protocol):
+    """What metrics need from one engine step (`engine.StepInfo` has these fields)."""
+
+    @property
+    def kv_usage(self) -> float: ...
+    @property
+    def flop_util(self) -> float: ...
+    @property
+    def bw_util(self) -> float: ...
+    @property
+    def preempted(self) -> int: ...
+
+
+def _opt(x: float | None) -> float | None:
+    return None if x is None else float(x)
+
+
+@attrs.frozen(kw_only=True)
+class LatencyStats:
+    """Distribution of one latency in milliseconds; every statistic is None when count is 0."""
+
+    count: int
+    min: float | None = attrs.field(converter=_opt)
+    mean: float | None = attrs.field(converter=_opt)
+    p50: float | None = attrs.field(converter=_opt)
+    p90: float | None = attrs.field(converter=_opt)
+    p95: float | None = attrs.field(converter=_opt)
+    p99: float | None = attrs.field(converter=_opt)
+    max: float | None = attrs.field(converter=_opt)
+
+    @classmethod
+    def from_seconds(cls, seconds: npt.ArrayLike) -> LatencyStats:
+        """Statistics of `seconds` (any shape, flattened), reported in ms."""
+        ms = np.asarray(seconds, dtype=np.float64).ravel() * 1e3
+        if ms.size == 0:
+            return cls(
+                count=0, min=None, mean=None, p50=None, p90=None, p95=None, p99=None, max=None
+            )
+        p50, p90, p95, p99 = np.percentile(ms, PERCENTILES, method="linear").tolist()
+        return cls(
+            count=int(ms.size),
+            min=float(ms.min()),
+            mean=float(ms.mean()),
+            p50=p50,
+            p90=p90,
+            p95=p95,
+            p99=p99,
+            max=float(ms.max()),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen(kw_only=True)
+class SimSummary:
+    """The result of one simulation, as reported by `sim` (table and JSON)."""
+
+    requests_submitted: int  # completed + refused (+ any still in flight, 0 after a drain)
+    requests_completed: int
+    requests_refused: int
+    ttft: LatencyStats
+    tpot: LatencyStats
+    e2e: LatencyStats
+    queue: LatencyStats
+    input_tokens: int  # prompt tokens of completed requests
+    output_tokens: int  # output tokens of completed requests
+    span_s: float  # first arrival -> last completion, simulated seconds
+    input_tokens_per_s: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    steps: int  # engine steps (batches) run, over all workers
+    kv_usage_mean: float  # fractions in [0, 1], means over steps
+    kv_usage_max: float
+    flop_util_mean: float
+    bw_util_mean: float
+    preemptions: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict: plain ints, floats, None, nested dicts."""
+        return {
+            "requests": {
+                "submitted": self.requests_submitted,
+                "completed": self.requests_completed,
+                "refused": self.requests_refused,
+            },
+            "latency_ms": {
+                "ttft": self.ttft.to_dict(),
+                "tpot": self.tpot.to_dict(),
+                "e2e": self.e2e.to_dict(),
+                "queue": self.queue.to_dict(),
+            },
+            "throughput": {
+                "span_s": self.span_s,
+                "input_tokens": self.input_tokens,
+                "output_tokens": self.output_tokens,
+                "input_tokens_per_s": self.input_tokens_per_s,
+                "output_tokens_per_s": self.output_tokens_per_s,
+                "requests_per_s": self.requests_per_s,
+            },
+            "utilisation": {
+                "steps": self.steps,
+                "kv_usage_mean": self.kv_usage_mean,
+                "kv_usage_max": self.kv_usage_max,
+                "flop_util_mean": self.flop_util_mean,
+                "bw_util_mean": self.bw_util_mean,
+            },
+            "preemptions": self.preemptions,
+        }
+
+
+def _column(records: Sequence[FinishedLike], name: str) -> npt.NDArray[np.float64]:
+    return np.fromiter((getattr(r, name) for r in records), dtype=np.float64, count=len(records))
+
+
+def _mean(steps: Sequence[StepLike], name: str) -> float:
+    if not steps:
+        return 0.0
+    return float(np.fromiter((getattr(s, name) for s in steps), np.float64, len(steps)).mean())
+
+
+def summarize(
+    finished: Sequence[FinishedLike],
+    steps: Sequence[StepLike],
+    *,
+    refused: int = 0,
+    first_arrival: float | None = None,
+) -> SimSummary:
+    """Summarise a finished simulation.
+
+    `first_arrival` starts the throughput span (default: the earliest completed request's
+    arrival; pass the earliest arrival overall so refused requests' time counts too).
+    """
+    arrival = _column(finished, "arrival_time")
+    scheduled = _column(finished, "first_scheduled_time")
+    first_token = _column(finished, "first_token_time")
+    finish = _column(finished, "finish_time")
+    output = _column(finished, "output_tokens")
+    prompt = _column(finished, "prompt_tokens")
+
+    multi = output > 1
+    tpot = (finish[multi] - first_token[multi]) / (output[multi] - 1)
+
+    if finished:
+        start = float(arrival.min()) if first_arrival is None else first_arrival
+        span = max(float(finish.max()) - start, 0.0)
+    else:
+        span = 0.0
+    input_tokens = int(prompt.sum())
+    output_tokens = int(output.sum())
+
+    def rate(x: float) -> float:
+        return x / span if span > 0 else 0.0
+
+    kv_max = max((s.kv_usage for s in steps), default=0.0)
+    return SimSummary(
+        requests_submitted=len(finished) + refused,
+        requests_completed=len(finished),
+        requests_refused=refused,
+        ttft=LatencyStats.from_seconds(first_token - arrival),
+        tpot=LatencyStats.from_seconds(tpot),
+        e2e=LatencyStats.from_seconds(finish - arrival),
+        queue=LatencyStats.from_seconds(scheduled - arrival),
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        span_s=span,
+        input_tokens_per_s=rate(input_tokens),
+        output_tokens_per_s=rate(output_tokens),
+        requests_per_s=rate(len(finished)),
+        steps=len(steps),
+        kv_usage_mean=_mean(steps, "kv_usage"),
+        kv_usage_max=float(kv_max),
+        flop_util_mean=_mean(steps, "flop_util"),
+        bw_util_mean=_mean(steps, "bw_util"),
+        preemptions=sum(s.preempted for s in steps),
+    )
