@@ -1,0 +1,332 @@
+"""The shipped files (``spec/config.md``): every model config loads with every hardware entry,
+the architectures and hardware profiles carry the published numbers, the workloads load."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from inference_lab.config import (
+    AttentionLayer,
+    load_deployment,
+    load_hardware_profile,
+    load_model_config,
+    load_workload,
+)
+from inference_lab.roofline import Roofline
+from tests.configs_util import CONFIGS, GPT_OSS_20B, PROFILES, WORKLOADS
+
+MODEL_FILES = sorted(CONFIGS.glob("*.toml"))
+ENTRIES = [
+    (path, name)
+    for path in MODEL_FILES
+    for name in tomllib.loads(path.read_text()).get("hardware", {})
+]
+
+
+def test_the_six_documented_models_are_shipped() -> None:
+    """configs/ holds one file per documented model, named after the model."""
+    names = {load_model_config(p, PROFILES).model.name: p.stem for p in MODEL_FILES}
+    assert set(names) == set(ARCHITECTURES)
+    assert all(stem == name for name, stem in names.items())
+
+
+@pytest.mark.parametrize(("path", "hardware"), ENTRIES, ids=[f"{p.stem}-{h}" for p, h in ENTRIES])
+def test_every_shipped_entry_loads_and_prices_a_step(path: Path, hardware: str) -> None:
+    """Each ``[hardware.x]`` of each shipped config loads (profile found, precisions have
+    rates, weights fit, at least one KV block), and its roofline prices a decode step."""
+    dep = load_deployment(path, hardware, PROFILES)
+    assert dep.hardware_name == hardware
+    assert dep.total_blocks >= 1
+    t = Roofline(dep).step_time(np.ones(4, dtype=np.int64), np.full(4, 100, dtype=np.int64))
+    assert 0 < t < 1
+
+
+def test_shipped_configs_find_their_profiles_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``profiles_dir``, a config under configs/ finds ../hardware_profiles."""
+    monkeypatch.delenv("INFERENCE_LAB_HARDWARE_PROFILES", raising=False)
+    monkeypatch.chdir("/")
+    assert load_deployment(GPT_OSS_20B, "b200").profile.name == "NVIDIA B200"
+
+
+def test_gpt_oss_20b_entries_and_scheduler() -> None:
+    """gpt-oss-20b runs on exactly b200, b300, h200 and gh200, all at tp = 1, with
+    max_num_batched_tokens 8192, max_num_seqs 256, fcfs, block_size 64."""
+    cfg = load_model_config(GPT_OSS_20B, PROFILES)
+    assert set(cfg.deployments) == {"b200", "b300", "h200", "gh200"}
+    for dep in cfg.deployments.values():
+        assert dep.hardware.tp == 1
+        s = dep.scheduler
+        assert (s.max_num_batched_tokens, s.max_num_seqs, s.policy, s.block_size) == (
+            8192,
+            256,
+            "fcfs",
+            64,
+        )
+
+
+@pytest.mark.parametrize("path", [p for p in MODEL_FILES if p != GPT_OSS_20B], ids=lambda p: p.stem)
+def test_other_models_scheduler(path: Path) -> None:
+    """The other shipped models use max_num_batched_tokens 8192, max_num_seqs 256,
+    block_size 16 on every entry."""
+    for dep in load_model_config(path, PROFILES).deployments.values():
+        s = dep.scheduler
+        assert (s.max_num_batched_tokens, s.max_num_seqs, s.block_size) == (8192, 256, 16)
+
+
+def test_llama_70b_tensor_parallelism() -> None:
+    """Llama-3-70B (140 GB of bf16) needs tp >= 2 on h100/h200 and runs at tp = 1 on b200."""
+    deps = load_model_config(CONFIGS / "Llama-3-70B.toml", PROFILES).deployments
+    assert deps["b200"].hardware.tp == 1
+    assert deps["h100"].hardware.tp >= 2
+    assert deps["h200"].hardware.tp >= 2
+
+
+# ---------------------------------------------------------------------------------------
+# architectures
+
+W = tuple[str, float, float, tuple[int, int, int] | None]  # precision, active, resident, routing
+L = tuple[int, int, int, int, int]  # count, heads, head_dim, kv_heads, window
+
+ARCHITECTURES: dict[str, tuple[int, int, list[W], list[L]]] = {
+    "gpt-oss-20b": (
+        2880,
+        131072,
+        [
+            ("fp4", 2_388_787_200, 19_110_297_600, (32, 4, 24)),
+            ("bf16", 1_218_355_200, 1_797_488_640, None),
+        ],
+        [(12, 64, 64, 8, 128), (12, 64, 64, 8, 0)],
+    ),
+    "gpt-oss-120b": (
+        2880,
+        131072,
+        [
+            ("fp4", 3_583_180_800, 114_661_785_600, (128, 4, 36)),
+            ("bf16", 1_547_919_360, 2_127_052_800, None),
+        ],
+        [(18, 64, 64, 8, 128), (18, 64, 64, 8, 0)],
+    ),
+    "Llama-3.1-8B-Instruct": (
+        4096,
+        131072,
+        [("bf16", 8.03e9, 8.03e9, None)],
+        [(32, 32, 128, 8, 0)],
+    ),
+    "Llama-3-70B": (8192, 8192, [("bf16", 70e9, 70e9, None)], [(80, 64, 128, 8, 0)]),
+    "Qwen3-30B-A3B": (
+        2048,
+        40960,
+        [("bf16", 3.34e9, 30.5e9, (128, 8, 48))],
+        [(48, 32, 128, 4, 0)],
+    ),
+    "Qwen3-14B-FP8": (
+        5120,
+        40960,
+        [("fp8", 13_212_057_600, 13_212_057_600, None), ("bf16", 777_912_320, 1_555_824_640, None)],
+        [(40, 40, 128, 8, 0)],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_model_architecture_matches_the_spec_table(name: str) -> None:
+    """Each shipped model has config.md's hidden size, context, weight streams and layer
+    classes (all attention, K and V stored separately in bf16)."""
+    hidden, max_seq_len, weights, layers = ARCHITECTURES[name]
+    model = load_model_config(CONFIGS / f"{name}.toml", PROFILES).model
+    assert model.name == name
+    assert (model.hidden_dim, model.max_seq_len) == (hidden, max_seq_len)
+    assert (model.attention_precision, model.activation_bytes) == ("bf16", 2)
+    got_weights = [
+        (
+            w.precision,
+            w.active_params,
+            w.resident_params,
+            None
+            if w.routing is None
+            else (w.routing.routed_experts, w.routing.experts_per_tok, w.routing.moe_layers),
+        )
+        for w in model.weights
+    ]
+    assert sorted(got_weights, key=str) == sorted(weights, key=str)
+    assert all(isinstance(layer, AttentionLayer) for layer in model.layers)
+    got_layers = [
+        (x.count, x.heads, x.head_dim, x.kv_heads, x.window)
+        for x in model.layers
+        if isinstance(x, AttentionLayer)
+    ]
+    assert sorted(got_layers) == sorted(layers)
+    assert all(
+        x.kv_precision == "bf16" and not x.kv_shared
+        for x in model.layers
+        if isinstance(x, AttentionLayer)
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# hardware profiles
+
+PROFILE_TABLE: dict[str, tuple[Any, ...]] = {
+    # fp4, fp8, bf16, fp16, bandwidth, capacity, gpus/node, up bw, up lat, up inr, out bw, out lat
+    "b200": (9.0e15, 4.5e15, 2.25e15, 2.25e15, 8.0e12, 192e9, 8, 9e11, 5e-6, True, 5e10, 2e-5),
+    "b300": (1.35e16, 4.5e15, 2.25e15, 2.25e15, 8.0e12, 288e9, 8, 9e11, 5e-6, True, 1e11, 2e-5),
+    "h200": (
+        1.979e15,
+        1.979e15,
+        9.89e14,
+        9.89e14,
+        4.8e12,
+        141e9,
+        8,
+        4.5e11,
+        5e-6,
+        True,
+        5e10,
+        2e-5,
+    ),
+    "h100": (
+        1.979e15,
+        1.979e15,
+        9.89e14,
+        9.89e14,
+        3.35e12,
+        80e9,
+        8,
+        4.5e11,
+        5e-6,
+        True,
+        5e10,
+        2e-5,
+    ),
+    "gh200": (
+        1.979e15,
+        1.979e15,
+        9.89e14,
+        9.89e14,
+        4.0e12,
+        96e9,
+        4,
+        4.5e11,
+        5e-6,
+        False,
+        2.5e10,
+        2e-5,
+    ),
+    "a100": (None, None, 3.12e14, 3.12e14, 2.039e12, 80e9, 8, 3.0e11, 5e-6, False, 2.5e10, 2e-5),
+    "mi300x": (
+        None,
+        2.615e15,
+        1.307e15,
+        1.307e15,
+        5.3e12,
+        192e9,
+        8,
+        4.48e11,
+        5e-6,
+        False,
+        5e10,
+        2e-5,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PROFILE_TABLE))
+def test_hardware_profile_matches_the_spec_table(name: str) -> None:
+    """Each shipped profile carries config.md's FLOP rates (absent where the table has —),
+    bandwidth, capacity and fabric."""
+    fp4, fp8, bf16, fp16, bw, cap, gpn, up_bw, up_lat, up_inr, out_bw, out_lat = PROFILE_TABLE[name]
+    p = load_hardware_profile(PROFILES / f"{name}.toml")
+    assert (p.flops_fp4, p.flops_fp8, p.flops_bf16, p.flops_fp16) == (fp4, fp8, bf16, fp16)
+    assert p.flops("fp32") == fp16 / 2
+    assert (p.memory_bandwidth, p.memory_capacity) == (bw, cap)
+    assert p.fabric is not None and p.fabric.scale_out is not None
+    assert p.fabric.gpus_per_node == gpn
+    up = p.fabric.scale_up
+    assert (up.bandwidth, up.latency, up.in_network_reduction) == (up_bw, up_lat, up_inr)
+    out = p.fabric.scale_out
+    assert (out.bandwidth, out.latency) == (out_bw, out_lat)
+
+
+def test_every_shipped_profile_is_documented() -> None:
+    """hardware_profiles/ ships at least the seven documented GPUs."""
+    assert set(PROFILE_TABLE) <= {p.stem for p in PROFILES.glob("*.toml")}
+
+
+# ---------------------------------------------------------------------------------------
+# workloads
+
+WORKLOAD_TABLE: dict[str, dict[str, Any]] = {
+    "quick": {
+        "arrival_pattern": "poisson",
+        "arrival_rate": 2.0,
+        "num_requests": 50,
+        "input": ("lognormal", 6.0, 0.5),
+        "output": ("lognormal", 5.0, 0.5),
+    },
+    "chat-poisson-5rps": {
+        "arrival_pattern": "poisson",
+        "arrival_rate": 5.0,
+        "num_requests": 400,
+        "input": ("lognormal", 6.9, 0.7),
+        "output": ("lognormal", 5.3, 0.8),
+    },
+    "chat-closed-64": {
+        "arrival_pattern": "closed_loop",
+        "num_concurrent_users": 64,
+        "closed_loop_jitter_secs": 0.05,
+        "num_requests": 2000,
+        "input": ("lognormal", 7.0, 0.5),
+        "output": ("lognormal", 5.5, 0.8),
+    },
+    "chat-closed-256": {
+        "arrival_pattern": "closed_loop",
+        "num_concurrent_users": 256,
+        "num_requests": 2000,
+        "input": ("lognormal", 7.0, 0.5),
+        "output": ("lognormal", 6.5, 0.8),
+    },
+    "batched-1000": {
+        "arrival_pattern": "batched",
+        "num_requests": 1000,
+        "input": ("fixed", 512),
+        "output": ("fixed", 256),
+    },
+}
+
+
+def dist_tuple(dist: Any) -> tuple[Any, ...]:
+    if dist.type == "fixed":
+        return ("fixed", dist.value)
+    return (dist.type, dist.mean, dist.std_dev)
+
+
+def test_the_six_workloads_are_shipped() -> None:
+    """configs/workloads/ holds the five documented workloads plus the simulator benchmark."""
+    assert {p.stem for p in WORKLOADS.glob("*.toml")} == set(WORKLOAD_TABLE) | {
+        "poisson-50rps-4000"
+    }
+
+
+@pytest.mark.parametrize("path", sorted(WORKLOADS.glob("*.toml")), ids=lambda p: p.stem)
+def test_shipped_workload_loads_and_samples(path: Path) -> None:
+    """Each shipped workload loads and its length distributions sample ints >= 1."""
+    w = load_workload(path)
+    rng = np.random.default_rng(w.seed)
+    for dist in (w.input_len_dist, w.output_len_dist):
+        assert dist.sample(rng, 100).min() >= 1
+
+
+@pytest.mark.parametrize("name", list(WORKLOAD_TABLE))
+def test_shipped_workload_matches_the_spec(name: str) -> None:
+    """Each documented workload has config.md's pattern, rate or users, count and lengths."""
+    expected = dict(WORKLOAD_TABLE[name])
+    w = load_workload(WORKLOADS / f"{name}.toml")
+    assert dist_tuple(w.input_len_dist) == expected.pop("input")
+    assert dist_tuple(w.output_len_dist) == expected.pop("output")
+    for key, value in expected.items():
+        assert getattr(w, key) == value, key
