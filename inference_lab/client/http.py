@@ -1,0 +1,292 @@
+"""A minimal HTTP/1.1 client: trio sockets + h11, with keep-alive connection reuse.
+
+Only what the load generator needs: ``POST`` a small body, read the status and headers,
+then read the body either whole or chunk by chunk as it arrives (server-sent events).
+
+Rule 1: a pool connects only to the one origin (host, port) it was built with. Nothing here
+  follows redirects or resolves another address: the load generator's promise that it never
+  sends to an address it was not given rests on this.
+Rule 2: a connection goes back to the pool only when h11 says both sides are ``DONE`` (the
+  response was read to its end and the server did not ask to close); anything else is
+  closed.
+Rule 3: closing is synchronous (``socket.close()``), so cleanup code that cannot await — the
+  ``finally`` of a cancelled request — can always release its connection.
+Rule 4: every network or protocol failure surfaces as ``ConnectionFailed``, with the
+  original exception chained; callers never see ``OSError`` or ``h11`` errors directly.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import urllib.parse
+
+import attrs
+import h11
+import trio
+
+__all__ = [
+    "Connection",
+    "ConnectionFailed",
+    "ConnectionPool",
+    "Origin",
+    "PoolStatistics",
+    "parse_base_url",
+]
+
+RECEIVE_SIZE = 65536
+"""Bytes asked of the socket per read: large reads mean fewer wake-ups per token."""
+
+_NETWORK_ERRORS = (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError)
+
+
+class ConnectionFailed(Exception):
+    """Raised by ``Connection``/``ConnectionPool`` when the connection cannot carry the exchange:
+    connect refused, reset, EOF mid-response, or a protocol violation by the server. The
+    caller records a connection error and closes the connection (the pool will not reuse it).
+    """
+
+
+@attrs.frozen
+class Origin:
+    """Where to connect, and the path prefix every request target starts with."""
+
+    host: str
+    port: int
+    base_path: str = ""
+
+    @property
+    def authority(self) -> str:
+        """The ``Host`` header value."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def __str__(self) -> str:
+        return f"http://{self.authority}{self.base_path}"
+
+
+def parse_base_url(url: str) -> Origin:
+    """Parse ``http://host[:port][/prefix]``; raise ``ValueError`` with a one-line message.
+
+    Only plain ``http`` is supported (the simulator serves no TLS). A trailing ``/`` is
+    dropped from the prefix; queries and fragments are refused rather than ignored.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http":
+        raise ValueError(f"--url must start with http:// (got {url!r})")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"--url must be http://host[:port][/path] (got {url!r})")
+    host = parts.hostname
+    if not host:
+        raise ValueError(f"--url has no host (got {url!r})")
+    try:
+        port = parts.port or 80
+    except ValueError:
+        raise ValueError(f"--url has an invalid port (got {url!r})") from None
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"--url has an invalid host (got {url!r})") from None
+    return Origin(host=host, port=port, base_path=parts.path.rstrip("/"))
+
+
+class Connection:
+    """One HTTP/1.1 connection; carries one exchange at a time.
+
+    Created by ``ConnectionPool.acquire``. The caller sends a request, reads the response
+    head, reads the body (``receive_body_chunk`` or ``read_body``), then hands it back with
+    ``ConnectionPool.release``.
+    """
+
+    __slots__ = ("_h11", "_stream", "reused")
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self._stream = stream
+        self._h11 = h11.Connection(h11.CLIENT)
+        self.reused = False
+        """True once this connection carried an earlier exchange (keep-alive reuse)."""
+
+    async def send_request(
+        self, method: str, target: str, headers: list[tuple[str, str]], body: bytes
+    ) -> None:
+        """Send a complete request (head and body) in one write.
+
+        ``headers`` must include ``host``; ``content-length`` is added here.
+        """
+        h = self._h11
+        try:
+            data = h.send(
+                h11.Request(
+                    method=method,
+                    target=target,
+                    headers=[*headers, ("content-length", str(len(body)))],
+                )
+            )
+            assert data is not None
+            if body:
+                data += h.send(h11.Data(data=body)) or b""
+            data += h.send(h11.EndOfMessage()) or b""
+            await self._stream.send_all(data)
+        except _NETWORK_ERRORS as exc:
+            raise ConnectionFailed(_describe(exc)) from exc
+
+    async def receive_response(self) -> h11.Response:
+        """Wait for the final response head (1xx responses are skipped)."""
+        h = self._h11
+        try:
+            while True:
+                event = h.next_event()
+                if event is h11.NEED_DATA:
+                    await self._receive()
+                elif type(event) is h11.Response:
+                    return event
+                elif type(event) is h11.InformationalResponse:
+                    continue
+                else:
+                    raise ConnectionFailed(f"unexpected {type(event).__name__} before response")
+        except _NETWORK_ERRORS as exc:
+            raise ConnectionFailed(_describe(exc)) from exc
+
+    async def receive_body_chunk(self) -> tuple[bytes, bool]:
+        """Return the body bytes that arrived with the next socket read, and whether the
+        body ended.
+
+        All body data h11 can decode from one read is joined into one ``bytes``, so a caller
+        that timestamps each returned chunk takes the clock once per read, not per frame.
+        The data may be empty when the body ends.
+        """
+        h = self._h11
+        parts: list[bytes] = []
+        try:
+            while True:
+                event = h.next_event()
+                if type(event) is h11.Data:
+                    parts.append(event.data)
+                elif event is h11.NEED_DATA:
+                    if parts:
+                        return b"".join(parts), False
+                    await self._receive()
+                elif type(event) is h11.EndOfMessage:
+                    return b"".join(parts), True
+                else:
+                    raise ConnectionFailed(f"unexpected {type(event).__name__} in body")
+        except _NETWORK_ERRORS as exc:
+            raise ConnectionFailed(_describe(exc)) from exc
+
+    async def read_body(self, limit: int) -> bytes:
+        """Read the rest of the body; ``ConnectionFailed`` if it exceeds ``limit`` bytes."""
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            data, ended = await self.receive_body_chunk()
+            parts.append(data)
+            size += len(data)
+            if size > limit:
+                raise ConnectionFailed(f"response body exceeds {limit} bytes")
+            if ended:
+                return b"".join(parts)
+
+    async def _receive(self) -> None:
+        data = await self._stream.receive_some(RECEIVE_SIZE)
+        # b"" tells h11 the peer closed: it ends a close-delimited body or raises
+        # RemoteProtocolError on the next event if the message was incomplete.
+        self._h11.receive_data(data)
+
+    def finish_exchange(self) -> bool:
+        """Prepare for the next request if the last exchange ended cleanly; return whether
+        this connection may be reused (Rule 2)."""
+        h = self._h11
+        if h.our_state is h11.DONE and h.their_state is h11.DONE:
+            h.start_next_cycle()
+            return True
+        # A connection that never carried a request (the preflight's) is as good as new.
+        return h.our_state is h11.IDLE and h.their_state is h11.IDLE
+
+    def is_stale(self) -> bool:
+        """True if an idle connection has something to read: the server closed it (EOF) or
+        sent bytes nobody asked for. Either way it must not carry another request."""
+        return self._stream.socket.is_readable()
+
+    def close(self) -> None:
+        """Close the socket now (synchronous, idempotent; Rule 3)."""
+        self._stream.socket.close()
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for a network error. trio's connect failure wraps the per-address errors
+    in its cause; the first one's errno ("Connection refused") says more."""
+    cause = exc.__cause__
+    while isinstance(cause, BaseExceptionGroup) and cause.exceptions:
+        cause = cause.exceptions[0]
+    for err in (cause, exc):
+        if isinstance(err, OSError) and err.errno:
+            return os.strerror(err.errno)
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+@attrs.frozen
+class PoolStatistics:
+    """Returned by ``ConnectionPool.statistics()``."""
+
+    opened: int
+    reused: int
+    idle: int
+    stale_dropped: int
+
+
+class ConnectionPool:
+    """Idle keep-alive connections to one origin (Rule 1), most recently used first.
+
+    ``acquire`` hands out an idle connection or opens a new one; ``release`` (synchronous)
+    keeps it for the next request or closes it. The pool never limits how many connections
+    are open at once: the caller's concurrency limit does.
+    """
+
+    def __init__(self, origin: Origin, *, max_idle: int = 1024) -> None:
+        self.origin = origin
+        self._max_idle = max_idle
+        self._idle: list[Connection] = []
+        self._opened = 0
+        self._reused = 0
+        self._stale = 0
+
+    async def acquire(self) -> Connection:
+        """Return a connection ready for a request; ``ConnectionFailed`` if connecting fails."""
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.is_stale():
+                self._stale += 1
+                conn.close()
+                continue
+            conn.reused = True
+            self._reused += 1
+            await trio.lowlevel.checkpoint()
+            return conn
+        try:
+            stream = await trio.open_tcp_stream(self.origin.host, self.origin.port)
+        except OSError as exc:
+            raise ConnectionFailed(f"cannot connect to {self.origin}: {_describe(exc)}") from exc
+        self._opened += 1
+        return Connection(stream)
+
+    def release(self, conn: Connection) -> None:
+        """Keep ``conn`` for reuse if its exchange ended cleanly, else close it."""
+        if conn.finish_exchange() and len(self._idle) < self._max_idle:
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        """Close every idle connection (connections in use are closed by their holders)."""
+        while self._idle:
+            self._idle.pop().close()
+
+    def statistics(self) -> PoolStatistics:
+        return PoolStatistics(
+            opened=self._opened,
+            reused=self._reused,
+            idle=len(self._idle),
+            stale_dropped=self._stale,
+        )

@@ -1,0 +1,662 @@
+"""The load generator behind ``inference-lab load``: closed loop, open loop, adaptive (AIMD).
+
+Rule 1: one dispatcher task starts every request, into one nursery of request tasks. A
+  ``trio.CapacityLimiter`` gates it: ``concurrency`` tokens in a closed loop,
+  ``max_concurrency`` (or unlimited) in an open loop, the AIMD limit in adaptive mode —
+  resized through ``total_tokens``, which lets requests in flight finish and only gates new
+  ones.
+Rule 2: everything is bounded. Dispatching stops at ``duration`` (a cancel scope) or after
+  ``requests`` requests; each request is cut at ``request_timeout``; with ``duration``, any
+  request still running at ``duration + drain_timeout`` is cancelled; a 529'd request is
+  retried at most ``max_retries`` times.
+Rule 3: a request's end is handled synchronously in its own task — build the record,
+  update the controller and the limit, release the slot, queue a retry, hand the record to
+  the results channel — with no checkpoint in between, so the dispatcher never starts a
+  request against a limit that has not yet seen every outcome that freed a slot.
+Rule 4: records leave through a memory channel to one collector task (progress callback,
+  time series); a sampler task snapshots limit, in-flight count, 529 rate and latency.
+Rule 5: it connects only to the origin in ``url`` (``http.py``, Rule 1).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from array import array
+from collections.abc import Callable
+from typing import Literal
+
+import attrs
+import numpy as np
+import trio
+
+from .aimd import AIMDController, AIMDStatistics
+from .http import Connection, ConnectionFailed, ConnectionPool, PoolStatistics, parse_base_url
+from .sse import SSEParser
+from .wire import (
+    Endpoint,
+    StreamAccumulator,
+    build_prompt,
+    encode_request,
+    endpoint_path,
+    parse_completion_body,
+    parse_error_body,
+)
+
+__all__ = [
+    "OUTCOMES",
+    "LoadConfig",
+    "LoadError",
+    "LoadResult",
+    "Outcome",
+    "RequestRecord",
+    "Sample",
+    "run_load",
+]
+
+Outcome = Literal[
+    "ok",
+    "overloaded",
+    "unavailable",
+    "client_error",
+    "server_error",
+    "http_error",
+    "stream_error",
+    "connection_error",
+    "timeout",
+    "cancelled",
+]
+OUTCOMES: tuple[Outcome, ...] = (
+    "ok",  # 200 and a complete response (stream: [DONE] seen, no error frame)
+    "overloaded",  # 529 overloaded_error: the only overload signal
+    "unavailable",  # 503 (engine not running): not an overload signal
+    "client_error",  # other 4xx
+    "server_error",  # other 5xx
+    "http_error",  # any other non-200 status
+    "stream_error",  # 200 but an error frame, a cut-off stream or an unreadable body
+    "connection_error",  # connect failed, reset, EOF or protocol violation
+    "timeout",  # request_timeout passed
+    "cancelled",  # still running at the hard stop (drain time-out or interrupt)
+)
+
+CONNECTION_ERROR_PAUSE = 0.1
+"""Seconds a request slot stays taken after a connection error (see ``_request_task``)."""
+
+RATE_WINDOW = 1.0
+"""Seconds of recent completions each time-series sample summarises."""
+
+_ERROR_BODY_LIMIT = 1 << 20
+_BODY_LIMIT = 64 << 20
+
+
+class LoadError(Exception):
+    """Raised by ``run_load`` when the run cannot start (the server is unreachable). The CLI
+    prints the one-line message and exits 1."""
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+@attrs.frozen(kw_only=True)
+class LoadConfig:
+    """One run's parameters, validated on construction (``ValueError``, one line, naming the
+    option). The CLI builds it from ``argparse``; tests build it directly."""
+
+    url: str
+    model: str
+    concurrency: int | None = None
+    """Closed loop: the number of workers. Adaptive: the starting limit (default 1)."""
+    rate: float | None = None
+    """Open loop: Poisson arrivals per second."""
+    max_concurrency: int | None = None
+    """Open loop: cap on requests in flight (default none). Adaptive: the ceiling (1024)."""
+    duration: float | None = None
+    requests: int | None = None
+    warmup: float = 0.0
+    prompt_tokens: int = 50
+    max_tokens: int = 200
+    stream: bool = True
+    endpoint: Endpoint = "chat"
+    adaptive: Literal["aimd"] | None = None
+    window: int = 8
+    backoff: float = 0.5
+    max_retries: int = 10
+    request_timeout: float = 300.0
+    drain_timeout: float = 30.0
+    sample_interval: float = 0.25
+    connect_timeout: float = 10.0
+    seed: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        parse_base_url(self.url)
+        _check(bool(self.model), "--model must not be empty")
+        if self.adaptive is not None:
+            _check(self.adaptive == "aimd", f"--adaptive must be 'aimd', got {self.adaptive!r}")
+            _check(self.rate is None, "--rate is not allowed with --adaptive")
+        else:
+            _check(
+                (self.concurrency is None) != (self.rate is None),
+                "give exactly one of --concurrency and --rate",
+            )
+            _check(
+                self.max_concurrency is None or self.rate is not None,
+                "--max-concurrency needs --rate or --adaptive",
+            )
+        _check(
+            (self.duration is None) != (self.requests is None),
+            "give exactly one of --duration and --requests",
+        )
+        for name in ("concurrency", "max_concurrency", "requests"):
+            value = getattr(self, name)
+            _check(value is None or value >= 1, f"--{name.replace('_', '-')} must be >= 1")
+        _check(self.rate is None or self.rate > 0, "--rate must be > 0")
+        _check(self.duration is None or self.duration > 0, "--duration must be > 0")
+        _check(self.warmup >= 0, "--warmup must be >= 0")
+        _check(
+            self.duration is None or self.warmup < self.duration,
+            "--warmup must be shorter than --duration",
+        )
+        _check(self.prompt_tokens >= 1, "--prompt-tokens must be >= 1")
+        _check(self.max_tokens >= 1, "--max-tokens must be >= 1")
+        _check(self.endpoint in ("chat", "completions"), "--endpoint must be chat or completions")
+        _check(self.window >= 1, "--window must be >= 1")
+        _check(0 < self.backoff < 1, "--backoff must be > 0 and < 1")
+        _check(self.max_retries >= 0, "--max-retries must be >= 0")
+        for name in ("request_timeout", "drain_timeout", "sample_interval", "connect_timeout"):
+            _check(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be > 0")
+        if self.adaptive is not None:
+            _check(
+                self.start_limit <= self.ceiling,
+                "--concurrency (the starting limit) must not exceed --max-concurrency",
+            )
+
+    @property
+    def mode(self) -> Literal["closed", "open", "adaptive"]:
+        if self.adaptive is not None:
+            return "adaptive"
+        return "open" if self.rate is not None else "closed"
+
+    @property
+    def start_limit(self) -> int:
+        """Adaptive: the starting limit."""
+        return self.concurrency if self.concurrency is not None else 1
+
+    @property
+    def ceiling(self) -> int:
+        """Adaptive: the largest limit."""
+        return self.max_concurrency if self.max_concurrency is not None else 1024
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class RequestRecord:
+    """One HTTP attempt. Times are seconds since the run started (``start``, ``end``) or
+    since this request started (``ttft``, ``token_times``)."""
+
+    index: int
+    """Attempt number, in start order."""
+    request: int
+    """Logical request number; a 529 retry (adaptive mode) keeps it."""
+    attempt: int
+    """0 for the first send of a request, 1 for its first retry, …"""
+    start: float
+    end: float
+    status: int | None
+    outcome: Outcome
+    error_type: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    ttft: float | None = None
+    token_times: array[float] = attrs.field(factory=lambda: array("d"))
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+
+    @property
+    def e2e(self) -> float:
+        return self.end - self.start
+
+
+@attrs.frozen(kw_only=True)
+class Sample:
+    """One time-series point. Counts and latencies cover the ``RATE_WINDOW`` seconds of
+    completions up to ``time``."""
+
+    time: float
+    limit: int | None
+    """The concurrency limit in force (None: unlimited open loop)."""
+    in_flight: int
+    completed: int
+    ok: int
+    overloaded: int
+    overload_rate: float
+    """Fraction of the attempts completed in the window that got 529."""
+    e2e_mean: float | None
+    ttft_mean: float | None
+
+
+@attrs.frozen(kw_only=True)
+class LoadResult:
+    """Everything a run produced; ``report.summarize`` turns it into numbers."""
+
+    config: LoadConfig
+    started_at: float
+    """Unix time at the start of the run."""
+    dispatch_end: float
+    """When the run stopped starting requests (seconds since start)."""
+    end: float
+    """When the last request ended."""
+    records: tuple[RequestRecord, ...]
+    samples: tuple[Sample, ...]
+    limit_changes: tuple[tuple[float, int], ...]
+    """Adaptive mode: ``(time, limit)`` at the start and after every change."""
+    controller: AIMDStatistics | None
+    pool: PoolStatistics
+    interrupted: bool
+
+
+@attrs.define
+class _Attempt:
+    """Mutable state of one attempt while it runs; frozen into a ``RequestRecord``."""
+
+    index: int
+    request: int
+    attempt: int
+    started: float  # trio clock
+    ended: float | None = None  # trio clock, when set before _finish
+    status: int | None = None
+    outcome: Outcome = "cancelled"
+    error_type: str | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    token_times: array[float] = attrs.field(factory=lambda: array("d"))
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+
+    def fail(
+        self, outcome: Outcome, error_type: str, code: str | None = None, message: str | None = None
+    ) -> None:
+        self.outcome = outcome
+        self.error_type = error_type
+        self.error_code = code
+        self.error_message = message
+
+    def record(self, t0: float, end: float) -> RequestRecord:
+        times = self.token_times
+        return RequestRecord(
+            index=self.index,
+            request=self.request,
+            attempt=self.attempt,
+            start=self.started - t0,
+            end=end - t0,
+            status=self.status,
+            outcome=self.outcome,
+            error_type=self.error_type,
+            error_code=self.error_code,
+            error_message=self.error_message,
+            ttft=times[0] if times else None,
+            token_times=times,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            finish_reason=self.finish_reason,
+        )
+
+
+def _status_outcome(status: int) -> Outcome:
+    if status == 529:
+        return "overloaded"
+    if status == 503:
+        return "unavailable"
+    if 400 <= status < 500:
+        return "client_error"
+    if 500 <= status < 600:
+        return "server_error"
+    return "http_error"
+
+
+async def run_load(
+    config: LoadConfig,
+    *,
+    on_record: Callable[[RequestRecord], None] | None = None,
+    on_sample: Callable[[Sample], None] | None = None,
+    stop: trio.Event | None = None,
+) -> LoadResult:
+    """Run one load and return its records and time series.
+
+    Raises ``LoadError`` if the server cannot be reached before the run starts. Setting
+    ``stop`` ends the run at once (requests in flight are cancelled and recorded as such),
+    which is how the CLI turns Ctrl-C into a partial report. The callbacks run in the
+    collector and sampler tasks; they must not block.
+    """
+    run = _Run(config, on_record, on_sample)
+    try:
+        return await run.run(stop)
+    finally:
+        run.pool.close()
+
+
+class _Run:
+    def __init__(
+        self,
+        config: LoadConfig,
+        on_record: Callable[[RequestRecord], None] | None,
+        on_sample: Callable[[Sample], None] | None,
+    ) -> None:
+        self.cfg = config
+        origin = parse_base_url(config.url)
+        self.pool = ConnectionPool(origin)
+        self.target = endpoint_path(origin.base_path, config.endpoint)
+        self.headers = [
+            ("host", origin.authority),
+            ("content-type", "application/json"),
+            ("accept", "text/event-stream" if config.stream else "application/json"),
+            ("user-agent", "inference-lab-load/0.1"),
+        ]
+        self.body = encode_request(
+            model=config.model,
+            endpoint=config.endpoint,
+            prompt=build_prompt(config.prompt_tokens, config.endpoint),
+            max_tokens=config.max_tokens,
+            stream=config.stream,
+        )
+        self.on_record = on_record
+        self.on_sample = on_sample
+        self.controller: AIMDController | None = None
+        if config.mode == "adaptive":
+            self.controller = AIMDController(
+                initial=config.start_limit,
+                max_limit=config.ceiling,
+                window=config.window,
+                backoff=config.backoff,
+            )
+            limit: float = self.controller.limit
+        elif config.mode == "closed":
+            assert config.concurrency is not None
+            limit = config.concurrency
+        else:
+            limit = config.max_concurrency if config.max_concurrency is not None else math.inf
+        self.limiter = trio.CapacityLimiter(limit)
+        self.limit_changes: list[tuple[float, int]] = []
+        self.t0 = 0.0
+        self.in_flight = 0
+        self.issued = 0  # logical requests started
+        self.next_index = 0
+        self.retries: collections.deque[tuple[int, int]] = collections.deque()
+        self.changed = trio.Event()
+        self.dispatching = True
+        self.records: list[RequestRecord] = []
+        self.recent: collections.deque[RequestRecord] = collections.deque()
+        self.samples: list[Sample] = []
+        self.send_channel, self.receive_channel = trio.open_memory_channel[RequestRecord](math.inf)
+
+    # -- orchestration -------------------------------------------------------------------
+
+    async def run(self, stop: trio.Event | None) -> LoadResult:
+        cfg = self.cfg
+        await self._preflight()
+        started_at = time.time()
+        self.t0 = t0 = trio.current_time()
+        if self.controller is not None:
+            self.limit_changes.append((0.0, self.controller.limit))
+        dispatch_end: float | None = None
+        collected = trio.Event()
+        async with trio.open_nursery() as outer:
+            outer.start_soon(self._collect, collected)
+            outer.start_soon(self._sampler)
+            with self.send_channel, trio.CancelScope() as hard:
+                if cfg.duration is not None:
+                    hard.deadline = t0 + cfg.duration + cfg.drain_timeout
+                if stop is not None:
+                    outer.start_soon(self._watch_stop, stop, hard)
+                async with trio.open_nursery() as workers:
+                    deadline = t0 + cfg.duration if cfg.duration is not None else math.inf
+                    with trio.move_on_at(deadline):
+                        await self._dispatch(workers)
+                    self.dispatching = False
+                    dispatch_end = trio.current_time() - t0
+            self.dispatching = False
+            end = trio.current_time() - t0
+            await collected.wait()
+            outer.cancel_scope.cancel()
+        return LoadResult(
+            config=cfg,
+            started_at=started_at,
+            dispatch_end=end if dispatch_end is None else min(dispatch_end, end),
+            end=end,
+            records=tuple(sorted(self.records, key=lambda r: r.index)),
+            samples=tuple(self.samples),
+            limit_changes=tuple(self.limit_changes),
+            controller=self.controller.statistics() if self.controller else None,
+            pool=self.pool.statistics(),
+            interrupted=stop is not None and stop.is_set(),
+        )
+
+    async def _preflight(self) -> None:
+        """Open the first connection before the clock starts; an unreachable server is a
+        one-line error, not a run full of connection errors."""
+        try:
+            with trio.fail_after(self.cfg.connect_timeout):
+                conn = await self.pool.acquire()
+        except ConnectionFailed as exc:
+            raise LoadError(str(exc)) from None
+        except trio.TooSlowError:
+            raise LoadError(f"cannot connect to {self.pool.origin}: timed out") from None
+        self.pool.release(conn)
+
+    async def _watch_stop(self, stop: trio.Event, hard: trio.CancelScope) -> None:
+        await stop.wait()
+        hard.cancel()
+
+    # -- dispatch ------------------------------------------------------------------------
+
+    async def _dispatch(self, workers: trio.Nursery) -> None:
+        cfg = self.cfg
+        rng = np.random.default_rng(cfg.seed) if cfg.rate is not None else None
+        next_arrival = 0.0
+        while True:
+            if rng is not None:
+                if cfg.requests is not None and self.issued >= cfg.requests:
+                    return
+                assert cfg.rate is not None
+                next_arrival += float(rng.exponential(1.0 / cfg.rate))
+                await trio.sleep_until(self.t0 + next_arrival)
+            borrower = object()
+            await self.limiter.acquire_on_behalf_of(borrower)
+            job = self._take_job()
+            if job is None:
+                self.limiter.release_on_behalf_of(borrower)
+                if self.controller is None or self.in_flight == 0:
+                    return  # nothing will be retried: the count is spent
+                # Adaptive: a request in flight may still come back 529 and need a retry.
+                self.changed = trio.Event()
+                await self.changed.wait()
+                continue
+            request, attempt = job
+            index = self.next_index
+            self.next_index += 1
+            self.in_flight += 1
+            workers.start_soon(self._request_task, borrower, index, request, attempt)
+
+    def _take_job(self) -> tuple[int, int] | None:
+        if self.retries:
+            return self.retries.popleft()
+        if self.cfg.requests is not None and self.issued >= self.cfg.requests:
+            return None
+        self.issued += 1
+        return self.issued - 1, 0
+
+    # -- one request ---------------------------------------------------------------------
+
+    async def _request_task(self, borrower: object, index: int, request: int, attempt: int) -> None:
+        att = _Attempt(index, request, attempt, trio.current_time())
+        try:
+            with trio.move_on_after(self.cfg.request_timeout) as scope:
+                await self._exchange(att)
+            if scope.cancelled_caught:
+                att.fail("timeout", "timeout", None, f"no answer in {self.cfg.request_timeout} s")
+            if att.outcome == "connection_error":
+                # A server that is gone refuses connections in microseconds; holding the
+                # slot a moment keeps a closed loop from spinning (and its records from
+                # piling up) until the run ends.
+                att.ended = trio.current_time()
+                await trio.sleep(CONNECTION_ERROR_PAUSE)
+        except trio.Cancelled:
+            if att.ended is None:
+                att.fail("cancelled", "cancelled")
+            raise
+        finally:
+            self._finish(borrower, att)
+
+    async def _exchange(self, att: _Attempt) -> None:
+        conn: Connection | None = None
+        try:
+            conn, status = await self._send()
+            att.status = status
+            if status != 200:
+                etype, code, message = parse_error_body(await conn.read_body(_ERROR_BODY_LIMIT))
+                outcome = _status_outcome(status)
+                default_type = "overloaded_error" if status == 529 else f"http_{status}"
+                att.fail(outcome, etype or default_type, code, message)
+            elif self.cfg.stream:
+                await self._read_stream(conn, att)
+            else:
+                body = await conn.read_body(_BODY_LIMIT)
+                prompt, completion, finish, ok = parse_completion_body(body)
+                att.prompt_tokens = prompt
+                att.completion_tokens = completion
+                att.finish_reason = finish
+                if ok:
+                    att.outcome = "ok"
+                else:
+                    att.fail("stream_error", "invalid_response", None, "body is not a completion")
+            self.pool.release(conn)
+            conn = None
+        except ConnectionFailed as exc:
+            att.fail("connection_error", "connection_error", None, str(exc))
+        finally:
+            if conn is not None:
+                conn.close()
+
+    async def _send(self) -> tuple[Connection, int]:
+        """Send the request and read the response head; return the connection and status.
+
+        If writing to an idle keep-alive connection fails, the server had closed it and never
+        saw this request, so it goes out once more on the next connection. A failure after
+        the request was written is not retried (the server may have taken it). On failure
+        the connection is closed before the exception propagates."""
+        while True:
+            conn = await self.pool.acquire()
+            try:
+                await conn.send_request("POST", self.target, self.headers, self.body)
+            except ConnectionFailed:
+                conn.close()
+                if conn.reused:
+                    continue
+                raise
+            except BaseException:
+                conn.close()
+                raise
+            try:
+                response = await conn.receive_response()
+            except BaseException:
+                conn.close()
+                raise
+            return conn, response.status_code
+
+    async def _read_stream(self, conn: Connection, att: _Attempt) -> None:
+        # The hot loop: per socket read one h11 pass, one SSE feed, one clock read.
+        parser = SSEParser()
+        acc = StreamAccumulator()
+        times = att.token_times
+        started = att.started
+        clock = trio.current_time
+        while True:
+            data, ended = await conn.receive_body_chunk()
+            if data:
+                n = 0
+                for event in parser.feed(data):
+                    n += acc.feed(event.data)
+                if n:
+                    t = clock() - started
+                    if n == 1:
+                        times.append(t)
+                    else:
+                        times.extend([t] * n)
+            if ended:
+                break
+        att.prompt_tokens = acc.prompt_tokens
+        att.completion_tokens = acc.completion_tokens
+        att.finish_reason = acc.finish_reason
+        if acc.error_type is not None:
+            att.fail("stream_error", acc.error_type, acc.error_code, acc.error_message)
+        elif not acc.done:
+            att.fail("stream_error", "incomplete_stream", None, "stream ended without [DONE]")
+        else:
+            att.outcome = "ok"
+
+    def _finish(self, borrower: object, att: _Attempt) -> None:
+        """Rule 3: synchronous, runs exactly once per attempt, also when cancelled."""
+        now = trio.current_time()
+        record = att.record(self.t0, now if att.ended is None else att.ended)
+        self.in_flight -= 1
+        controller = self.controller
+        if controller is not None:
+            before = controller.limit
+            controller.on_outcome(record.outcome)
+            if (
+                record.outcome == "overloaded"
+                and self.dispatching
+                and record.attempt < self.cfg.max_retries
+            ):
+                self.retries.append((record.request, record.attempt + 1))
+            if controller.limit != before:
+                self.limiter.total_tokens = controller.limit
+                self.limit_changes.append((now - self.t0, controller.limit))
+        self.limiter.release_on_behalf_of(borrower)
+        self.changed.set()
+        self.send_channel.send_nowait(record)
+
+    # -- results -------------------------------------------------------------------------
+
+    async def _collect(self, done: trio.Event) -> None:
+        async with self.receive_channel:
+            async for record in self.receive_channel:
+                self.records.append(record)
+                self.recent.append(record)
+                if self.on_record is not None:
+                    self.on_record(record)
+        done.set()
+
+    async def _sampler(self) -> None:
+        interval = self.cfg.sample_interval
+        k = 1
+        while True:
+            await trio.sleep_until(self.t0 + k * interval)
+            k += 1
+            self.samples.append(self._sample())
+            if self.on_sample is not None:
+                self.on_sample(self.samples[-1])
+
+    def _sample(self) -> Sample:
+        now = trio.current_time() - self.t0
+        recent = self.recent
+        while recent and recent[0].end < now - RATE_WINDOW:
+            recent.popleft()
+        ok = [r for r in recent if r.outcome == "ok"]
+        overloaded = sum(1 for r in recent if r.outcome == "overloaded")
+        ttfts = [r.ttft for r in ok if r.ttft is not None]
+        total = self.limiter.total_tokens
+        return Sample(
+            time=now,
+            limit=None if total == math.inf else int(total),
+            in_flight=self.in_flight,
+            completed=len(recent),
+            ok=len(ok),
+            overloaded=overloaded,
+            overload_rate=overloaded / len(recent) if recent else 0.0,
+            e2e_mean=sum(r.e2e for r in ok) / len(ok) if ok else None,
+            ttft_mean=sum(ttfts) / len(ttfts) if ttfts else None,
+        )

@@ -1,0 +1,662 @@
+"""The load generator end to end against the fake server of ``tests/fake_openai_server.py``,
+plus the pure parts it is built from (prompt sizing, frame classification, statistics) and
+the CLI's exit codes.
+
+Every async test runs under ``trio.fail_after``; real sockets mean the real clock, and the
+only waiting is on the fake's scripted pacing, never a sleep used as synchronisation.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import csv
+import json
+import queue
+import socket
+import threading
+from array import array
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from inference_lab.client import cli
+from inference_lab.client.http import parse_base_url
+from inference_lab.client.load import (
+    CONNECTION_ERROR_PAUSE,
+    LoadConfig,
+    LoadError,
+    LoadResult,
+    RequestRecord,
+    run_load,
+)
+from inference_lab.client.report import distribution, settled_limit, summarize
+from inference_lab.client.wire import (
+    StreamAccumulator,
+    build_prompt,
+    chat_prompt_tokens,
+    completion_prompt_tokens,
+    endpoint_path,
+)
+from tests.fake_openai_server import DROP, FakeConfig, FakeServer, serve_fake_openai
+
+TIMEOUT = 20
+
+
+async def load_against(
+    fake: FakeConfig,
+    *,
+    url_suffix: str = "",
+    on_record: Callable[[RequestRecord], None] | None = None,
+    stop: trio.Event | None = None,
+    **options: Any,
+) -> tuple[LoadResult, FakeServer]:
+    """Start the fake, run one load with ``options`` against it, stop the fake."""
+    async with trio.open_nursery() as nursery:
+        server: FakeServer = await nursery.start(serve_fake_openai, fake)
+        config = LoadConfig(url=server.url + url_suffix, model="m", **options)
+        result = await run_load(config, on_record=on_record, stop=stop)
+        nursery.cancel_scope.cancel()
+    return result, server
+
+
+def outcome_counts(result: LoadResult) -> Counter[str]:
+    return Counter(r.outcome for r in result.records)
+
+
+# -- closed loop: outcomes, tokens, statistics --------------------------------------------
+
+
+async def test_outcome_counts_match_what_the_server_returned() -> None:
+    """Each status the fake sends (200, 529, 503, other 4xx/5xx, a dropped connection) is
+    recorded once, under the right outcome and error type."""
+    script = [200, 529, 503, 200, 500, 400, DROP, 529, 200, 503, 200, 200]
+    with trio.fail_after(TIMEOUT):
+        result, server = await load_against(
+            FakeConfig(script=script, tokens=12), concurrency=3, requests=len(script), max_tokens=12
+        )
+    assert outcome_counts(result) == {
+        "ok": 5,
+        "overloaded": 2,
+        "unavailable": 2,
+        "server_error": 1,
+        "client_error": 1,
+        "connection_error": 1,
+    }
+    assert server.stats.statuses == Counter(script)
+    by_outcome = {r.outcome: r for r in result.records}
+    assert by_outcome["overloaded"].status == 529
+    assert by_outcome["overloaded"].error_type == "overloaded_error"
+    assert by_outcome["overloaded"].error_code == "queue_saturated"
+    assert by_outcome["unavailable"].error_type == "service_unavailable_error"
+    assert by_outcome["connection_error"].status is None
+    summary = summarize(result)
+    assert summary.outcomes == dict(outcome_counts(result))
+    assert summary.attempts == summary.requests == len(script)
+
+
+async def test_successful_stream_records_every_token_and_the_usage() -> None:
+    """An ok stream has one arrival time per token (non-decreasing, the first = TTFT), the
+    usage frame's counts, the finish reason, and E2E after the last token."""
+    with trio.fail_after(TIMEOUT):
+        result, server = await load_against(
+            FakeConfig(token_delay=0.001), concurrency=2, requests=6, max_tokens=9
+        )
+    assert server.stats.bodies[0]["stream_options"] == {"include_usage": True}
+    for r in result.records:
+        assert r.outcome == "ok"
+        assert len(r.token_times) == 9
+        assert list(r.token_times) == sorted(r.token_times)
+        assert r.ttft == r.token_times[0] > 0
+        assert r.e2e >= r.token_times[-1]
+        assert (r.prompt_tokens, r.completion_tokens, r.finish_reason) == (50, 9, "length")
+    summary = summarize(result)
+    assert summary.ttft.count == summary.e2e.count == summary.tpot.count == 6
+    assert summary.itl.count == 6 * 8
+    for d in (summary.ttft, summary.itl, summary.e2e):
+        assert d.p50 is not None and d.p90 is not None and d.p99 is not None
+        assert d.mean is not None and 0 <= d.p50 <= d.p90 <= d.p99
+    assert summary.e2e.p50 is not None and summary.ttft.p50 is not None
+    assert summary.e2e.p50 > summary.ttft.p50
+    assert summary.completion_tokens_mean == 9
+    assert summary.output_token_throughput is not None and summary.output_token_throughput > 0
+
+
+async def test_error_frame_mid_stream_is_a_stream_error() -> None:
+    """A 200 stream carrying the engine_failed frame is not a success: it is recorded as a
+    stream error with the frame's type and code, keeping the tokens that did arrive."""
+    with trio.fail_after(TIMEOUT):
+        result, server = await load_against(
+            FakeConfig(fail_after_tokens=3), concurrency=1, requests=2, max_tokens=9
+        )
+    for r in result.records:
+        assert (r.outcome, r.status) == ("stream_error", 200)
+        assert (r.error_type, r.error_code) == ("server_error", "engine_failed")
+        assert len(r.token_times) == 3
+    assert summarize(result).e2e.count == 0
+
+
+async def test_non_streaming_requests_use_the_usage_object() -> None:
+    """--no-stream: whole answers, tokens from usage, no TTFT or token times."""
+    with trio.fail_after(TIMEOUT):
+        result, server = await load_against(
+            FakeConfig(), concurrency=2, requests=4, max_tokens=7, stream=False
+        )
+    assert server.stats.bodies[0]["stream"] is False
+    assert "stream_options" not in server.stats.bodies[0]
+    for r in result.records:
+        assert r.outcome == "ok"
+        assert (r.completion_tokens, r.ttft, len(r.token_times)) == (7, None, 0)
+    summary = summarize(result)
+    assert (summary.e2e.count, summary.ttft.count) == (4, 0)
+
+
+async def test_completions_endpoint_and_exact_prompt_size() -> None:
+    """--endpoint completions posts to /v1/completions with a prompt the server counts as
+    exactly --prompt-tokens tokens; the URL's /v1 prefix is not doubled."""
+    with trio.fail_after(TIMEOUT):
+        result, server = await load_against(
+            FakeConfig(tokens=4),
+            url_suffix="/v1/",
+            endpoint="completions",
+            concurrency=1,
+            requests=2,
+            prompt_tokens=123,
+            max_tokens=4,
+        )
+    assert server.stats.targets == ["/v1/completions"] * 2
+    assert [r.prompt_tokens for r in result.records] == [123, 123]
+    assert all(r.outcome == "ok" and len(r.token_times) == 4 for r in result.records)
+
+
+async def test_requests_go_only_to_the_given_origin_over_kept_alive_connections() -> None:
+    """The Host header is the --url's authority; a closed loop of N workers opens N
+    connections and reuses them (keep-alive), or one per request if the server closes."""
+    with trio.fail_after(TIMEOUT):
+        result, server = await load_against(
+            FakeConfig(tokens=3), concurrency=2, requests=20, max_tokens=3
+        )
+    assert set(server.stats.hosts) == {f"127.0.0.1:{server.port}"}
+    assert server.stats.connections == result.pool.opened == 2
+    assert result.pool.reused >= 18
+    with trio.fail_after(TIMEOUT):
+        result, server = await load_against(
+            FakeConfig(tokens=3, close_connections=True), concurrency=2, requests=8, max_tokens=3
+        )
+    assert all(r.outcome == "ok" for r in result.records)
+    assert server.stats.connections == result.pool.opened == 8
+
+
+async def test_open_loop_sends_the_count_and_respects_the_cap() -> None:
+    """--rate with --requests sends exactly N; --max-concurrency caps requests in flight."""
+    with trio.fail_after(TIMEOUT):
+        result, server = await load_against(
+            FakeConfig(tokens=5, token_delay=0.002),
+            rate=400.0,
+            max_concurrency=3,
+            requests=30,
+            max_tokens=5,
+            seed=1,
+        )
+    assert len(result.records) == server.stats.requests == 30
+    assert outcome_counts(result) == {"ok": 30}
+    assert server.stats.max_active <= 3
+
+
+# -- bounds: duration, warm-up, drain, time-outs ----------------------------------------
+
+
+async def test_duration_and_warmup_bound_the_run_and_the_statistics() -> None:
+    """No request starts after --duration; latency covers requests started after the
+    warm-up; throughput counts ok completions inside [warmup, duration]."""
+    with trio.fail_after(TIMEOUT):
+        result, server = await load_against(
+            FakeConfig(tokens=5, token_delay=0.004),
+            concurrency=2,
+            duration=0.6,
+            warmup=0.2,
+            max_tokens=5,
+        )
+    records = result.records
+    assert records and all(r.start <= 0.6 + 0.05 for r in records)
+    assert any(r.start < 0.2 for r in records) and any(r.start >= 0.2 for r in records)
+    summary = summarize(result)
+    ok_after = [r for r in records if r.outcome == "ok" and r.start >= 0.2]
+    assert summary.e2e.count == len(ok_after)
+    assert summary.window == pytest.approx(0.4)
+    inside = [r for r in records if r.outcome == "ok" and 0.2 <= r.end <= 0.6]
+    assert summary.request_throughput == pytest.approx(len(inside) / 0.4)
+    assert summary.output_token_throughput == pytest.approx(5 * len(inside) / 0.4)
+
+
+async def test_drain_timeout_cancels_stragglers() -> None:
+    """With --duration, requests still running at duration + drain_timeout are cancelled
+    and recorded as such, and the run ends on time."""
+    with trio.fail_after(TIMEOUT):
+        result, server = await load_against(
+            FakeConfig(tokens=50, token_delay=0.2),
+            concurrency=2,
+            duration=0.1,
+            drain_timeout=0.2,
+            max_tokens=50,
+        )
+    assert 0.3 <= result.end < 1.0
+    assert outcome_counts(result) == {"cancelled": 2}
+    assert all(0 < len(r.token_times) < 50 for r in result.records)
+
+
+async def test_request_timeout_records_a_timeout() -> None:
+    """A request slower than --request-timeout is cut and recorded as a timeout."""
+    with trio.fail_after(TIMEOUT):
+        result, server = await load_against(
+            FakeConfig(tokens=50, token_delay=0.2),
+            concurrency=2,
+            requests=2,
+            max_tokens=50,
+            request_timeout=0.3,
+        )
+    assert outcome_counts(result) == {"timeout": 2}
+    assert all(0.3 <= r.e2e < 1.0 for r in result.records)
+
+
+async def test_connection_errors_do_not_spin() -> None:
+    """A server that drops every connection gets at most one attempt per slot per
+    CONNECTION_ERROR_PAUSE, and each record ends when the failure happened, not after the
+    pause."""
+    with trio.fail_after(TIMEOUT):
+        result, server = await load_against(
+            FakeConfig(default_status=DROP), concurrency=2, duration=0.35
+        )
+    assert outcome_counts(result) == {"connection_error": len(result.records)}
+    assert 2 <= len(result.records) <= 2 * (int(0.35 / CONNECTION_ERROR_PAUSE) + 1)
+    assert all(r.e2e < CONNECTION_ERROR_PAUSE for r in result.records)
+    assert server.stats.requests == len(result.records)
+
+
+async def test_stop_event_ends_the_run_with_a_partial_result() -> None:
+    """Setting ``stop`` (the CLI's Ctrl-C) cancels everything in flight at once."""
+    stop = trio.Event()
+    seen: list[RequestRecord] = []
+
+    def on_record(record: RequestRecord) -> None:
+        seen.append(record)
+        if len(seen) == 3:
+            stop.set()
+
+    with trio.fail_after(TIMEOUT):
+        result, server = await load_against(
+            FakeConfig(tokens=3, token_delay=0.01),
+            concurrency=2,
+            duration=60.0,
+            on_record=on_record,
+            stop=stop,
+        )
+    assert result.interrupted
+    assert result.end < 10
+    assert outcome_counts(result)["ok"] >= 3
+
+
+async def test_unreachable_server_is_a_load_error() -> None:
+    """No server on the port: one LoadError before the run, not a run of failures."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with trio.fail_after(TIMEOUT), pytest.raises(LoadError, match="cannot connect"):
+        await run_load(
+            LoadConfig(url=f"http://127.0.0.1:{port}", model="m", concurrency=1, requests=1)
+        )
+
+
+# -- adaptive (AIMD) ---------------------------------------------------------------------
+
+
+async def test_adaptive_limit_saw_tooths_around_the_servers_capacity() -> None:
+    """Against a fake that refuses beyond K concurrent requests, the limit climbs until
+    529s come back, is halved, climbs again: every cut starts above K, the limit never
+    runs far past K+1, and the settled limit lies between K/2 and K+1."""
+    k = 4
+    with trio.fail_after(TIMEOUT):
+        result, server = await load_against(
+            FakeConfig(capacity=k, tokens=8, token_delay=0.002),
+            adaptive="aimd",
+            duration=2.0,
+            max_tokens=8,
+            sample_interval=0.1,
+        )
+    assert server.stats.max_active <= k
+    changes = result.limit_changes
+    assert changes[0] == (0.0, 1)
+    cuts = [
+        (old, new) for (_, old), (_, new) in zip(changes, changes[1:], strict=False) if new < old
+    ]
+    assert len(cuts) >= 3, changes
+    for old, new in cuts:
+        assert old >= k + 1
+        assert new == old // 2
+    assert result.controller is not None
+    assert result.controller.max_limit_seen <= k + 3
+    summary = summarize(result)
+    assert summary.adaptive is not None
+    assert summary.adaptive.settled_limit is not None
+    assert k // 2 <= summary.adaptive.settled_limit <= k + 1
+    assert summary.adaptive.overloaded == outcome_counts(result)["overloaded"] > 0
+    assert summary.adaptive.retries > 0
+    assert any(s.overloaded for s in result.samples)
+    assert all(s.limit is not None and 1 <= s.limit <= k + 3 for s in result.samples)
+
+
+async def test_adaptive_retries_every_refused_request() -> None:
+    """With --requests N, each of the N requests ends ok: a 529'd one is sent again (same
+    request number, next attempt) until it gets through."""
+    with trio.fail_after(TIMEOUT):
+        result, server = await load_against(
+            FakeConfig(capacity=3, tokens=4, token_delay=0.002),
+            adaptive="aimd",
+            concurrency=6,
+            window=4,
+            requests=40,
+            max_tokens=4,
+        )
+    ok = [r for r in result.records if r.outcome == "ok"]
+    assert sorted(r.request for r in ok) == list(range(40))
+    refused = [r for r in result.records if r.outcome == "overloaded"]
+    assert refused, "a starting limit of 6 against capacity 3 must be refused"
+    attempts = {(r.request, r.attempt) for r in result.records}
+    for r in refused:
+        assert (r.request, r.attempt + 1) in attempts
+    summary = summarize(result)
+    assert summary.adaptive is not None and summary.adaptive.given_up == 0
+    assert server.stats.requests == len(result.records)
+
+
+async def test_adaptive_ignores_503() -> None:
+    """503s (engine down) are not overload: the limit neither falls nor rises and nothing
+    is retried."""
+    with trio.fail_after(TIMEOUT):
+        result, server = await load_against(
+            FakeConfig(default_status=503), adaptive="aimd", concurrency=4, requests=30
+        )
+    assert outcome_counts(result) == {"unavailable": 30}
+    assert server.stats.requests == 30
+    assert result.limit_changes == ((0.0, 4),)
+    assert result.controller is not None and result.controller.overloads == 0
+
+
+# -- pure parts --------------------------------------------------------------------------
+
+
+def test_prompt_is_sized_by_the_servers_counting_rule() -> None:
+    """Completions prompts hit every size exactly; chat prompts hit the requested size or,
+    where the 5 % template overhead skips it, a neighbour (1 away)."""
+    reachable = {chat_prompt_tokens(b) for b in range(0, 5000)}
+    for tokens in range(1, 1000):
+        assert completion_prompt_tokens(len(build_prompt(tokens, "completions"))) == tokens
+        chat = chat_prompt_tokens(len(build_prompt(tokens, "chat")))
+        if tokens in reachable:
+            assert chat == tokens, tokens
+        else:
+            assert abs(chat - tokens) == 1, tokens
+
+
+def test_client_depends_only_on_the_http_api() -> None:
+    """Nothing in inference_lab/client imports the server side of the package: the load
+    client talks to a server only over HTTP (STYLE.md: dependencies run one way)."""
+    package = Path(__file__).resolve().parent.parent / "inference_lab" / "client"
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                assert not name.startswith("inference_lab") or name.startswith(
+                    "inference_lab.client"
+                ), f"{path.name} imports {name}"
+
+
+def test_endpoint_paths() -> None:
+    """Base URL paths with and without the OpenAI-style /v1 suffix."""
+    assert endpoint_path("", "chat") == "/v1/chat/completions"
+    assert endpoint_path("/v1", "completions") == "/v1/completions"
+    assert endpoint_path("/proxy", "chat") == "/proxy/v1/chat/completions"
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["https://x:1", "ftp://x", "http://", "http://x:99999", "http://x/?a=1", "x:80"],
+)
+def test_bad_urls_are_refused(url: str) -> None:
+    """Only plain http://host[:port][/path] is accepted."""
+    with pytest.raises(ValueError, match="--url"):
+        parse_base_url(url)
+
+
+def _compact(obj: object) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+@given(st.text(max_size=30), st.sampled_from(["chat", "completions"]), st.booleans())
+def test_fast_path_agrees_with_full_json_decoding(text: str, kind: str, openai_nulls: bool) -> None:
+    """Whatever the generated text (quotes, backslashes, marker look-alikes, non-ASCII), the
+    substring fast path counts exactly what decoding the frame would."""
+    choice: dict[str, Any] = (
+        {"index": 0, "delta": {"content": text}} if kind == "chat" else {"text": text, "index": 0}
+    )
+    if openai_nulls:
+        choice["finish_reason"] = None
+    frame: dict[str, Any] = {"id": "x", "choices": [choice]}
+    if openai_nulls:
+        frame["usage"] = None
+    for data in (_compact(frame), json.dumps(frame)):
+        fast = StreamAccumulator()
+        slow = StreamAccumulator()
+        assert fast.feed(data) == slow._slow(data) == (1 if text else 0)
+        assert fast.finish_reason is None and fast.error_type is None
+
+
+def test_special_frames_are_decoded() -> None:
+    """Usage, finish reason (also together with the last token), errors and [DONE] are
+    never mistaken for plain token frames."""
+    acc = StreamAccumulator()
+    role = _compact({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    assert acc.feed(role) == 0
+    last = _compact({"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": "stop"}]})
+    assert acc.feed(last) == 1 and acc.finish_reason == "stop"
+    usage = _compact({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 2}})
+    assert acc.feed(usage) == 0 and (acc.prompt_tokens, acc.completion_tokens) == (5, 2)
+    assert acc.feed("[DONE]") == 0 and acc.done
+    err = StreamAccumulator()
+    assert err.feed(_compact({"error": {"type": "server_error", "code": "engine_failed"}})) == 0
+    assert (err.error_type, err.error_code) == ("server_error", "engine_failed")
+
+
+def test_distribution_percentiles() -> None:
+    """p50/p90/p99 use linear interpolation; an empty sample gives nulls, not NaN."""
+    d = distribution(float(x) for x in range(1, 101))
+    assert (d.count, d.mean, d.p50, d.max) == (100, 50.5, 50.5, 100.0)
+    assert d.p90 == pytest.approx(90.1)
+    assert d.p99 == pytest.approx(99.01)
+    empty = distribution([])
+    assert (empty.count, empty.mean, empty.p50) == (0, None, None)
+
+
+def test_settled_limit_is_the_time_weighted_median_of_the_final_third() -> None:
+    """Only [2/3·end, end] counts, weighted by how long each limit was in force."""
+    assert settled_limit([(0.0, 1), (10.0, 10), (20.0, 4)], 30.0) == 4
+    assert settled_limit([(0.0, 8), (18.0, 6), (24.0, 10)], 30.0) == 10
+    assert settled_limit([(0.0, 8), (18.0, 6), (26.0, 10)], 30.0) == 6
+    assert settled_limit([], 30.0) is None
+
+
+def _record(index: int, start: float, end: float, outcome: Any, tokens: int = 0) -> RequestRecord:
+    times = array("d", [0.01 * (i + 1) for i in range(tokens)])
+    return RequestRecord(
+        index=index,
+        request=index,
+        attempt=0,
+        start=start,
+        end=end,
+        status=200 if outcome == "ok" else 529,
+        outcome=outcome,
+        token_times=times,
+        ttft=times[0] if tokens else None,
+        completion_tokens=tokens if outcome == "ok" else None,
+        prompt_tokens=10 if outcome == "ok" else None,
+    )
+
+
+def test_throughput_counts_completions_inside_the_window() -> None:
+    """Rule 2 of report.py on a synthetic run: 10 s with a 2 s warm-up."""
+    from inference_lab.client.http import PoolStatistics
+
+    records = (
+        _record(0, 0.0, 1.0, "ok", 4),  # finished in the warm-up: neither
+        _record(1, 1.0, 3.0, "ok", 4),  # started in warm-up: throughput only
+        _record(2, 3.0, 5.0, "ok", 4),  # both
+        _record(3, 4.0, 4.1, "overloaded"),  # not ok: neither
+        _record(4, 9.0, 11.0, "ok", 4),  # finished in the drain: latency only
+    )
+    result = LoadResult(
+        config=LoadConfig(url="http://h", model="m", concurrency=1, duration=10, warmup=2),
+        started_at=0.0,
+        dispatch_end=10.0,
+        end=11.0,
+        records=records,
+        samples=(),
+        limit_changes=(),
+        controller=None,
+        pool=PoolStatistics(opened=1, reused=0, idle=0, stale_dropped=0),
+        interrupted=False,
+    )
+    s = summarize(result)
+    assert s.window == 8.0
+    assert s.request_throughput == 2 / 8
+    assert s.output_token_throughput == 8 / 8
+    assert s.total_token_throughput == 28 / 8
+    assert s.e2e.count == 2 and s.e2e.mean == 2.0
+    assert s.measured_outcomes == {"ok": 2, "overloaded": 1}
+    assert s.itl.count == 6
+
+
+# -- CLI ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def fake_server_in_thread(config: FakeConfig) -> Iterator[FakeServer]:
+    """The fake in its own thread and trio run, for tests of the synchronous CLI."""
+    ready: queue.Queue[tuple[FakeServer, trio.lowlevel.TrioToken, trio.CancelScope]] = queue.Queue()
+
+    async def serve() -> None:
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(serve_fake_openai, config)
+            ready.put((server, trio.lowlevel.current_trio_token(), nursery.cancel_scope))
+
+    thread = threading.Thread(target=trio.run, args=(serve,), daemon=True)
+    thread.start()
+    server, token, scope = ready.get(timeout=TIMEOUT)
+    try:
+        yield server
+    finally:
+        trio.from_thread.run_sync(scope.cancel, trio_token=token)
+        thread.join(TIMEOUT)
+
+
+def test_cli_writes_summary_rows_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`load --adaptive aimd -o --csv --plot` exits 0 and writes a JSON summary with the
+    time series, one CSV row per attempt, and a PNG."""
+    out, rows, png = tmp_path / "r.json", tmp_path / "r.csv", tmp_path / "r.png"
+    with fake_server_in_thread(FakeConfig(capacity=3, tokens=5, token_delay=0.002)) as server:
+        code = cli.main(
+            [
+                "--url", server.url, "--model", "m", "--adaptive", "aimd", "--requests", "60",
+                "--max-tokens", "5", "--window", "4", "--sample-interval", "0.05",
+                "-o", str(out), "--csv", str(rows), "--plot", str(png), "-q",
+            ]
+        )  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "settled limit" in printed and "TTFT" in printed
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["outcomes"]["ok"] == 60
+    assert doc["summary"]["adaptive"]["settled_limit"] >= 1
+    assert doc["config"]["adaptive"] == "aimd"
+    assert doc["limit_changes"][0] == [0.0, 1]
+    assert isinstance(doc["timeseries"], list)
+    with rows.open() as fh:
+        table = list(csv.DictReader(fh))
+    assert len(table) == doc["summary"]["attempts"] == server.stats.requests
+    ok_row = next(r for r in table if r["outcome"] == "ok")
+    assert len(ok_row["token_times"].split(";")) == 5
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--concurrency", "2", "--rate", "3", "--requests", "1"],  # both shapes
+        ["--concurrency", "2"],  # no bound
+        ["--concurrency", "2", "--duration", "1", "--requests", "1"],  # both bounds
+        ["--concurrency", "0", "--requests", "1"],
+        ["--rate", "-1", "--requests", "1"],
+        ["--concurrency", "1", "--requests", "1", "--endpoint", "embeddings"],
+    ],
+)
+def test_argparse_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """Malformed options are argparse errors: usage plus one error line, exit 2."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--url", "http://127.0.0.1:1", "--model", "m", *argv])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("inference-lab load: error:")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--requests", "1"], "exactly one of --concurrency and --rate"),
+        (["--adaptive", "aimd", "--rate", "2", "--requests", "1"], "--rate is not allowed"),
+        (["--concurrency", "1", "--requests", "1", "--window", "4"], "--window needs --adaptive"),
+        (["--concurrency", "1", "--requests", "1", "--max-concurrency", "4"], "--max-concurrency"),
+        (["--concurrency", "1", "--duration", "1", "--warmup", "2"], "--warmup"),
+        (["--adaptive", "aimd", "--requests", "1", "--backoff", "1.5"], "--backoff"),
+    ],
+)
+def test_invalid_combinations_exit_2_with_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Combinations argparse cannot express are refused the same way: one line, exit 2."""
+    code = cli.main(["--url", "http://127.0.0.1:1", "--model", "m", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and message in err[0]
+
+
+def test_bad_url_and_unreachable_server(capsys: pytest.CaptureFixture[str]) -> None:
+    """A malformed --url exits 2; a well-formed one nobody listens on exits 1; one line each."""
+    assert (
+        cli.main(["--url", "https://x", "--model", "m", "--concurrency", "1", "--requests", "1"])
+        == 2
+    )
+    assert "--url must start with http://" in capsys.readouterr().err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["--url", f"http://127.0.0.1:{port}", "--model", "m", "--concurrency", "1"]
+    assert cli.main([*argv, "--requests", "1", "-q"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot connect" in err[0]
+
+
+def test_output_directory_must_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A result file in a missing directory is refused before the run, not after it."""
+    argv = ["--url", "http://127.0.0.1:1", "--model", "m", "--concurrency", "1", "--requests", "1"]
+    assert cli.main([*argv, "-o", str(tmp_path / "missing" / "r.json")]) == 1
+    assert "does not exist" in capsys.readouterr().err
