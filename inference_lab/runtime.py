@@ -1,0 +1,536 @@
+"""The trio runtime of one served model: an engine task and a pacer task.
+
+``spec/README.md`` (runtime shape), ``spec/serve-api.md`` (pacing) and ``spec/saturation.md``
+(admission) fix what this module does. The HTTP app talks to it through three synchronous
+calls (:meth:`ModelRuntime.admit_nowait`, :meth:`RequestHandle.close`,
+:meth:`ModelRuntime.set_capacity`) and reads :meth:`ModelRuntime.snapshot`.
+
+Rule 1: one nursery per model holds the **engine task**, which owns the :class:`Engine`,
+        and the **pacer task**, which owns wall-clock time; they are linked by memory
+        channels (the inbox into the engine task, the deadlines into the pacer).
+Rule 2: the engine never runs ahead of wall-clock: ``engine.step()`` is called only for an
+        event whose simulated time has come (``event time <= now - epoch``), so every
+        arrival admitted before a step boundary can join the batch chosen there. Tokens
+        of a step become visible exactly when the ``step()`` that handles its end returns
+        them, i.e. at ``epoch + end time`` (or, if the CPU is late, as soon as computed;
+        the lateness is recorded as pacing lag).
+Rule 3: an arrival is stamped with wall-clock time; an idle engine's clock is first moved
+        up to it, so a request into a long-idle server is paced like one under load.
+Rule 4: admission is one synchronous function with no checkpoint: engine alive, then
+        ``depth = waiting + pending`` against ``max_waiting``, then ``pending += 1`` and a
+        ``send_nowait`` into the engine task. Each handle holds at most one pending slot
+        and gives it back exactly once (stepped into a waiting queue, aborted, failed
+        send, engine stopped), so ``pending`` never goes below zero. When the engine
+        steps arrivals into a waiting queue the new waiting count is published first and
+        their slots are released second: a reader can over-count, never under-count.
+Rule 5: the engine never awaits a client: it hands tokens to a per-request
+        :class:`RequestSink` by synchronous calls; a slow reader's frames wait in its own
+        buffer. Aborts are synchronous too (they run from cleanup code that cannot await).
+Rule 6: after every change the runtime publishes a frozen :class:`RuntimeSnapshot`; the
+        HTTP layer reads only snapshots.
+Rule 7: an engine failure stops only this model: the inbox is closed (new requests get
+        503), every live request is told ``on_failed``, and the exception does not leave
+        the runtime's nursery.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from typing import Any, Literal, Protocol
+
+import attrs
+import numpy as np
+import trio
+
+from inference_lab.config import Deployment
+from inference_lab.engine import Engine, EngineStatistics, Finished, RequestSpec, StepEvents
+from inference_lab.errors import InferenceLabError, RequestRefused
+
+__all__ = [
+    "EngineUnavailable",
+    "LengthSampler",
+    "ModelRuntime",
+    "QueueFull",
+    "RequestHandle",
+    "RequestSink",
+    "RuntimeSnapshot",
+    "RuntimeStatistics",
+]
+
+logger = logging.getLogger("inference_lab.serve")
+
+#: At most this many engine events are handled per wake-up before the engine task lets
+#: other tasks (HTTP writers) run; the pacer wakes it again at once if more are due.
+MAX_EVENTS_PER_WAKE = 64
+#: Pacing-lag samples kept for percentiles.
+LAG_SAMPLES = 65536
+
+
+class EngineUnavailable(InferenceLabError):
+    """Raised by :meth:`ModelRuntime.admit_nowait` when the model's engine task is not
+    running (crashed, stopped or not started). The HTTP app answers 503
+    ``engine_unavailable``; the request never entered the engine."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The engine for model '{model}' is not running.")
+        self.model = model
+
+
+class QueueFull(InferenceLabError):
+    """Raised by :meth:`ModelRuntime.admit_nowait` when ``depth >= max_waiting``. The HTTP
+    app answers 529 ``queue_saturated`` before any response starts; nothing was queued."""
+
+    def __init__(self, model: str, depth: int, max_waiting: int) -> None:
+        super().__init__(
+            f"Server is at capacity: {depth} requests waiting (max_waiting = {max_waiting}). "
+            "Retry with reduced concurrency."
+        )
+        self.model = model
+        self.depth = depth
+        self.max_waiting = max_waiting
+
+
+class RequestSink(Protocol):
+    """Where the engine task delivers one request's output. Every method is called
+    synchronously from the engine task and must not block; after ``on_finished`` or
+    ``on_failed`` nothing more is called."""
+
+    def on_tokens(self, count: int) -> None: ...
+
+    def on_finished(self, finished: Finished) -> None: ...
+
+    def on_failed(self, message: str) -> None: ...
+
+
+class LengthSampler(Protocol):
+    def sample(self, rng: np.random.Generator, size: int) -> Any: ...
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeSnapshot:
+    """What the HTTP layer may know about a model, published after every change.
+
+    ``waiting`` counts requests in the engine's waiting queues; ``pending`` the arrivals
+    admitted but not yet stepped into one; ``depth`` (their sum) is what ``max_waiting``
+    bounds. Pacing lag (seconds) is how late engine events were handled.
+    """
+
+    model: str
+    alive: bool
+    waiting: int
+    pending: int
+    running: int
+    max_num_seqs: int
+    max_waiting: int
+    admitted: int
+    refused: int
+    events: int
+    lag_max: float
+    lag_mean: float
+
+    @property
+    def depth(self) -> int:
+        return self.waiting + self.pending
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeStatistics:
+    """A fuller, costlier picture for ``/control/stats`` and benchmarks."""
+
+    snapshot: RuntimeSnapshot
+    engine: EngineStatistics
+    sim_time: float
+    wall_time: float
+    lag_total: float
+    lag_p50: float
+    lag_p99: float
+    lag_max_recent: float
+    e2e_count: int
+    e2e_p50: float
+
+
+@attrs.define(eq=False, kw_only=True)
+class RequestHandle:
+    """One admitted request, owned by the HTTP handler that admitted it.
+
+    :meth:`close` is the one cleanup call: synchronous and idempotent; it aborts the
+    request in the engine unless it already finished or failed.
+    """
+
+    runtime: ModelRuntime
+    spec: RequestSpec
+    sink: RequestSink
+    request_id: int | None = None
+    holds_slot: bool = True
+    state: Literal["queued", "submitted", "finished", "aborted", "failed"] = "queued"
+
+    def close(self) -> None:
+        self.runtime._close(self)
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("finished", "aborted", "failed")
+
+
+@attrs.frozen
+class _Arrival:
+    handle: RequestHandle
+
+
+@attrs.frozen
+class _Tick:
+    """From the pacer: the deadline it was given has come."""
+
+
+_TICK = _Tick()
+_UNSENT = object()
+
+
+class ModelRuntime:
+    """The engine of one served model, paced to wall-clock (see the module rules).
+
+    Created by the serve app; :meth:`run` is started once in a nursery
+    (``await nursery.start(runtime.run)``) and returns after :meth:`stop` or an engine
+    failure. ``engine`` may be replaced before :meth:`run` (tests inject failures so).
+    """
+
+    def __init__(
+        self,
+        deployment: Deployment,
+        *,
+        output_lengths: LengthSampler | None = None,
+        rng: np.random.Generator | None = None,
+    ) -> None:
+        self.deployment = deployment
+        self.name = deployment.model.name
+        self.engine: Engine = Engine(deployment)
+        self.epoch = 0.0
+        self._output_lengths = output_lengths
+        self._rng = rng if rng is not None else np.random.default_rng(0)
+        self._max_waiting = deployment.scheduler.max_waiting
+        self._pending = 0
+        self._live: dict[RequestHandle, None] = {}  # admitted, not done (insertion order)
+        self._by_id: dict[int, RequestHandle] = {}  # submitted to the engine, not done
+        self._inbox_send, self._inbox_recv = trio.open_memory_channel[_Arrival | _Tick](math.inf)
+        self._deadline_send, self._deadline_recv = trio.open_memory_channel[float | None](math.inf)
+        self._sent_deadline: object = _UNSENT
+        self._alive = False
+        self._started = False
+        self._stopped = trio.Event()
+        self._cancel_scope: trio.CancelScope | None = None
+        self._admitted = 0
+        self._refused = 0
+        self._lag_count = 0
+        self._lag_sum = 0.0
+        self._lag_max = 0.0
+        self._lag_samples: deque[float] = deque(maxlen=LAG_SAMPLES)
+        self._e2e_samples: deque[float] = deque(maxlen=LAG_SAMPLES)  # simulated E2E
+        self._snapshot = self._make_snapshot()
+
+    # ------------------------------------------------------------------ snapshots
+    def _make_snapshot(self) -> RuntimeSnapshot:
+        engine = self.engine
+        return RuntimeSnapshot(
+            model=self.name,
+            alive=self._alive,
+            waiting=engine.num_waiting(),
+            pending=self._pending,
+            running=engine.num_running(),
+            max_num_seqs=engine.max_num_seqs,
+            max_waiting=self._max_waiting,
+            admitted=self._admitted,
+            refused=self._refused,
+            events=self._lag_count,
+            lag_max=self._lag_max,
+            lag_mean=self._lag_sum / self._lag_count if self._lag_count else 0.0,
+        )
+
+    def _publish(self) -> None:
+        self._snapshot = self._make_snapshot()
+
+    def snapshot(self) -> RuntimeSnapshot:
+        """The latest published snapshot (no work: a field read)."""
+        return self._snapshot
+
+    def statistics(self, last: int | None = None, finished: int | None = None) -> RuntimeStatistics:
+        """A fuller picture (costlier than :meth:`snapshot`). Pacing-lag percentiles are
+        over the ``last`` recorded events, the median simulated E2E (arrival to finish, in
+        engine time) over the ``finished`` last completions (default: whole windows)."""
+        samples = np.fromiter(self._lag_samples, dtype=np.float64)
+        if last is not None:
+            samples = samples[-last:] if last > 0 else samples[:0]
+        e2e = np.fromiter(self._e2e_samples, dtype=np.float64)
+        if finished is not None:
+            e2e = e2e[-finished:] if finished > 0 else e2e[:0]
+        p50, p99, high = (
+            (
+                float(np.percentile(samples, 50)),
+                float(np.percentile(samples, 99)),
+                float(samples.max()),
+            )
+            if samples.size
+            else (0.0, 0.0, 0.0)
+        )
+        return RuntimeStatistics(
+            snapshot=self._snapshot,
+            engine=self.engine.statistics(),
+            sim_time=self.engine.now,
+            wall_time=trio.current_time() - self.epoch if self._started else 0.0,
+            lag_total=self._lag_sum,
+            lag_p50=p50,
+            lag_p99=p99,
+            lag_max_recent=high,
+            e2e_count=int(e2e.size),
+            e2e_p50=float(np.median(e2e)) if e2e.size else 0.0,
+        )
+
+    # ------------------------------------------------------------------ HTTP side
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> RequestRefused | None:
+        """Why a request of this size can never run on this model, or None (pure)."""
+        return self.engine.check_fits(prompt_tokens, max_tokens)
+
+    def admit_nowait(
+        self, *, prompt_tokens: int, max_tokens: int, priority: int, sink: RequestSink
+    ) -> RequestHandle:
+        """The single entry into the engine (``saturation.md``). Synchronous, no checkpoint.
+
+        Raises :class:`EngineUnavailable` when the engine task is not running, then
+        :class:`QueueFull` when ``max_waiting`` is set and the depth has reached it.
+        Otherwise takes a pending slot, stamps the arrival with wall-clock time, draws
+        the response length (``--workload``) and queues the arrival for the engine task.
+        """
+        if not self._alive:
+            raise EngineUnavailable(self.name)
+        depth = self._snapshot.waiting + self._pending
+        if self._max_waiting and depth >= self._max_waiting:
+            self._refused += 1
+            self._publish()
+            raise QueueFull(self.name, depth, self._max_waiting)
+        target = None
+        if self._output_lengths is not None:
+            sample = int(self._output_lengths.sample(self._rng, 1)[0])
+            target = max(1, min(sample, max_tokens))
+        spec = RequestSpec(
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            target=target,
+            priority=priority,
+            arrival_time=trio.current_time() - self.epoch,
+        )
+        handle = RequestHandle(runtime=self, spec=spec, sink=sink)
+        self._pending += 1
+        try:
+            self._inbox_send.send_nowait(_Arrival(handle))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            handle.state = "failed"
+            self._release_slot(handle)
+            self._publish()
+            raise EngineUnavailable(self.name) from None
+        self._live[handle] = None
+        self._admitted += 1
+        self._publish()
+        return handle
+
+    def set_capacity(
+        self, *, max_num_seqs: int | None = None, max_waiting: int | None = None
+    ) -> None:
+        """Retune the live model (``saturation.md``): ``max_num_seqs`` gates admission at
+        the engine's next step (lowering drains, never evicts); ``max_waiting`` applies to
+        arrivals from now on (0 = never refuse). Values are validated by the caller."""
+        if max_num_seqs is not None:
+            self.engine.set_max_num_seqs(max_num_seqs)
+        if max_waiting is not None:
+            self._max_waiting = max_waiting
+        self._publish()
+
+    def _release_slot(self, handle: RequestHandle) -> None:
+        if handle.holds_slot:
+            handle.holds_slot = False
+            if self._pending > 0:
+                self._pending -= 1
+
+    def _close(self, handle: RequestHandle) -> None:
+        """Abort ``handle`` if it is still live (idempotent; called by RequestHandle)."""
+        if handle.done:
+            return
+        handle.state = "aborted"
+        self._live.pop(handle, None)
+        self._release_slot(handle)
+        rid = handle.request_id
+        if rid is not None:
+            self._by_id.pop(rid, None)
+            if self._alive:
+                try:
+                    self.engine.abort(rid)
+                except Exception as exc:  # noqa: BLE001 - an engine failure stops the model
+                    self._fail(exc)
+                    return
+        self._publish()
+
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the engine and pacer tasks until :meth:`stop` or an engine failure.
+
+        Simulated time 0 is the moment this starts (the epoch). Never raises for an
+        engine failure (other models keep serving); cancellation propagates.
+        """
+        if self._started:
+            raise RuntimeError(f"the runtime of {self.name} has already run")
+        self._started = True
+        self.epoch = trio.current_time()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._cancel_scope = nursery.cancel_scope
+                nursery.start_soon(self._engine_task)
+                nursery.start_soon(self._pacer_task)
+                self._alive = True
+                self._publish()
+                task_status.started()
+        finally:
+            self._shut_down(f"The engine for model '{self.name}' stopped.")
+            self._stopped.set()
+
+    def stop(self) -> None:
+        """Stop the model: refuse new requests (503) and end the runtime's tasks.
+        Requests still live are told ``on_failed``. Synchronous and idempotent."""
+        self._shut_down(f"The engine for model '{self.name}' stopped.")
+        if self._cancel_scope is not None:
+            self._cancel_scope.cancel()
+
+    async def wait_stopped(self) -> None:
+        if self._started:
+            await self._stopped.wait()
+
+    def _shut_down(self, message: str) -> None:
+        was_alive = self._alive
+        self._alive = False
+        self._inbox_recv.close()
+        live = list(self._live)
+        self._live.clear()
+        self._by_id.clear()
+        for handle in live:
+            handle.state = "failed"
+            self._release_slot(handle)
+        self._publish()
+        for handle in live:
+            handle.sink.on_failed(message)
+        if was_alive and live:
+            logger.info("%s: %d live requests ended: %s", self.name, len(live), message)
+
+    def _fail(self, exc: BaseException) -> None:
+        logger.error("engine of model %s failed", self.name, exc_info=exc)
+        self._shut_down(f"The engine for model '{self.name}' failed: {type(exc).__name__}: {exc}")
+        if self._cancel_scope is not None:
+            self._cancel_scope.cancel()
+
+    # ------------------------------------------------------------------ engine task
+    async def _engine_task(self) -> None:
+        inbox = self._inbox_recv
+        try:
+            while True:
+                try:
+                    message = await inbox.receive()
+                except (trio.EndOfChannel, trio.ClosedResourceError):
+                    return
+                self._handle(message)
+                while True:
+                    try:
+                        message = inbox.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                        break
+                    self._handle(message)
+                self._run_due()
+                self._send_deadline()
+        except Exception as exc:  # noqa: BLE001 - an engine failure stops this model only
+            self._fail(exc)
+
+    def _handle(self, message: _Arrival | _Tick) -> None:
+        if isinstance(message, _Tick):
+            self._sent_deadline = _UNSENT  # the pacer dropped its deadline: send anew
+            return
+        handle = message.handle
+        if handle.done:
+            return  # closed before the engine saw it; its slot is already back
+        engine = self.engine
+        spec = handle.spec
+        if engine.is_idle() and spec.arrival_time > engine.now:
+            engine.advance_to(spec.arrival_time)
+        try:
+            rid = engine.submit(spec)
+        except RequestRefused as exc:
+            handle.state = "failed"
+            self._live.pop(handle, None)
+            self._release_slot(handle)
+            handle.sink.on_failed(exc.reason)
+            return
+        handle.request_id = rid
+        handle.state = "submitted"
+        self._by_id[rid] = handle
+
+    def _run_due(self) -> None:
+        """Step every event whose time has come (at most MAX_EVENTS_PER_WAKE)."""
+        engine = self.engine
+        epoch = self.epoch
+        # Compare in wall-clock terms, exactly as the pacer sleeps (until epoch + t): in
+        # floating point, now - epoch < t can hold although epoch + t <= now.
+        now = trio.current_time()
+        for _ in range(MAX_EVENTS_PER_WAKE):
+            t = engine.next_event_time()
+            if t is None or epoch + t > now:
+                break
+            events = engine.step()
+            lag = now - (epoch + t)
+            self._lag_count += 1
+            self._lag_sum += lag
+            if lag > self._lag_max:
+                self._lag_max = lag
+            self._lag_samples.append(lag)
+            self._deliver(events)
+        self._publish()
+
+    def _deliver(self, events: StepEvents) -> None:
+        by_id = self._by_id
+        if events.arrived:
+            self._publish()  # the new waiting count first ...
+            for rid in events.arrived:
+                handle = by_id.get(rid)
+                if handle is not None:
+                    self._release_slot(handle)  # ... then the pending slots
+        for rid, count in events.tokens:
+            handle = by_id.get(rid)
+            if handle is not None:
+                handle.sink.on_tokens(count)
+        for finished in events.finished:
+            self._e2e_samples.append(finished.finish_time - finished.arrival_time)
+            handle = by_id.pop(finished.request_id, None)
+            if handle is not None:
+                handle.state = "finished"
+                self._live.pop(handle, None)
+                handle.sink.on_finished(finished)
+
+    def _send_deadline(self) -> None:
+        nxt = self.engine.next_event_time()
+        if nxt != self._sent_deadline:
+            self._sent_deadline = nxt
+            self._deadline_send.send_nowait(nxt)
+
+    # ------------------------------------------------------------------ pacer task
+    async def _pacer_task(self) -> None:
+        """Sleep until ``epoch + deadline`` of the engine's next event, then tell the
+        engine task. A newer deadline replaces the one being slept on."""
+        deadlines = self._deadline_recv
+        deadline: float | None = None
+        while True:
+            if deadline is None:
+                deadline = await deadlines.receive()
+                continue
+            with trio.move_on_at(self.epoch + deadline):
+                deadline = await deadlines.receive()
+                continue
+            deadline = None
+            try:
+                self._inbox_send.send_nowait(_TICK)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return

@@ -1,0 +1,195 @@
+"""Loading what to serve (``load_settings``, the environment of a plain hypercorn launch)
+and the command's own startup behaviour (``serve-api.md``, Command line)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import pytest
+
+from inference_lab import serve_cli
+from inference_lab.errors import ConfigError
+from inference_lab.serve import load_settings, settings_from_env
+from tests.conftest import CONFIGS, GPT, LLAMA, ROOT, make_settings
+
+
+@pytest.fixture
+def config_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A directory with copies of two shipped configs (profiles found through the
+    environment)."""
+    monkeypatch.setenv("INFERENCE_LAB_HARDWARE_PROFILES", str(ROOT / "hardware_profiles"))
+    for name in ("gpt-oss-20b.toml", "Llama-3.1-8B-Instruct.toml"):
+        shutil.copy(CONFIGS / name, tmp_path / name)
+    return tmp_path
+
+
+def test_directory_mode_loads_sorted_configs() -> None:
+    settings = load_settings(config=CONFIGS)
+    names = [d.model.name for d in settings.deployments]
+    files = [d.config_path.name for d in settings.deployments]
+    assert files == sorted(files)
+    assert GPT in names and LLAMA in names and len(names) == 6
+    assert all(d.hardware_name == "b200" for d in settings.deployments)
+
+
+def test_files_without_the_hardware_entry_are_skipped_with_a_line() -> None:
+    skipped: list[str] = []
+    settings = load_settings(config=CONFIGS, hardware="a100", on_skip=skipped.append)
+    names = {d.model.name for d in settings.deployments}
+    assert GPT not in names and LLAMA in names
+    assert any("gpt-oss-20b.toml" in line and "hardware.a100" in line for line in skipped)
+
+
+def test_a_single_file_without_the_entry_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"gpt-oss-20b.toml: hardware.a100: no such entry"):
+        load_settings(config=CONFIGS / "gpt-oss-20b.toml", hardware="a100")
+
+
+def test_no_model_left_is_an_error(config_dir: Path) -> None:
+    (config_dir / "Llama-3.1-8B-Instruct.toml").unlink()
+    skipped: list[str] = []
+    with pytest.raises(ConfigError, match="no model config has a \\[hardware.a100\\] entry"):
+        load_settings(config=config_dir, hardware="a100", on_skip=skipped.append)
+    assert len(skipped) == 1
+
+
+def test_duplicate_model_names_are_an_error(config_dir: Path) -> None:
+    shutil.copy(config_dir / "gpt-oss-20b.toml", config_dir / "zz-copy.toml")
+    with pytest.raises(ConfigError, match="model.name: 'gpt-oss-20b' is already served by"):
+        load_settings(config=config_dir)
+
+
+def test_an_invalid_config_is_an_error_naming_file_and_key(config_dir: Path) -> None:
+    path = config_dir / "gpt-oss-20b.toml"
+    path.write_text(path.read_text().replace("max_num_seqs = 256", "max_num_seqs = 0"))
+    with pytest.raises(ConfigError, match="gpt-oss-20b.toml: scheduler.max_num_seqs"):
+        load_settings(config=config_dir)
+
+
+def test_missing_path_and_empty_directory_are_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file or directory"):
+        load_settings(config=tmp_path / "nope")
+    with pytest.raises(ConfigError, match="no model configs"):
+        load_settings(config=tmp_path)
+
+
+def test_overrides_apply_to_every_model() -> None:
+    settings = load_settings(config=CONFIGS, max_waiting=5, max_num_seqs=3)
+    assert {(d.scheduler.max_waiting, d.scheduler.max_num_seqs) for d in settings.deployments} == {
+        (5, 3)
+    }
+
+
+def test_workload_and_seed_are_loaded() -> None:
+    settings = load_settings(
+        config=CONFIGS / "gpt-oss-20b.toml",
+        workload=CONFIGS / "workloads" / "quick.toml",
+        seed=9,
+        default_max_tokens=17,
+    )
+    assert settings.workload is not None and settings.seed == 9
+    assert settings.default_max_tokens == 17
+
+
+def test_environment_configures_a_plain_hypercorn_launch() -> None:
+    env = {
+        "INFERENCE_LAB_CONFIG": str(CONFIGS / "gpt-oss-20b.toml"),
+        "INFERENCE_LAB_HARDWARE": "h200",
+        "INFERENCE_LAB_MAX_WAITING": "7",
+        "INFERENCE_LAB_MAX_NUM_SEQS": "9",
+        "INFERENCE_LAB_DEFAULT_MAX_TOKENS": "11",
+        "INFERENCE_LAB_SEED": "3",
+    }
+    settings = settings_from_env(env)
+    (dep,) = settings.deployments
+    assert (dep.hardware_name, dep.scheduler.max_waiting, dep.scheduler.max_num_seqs) == (
+        "h200",
+        7,
+        9,
+    )
+    assert (settings.default_max_tokens, settings.seed) == (11, 3)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "fragment"),
+    [
+        ("INFERENCE_LAB_MAX_WAITING", "-1", "INFERENCE_LAB_MAX_WAITING: must be an integer >= 0"),
+        ("INFERENCE_LAB_MAX_NUM_SEQS", "x", "INFERENCE_LAB_MAX_NUM_SEQS: must be an integer >= 1"),
+        ("INFERENCE_LAB_ENABLE_TEST_HARNESS", "1", "test-harness features"),
+    ],
+)
+def test_bad_environment_is_a_config_error(name: str, value: str, fragment: str) -> None:
+    env = {"INFERENCE_LAB_CONFIG": str(CONFIGS / "gpt-oss-20b.toml"), name: value}
+    with pytest.raises(ConfigError, match=fragment):
+        settings_from_env(env)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve_cli.add_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_flags_parse_with_the_spec_defaults() -> None:
+    args = _args()
+    assert (args.config, args.hardware, args.host, args.port) == (
+        "configs/",
+        "b200",
+        "127.0.0.1",
+        "8080",
+    )
+    assert args.default_max_tokens == "256" and not args.enable_test_harness
+    assert args.func is serve_cli.run
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--enable-test-harness"], "--enable-test-harness: the test-harness features"),
+        (["--port", "70000"], "--port must be an integer in 0..65535"),
+        (["--default-max-tokens", "0"], "--default-max-tokens must be an integer >= 1"),
+        (["--seed", "-2"], "--seed must be an integer >= 0"),
+        (["--workload", "nope.toml"], "nope.toml: no such file"),
+    ],
+)
+def test_startup_errors_print_one_line_and_return_1(
+    argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert serve_cli.run(_args("--config", str(CONFIGS / "gpt-oss-20b.toml"), *argv)) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0] and err[0].startswith("inference-lab serve: error:")
+
+
+def test_a_port_in_use_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    sock = serve_cli.bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    try:
+        args = _args("--config", str(CONFIGS / "gpt-oss-20b.toml"), "--port", str(port))
+        assert serve_cli.run(args) == 1
+    finally:
+        sock.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot listen on 127.0.0.1:{port}" in err[0]
+
+
+def test_banner_names_models_hardware_bounds_and_address() -> None:
+    settings = make_settings(GPT, LLAMA, max_waiting=64)
+    banner = serve_cli._banner(settings, "b200", "http://127.0.0.1:8080")
+    lines = banner.splitlines()
+    assert lines[0] == "inference-lab serve: 2 model(s) on b200"
+    assert GPT in lines[1] and "max_num_seqs 256" in lines[1] and "max_waiting 64" in lines[1]
+    assert LLAMA in lines[2]
+    assert lines[-1].startswith("listening on http://127.0.0.1:8080")
+
+
+def test_listening_socket_sets_tcp_user_timeout() -> None:
+    import socket
+
+    sock = serve_cli.bind_socket("127.0.0.1", 0)
+    try:
+        timeout = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+    finally:
+        sock.close()
+    assert timeout == serve_cli.TCP_USER_TIMEOUT_MS

@@ -1,0 +1,260 @@
+"""Pacing to wall-clock, on the autojump MockClock: virtual times are exact.
+
+Tokens of a step leave at ``epoch + step end``: a lone request's TTFT is its prefill step's
+roofline cost, its E2E the sum of its steps, whatever the server did before; overlapping
+requests share steps priced for their batch; a stalled reader delays nobody else.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from inference_lab.config import Deployment
+from inference_lab.engine import Engine, RequestSpec
+from inference_lab.roofline import Roofline
+from tests.conftest import ServeFactory, Stream, chat_body, make_settings
+
+P = 5  # "user: hello world" counts 5 prompt tokens
+
+
+def approx(value: float) -> object:
+    return pytest.approx(value, rel=1e-12, abs=1e-12)
+
+
+def step_time(dep: Deployment, n: list[int], c: list[int]) -> float:
+    return Roofline(dep).step_time(np.array(n, dtype=np.int64), np.array(c, dtype=np.int64))
+
+
+def lone_request_times(dep: Deployment, prompt: int, max_tokens: int) -> list[float]:
+    """Token times (from arrival) of a request alone on an idle engine, from the roofline:
+    the prefill step over the prompt, then one decode step per further token."""
+    t = step_time(dep, [prompt], [0])
+    times = [t]
+    for k in range(1, max_tokens):
+        t += step_time(dep, [1], [prompt + k - 1])
+        times.append(t)
+    return times
+
+
+def engine_oracle(dep: Deployment, arrivals: list[tuple[float, int, int]]) -> list[list[float]]:
+    """Token times per request from a bare Engine: each arrival (time, prompt, max_tokens)
+    is submitted after every event at or before its time, as the runtime does."""
+    engine = Engine(dep)
+    times: dict[int, list[float]] = {}
+    ids = []
+
+    def run_until(limit: float | None) -> None:
+        while (t := engine.next_event_time()) is not None and (limit is None or t <= limit):
+            events = engine.step()
+            for rid, count in events.tokens:
+                times.setdefault(rid, []).extend([events.time] * count)
+
+    for at, prompt, max_tokens in arrivals:
+        run_until(at)
+        if engine.is_idle():
+            engine.advance_to(at)
+        ids.append(engine.submit(RequestSpec(prompt, max_tokens, arrival_time=at)))
+    run_until(None)
+    return [times[rid] for rid in ids]
+
+
+async def timed_stream(stream: Stream, t0: float) -> list[float]:
+    await stream.read_all()
+    return [t - t0 for t in stream.token_times()]
+
+
+async def test_lone_request_ttft_is_its_prefill_cost_and_e2e_the_sum_of_steps(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    settings = make_settings()
+    dep = settings.deployments[0]
+    expected = lone_request_times(dep, P, 6)
+    async with serve(settings) as s:
+        t0 = trio.current_time()
+        async with s.stream(chat_body(max_tokens=6, stream=True)) as stream:
+            first = await stream.next_chunk()
+            assert first is not None and b'"role":"assistant"' in first
+            assert trio.current_time() == t0  # the role frame leaves at admission
+            got = await timed_stream(stream, t0)
+        assert s.runtime().snapshot().lag_max == 0.0
+    assert len(got) == 6
+    assert got[0] == approx(step_time(dep, [P], [0]))
+    assert got == [approx(t) for t in expected]
+
+
+async def test_request_into_a_server_idle_for_an_hour_is_paced_the_same(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    """No cold-start burst: the idle clock is moved up to the arrival."""
+    settings = make_settings()
+    expected = lone_request_times(settings.deployments[0], P, 4)
+    results = []
+    async with serve(settings) as s:
+        for _ in range(2):
+            await trio.sleep(3600)
+            t0 = trio.current_time()
+            async with s.stream(chat_body(max_tokens=4, stream=True)) as stream:
+                results.append(await timed_stream(stream, t0))
+    for got in results:
+        assert got == [approx(t) for t in expected]
+
+
+async def test_non_streaming_response_leaves_with_the_last_token(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    settings = make_settings()
+    expected = lone_request_times(settings.deployments[0], P, 5)
+    async with serve(settings) as s:
+        await trio.sleep(10)
+        t0 = trio.current_time()
+        response = await s.post("/v1/chat/completions", chat_body(max_tokens=5))
+        assert response.status_code == 200
+        assert trio.current_time() - t0 == approx(expected[-1])
+
+
+async def test_overlapping_requests_share_steps_priced_for_their_batch(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    """B arrives just after A's second token; from the next step boundary A and B run in
+    one batch: B's prefill with A's decode, then decodes priced for batch 2."""
+    settings = make_settings()
+    dep = settings.deployments[0]
+    async with serve(settings) as s:
+        t0 = trio.current_time()
+        async with s.stream(chat_body(max_tokens=6, stream=True)) as a:
+            while len(a.token_times()) < 2:
+                await a.next_chunk()
+            t_b = trio.current_time()
+            async with s.stream(chat_body(max_tokens=3, stream=True)) as b:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(a.read_all)
+                    nursery.start_soon(b.read_all)
+    got_a = [t - t0 for t in a.token_times()]
+    got_b = [t - t0 for t in b.token_times()]
+    tb = t_b - t0
+    # A alone: prefill, decode (token 2, at tb), decode (token 3, already chosen at tb).
+    t1 = step_time(dep, [P], [0])
+    t2 = t1 + step_time(dep, [1], [P])
+    t3 = t2 + step_time(dep, [1], [P + 1])
+    # Boundary t3: A decodes token 4 while B prefills.
+    t4 = t3 + step_time(dep, [1, P], [P + 2, 0])
+    # Then both decode: batch 2.
+    t5 = t4 + step_time(dep, [1, 1], [P + 3, P])
+    t6 = t5 + step_time(dep, [1, 1], [P + 4, P + 1])
+    assert tb == approx(t2)
+    assert got_a == [approx(t) for t in (t1, t2, t3, t4, t5, t6)]
+    assert got_b == [approx(t) for t in (t4, t5, t6)]
+    # and the engine agrees
+    oracle_a, oracle_b = engine_oracle(dep, [(0.0, P, 6), (t2, P, 3)])
+    assert got_a == [approx(t) for t in oracle_a]
+    assert got_b == [approx(t) for t in oracle_b]
+
+
+async def test_a_stalled_reader_does_not_slow_another_stream(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A stops reading after its first token (its writer blocks on a full transport); B,
+    arriving then, is paced exactly as the engine prices the shared batch, and A's frames
+    keep accumulating in its own buffer."""
+    settings = make_settings()
+    dep = settings.deployments[0]
+    async with serve(settings) as s:
+        t0 = trio.current_time()
+        async with s.stream(chat_body(max_tokens=200, stream=True)) as a:
+            while not a.token_times():
+                await a.next_chunk()
+            t_b = trio.current_time() - t0
+            async with s.stream(chat_body(max_tokens=40, stream=True)) as b:
+                got_b = await timed_stream(b, t0)
+            running = s.runtime().snapshot().running
+            emitted = s.runtime().engine.statistics().steps
+    _, oracle_b = engine_oracle(dep, [(0.0, P, 200), (t_b, P, 40)])
+    assert got_b == [approx(t) for t in oracle_b]
+    assert running == 1  # A is still generating, unread
+    assert emitted > 40
+
+
+async def test_pacing_lag_is_zero_on_a_virtual_clock(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    async with serve() as s:
+        for _ in range(3):
+            await s.post("/v1/chat/completions", chat_body(max_tokens=20))
+        snap = s.runtime().snapshot()
+    assert snap.events > 20
+    assert snap.lag_max == 0.0 and snap.lag_mean == 0.0
+
+
+async def test_a_stream_longer_than_a_minute_is_not_cut(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Quart cuts responses at 60 s unless the response disables its timeout: a 70-second
+    stream (Llama-3-70B decodes at ~17.5 ms per token on one B200) ends with [DONE]."""
+    settings = make_settings("Llama-3-70B")
+    async with serve(settings) as s:
+        body = chat_body(model="Llama-3-70B", max_tokens=4000, stream=True)
+        t0 = trio.current_time()
+        async with s.stream(body) as stream:
+            await stream.read_all()
+        assert trio.current_time() - t0 > 65
+    assert stream.frames()[-1] == b"[DONE]"
+    assert len(stream.token_times()) == 4000
+
+
+class StepSpy:
+    """Wraps an Engine and records, per request id, the simulated times its tokens were
+    emitted (the runtime's engine may be replaced)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.emitted: dict[int, list[float]] = {}
+        self.submitted: list[int] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+    def submit(self, spec: RequestSpec) -> int:
+        rid = self._engine.submit(spec)
+        self.submitted.append(rid)
+        return rid
+
+    def step(self) -> object:
+        events = self._engine.step()
+        for rid, count in events.tokens:
+            self.emitted.setdefault(rid, []).extend([events.time] * count)
+        return events
+
+
+async def test_with_many_streams_mid_stream_writes_are_batched_but_ends_are_not(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    """With 40 streams open a writer holds mid-stream tokens back (3.2 ms after each write,
+    about two steps) and writes them in batches, but a stream's first token and its end
+    ([DONE]) leave exactly when the engine emits them: TTFT and E2E are untouched."""
+    async with serve() as s:
+        rt = s.runtime()
+        spy = StepSpy(rt.engine)
+        rt.engine = spy  # type: ignore[assignment]
+        async with trio.open_nursery() as nursery:
+            for _ in range(39):
+
+                async def background() -> None:
+                    async with s.stream(chat_body(max_tokens=400, stream=True)) as st:
+                        await st.read_all()
+
+                nursery.start_soon(background)
+            await trio.testing.wait_all_tasks_blocked()
+            assert rt.snapshot().running == 39
+            async with s.stream(chat_body(max_tokens=60, stream=True)) as b:
+                await b.read_all()
+            nursery.cancel_scope.cancel()
+        emitted = spy.emitted[spy.submitted[-1]]
+    assert len(emitted) == 60 == len(b.token_times())
+    assert b.token_times()[0] == approx(rt.epoch + emitted[0])
+    assert b.chunks[-1][0] == approx(rt.epoch + emitted[-1])
+    assert b.frames()[-1] == b"[DONE]"
+    token_writes = [t for t, data in b.chunks if b'"content"' in data]
+    assert len(token_writes) < 60 / 2  # two or more tokens per write mid-stream
