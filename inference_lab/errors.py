@@ -6,6 +6,14 @@ exactly one place (the serve app); CLIs print ``str(error)`` on one line and exi
 
 from __future__ import annotations
 
+import json
+
+
+def error_body(message: str, type_: str, code: str, param: str | None) -> bytes:
+    """The OpenAI error envelope, compact, key order message/type/param/code."""
+    envelope = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return json.dumps(envelope, separators=(",", ":"), ensure_ascii=False).encode()
+
 
 class InferenceLabError(Exception):
     """Base class of every error this package raises on purpose."""
@@ -33,3 +41,53 @@ class RequestRefused(InferenceLabError):
         super().__init__(reason)
         self.limit = limit
         self.reason = reason
+
+
+class ApiError(InferenceLabError):
+    """A request the HTTP layer refuses before any response starts.
+
+    Raised by the ``parse_*`` functions of this module (and by the serve app for unknown
+    models and fit failures); the serve app turns it into ``status`` + :meth:`body`.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        message: str,
+        param: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.type = type_
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+class EngineUnavailable(InferenceLabError):
+    """Raised by :meth:`ModelRuntime.admit_nowait` when the model's engine task is not
+    running (crashed, stopped or not started). The HTTP app answers 503
+    ``engine_unavailable``; the request never entered the engine."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The engine for model '{model}' is not running.")
+        self.model = model
+
+
+class QueueFull(InferenceLabError):
+    """Raised by :meth:`ModelRuntime.admit_nowait` when ``depth >= max_waiting``. The HTTP
+    app answers 529 ``queue_saturated`` before any response starts; nothing was queued."""
+
+    def __init__(self, model: str, depth: int, max_waiting: int) -> None:
+        super().__init__(
+            f"Server is at capacity: {depth} requests waiting (max_waiting = {max_waiting}). "
+            "Retry with reduced concurrency."
+        )
+        self.model = model
+        self.depth = depth
+        self.max_waiting = max_waiting

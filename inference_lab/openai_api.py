@@ -35,7 +35,7 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_structure_fn
 
-from inference_lab.errors import InferenceLabError
+from inference_lab.errors import ApiError, error_body
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -79,38 +79,6 @@ def _sorted_dumps(value: Any) -> str:
 
 # ---------------------------------------------------------------------------------------
 # errors
-
-
-def error_body(message: str, type_: str, code: str, param: str | None) -> bytes:
-    """The OpenAI error envelope, compact, key order message/type/param/code."""
-    envelope = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return _dumps(envelope).encode()
-
-
-class ApiError(InferenceLabError):
-    """A request the HTTP layer refuses before any response starts.
-
-    Raised by the ``parse_*`` functions of this module (and by the serve app for unknown
-    models and fit failures); the serve app turns it into ``status`` + :meth:`body`.
-    """
-
-    def __init__(
-        self,
-        status: int,
-        code: str,
-        message: str,
-        param: str | None = None,
-        type_: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.param = param
-        self.type = type_
-
-    def body(self) -> bytes:
-        return error_body(self.message, self.type, self.code, self.param)
 
 
 def invalid_value(param: str, message: str) -> ApiError:

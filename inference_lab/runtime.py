@@ -46,7 +46,7 @@ import trio
 
 from inference_lab.config import Deployment
 from inference_lab.engine import Engine, EngineStatistics, Finished, RequestSpec, StepEvents
-from inference_lab.errors import InferenceLabError, RequestRefused
+from inference_lab.errors import EngineUnavailable, QueueFull, RequestRefused
 
 __all__ = [
     "EngineUnavailable",
@@ -66,30 +66,6 @@ logger = logging.getLogger("inference_lab.serve")
 MAX_EVENTS_PER_WAKE = 64
 #: Pacing-lag samples kept for percentiles.
 LAG_SAMPLES = 65536
-
-
-class EngineUnavailable(InferenceLabError):
-    """Raised by :meth:`ModelRuntime.admit_nowait` when the model's engine task is not
-    running (crashed, stopped or not started). The HTTP app answers 503
-    ``engine_unavailable``; the request never entered the engine."""
-
-    def __init__(self, model: str) -> None:
-        super().__init__(f"The engine for model '{model}' is not running.")
-        self.model = model
-
-
-class QueueFull(InferenceLabError):
-    """Raised by :meth:`ModelRuntime.admit_nowait` when ``depth >= max_waiting``. The HTTP
-    app answers 529 ``queue_saturated`` before any response starts; nothing was queued."""
-
-    def __init__(self, model: str, depth: int, max_waiting: int) -> None:
-        super().__init__(
-            f"Server is at capacity: {depth} requests waiting (max_waiting = {max_waiting}). "
-            "Retry with reduced concurrency."
-        )
-        self.model = model
-        self.depth = depth
-        self.max_waiting = max_waiting
 
 
 class RequestSink(Protocol):
