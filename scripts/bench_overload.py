@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -197,11 +198,16 @@ HEADER = (
 )
 
 
+def _ms(value: float) -> str:
+    """A latency column: '-' where there was nothing to measure (the rate-0 baseline)."""
+    return f"{'-':>8}" if math.isnan(value) else f"{value:>6.2f}ms"
+
+
 def format_row(row: Row, baseline: float) -> str:
     shift = (row.e2e_p50_ms - baseline) / baseline * 100 if baseline else 0.0
     return (
         f"{row.rate:>6.0f} {row.refusals_per_s:>7.1f} {row.admitted_extra:>8} "
-        f"{row.refusal_p50_ms:>6.2f}ms {row.refusal_p99_ms:>6.2f}ms {row.streams:>7} "
+        f"{_ms(row.refusal_p50_ms)} {_ms(row.refusal_p99_ms)} {row.streams:>7} "
         f"{row.e2e_p50_ms:>7.1f}ms {shift:>+6.2f}% {row.lag_mean_ms:>7.3f}ms "
         f"{row.lag_p99_ms:>6.2f}ms"
     )
