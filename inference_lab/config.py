@@ -420,7 +420,7 @@ def _tagged(tag: str, options: dict[str, type[Any]]) -> Callable[[Any, Any], Any
 
 
 def make_strict_converter(forbid_extra_keys: bool) -> cattrs.Converter:
-    """A cattrs converter whose scalar hooks never coerce (shared with the HTTP layer)."""
+    """A cattrs converter whose scalar hooks never coerce."""
     conv = cattrs.Converter(forbid_extra_keys=forbid_extra_keys)
     conv.register_structure_hook(int, _strict_int)
     conv.register_structure_hook(float, _strict_float)
