@@ -171,7 +171,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "load",
         help="drive a server with closed-loop, open-loop or adaptive (AIMD) load",
-        description="Load generator for an OpenAI-compatible server (see the README, "Load generation").",
+        description="Load generator for an OpenAI-compatible server (see the README's load-generation section).",
     )
     _configure(p)
     p.set_defaults(func=run)
@@ -181,7 +181,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="Load generator for an OpenAI-compatible server (see the README, "Load generation").",
+        description="Load generator for an OpenAI-compatible server (see the README's load-generation section).",
     )
     _configure(p)
     return p
