@@ -497,12 +497,6 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
 
 
-def _check_keys(raw: Mapping[str, Any], allowed: tuple[str, ...], file: Path, path: str) -> None:
-    for key in raw:
-        if key not in allowed:
-            raise ConfigError(f"{file}: {_join(path, key)}: unknown key")
-
-
 def load_hardware_profile(path: Path) -> HardwareProfile:
     """Read one ``hardware_profiles/<name>.toml``; raises ConfigError."""
     return _structure(_read_toml(path), HardwareProfile, path, "")
@@ -573,7 +567,12 @@ def load_model_config(
     """
     file = Path(path)
     raw = _read_toml(file)
-    _check_keys(raw, ("model", "scheduler", "hardware", "fault"), file, "")
+    for key in raw:
+        if key not in ("model", "scheduler", "hardware", "fault"):
+            raise ConfigError(
+                f"{file}: {key}: unknown key (a model config holds the tables [model], "
+                "[scheduler] and [hardware.<name>])"
+            )
     if "fault" in raw:
         raise ConfigError(
             f"{file}: fault: static fault injection is not available in this version "
