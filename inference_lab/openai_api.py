@@ -574,10 +574,11 @@ DONE_FRAME = b"data: [DONE]\n\n"
 class StreamEncoder:
     """Pre-encoded SSE frames of one streaming response (``serve-api.md``, Streaming).
 
-    Built once per request; :meth:`append_tokens` costs three list appends per token.
+    Built once per request; the 50 distinct token frames are joined on the first token,
+    so a run of tokens costs one index per token (:meth:`tokens`, :meth:`append_tokens`).
     """
 
-    __slots__ = ("_head", "_prefix", "_suffix", "_kind", "_request")
+    __slots__ = ("_head", "_prefix", "_suffix", "_kind", "_request", "_frames")
 
     def __init__(self, request: ParsedRequest, *, request_id: str, created: int) -> None:
         self._request = request
@@ -594,6 +595,7 @@ class StreamEncoder:
         else:
             self._prefix = head + b'"choices":[{"text":"'
             self._suffix = b'","index":0}]}\n\n'
+        self._frames: tuple[bytes, ...] | None = None
 
     def opening(self) -> bytes:
         """What is sent at admission: the chat role frame, or the completions echo frame
@@ -605,14 +607,24 @@ class StreamEncoder:
             return self._head + b'"choices":[{"text":' + text + b',"index":0}]}\n\n'
         return b""
 
+    def _token_frames(self) -> tuple[bytes, ...]:
+        frames = self._frames
+        if frames is None:
+            prefix, suffix = self._prefix, self._suffix
+            frames = self._frames = tuple(prefix + word + suffix for word in _WORD_BYTES)
+        return frames
+
     def append_tokens(self, out: list[bytes], start: int, count: int) -> None:
         """Append the frames of tokens ``start .. start+count-1`` to ``out``."""
-        prefix, suffix, words = self._prefix, self._suffix, _WORD_BYTES
-        n = len(words)
-        for i in range(start, start + count):
-            out.append(prefix)
-            out.append(words[i % n])
-            out.append(suffix)
+        frames = self._token_frames()
+        n = len(frames)
+        out.extend([frames[i % n] for i in range(start, start + count)])
+
+    def tokens(self, start: int, stop: int) -> bytes:
+        """The frames of tokens ``start .. stop-1``, joined."""
+        frames = self._token_frames()
+        n = len(frames)
+        return b"".join([frames[i % n] for i in range(start, stop)])
 
     def closing(self, finish_reason: str, completion_tokens: int) -> bytes:
         """The finish frame, the usage frame when asked for, and ``[DONE]``."""

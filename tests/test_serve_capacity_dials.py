@@ -99,3 +99,15 @@ async def test_lowering_max_num_seqs_cuts_throughput_by_the_roofline_factor(
         predicted = decode_rate(2) / decode_rate(4)
         assert after < before
         assert abs(after / before - predicted) / predicted < 0.03, (after / before, predicted)
+
+
+async def test_serving_teardown_stops_every_background_task_at_once(serve: ServeFactory) -> None:
+    """The serving teardown stops the runtimes and the writers' releaser itself: the
+    server never waits for the ASGI server's shutdown timeout to cancel them."""
+    cm = serve(make_settings())
+    s = await cm.__aenter__()
+    async with s.stream(chat_body(max_tokens=3, stream=True)) as st:
+        await st.read_all()
+    start = trio.current_time()
+    await cm.__aexit__(None, None, None)
+    assert trio.current_time() - start < 1.0
