@@ -91,6 +91,9 @@ class Roofline:
         self._windows = [(w, attn_flops[w], kv_bytes[w]) for w in sorted(attn_flops)]
         self._state_bytes = state
         self._windowed_kv = [(w, kv_bytes[w]) for w in sorted(kv_bytes) if w > 0]
+        # private blocks by resident positions, up to the widest window (constant beyond)
+        widest = max((w for w, _ in self._windowed_kv), default=0)
+        self._private_table = [self._private_blocks(t) for t in range(widest + 1)]
         # collectives
         self._collective: tuple[float, float, float] | None = None  # (fixed, per byte) per AR
         self._message_per_token = model.hidden_dim * model.activation_bytes
@@ -167,20 +170,19 @@ class Roofline:
         return self.step_cost(n, c).seconds
 
     # ----------------------------------------------------------------------------------
-    def blocks_for(self, positions: int) -> int:
-        """KV blocks a request holding ``positions`` resident positions needs."""
-        content = -(-positions // self.block_size)
-        if not self._windowed_kv and self._state_bytes == 0:
-            return content
+    def _private_blocks(self, positions: int) -> int:
         private = self._state_bytes + sum(
             kvpp * min(positions, window) for window, kvpp in self._windowed_kv
         )
-        return content + math.ceil(private / self.block_bytes)
+        return math.ceil(private / self.block_bytes)
+
+    def blocks_for(self, positions: int) -> int:
+        """KV blocks a request holding ``positions`` resident positions needs: content
+        blocks plus private blocks (windowed KV and recurrent state; a table, since the
+        engine asks once per running request per step and windows saturate)."""
+        content = -(-positions // self.block_size)
+        table = self._private_table
+        return content + table[positions if positions < len(table) else -1]
 
     def has_private_blocks(self) -> bool:
         return bool(self._windowed_kv) or self._state_bytes > 0
-
-    def private_blocks_cap(self) -> int:
-        """The most private blocks any request can need (windows saturate)."""
-        private = self._state_bytes + sum(kvpp * window for window, kvpp in self._windowed_kv)
-        return math.ceil(private / self.block_bytes)
