@@ -180,17 +180,26 @@ def load_settings(
     )
 
 
+def parse_int_setting(raw: str, lowest: int) -> int:
+    """An integer setting given as text (a flag or an environment variable); ValueError
+    with the tail of a one-line message when it is not an integer >= ``lowest``."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"must be an integer >= {lowest}, got {raw!r}") from None
+    if value < lowest:
+        raise ValueError(f"must be an integer >= {lowest}, got {value}")
+    return value
+
+
 def _env_int(environ: Mapping[str, str], name: str, lowest: int) -> int | None:
     raw = environ.get(name, "").strip()
     if not raw:
         return None
     try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}: must be an integer >= {lowest}, got {raw!r}") from None
-    if value < lowest:
-        raise ConfigError(f"{name}: must be an integer >= {lowest}, got {value}")
-    return value
+        return parse_int_setting(raw, lowest)
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
 
 
 _TRUE = ("1", "true", "yes", "on")

@@ -33,6 +33,7 @@ from inference_lab.serve import (
     ServeSettings,
     create_app,
     load_settings,
+    parse_int_setting,
 )
 
 __all__ = ["add_parser", "bind_socket", "run", "serve_app"]
@@ -111,12 +112,9 @@ def _int_flag(value: str | None, flag: str, lowest: int) -> int | None:
     if value is None:
         return None
     try:
-        number = int(value)
-    except ValueError:
-        raise _UsageError(f"{flag} must be an integer >= {lowest}, got {value!r}") from None
-    if number < lowest:
-        raise _UsageError(f"{flag} must be an integer >= {lowest}, got {number}")
-    return number
+        return parse_int_setting(value, lowest)
+    except ValueError as exc:
+        raise _UsageError(f"{flag} {exc}") from None
 
 
 def _fail(message: str) -> int:
