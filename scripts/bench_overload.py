@@ -37,7 +37,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_serve import PROMPT_BYTES, Result, Server, _entry, _http_get, client_loop  # noqa: E402
+from bench_serve import PROMPT_BYTES, Result, _entry, _http_get, client_loop, start_server  # noqa: E402
 
 STREAMS = 24
 PINNED = "Llama-3.1-8B-Instruct"  # the model whose queue is held full
@@ -302,7 +302,7 @@ def main() -> int:
     server = None
     url = args.url
     if url is None:
-        server = Server(["--config", "configs/", "--hardware", "b200"])
+        server = start_server(["--config", "configs/", "--hardware", "b200"])
         url = server.url
     print(
         f"bench_overload: {STREAMS} closed-loop streams on {args.model}, 529s fired at the full "

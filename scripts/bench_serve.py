@@ -28,11 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import urllib.parse
@@ -46,6 +42,8 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from _experiment_server import ServerProcess  # noqa: E402
 
 from inference_lab.config import load_deployment  # noqa: E402
 from inference_lab.engine import Engine, RequestSpec  # noqa: E402
@@ -97,41 +95,9 @@ def engine_closed_loop_e2e(
 # the server
 
 
-class Server:
-    """``inference-lab serve`` in a subprocess, stopped with SIGINT."""
-
-    def __init__(self, args: list[str]) -> None:
-        cmd = [sys.executable, "-m", "inference_lab.cli", "serve", "--host", "127.0.0.1"]
-        cmd += ["--port", "0", *args]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + 30
-        self.url = ""
-        lines = []
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            match = re.search(r"listening on (http://\S+)", line)
-            if match:
-                self.url = match.group(1)
-                break
-        if not self.url:
-            self.stop()
-            raise SystemExit("server did not start:\n" + "".join(lines))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def start_server(args: list[str]) -> ServerProcess:
+    """``inference-lab serve`` with ``args`` in a subprocess, healthy; ``.stop()`` ends it."""
+    return ServerProcess(args).__enter__()
 
 
 # ---------------------------------------------------------------------------------------
@@ -374,7 +340,7 @@ def main() -> int:
     server = None
     url = args.url
     if url is None:
-        server = Server(
+        server = start_server(
             [
                 "--config",
                 f"configs/{args.model}.toml",
