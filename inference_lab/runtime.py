@@ -47,6 +47,7 @@ import trio
 from inference_lab.config import Deployment
 from inference_lab.engine import Engine, EngineStatistics, Finished, RequestSpec, StepEvents
 from inference_lab.errors import EngineUnavailable, QueueFull, RequestRefused
+from inference_lab.timer import Timer
 
 __all__ = [
     "EngineUnavailable",
@@ -66,6 +67,12 @@ logger = logging.getLogger("inference_lab.serve")
 MAX_EVENTS_PER_WAKE = 64
 #: Pacing-lag samples kept for percentiles.
 LAG_SAMPLES = 65536
+#: Seconds of wall-clock over which the pacing lag's p99 is checked.
+LAG_WINDOW = 1.0
+#: A window whose pacing-lag p99 exceeds this many seconds logs a warning ...
+LAG_WARN_P99 = 0.002
+#: ... at most once per this many seconds.
+LAG_WARN_EVERY = 10.0
 
 
 class RequestSink(Protocol):
@@ -123,6 +130,9 @@ class RuntimeStatistics:
     lag_p50: float
     lag_p99: float
     lag_max_recent: float
+    lag_window_p99: float
+    lag_window_max: float
+    precise_timer: bool
     e2e_count: int
     e2e_p50: float
 
@@ -192,6 +202,8 @@ class ModelRuntime:
         self._inbox_send, self._inbox_recv = trio.open_memory_channel[_Arrival | _Tick](math.inf)
         self._deadline_send, self._deadline_recv = trio.open_memory_channel[float | None](math.inf)
         self._sent_deadline: object = _UNSENT
+        self._sleep_scope: trio.CancelScope | None = None
+        self._precise = False
         self._alive = False
         self._started = False
         self._stopped = trio.Event()
@@ -203,6 +215,11 @@ class ModelRuntime:
         self._lag_max = 0.0
         self._lag_samples: deque[float] = deque(maxlen=LAG_SAMPLES)
         self._e2e_samples: deque[float] = deque(maxlen=LAG_SAMPLES)  # simulated E2E
+        self._window: list[float] = []  # lags of the current LAG_WINDOW
+        self._window_start = 0.0
+        self._window_p99 = 0.0  # of the last complete window
+        self._window_max = 0.0
+        self._last_warning = -math.inf
         self._snapshot = self._make_snapshot()
 
     # ------------------------------------------------------------------ snapshots
@@ -258,6 +275,9 @@ class ModelRuntime:
             lag_p50=p50,
             lag_p99=p99,
             lag_max_recent=high,
+            lag_window_p99=self._window_p99,
+            lag_window_max=self._window_max,
+            precise_timer=self._precise,
             e2e_count=int(e2e.size),
             e2e_p50=float(np.median(e2e)) if e2e.size else 0.0,
         )
@@ -268,14 +288,21 @@ class ModelRuntime:
         return self.engine.check_fits(prompt_tokens, max_tokens)
 
     def admit_nowait(
-        self, *, prompt_tokens: int, max_tokens: int, priority: int, sink: RequestSink
+        self,
+        *,
+        prompt_tokens: int,
+        max_tokens: int,
+        priority: int,
+        sink: RequestSink,
+        arrival: float | None = None,
     ) -> RequestHandle:
-        """The single entry into the engine (``saturation.md``). Synchronous, no checkpoint.
+        """The single entry into the engine. Synchronous, no checkpoint.
 
         Raises :class:`EngineUnavailable` when the engine task is not running, then
         :class:`QueueFull` when ``max_waiting`` is set and the depth has reached it.
-        Otherwise takes a pending slot, stamps the arrival with wall-clock time, draws
-        the response length (``--workload``) and queues the arrival for the engine task.
+        Otherwise takes a pending slot, stamps the arrival (``arrival``, the trio time at
+        which the server received the request, or now), draws the response length
+        (``--workload``) and queues the arrival for the engine task.
         """
         if not self._alive:
             raise EngineUnavailable(self.name)
@@ -293,7 +320,7 @@ class ModelRuntime:
             max_tokens=max_tokens,
             target=target,
             priority=priority,
-            arrival_time=trio.current_time() - self.epoch,
+            arrival_time=(trio.current_time() if arrival is None else arrival) - self.epoch,
         )
         handle = RequestHandle(runtime=self, spec=spec, sink=sink)
         self._pending += 1
@@ -355,7 +382,7 @@ class ModelRuntime:
         if self._started:
             raise RuntimeError(f"the runtime of {self.name} has already run")
         self._started = True
-        self.epoch = trio.current_time()
+        self.epoch = self._window_start = trio.current_time()
         try:
             async with trio.open_nursery() as nursery:
                 self._cancel_scope = nursery.cancel_scope
@@ -463,8 +490,34 @@ class ModelRuntime:
             if lag > self._lag_max:
                 self._lag_max = lag
             self._lag_samples.append(lag)
+            self._window.append(lag)
             self._deliver(events)
+        if now - self._window_start >= LAG_WINDOW:
+            self._close_lag_window(now)
         self._publish()
+
+    def _close_lag_window(self, now: float) -> None:
+        """End the current lag window: keep its p99 and max for the statistics and warn
+        (rate-limited) when the p99 says the CPU is not keeping up with the model."""
+        window = sorted(self._window)
+        self._window = []
+        elapsed = now - self._window_start
+        self._window_start = now
+        if not window:
+            self._window_p99 = self._window_max = 0.0
+            return
+        p99 = window[min(len(window) - 1, math.ceil(0.99 * len(window)) - 1)]
+        self._window_p99, self._window_max = p99, window[-1]
+        if p99 > LAG_WARN_P99 and now - self._last_warning >= LAG_WARN_EVERY:
+            self._last_warning = now
+            logger.warning(
+                "%s: pacing lag p99 %.2f ms (max %.2f ms) over the last %.1f s: the CPU is "
+                "not keeping up, so clients see latencies above the model's",
+                self.name,
+                p99 * 1e3,
+                window[-1] * 1e3,
+                elapsed,
+            )
 
     def _deliver(self, events: StepEvents) -> None:
         by_id = self._by_id
@@ -491,22 +544,41 @@ class ModelRuntime:
         if nxt != self._sent_deadline:
             self._sent_deadline = nxt
             self._deadline_send.send_nowait(nxt)
+            if self._sleep_scope is not None:
+                self._sleep_scope.cancel()  # the pacer sleeps on an older deadline
 
     # ------------------------------------------------------------------ pacer task
     async def _pacer_task(self) -> None:
         """Sleep until ``epoch + deadline`` of the engine's next event, then tell the
-        engine task. A newer deadline replaces the one being slept on."""
+        engine task. A newer deadline replaces the one being slept on: the engine task
+        cancels the sleep (:meth:`_send_deadline`), which only happens when the next
+        event moved while a step was in flight (an arrival is handled at once, so it
+        does not move the step's end)."""
         deadlines = self._deadline_recv
         deadline: float | None = None
-        while True:
-            if deadline is None:
-                deadline = await deadlines.receive()
-                continue
-            with trio.move_on_at(self.epoch + deadline):
-                deadline = await deadlines.receive()
-                continue
-            deadline = None
-            try:
-                self._inbox_send.send_nowait(_TICK)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return
+        timer = Timer()
+        self._precise = timer.precise
+        try:
+            while True:
+                while True:  # the newest deadline sent wins
+                    try:
+                        deadline = deadlines.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                if deadline is None:
+                    deadline = await deadlines.receive()
+                    continue
+                with trio.CancelScope() as scope:
+                    self._sleep_scope = scope
+                    await timer.sleep_until(self.epoch + deadline)
+                self._sleep_scope = None
+                if scope.cancelled_caught:
+                    continue
+                deadline = None
+                try:
+                    self._inbox_send.send_nowait(_TICK)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+        finally:
+            self._sleep_scope = None
+            timer.close()

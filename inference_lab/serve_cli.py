@@ -256,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         sock = bind_socket(args.host, port or 0)
     except OSError as exc:
         return _fail(f"cannot listen on {args.host}:{port}: {exc.strerror or exc}")
-    app = create_app(settings, freeze_gc=True)
+    app = create_app(settings, server_process=True)
     print(_banner(settings, args.hardware, _url(sock)), flush=True)
     try:
         trio.run(_serve_until_signalled, app, sock)

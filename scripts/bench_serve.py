@@ -113,9 +113,10 @@ class Result:
     status: int
 
 
-def _entry(stats: list[dict[str, Any]], model: str) -> dict[str, Any]:
+def _entry(stats: Any, model: str) -> dict[str, Any]:
     """The /control/stats entry of ``model``."""
-    return next(entry for entry in stats if entry["model"] == model)
+    models = stats["models"] if isinstance(stats, dict) else stats
+    return next(entry for entry in models if entry["model"] == model)
 
 
 async def _http_get(host: str, port: int, path: str) -> Any:

@@ -228,13 +228,15 @@ class StepSpy:
         return events
 
 
-async def test_with_many_streams_mid_stream_writes_are_batched_but_ends_are_not(
+async def test_held_back_writes_batch_mid_stream_tokens_but_never_the_ends(
     serve: ServeFactory, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """With 40 streams open a writer holds mid-stream tokens back (3.2 ms after each write,
-    about two steps) and writes them in batches, but a stream's first token and its end
-    ([DONE]) leave exactly when the engine emits them: TTFT and E2E are untouched."""
+    """While delivery holds writes back (a saturated loop; here forced to 3.2 ms, about two
+    steps, beside 39 other streams), a writer batches mid-stream tokens, but a stream's
+    first token and its end ([DONE]) leave exactly when the engine emits them: TTFT and
+    E2E are untouched."""
     async with serve() as s:
+        s.state.delivery.force_interval(0.0032)
         rt = s.runtime()
         spy = StepSpy(rt.engine)
         rt.engine = spy  # type: ignore[assignment]
@@ -252,9 +254,21 @@ async def test_with_many_streams_mid_stream_writes_are_batched_but_ends_are_not(
                 await b.read_all()
             nursery.cancel_scope.cancel()
         emitted = spy.emitted[spy.submitted[-1]]
+        assert s.state.delivery.statistics().holds > 0
     assert len(emitted) == 60 == len(b.token_times())
     assert b.token_times()[0] == approx(rt.epoch + emitted[0])
     assert b.chunks[-1][0] == approx(rt.epoch + emitted[-1])
     assert b.frames()[-1] == b"[DONE]"
     token_writes = [t for t, data in b.chunks if b'"content"' in data]
     assert len(token_writes) < 60 / 2  # two or more tokens per write mid-stream
+
+
+async def test_an_idle_loop_writes_every_token_when_it_is_emitted(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    """With no hold-back (the loop is not saturated) each decode step's token is its own
+    write, at the step's end."""
+    async with serve() as s, s.stream(chat_body(max_tokens=30, stream=True)) as stream:
+        await stream.read_all()
+    token_writes = [t for t, data in stream.chunks if b'"content"' in data]
+    assert len(token_writes) == 30

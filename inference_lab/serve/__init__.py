@@ -1,0 +1,42 @@
+"""``inference-lab serve``: an OpenAI-compatible HTTP API over simulated, paced engines.
+
+The package, by concern (dependencies run downwards):
+
+- :mod:`~inference_lab.serve.settings`: flags and environment -> :class:`ServeSettings`;
+- :mod:`~inference_lab.serve.state`: the runtimes of one app and their lifecycle;
+- :mod:`~inference_lab.serve.responses`: every error and refusal as an HTTP reply;
+- :mod:`~inference_lab.serve.streaming`: per-request sinks and frame delivery;
+- :mod:`~inference_lab.serve.completions`: the two completion routes on raw ASGI;
+- :mod:`~inference_lab.serve.routes`: the Quart routes (health, models, control);
+- :mod:`~inference_lab.serve.asgi`: the ASGI connection where every request enters;
+- :mod:`~inference_lab.serve.app`: :func:`create_app`.
+
+``hypercorn --worker-class trio 'inference_lab.serve:create_app()'`` serves the app
+configured from ``INFERENCE_LAB_*`` variables.
+"""
+
+from inference_lab.serve.app import create_app
+from inference_lab.serve.asgi import get_state
+from inference_lab.serve.settings import (
+    DEFAULT_CONFIG,
+    DEFAULT_HARDWARE,
+    DEFAULT_MAX_TOKENS,
+    ServeSettings,
+    load_settings,
+    parse_int_setting,
+    settings_from_env,
+)
+from inference_lab.serve.state import ServeState
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "DEFAULT_HARDWARE",
+    "DEFAULT_MAX_TOKENS",
+    "ServeSettings",
+    "ServeState",
+    "create_app",
+    "get_state",
+    "load_settings",
+    "parse_int_setting",
+    "settings_from_env",
+]

@@ -1,0 +1,101 @@
+"""The app's ASGI connection: where every HTTP request enters, and two stack fixes.
+
+Rule 1: a request's arrival is the moment the server received it: hypercorn's own receipt
+        time when it offers one (:func:`received_at`), else the start of the ASGI call.
+Rule 2: every request passes :mod:`inference_lab.serve.gate` first; then ``POST`` on a
+        completion path goes straight to :func:`inference_lab.serve.completions.complete`,
+        any other method on those paths is a 405, and every other request is handed to
+        Quart (with the exchange's headers added to its response).
+Rule 3: the final ``http.response.body`` of a Quart route is shielded from cancellation
+        (hypercorn issue #330: quart-trio cancels the request scope when hypercorn reports
+        the disconnect that its own end-of-response handling emits; a cancellation landing
+        inside that send left ``Connection: close`` sockets open and keep-alive timers
+        unarmed). The completion routes shield their own final sends.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+import trio
+from quart_trio import QuartTrio
+from quart_trio.asgi import TrioASGIHTTPConnection
+
+from inference_lab.serve import gate
+from inference_lab.serve.completions import COMPLETION_ROUTES, complete, send_reply
+from inference_lab.serve.exchange import Exchange
+from inference_lab.serve.responses import method_not_allowed_reply
+from inference_lab.serve.state import ServeState
+
+__all__ = ["InferenceLabApp", "LabHTTPConnection", "STATE_KEY", "get_state"]
+
+#: Where an app keeps its :class:`ServeState` (``app.extensions[STATE_KEY]``).
+STATE_KEY = "inference_lab"
+#: Seconds beyond which a server's own receipt time is not believed (a clock step).
+MAX_RECEIPT_AGE = 1.0
+
+
+def get_state(app: Any) -> ServeState:
+    """The :class:`ServeState` of an app made by ``create_app``."""
+    return cast(ServeState, app.extensions[STATE_KEY])
+
+
+def received_at(send: Any) -> float:
+    """The trio time at which the server received the request that ``send`` answers.
+
+    hypercorn's ``send`` is a bound method of its per-request stream, which notes the
+    wall-clock time (``time.time()``) at which it parsed the request line, before it
+    built the scope and started the app; that is ~0.3-0.9 ms of the server's own work
+    earlier than the ASGI call. Any other server (or a test client) gives no such time:
+    then it is now.
+    """
+    now = trio.current_time()
+    started = getattr(getattr(send, "__self__", None), "start_time", None)
+    if type(started) is float:
+        age = time.time() - started
+        if 0.0 <= age < MAX_RECEIPT_AGE:
+            return now - age
+    return now
+
+
+class LabHTTPConnection(TrioASGIHTTPConnection):
+    """quart-trio's HTTP connection, with the gate in front of every route and the
+    completion routes served directly."""
+
+    async def __call__(self, receive: Any, send: Any) -> None:
+        state = get_state(self.app)
+        exchange = Exchange(cast(dict[str, Any], self.scope), received_at(send))
+        gate.prepare(state, exchange)
+        refusal = gate.check(state, exchange)
+        if refusal is not None:
+            await send_reply(send, refusal, exchange.headers)
+            return
+        kind = COMPLETION_ROUTES.get(exchange.path)
+        if kind is None:
+            await super().__call__(receive, exchange.wrap(send))  # type: ignore[arg-type]
+            return
+        if exchange.method != "POST":
+            reply = method_not_allowed_reply(exchange.method, exchange.path, ("POST",))
+            await send_reply(send, reply, exchange.headers)
+            return
+        await complete(state, kind, exchange, receive, send)
+
+    async def handle_request(  # type: ignore[override]
+        self, nursery: trio.Nursery, request: Any, send: Any
+    ) -> None:
+        async def send_shielding_final(message: Any) -> None:
+            if message.get("type") == "http.response.body" and not message.get("more_body"):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
+
+        await super().handle_request(nursery, request, send_shielding_final)
+
+
+class InferenceLabApp(QuartTrio):
+    """The serve app's class: a QuartTrio app whose HTTP connections are
+    :class:`LabHTTPConnection`."""
+
+    asgi_http_class = LabHTTPConnection

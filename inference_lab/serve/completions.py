@@ -1,0 +1,197 @@
+"""The two completion routes, served straight on ASGI messages.
+
+``POST /v1/chat/completions`` and ``POST /v1/completions`` carry nearly all of a busy
+server's traffic, so they skip Quart's request and response objects: the app's ASGI
+connection (:mod:`inference_lab.serve.asgi`) calls :func:`complete` with the raw scope,
+``receive`` and ``send``. Every other endpoint is an ordinary Quart route.
+
+Rule 1: checks run in the order body (413/400) -> validation (400) -> model (404) -> fit
+        (400) -> engine alive (503) -> depth (529); the last two are one synchronous call,
+        ``ModelRuntime.admit_nowait``, and every refusal is a whole :class:`Reply` sent
+        before any response starts.
+Rule 2: a request's arrival is the moment its ASGI call started (``arrival``), before its
+        body was read and parsed, as a real engine's API server stamps it.
+Rule 3: an admitted request is closed (aborted unless it finished) exactly when its
+        exchange ends, whatever ends it: the ``finally`` here is synchronous and
+        idempotent, and a client that leaves wakes the writer or collector at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import trio
+
+from inference_lab.errors import ApiError, EngineUnavailable, QueueFull
+from inference_lab.openai_api import (
+    MAX_BODY_BYTES,
+    StreamEncoder,
+    completion_body,
+    new_request_id,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_object,
+)
+from inference_lab.runtime import RequestHandle
+from inference_lab.serve.exchange import Exchange, Receive, Send
+from inference_lab.serve.responses import (
+    Reply,
+    body_too_large_reply,
+    engine_failed_reply,
+    error_reply,
+)
+from inference_lab.serve.state import ServeState
+from inference_lab.serve.streaming import CollectSink, StreamSink, write_stream
+
+__all__ = ["COMPLETION_ROUTES", "complete", "read_body", "send_reply"]
+
+Kind = Literal["chat", "completions"]
+
+#: Path -> kind of the routes :func:`complete` serves (POST only).
+COMPLETION_ROUTES: dict[str, Kind] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+}
+_STREAM_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+class BodyTooLarge(Exception):
+    """The request body passed :data:`MAX_BODY_BYTES` (raised by :func:`read_body`)."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body was complete."""
+
+
+def _content_length(scope: dict[str, Any]) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def read_body(receive: Receive, scope: dict[str, Any], limit: int = MAX_BODY_BYTES) -> bytes:
+    """The whole request body. Raises :class:`BodyTooLarge` as soon as the declared or
+    received length passes ``limit`` (nothing more is read) and :class:`ClientGone` when
+    the client disconnects first."""
+    declared = _content_length(scope)
+    if declared is not None and declared > limit:
+        raise BodyTooLarge
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        body = message.get("body", b"")
+        if body:
+            size += len(body)
+            if size > limit:
+                raise BodyTooLarge
+            chunks.append(body)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def send_reply(send: Send, reply: Reply, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """Send a whole reply, ``headers`` added: the start, then the body, which ends the
+    response."""
+    headers = reply.header_list(headers)
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    await send({"type": "http.response.body", "body": reply.body, "more_body": False})
+
+
+async def _watch(receive: Receive, sink: StreamSink | CollectSink, handle: RequestHandle) -> None:
+    """Wait for the client to leave; then abort the request and wake its writer."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            handle.close()
+            sink.on_gone()
+            return
+
+
+async def complete(
+    state: ServeState, kind: Kind, exchange: Exchange, receive: Receive, send: Send
+) -> None:
+    """Serve one completion request (see the module rules). Called by the app's ASGI
+    connection for ``POST`` on a path of :data:`COMPLETION_ROUTES`."""
+    handle: RequestHandle | None = None
+    try:
+        try:
+            body = await read_body(receive, exchange.scope)
+        except BodyTooLarge:
+            await send_reply(send, body_too_large_reply(), exchange.headers)
+            return
+        except ClientGone:
+            return
+        default_max_tokens = state.settings.default_max_tokens
+        try:
+            raw = parse_json_object(body)
+            if kind == "chat":
+                parsed = parse_chat_request(raw, default_max_tokens)
+            else:
+                parsed = parse_completion_request(raw, default_max_tokens)
+            runtime = state.runtimes.get(parsed.model)
+            if runtime is None:
+                raise state.model_not_found(parsed.model)
+            engine_prompt = max(1, parsed.prompt_tokens)
+            refused = runtime.check_fits(engine_prompt, parsed.max_tokens)
+            if refused is not None:
+                raise ApiError(400, "context_length_exceeded", refused.reason, "max_tokens")
+            request_id = new_request_id(parsed.kind)
+            created = int(time.time())
+            sink: StreamSink | CollectSink
+            if parsed.stream:
+                sink = StreamSink(StreamEncoder(parsed, request_id=request_id, created=created))
+            else:
+                sink = CollectSink()
+            handle = runtime.admit_nowait(
+                prompt_tokens=engine_prompt,
+                max_tokens=parsed.max_tokens,
+                priority=parsed.priority,
+                sink=sink,
+                arrival=exchange.arrival,
+            )
+        except (ApiError, QueueFull, EngineUnavailable) as exc:
+            await send_reply(send, error_reply(exc), exchange.headers)
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch, receive, sink, handle)
+            try:
+                if isinstance(sink, StreamSink):
+                    await send(
+                        {"type": "http.response.start", "status": 200, "headers": _STREAM_HEADERS}
+                    )
+                    await write_stream(send, sink, state.delivery)
+                else:
+                    await sink.event.wait()
+                    handle.close()
+                    if sink.finished is not None:
+                        reply = Reply(
+                            200,
+                            completion_body(
+                                parsed,
+                                request_id=request_id,
+                                created=created,
+                                completion_tokens=sink.finished.output_tokens,
+                                finish_reason=sink.finished.finish_reason,
+                            ),
+                        )
+                    elif not sink.gone:
+                        reply = engine_failed_reply(sink.failure or "The engine failed.")
+                    else:
+                        return
+                    with trio.CancelScope(shield=True):
+                        await send_reply(send, reply, exchange.headers)
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        if handle is not None:
+            handle.close()

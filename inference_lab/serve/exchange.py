@@ -1,0 +1,58 @@
+"""One HTTP exchange as the app's ASGI connection sees it.
+
+Rule 1: an :class:`Exchange` is made once per request, first thing, by the app's ASGI
+        connection, and handed to everything that answers the request; it is the one
+        place that knows the request's arrival time and the headers every answer to it
+        must carry (request id, CORS), whichever code path answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+
+__all__ = ["Exchange", "Receive", "Send"]
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+@attrs.define(eq=False)
+class Exchange:
+    """A request's scope, its arrival (trio time) and what its answers must carry."""
+
+    scope: dict[str, Any]
+    arrival: float
+    #: Headers added to every response start of this exchange.
+    headers: list[tuple[bytes, bytes]] = attrs.field(factory=list)
+
+    @property
+    def method(self) -> str:
+        return str(self.scope["method"])
+
+    @property
+    def path(self) -> str:
+        return str(self.scope["path"])
+
+    def header(self, name: bytes) -> bytes | None:
+        """The first request header called ``name`` (lower case), or None."""
+        for key, value in self.scope["headers"]:
+            if key == name:
+                return bytes(value)
+        return None
+
+    def wrap(self, send: Send) -> Send:
+        """``send`` with this exchange's headers added to the response start (``send``
+        itself when there are none)."""
+        if not self.headers:
+            return send
+        extra = self.headers
+
+        async def send_with_headers(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), *extra]}
+            await send(message)
+
+        return send_with_headers

@@ -1,0 +1,162 @@
+"""The Quart routes: health, models, capacity control and runtime statistics.
+
+The completion routes are not here: the app's ASGI connection serves them
+(:mod:`inference_lab.serve.completions`). Every answer is built from published runtime
+snapshots (or a statistics call) and sent as a :class:`Reply`.
+
+Rule 1: a capacity change is validated whole before anything changes; then it applies to
+        every addressed model at once (synchronously: no checkpoint in between).
+Rule 2: errors go through :func:`inference_lab.serve.responses.error_reply`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, cast
+
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from inference_lab.errors import ApiError
+from inference_lab.openai_api import parse_capacity_request, parse_json_object
+from inference_lab.runtime import ModelRuntime, RuntimeSnapshot
+from inference_lab.serve.responses import Reply, error_reply, json_reply
+from inference_lab.serve.state import ServeState
+
+__all__ = ["capacity_entry", "register_routes", "stats_entry"]
+
+
+def to_response(reply: Reply) -> Response:
+    """A Quart response carrying ``reply`` exactly."""
+    response = Response(reply.body, status=reply.status, content_type=reply.content_type.decode())
+    for name, value in reply.headers:
+        response.headers[name.decode()] = value.decode()
+    return response
+
+
+def capacity_entry(snap: RuntimeSnapshot) -> dict[str, Any]:
+    """One model's entry of ``GET /control/capacity``."""
+    return {
+        "model": snap.model,
+        "max_waiting": snap.max_waiting,
+        "max_num_seqs": snap.max_num_seqs,
+        "waiting": snap.depth,
+        "running": snap.running,
+    }
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 4)
+
+
+def stats_entry(runtime: ModelRuntime, last: int | None, finished: int | None) -> dict[str, Any]:
+    """One model's entry of ``GET /control/stats``: engine counters, the simulated E2E
+    median and the pacing lag (all times in milliseconds)."""
+    st = runtime.statistics(last, finished)
+    snap, eng = st.snapshot, st.engine
+    return {
+        "model": snap.model,
+        "alive": snap.alive,
+        "waiting": snap.depth,
+        "running": snap.running,
+        "max_num_seqs": snap.max_num_seqs,
+        "max_waiting": snap.max_waiting,
+        "admitted": snap.admitted,
+        "refused": snap.refused,
+        "sim_time": st.sim_time,
+        "wall_time": st.wall_time,
+        "steps": eng.steps,
+        "finished": eng.finished,
+        "aborted": eng.aborted,
+        "preemptions": eng.preemptions,
+        "kv_usage": eng.kv_usage,
+        "sim_e2e_ms": {"count": st.e2e_count, "p50": _ms(st.e2e_p50)},
+        "pacing_lag_ms": {
+            "events": snap.events,
+            "total": _ms(st.lag_total),
+            "mean": _ms(snap.lag_mean),
+            "max": _ms(snap.lag_max),
+            "window_p50": _ms(st.lag_p50),
+            "window_p99": _ms(st.lag_p99),
+            "window_max": _ms(st.lag_max_recent),
+            "last_second_p99": _ms(st.lag_window_p99),
+            "last_second_max": _ms(st.lag_window_max),
+            "precise_timer": st.precise_timer,
+        },
+    }
+
+
+def _count_arg(name: str) -> int | None:
+    raw = request.args.get(name, "")
+    return int(raw) if raw.isdigit() else None
+
+
+def register_routes(app: QuartTrio, state: ServeState) -> None:
+    """Add the Quart routes and error handlers of the serve app to ``app``."""
+
+    @app.errorhandler(HTTPException)
+    async def _http_error(exc: HTTPException) -> Response:
+        return to_response(error_reply(exc, method=request.method, path=request.path))
+
+    @app.errorhandler(Exception)
+    async def _internal_error(exc: Exception) -> Response:
+        app.logger.exception("unhandled error", exc_info=exc)
+        return to_response(error_reply(exc))
+
+    @app.get("/health")
+    async def health() -> Response:
+        alive = {name: rt.snapshot().alive for name, rt in state.runtimes.items()}
+        if all(alive.values()):
+            return to_response(Reply(200, b'{"status":"ok"}'))
+        models = {name: ("running" if up else "stopped") for name, up in alive.items()}
+        return to_response(json_reply({"status": "unavailable", "models": models}, 503))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        data = [
+            {"id": name, "object": "model", "created": state.created, "owned_by": "inference-lab"}
+            for name in state.runtimes
+        ]
+        return to_response(json_reply({"object": "list", "data": data}))
+
+    @app.get("/control/capacity")
+    async def get_capacity() -> Response:
+        body = [capacity_entry(rt.snapshot()) for rt in state.runtimes.values()]
+        return to_response(json_reply(body))
+
+    @app.post("/control/capacity")
+    async def post_capacity() -> Response:
+        try:
+            data = cast(bytes, await request.get_data(cache=False, as_text=False))
+            change = parse_capacity_request(parse_json_object(data))
+            if change.model is None:
+                targets = list(state.runtimes.values())
+            elif change.model in state.runtimes:
+                targets = [state.runtimes[change.model]]
+            else:
+                raise state.model_not_found(change.model)
+        except (ApiError, HTTPException) as exc:
+            return to_response(error_reply(exc, method=request.method, path=request.path))
+        for runtime in targets:
+            runtime.set_capacity(max_num_seqs=change.max_num_seqs, max_waiting=change.max_waiting)
+        return to_response(json_reply([capacity_entry(rt.snapshot()) for rt in targets]))
+
+    @app.get("/control/stats")
+    async def stats() -> Response:
+        """Runtime statistics (not in the OpenAI API). ``?last=N`` computes the lag
+        percentiles over the last N engine events, ``?finished=M`` the median simulated
+        E2E over the last M completions."""
+        last, finished = _count_arg("last"), _count_arg("finished")
+        delivery = state.delivery.statistics()
+        body = {
+            "process": {"cpu_seconds": time.process_time(), "wall_seconds": time.monotonic()},
+            "delivery": {
+                "open_streams": delivery.open_streams,
+                "interval_ms": _ms(delivery.interval),
+                "loop_busy": round(delivery.loop_busy, 4),
+                "holds": delivery.holds,
+            },
+            "models": [stats_entry(rt, last, finished) for rt in state.runtimes.values()],
+        }
+        return to_response(json_reply(body))

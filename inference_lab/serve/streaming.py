@@ -1,0 +1,365 @@
+"""Per-request sinks and the delivery of stream frames to the wire.
+
+The engine task hands each request's output to its sink by synchronous calls (a counter
+update per step); the request's own task writes what is pending when it runs. How often a
+stream writes mid-stream is decided by :class:`Delivery` from the measured load of the
+event loop, not from the number of open streams.
+
+Rule 1: everything pending for a stream goes out in one write; the last token, the finish
+        frame, the usage frame and ``[DONE]`` are one ``http.response.body`` message, the
+        one that ends the body.
+Rule 2: a stream's first token and its end (finish, an error, ``[DONE]``) are never held
+        back. Only mid-stream tokens may wait, and only while the loop is saturated, for
+        at most :attr:`Delivery.interval` after the stream's previous write, so a busy CPU
+        shows up as coarser delivery, never as slower generation.
+Rule 3: a slow reader only delays its own writes; the engine never waits for a writer.
+Rule 4: a client that goes away ends its writer at its next wake-up with nothing more
+        written (the caller aborts the request in the engine).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import trio
+
+from inference_lab.engine import Finished
+from inference_lab.openai_api import StreamEncoder
+from inference_lab.serve.responses import stream_failure_frames
+
+__all__ = ["CollectSink", "Delivery", "LoopMonitor", "StreamSink", "write_stream"]
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class StreamSink:
+    """A streaming request's pending output: the opening frame, a count of token frames
+    not yet written (``written .. emitted``, encoded only when written) and the end
+    frames. The engine task's per-token work is a counter update.
+
+    ``waiting`` is set while the writer is parked for frames: new tokens wake it. ``hold``
+    is set while the writer deliberately waits (see :class:`Delivery`): new tokens then do
+    not wake it, the end of the stream does. ``gone`` is set when the client left."""
+
+    __slots__ = (
+        "encoder",
+        "opening",
+        "written",
+        "emitted",
+        "closing",
+        "done",
+        "gone",
+        "lot",
+        "hold",
+        "hold_until",
+        "waiting",
+    )
+
+    def __init__(self, encoder: StreamEncoder) -> None:
+        self.encoder = encoder
+        self.opening = encoder.opening()
+        self.written = 0
+        self.emitted = 0
+        self.closing = b""
+        self.done = False
+        self.gone = False
+        self.hold = False
+        self.hold_until = 0.0
+        self.waiting = False
+        self.lot = trio.lowlevel.ParkingLot()
+
+    def pending(self) -> bool:
+        return bool(self.opening or self.emitted > self.written or self.closing)
+
+    def take(self) -> bytes:
+        """Everything pending, in order (opening, tokens, end), marked written."""
+        data = self.opening
+        self.opening = b""
+        if self.emitted > self.written:
+            data += self.encoder.tokens(self.written, self.emitted)
+            self.written = self.emitted
+        if self.closing:
+            data += self.closing
+            self.closing = b""
+        return data
+
+    def on_tokens(self, count: int) -> None:
+        self.emitted += count
+        # Wake the writer if it is parked for frames (a busy writer finds the frames when
+        # it comes back; a holding one when its hold-back ends).
+        if self.waiting:
+            self.waiting = False
+            self.lot.unpark_all()
+
+    def on_finished(self, finished: Finished) -> None:
+        self.closing = self.encoder.closing(finished.finish_reason, finished.output_tokens)
+        self._end()
+
+    def on_failed(self, message: str) -> None:
+        self.closing = stream_failure_frames(message)
+        self._end()
+
+    def on_gone(self) -> None:
+        """The client left: the writer returns at its next wake-up, writing nothing."""
+        self.gone = True
+        self._end()
+
+    def _end(self) -> None:
+        self.done = True
+        if self.waiting or self.hold:
+            self.waiting = False
+            self.lot.unpark_all()
+
+
+class CollectSink:
+    """A non-streaming request: wakes its handler when the request ends or the client
+    leaves."""
+
+    __slots__ = ("event", "finished", "failure", "gone")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.finished: Finished | None = None
+        self.failure: str | None = None
+        self.gone = False
+
+    def on_tokens(self, count: int) -> None:
+        pass
+
+    def on_finished(self, finished: Finished) -> None:
+        self.finished = finished
+        self.event.set()
+
+    def on_failed(self, message: str) -> None:
+        self.failure = message
+        self.event.set()
+
+    def on_gone(self) -> None:
+        self.gone = True
+        self.event.set()
+
+
+class LoopMonitor(trio.abc.Instrument):
+    """How busy trio's run loop is: the share of wall-clock time spent outside the I/O
+    wait (where the loop sleeps when no task can run). Installed by :class:`Delivery`
+    with ``trio.lowlevel.add_instrument``; it only defines the two I/O-wait hooks, which
+    trio calls once per loop iteration."""
+
+    def __init__(self) -> None:
+        self._wait_start = 0.0
+        self._idle = 0.0
+        self._since = time.perf_counter()
+
+    def before_io_wait(self, timeout: float) -> None:
+        self._wait_start = time.perf_counter()
+
+    def after_io_wait(self, timeout: float) -> None:
+        self._idle += time.perf_counter() - self._wait_start
+
+    def busy(self) -> float:
+        """The busy share (0..1) since the previous call."""
+        now = time.perf_counter()
+        elapsed = now - self._since
+        idle, self._idle, self._since = self._idle, 0.0, now
+        if elapsed <= 0:
+            return 0.0
+        return min(1.0, max(0.0, 1.0 - idle / elapsed))
+
+
+@attrs.frozen(kw_only=True)
+class DeliveryStatistics:
+    """What :class:`Delivery` is doing (``/control/stats``)."""
+
+    #: Streams being written now.
+    open_streams: int
+    #: Seconds a stream waits after a mid-stream write before the next one (0 = none).
+    interval: float
+    #: The event loop's busy share over the last control period (0..1; 0 when unmeasured).
+    loop_busy: float
+    #: Mid-stream writes held back so far.
+    holds: int
+
+
+class Delivery:
+    """How often streams write mid-stream, from the measured load of the event loop.
+
+    Every SSE write costs the HTTP stack tens of microseconds of CPU (most of it the send
+    system call on loopback), and the pacer's wake-ups queue behind every runnable writer.
+    While the loop is idle enough, every token is written when the engine emits it. When
+    the loop's busy share over a control period (:attr:`PERIOD`) passes :attr:`HIGH`, a
+    writer that has just written mid-stream waits :attr:`interval` before writing the
+    tokens that arrived meanwhile (all in one write); the interval grows by :attr:`GROW`
+    while the loop stays busy and shrinks back to zero once it is below :attr:`LOW`.
+    First tokens and stream ends are never held (module Rule 2).
+
+    The hold-backs are timed by one **releaser** task (:meth:`run`, started with the
+    runtimes) rather than a timeout per writer: a held writer parks, and the releaser
+    wakes every writer whose hold-back has expired in one pass (a trio timeout per write
+    is a cancellation: ~10k of them a second cost several per cent of the CPU). The
+    releaser also runs the control loop. The loop is only measured under trio's real
+    clock; under a MockClock (tests) the interval is whatever :meth:`force_interval` set.
+    """
+
+    #: Seconds between control decisions.
+    PERIOD = 0.05
+    #: Busy share above which writes are spaced further apart ...
+    HIGH = 0.6
+    #: ... and below which they are brought closer again.
+    LOW = 0.35
+    #: Smallest non-zero interval (seconds) and the largest.
+    MIN_INTERVAL = 0.001
+    MAX_INTERVAL = 0.05
+    #: Factor of each change of the interval.
+    GROW = 1.5
+
+    def __init__(self) -> None:
+        self.open = 0
+        self.interval = 0.0
+        self.running = False
+        self.busy = 0.0
+        self.holds = 0
+        self._forced: float | None = None
+        self._monitor: LoopMonitor | None = None
+        self._held: list[tuple[float, int, StreamSink]] = []  # heap of (until, seq, sink)
+        self._seq = 0
+        self._lot = trio.lowlevel.ParkingLot()
+        self._sleeping_until = math.inf
+        self._scope: trio.CancelScope | None = None
+
+    def force_interval(self, interval: float | None) -> None:
+        """Fix the interval (tests, benchmarks); None returns control to the monitor."""
+        self._forced = interval
+        self.interval = interval if interval is not None else 0.0
+
+    def statistics(self) -> DeliveryStatistics:
+        return DeliveryStatistics(
+            open_streams=self.open, interval=self.interval, loop_busy=self.busy, holds=self.holds
+        )
+
+    def decide(self, busy: float) -> float:
+        """The next interval given the loop's busy share over the last period (pure
+        arithmetic on the current interval; the control loop applies it)."""
+        interval = self.interval
+        if busy > self.HIGH:
+            return min(self.MAX_INTERVAL, max(self.MIN_INTERVAL, interval * self.GROW))
+        if busy < self.LOW and interval > 0:
+            interval /= self.GROW
+            return interval if interval >= self.MIN_INTERVAL else 0.0
+        return interval
+
+    def hold(self, sink: StreamSink, until: float) -> None:
+        """Have the releaser wake ``sink``'s writer at ``until`` (unless it has stopped
+        holding by then: ``sink.hold_until`` names the hold-back an entry belongs to)."""
+        sink.hold_until = until
+        self._seq += 1
+        self.holds += 1
+        heapq.heappush(self._held, (until, self._seq, sink))
+        if until < self._sleeping_until:
+            self._lot.unpark_all()  # the releaser sleeps too long (or idles): re-arm it
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The releaser and control loop (runs until :meth:`stop` or cancellation)."""
+        held = self._held
+        self.running = True
+        self._scope = trio.CancelScope()
+        real_clock = type(trio.lowlevel.current_clock()).__name__ == "SystemClock"
+        if real_clock and self._forced is None:
+            self._monitor = LoopMonitor()
+            trio.lowlevel.add_instrument(self._monitor)
+        task_status.started()
+        try:
+            with self._scope:
+                await self._release(held)
+        finally:
+            self.running = False
+            self._sleeping_until = math.inf
+            if self._monitor is not None:
+                trio.lowlevel.remove_instrument(self._monitor)
+                self._monitor = None
+            for _, _, sink in held:
+                sink.lot.unpark_all()
+            held.clear()
+
+    def stop(self) -> None:
+        """End the releaser (the serving teardown calls it: hypercorn would otherwise wait
+        for it). Held writers are woken and time their own hold-backs from then on."""
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def _control(self, now: float) -> float:
+        """Apply a control decision if a period has passed; the time of the next one."""
+        monitor = self._monitor
+        if monitor is None or self._forced is not None:
+            return math.inf
+        self.busy = monitor.busy()
+        self.interval = self.decide(self.busy)
+        return now + self.PERIOD
+
+    async def _release(self, held: list[tuple[float, int, StreamSink]]) -> None:
+        """Wake held writers whose hold-back has ended; decide the interval every
+        period; sleep until whichever comes next."""
+        lot = self._lot
+        next_control = self._control(trio.current_time())
+        while True:
+            now = trio.current_time()
+            if now >= next_control:
+                next_control = self._control(now)
+            while held and held[0][0] <= now:
+                until, _, sink = heapq.heappop(held)
+                if sink.hold and sink.hold_until == until:
+                    sink.lot.unpark_all()
+            wake = min(held[0][0] if held else math.inf, next_control)
+            self._sleeping_until = wake
+            if wake < math.inf:
+                with trio.move_on_at(wake):
+                    await lot.park()
+            else:
+                await lot.park()
+
+
+async def write_stream(send: Send, sink: StreamSink, delivery: Delivery) -> None:
+    """Write ``sink``'s frames to ``send`` until the stream ends or the client leaves.
+
+    The message that carries the end of the stream ends the body (``more_body`` False)
+    and is shielded from cancellation, so a finished stream always reaches its chunked
+    terminator. Called by the completion exchange once the response has started.
+    """
+    lot = sink.lot
+    delivery.open += 1
+    try:
+        while True:
+            while not sink.pending():
+                if sink.done:
+                    return  # the client left (nothing more to write)
+                sink.waiting = True
+                try:
+                    await lot.park()
+                finally:
+                    sink.waiting = False
+            if sink.gone:
+                return
+            data = sink.take()
+            if sink.done:
+                with trio.CancelScope(shield=True):
+                    await send({"type": "http.response.body", "body": data, "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+            interval = delivery.interval
+            if interval > 0 and sink.emitted and not sink.done:
+                sink.hold = True
+                try:
+                    if delivery.running:
+                        delivery.hold(sink, trio.current_time() + interval)
+                        await lot.park()  # woken by the releaser or the end of the stream
+                    else:
+                        with trio.move_on_after(interval):
+                            await lot.park()  # woken early only by the end of the stream
+                finally:
+                    sink.hold = False
+    finally:
+        delivery.open -= 1
