@@ -3,8 +3,8 @@
 Rule 1: :func:`prepare` runs first for every request and decides the headers every answer
         to it carries (``Exchange.headers``); :func:`check` then decides, synchronously and
         before anything is read from the body, whether the request is refused outright.
-Rule 2: the checks run in a fixed order (path, CORS preflight, authorization, content
-        type) and the first refusal answers; every refusal is a whole :class:`Reply` from
+Rule 2: the checks run in a fixed order (path, CORS preflight, control token, API key,
+        content type) and the first refusal answers; every refusal is a whole :class:`Reply` from
         :mod:`inference_lab.serve.responses`.
 """
 
@@ -29,7 +29,11 @@ def _preflight(state: ServeState, exchange: Exchange) -> Reply | None:
     return None
 
 
-def _authorization(state: ServeState, exchange: Exchange) -> Reply | None:
+def _control_token(state: ServeState, exchange: Exchange) -> Reply | None:
+    return None
+
+
+def _api_key(state: ServeState, exchange: Exchange) -> Reply | None:
     return None
 
 
@@ -37,7 +41,7 @@ def _content_type(state: ServeState, exchange: Exchange) -> Reply | None:
     return None
 
 
-_CHECKS = (_path, _preflight, _authorization, _content_type)
+_CHECKS = (_path, _preflight, _control_token, _api_key, _content_type)
 
 
 def check(state: ServeState, exchange: Exchange) -> Reply | None:
