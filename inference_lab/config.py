@@ -1,8 +1,9 @@
-"""Configuration: model configs, hardware profiles, workloads (``spec/config.md``).
+"""Configuration: model configs, hardware profiles, workloads.
 
-Rule 1: every file goes through one strict cattrs converter into ``@attrs.frozen`` classes.
-        Unknown keys are errors; scalars are never coerced (``7.9`` is not an int,
-        ``"false"`` is not a bool; an int is accepted where a float is expected).
+Rule 1: every file goes through one strict cattrs converter (built by
+        :mod:`inference_lab.validation`) into ``@attrs.frozen`` classes. Unknown keys are
+        errors; scalars are never coerced (``7.9`` is not an int, ``"false"`` is not a
+        bool; an int is accepted where a float is expected).
 Rule 2: every error is a :class:`ConfigError` whose message is one line naming the file and
         the key path (``configs/x.toml: scheduler.max_num_seqs: must be >= 1, got 0``).
 Rule 3: a model config is valid as a whole or not at all: every ``[hardware.*]`` entry is
@@ -20,17 +21,17 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
-import cattrs
 import numpy as np
-from cattrs.errors import (
-    AttributeValidationNote,
-    ClassValidationError,
-    ForbiddenExtraKeysError,
-    IterableValidationError,
-    IterableValidationNote,
-)
+from cattrs.errors import ForbiddenExtraKeysError
 
 from inference_lab.errors import ConfigError
+from inference_lab.validation import (
+    FieldError,
+    Invalid,
+    error_leaves,
+    join_path,
+    make_strict_converter,
+)
 
 BYTES_PER_VALUE: dict[str, float] = {"fp4": 0.5, "fp8": 1.0, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
 PRECISIONS = tuple(BYTES_PER_VALUE)
@@ -39,14 +40,6 @@ ROUTERS = ("round_robin", "least_loaded")
 ARRIVAL_PATTERNS = ("poisson", "uniform", "burst", "batched", "closed_loop")
 
 T = TypeVar("T")
-
-
-class FieldError(ValueError):
-    """A validator's complaint about one field; the loader adds the path."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 # ---------------------------------------------------------------------------------------
@@ -83,6 +76,11 @@ def _one_of(options: tuple[str, ...]) -> Callable[[Any, attrs.Attribute[Any], An
             raise FieldError(attr.name, f"must be one of {', '.join(options)}; got {value!r}")
 
     return check
+
+
+def _optional_nonempty(_inst: Any, attr: attrs.Attribute[Any], value: str | None) -> None:
+    if value is not None and not value:
+        raise FieldError(attr.name, "must be a non-empty path")
 
 
 def _lower(value: str) -> str:
@@ -164,6 +162,10 @@ class ModelArch:
     activation_bytes: int = attrs.field(default=2, validator=_ge(1))
     weights: tuple[WeightStream, ...] = attrs.field(validator=_nonempty)
     layers: tuple[Layer, ...] = attrs.field(validator=_nonempty)
+    #: A tokenizer file (``tokenizer.json``, a ``.tiktoken`` rank file, or a directory
+    #: holding ``tokenizer.json``) written relative to the config file; after loading,
+    #: the resolved path. None: prompts are counted by the byte rule.
+    tokenizer: str | None = attrs.field(default=None, validator=_optional_nonempty)
 
     @layers.validator
     def _check_full_attention(self, attr: attrs.Attribute[Any], value: tuple[Layer, ...]) -> None:
@@ -265,7 +267,8 @@ class Deployment:
 
     @property
     def kv_bytes(self) -> float:
-        """KV bytes of one replica (``roofline.md``, KV capacity)."""
+        """KV bytes of one replica: ``kv_cache_capacity`` when set, else the memory pool
+        (``floor(memory_capacity * tp * gpu_memory_utilization)``) less resident weights."""
         if self.scheduler.kv_cache_capacity > 0:
             return self.scheduler.kv_cache_capacity
         pool = math.floor(
@@ -383,34 +386,10 @@ class Workload:
 # the strict converter
 
 
-def _strict_int(value: Any, _type: Any) -> int:
-    if type(value) is not int:
-        raise TypeError(f"must be an integer, got {value!r}")
-    return value
-
-
-def _strict_float(value: Any, _type: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"must be a number, got {value!r}")
-    return float(value)
-
-
-def _strict_bool(value: Any, _type: Any) -> bool:
-    if type(value) is not bool:
-        raise TypeError(f"must be true or false, got {value!r}")
-    return value
-
-
-def _strict_str(value: Any, _type: Any) -> str:
-    if type(value) is not str:
-        raise TypeError(f"must be a string, got {value!r}")
-    return value
-
-
 def _tagged(tag: str, options: dict[str, type[Any]]) -> Callable[[Any, Any], Any]:
     def structure(value: Any, _type: Any) -> Any:
         if not isinstance(value, Mapping):
-            raise TypeError(f"must be a table, got {value!r}")
+            raise Invalid("a table", value)
         kind = value.get(tag)
         if kind not in options:
             raise FieldError(tag, f"must be one of {', '.join(options)}; got {kind!r}")
@@ -419,56 +398,24 @@ def _tagged(tag: str, options: dict[str, type[Any]]) -> Callable[[Any, Any], Any
     return structure
 
 
-def make_strict_converter(forbid_extra_keys: bool) -> cattrs.Converter:
-    """A cattrs converter whose scalar hooks never coerce."""
-    conv = cattrs.Converter(forbid_extra_keys=forbid_extra_keys)
-    conv.register_structure_hook(int, _strict_int)
-    conv.register_structure_hook(float, _strict_float)
-    conv.register_structure_hook(bool, _strict_bool)
-    conv.register_structure_hook(str, _strict_str)
-    return conv
-
-
-CONVERTER = make_strict_converter(forbid_extra_keys=True)
+CONVERTER = make_strict_converter(forbid_extra_keys=True, mapping_name="a table")
 CONVERTER.register_structure_hook(
     Layer, _tagged("kind", {"attention": AttentionLayer, "linear": LinearLayer})
 )
 CONVERTER.register_structure_hook(LengthDist, _tagged("type", _DISTS))
 
 
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, KeyError):
-        return "missing required key"
-    if isinstance(exc, ForbiddenExtraKeysError):
-        return "unknown key"
-    text = str(exc)
-    return text if text else type(exc).__name__
-
-
 def _error_lines(exc: BaseException, path: str) -> list[tuple[str, str]]:
     """Flatten a cattrs error tree into ``(key path, message)`` pairs."""
-    if isinstance(exc, ForbiddenExtraKeysError):
-        return [(_join(path, key), "unknown key") for key in sorted(exc.extra_fields)]
-    if isinstance(exc, ClassValidationError | IterableValidationError):
-        out: list[tuple[str, str]] = []
-        with_notes, without = exc.group_exceptions()
-        for sub, note in with_notes:
-            if isinstance(note, AttributeValidationNote):
-                out += _error_lines(sub, _join(path, note.name))
-            elif isinstance(note, IterableValidationNote):
-                out += _error_lines(sub, f"{path}[{note.index}]")
-            else:
-                out += _error_lines(sub, path)
-        for sub in without:
-            out += _error_lines(sub, path)
-        return out
-    if isinstance(exc, FieldError):
-        return [(_join(path, exc.field), str(exc))]
-    return [(path, _describe(exc))]
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
+    out: list[tuple[str, str]] = []
+    for where, leaf, _meta in error_leaves(exc, path):
+        if isinstance(leaf, ForbiddenExtraKeysError):
+            out += [(join_path(where, key), "unknown key") for key in sorted(leaf.extra_fields)]
+        elif isinstance(leaf, KeyError):
+            out.append((where, "missing required key"))
+        else:
+            out.append((where, str(leaf) or type(leaf).__name__))
+    return out
 
 
 def _structure(raw: Any, cls: type[T], file: Path, path: str) -> T:
@@ -495,6 +442,17 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+
+
+def _resolve_tokenizer(file: Path, written: str) -> Path:
+    """``[model].tokenizer`` resolved against the config file's directory; it must exist
+    (the tokenizer itself is read by :func:`inference_lab.tokenizer.load_tokenizer`)."""
+    path = Path(written).expanduser()
+    if not path.is_absolute():
+        path = file.parent / path
+    if not path.exists():
+        raise ConfigError(f"{file}: model.tokenizer: no such file or directory {path}")
+    return path
 
 
 def load_hardware_profile(path: Path) -> HardwareProfile:
@@ -582,6 +540,8 @@ def load_model_config(
         if key not in raw:
             raise ConfigError(f"{file}: {key}: missing required table [{key}]")
     model = _structure(raw["model"], ModelArch, file, "model")
+    if model.tokenizer is not None:
+        model = attrs.evolve(model, tokenizer=str(_resolve_tokenizer(file, model.tokenizer)))
     sched_raw = raw["scheduler"]
     scheduler = _structure(sched_raw, SchedulerConfig, file, "scheduler")
     hw_tables = raw["hardware"]

@@ -1,7 +1,19 @@
-"""The engine core: requests, KV blocks, the scheduler, the event heap (``spec/engine.md``).
+"""The engine core: requests, KV blocks, the scheduler, the event heap.
 
 A pure discrete-event simulation with the h11 shape: ``submit``, ``abort``,
-``next_event_time``, ``step``, ``statistics``; outputs are frozen event objects.
+``next_event_time``, ``step``, ``statistics``; outputs are frozen event objects. It drives
+both ``inference-lab sim`` (as fast as the CPU allows) and the serve runtime (paced to
+wall-clock).
+
+A request is a **group** of ``n`` sequences (``n`` choices of one prompt; ``n = 1`` is a
+plain request), modelled on vLLM's parallel sampling with prefix sharing. The prompt is
+prefilled once, as one sequence, and its KV blocks are shared; the pass that completes it
+emits token 1 of every sequence. From then on the ``n`` sequences decode together: each is
+a batch member (one position, priced by the roofline like any other request) and counts
+toward ``max_num_seqs``; each holds its own copy of the prompt's last, partly filled
+block and its own output blocks (and its own private blocks: windowed KV, recurrent
+state). All sequences of a group advance in the same steps, so a group reports one token
+count per step and one ``Finished`` for all its choices (``output_tokens`` per choice).
 
 Rule 1: no trio, quart, hypercorn, ``time`` or global ``random``: time is a number of
         simulated seconds passed in and out (a test walks this module's imports).
@@ -9,12 +21,24 @@ Rule 2: a step's batch is chosen at its start time and its tokens and completion
         its end time: both are returned by the one ``step()`` call that handles the event at
         that time (the step boundary), which also chooses the next batch. So an arrival
         stamped before a boundary joins the batch that starts at that boundary.
-Rule 3: a request computes ``P + target - 1`` positions in all; the prefill pass emits
-        token 1; a preempted request re-prefills ``P + output - 1`` positions emitting
-        nothing, then decodes on.
+Rule 3: a plain request computes ``P + target - 1`` positions in all; the prefill pass
+        emits token 1; a preempted request re-prefills ``P + output - 1`` positions
+        emitting nothing, then decodes on. A group computes ``P + n * (target - 1)``: the
+        prompt once, then ``n`` positions per decode step; after a preemption it
+        re-prefills the prompt once (one sequence), then each sequence's ``output - 1``
+        positions (``n`` sequences of equal chunks), emitting nothing, then decodes on.
 Rule 4: KV blocks are conserved: a worker's free blocks plus the blocks held by its
-        running requests always equal its total, whatever is finished, preempted or aborted.
-Rule 5: ``max_num_seqs`` gates admission only: lowering it drains, it never evicts.
+        running requests always equal its total, whatever is finished, preempted or
+        aborted. A group holding ``c`` positions per sequence holds ``blocks_for(c)`` while
+        ``c <= P`` and ``s + n * (blocks_for(c) - s)`` after, where ``s = P // block_size``
+        is the number of full prompt blocks its sequences share.
+Rule 5: ``max_num_seqs`` caps the running *sequences* and gates admission only: lowering
+        it drains, it never evicts. A group is admitted when its ``n`` sequences fit under
+        the cap, or when its worker runs nothing at all (so a group wider than the cap
+        runs alone instead of waiting forever).
+Rule 6: a group is one request to the scheduler: admitted, preempted, aborted and finished
+        as a unit (its blocks are freed together); ``step()`` reports its tokens once per
+        step as the count each of its sequences emitted.
 """
 
 from __future__ import annotations
@@ -37,19 +61,25 @@ _ARRIVAL, _BOUNDARY = 0, 1
 
 @attrs.frozen
 class RequestSpec:
-    """What the caller asks for. ``target`` is where the request really stops (hidden from
-    the scheduler); None means it runs to ``max_tokens``."""
+    """What the caller asks for. ``target`` is where each sequence really stops (hidden
+    from the scheduler); None means it runs to ``max_tokens``. ``n`` is the number of
+    sequences (choices) sharing the prompt."""
 
     prompt_tokens: int
     max_tokens: int
     target: int | None = None
     priority: int = 0
     arrival_time: float = 0.0
+    n: int = 1
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class Finished:
-    """A completed request, reported at its finish time (the end of its last step)."""
+    """A completed request, reported at its finish time (the end of its last step).
+
+    ``output_tokens`` is the count of each of its ``n`` sequences (they finish together);
+    the request produced ``n * output_tokens`` tokens in all.
+    """
 
     request_id: int
     prompt_tokens: int
@@ -60,11 +90,19 @@ class Finished:
     first_token_time: float
     finish_time: float
     preemptions: int
+    n: int = 1
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class StepInfo:
-    """The batch that started at a boundary on one worker."""
+    """The batch that started at a boundary on one worker.
+
+    ``num_seqs`` counts sequences in the batch (a group's shared prefill is one, its
+    decode ``n``); ``num_tokens`` the positions computed; ``kv_usage`` the worker's used
+    fraction of KV blocks after the batch was chosen; ``flop_util`` / ``bw_util`` the
+    compute and memory parts of the step's roofline time; ``preempted`` how many requests
+    were preempted to make room.
+    """
 
     worker: int
     start: float
@@ -77,11 +115,12 @@ class StepInfo:
     preempted: int
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class StepEvents:
-    """What became visible at ``time``: tokens emitted (request id, count), completions
-    (their last token is in ``tokens``), arrivals that entered a worker's waiting queue,
-    and the batch that started (None if none did)."""
+    """What became visible at ``time``: tokens emitted (request id, count; a group's count
+    is what each of its sequences emitted), completions (their last token is in
+    ``tokens``), arrivals that entered a worker's waiting queue, and the batch that
+    started (None if none did)."""
 
     time: float
     tokens: tuple[tuple[int, int], ...]
@@ -92,8 +131,20 @@ class StepEvents:
 
 @attrs.frozen(kw_only=True)
 class WorkerStatistics:
+    """A snapshot of one worker (replica), from :meth:`Engine.statistics`.
+
+    Attributes:
+      waiting: requests in the worker's waiting queue (preempted ones included).
+      running: requests (groups) admitted and not finished, preempted or aborted.
+      running_seqs: their sequences, the number ``max_num_seqs`` caps.
+      kv_used_blocks: KV blocks held by the running requests.
+      kv_total_blocks: KV blocks of the replica.
+      max_num_seqs: the current cap on running sequences.
+    """
+
     waiting: int
     running: int
+    running_seqs: int
     kv_used_blocks: int
     kv_total_blocks: int
     max_num_seqs: int
@@ -101,10 +152,30 @@ class WorkerStatistics:
 
 @attrs.frozen(kw_only=True)
 class EngineStatistics:
+    """A snapshot of the whole engine, from :meth:`Engine.statistics`.
+
+    Attributes:
+      now: the simulated time, in seconds.
+      pending_arrivals: requests submitted whose arrival no ``step()`` has handled yet.
+      waiting: requests in the workers' waiting queues (sum over workers).
+      running: requests (groups) running on the workers.
+      running_seqs: their sequences.
+      kv_used_blocks: KV blocks held, over all workers.
+      kv_total_blocks: KV blocks of all workers.
+      kv_usage: ``kv_used_blocks / kv_total_blocks`` (0.0 without blocks).
+      preemptions: preemptions since the engine was built.
+      steps: batches run since the engine was built, over all workers.
+      finished: requests that completed.
+      aborted: requests removed by :meth:`Engine.abort`.
+      max_num_seqs: the current per-worker cap on running sequences.
+      workers: one :class:`WorkerStatistics` per worker, in worker order.
+    """
+
     now: float
     pending_arrivals: int
     waiting: int
     running: int
+    running_seqs: int
     kv_used_blocks: int
     kv_total_blocks: int
     kv_usage: float
@@ -135,10 +206,12 @@ class _Request:
         "mark",
         "admit_seq",
         "queue_key",
+        "n",
     )
 
     def __init__(self, rid: int, spec: RequestSpec, arrival: float, target: int) -> None:
         self.id = rid
+        self.n = spec.n
         self.prompt = spec.prompt_tokens
         self.max_tokens = spec.max_tokens
         self.target = target
@@ -244,6 +317,7 @@ class _Worker:
         self.private = roofline.has_private_blocks()
         self.waiting = _WaitQueue(sched.policy)
         self.running: list[_Request] = []
+        self.running_seqs = 0  # sum of n over running
         self.batch: list[tuple[_Request, int]] = []
         self.scheduled = False  # a boundary event for this worker is in the heap
         self.admit_seq = itertools.count()
@@ -253,6 +327,29 @@ class _Worker:
         if self.private:
             return self.roofline.blocks_for(positions)
         return -(-positions // self.block_size)
+
+    def group_blocks(self, r: _Request, positions: int) -> int:
+        """Blocks a request holding ``positions`` positions per sequence needs (Rule 4)."""
+        base = self.blocks_for(positions)
+        if r.n == 1 or positions <= r.prompt:
+            return base
+        shared = r.prompt // self.block_size
+        return shared + r.n * (base - shared)
+
+    def _stage(self, r: _Request, c: int) -> tuple[int, int]:
+        """The work ``r`` has left in its current stage from ``c`` computed positions:
+        (positions per sequence, sequences). A prefill of a plain request is one stage;
+        a group's prompt (one sequence) and its re-prefilled outputs (n sequences) are
+        two; decoding is one position per sequence."""
+        out = r.output
+        prefill_len = r.prompt + (out - 1 if out > 1 else 0)
+        if c < prefill_len:
+            if r.n == 1:
+                return prefill_len - c, 1
+            if c < r.prompt:
+                return r.prompt - c, 1
+            return prefill_len - c, r.n
+        return 0, r.n
 
     # ------------------------------------------------------------------ preemption
     def _victim(self, current: _Request) -> _Request:
@@ -277,13 +374,15 @@ class _Worker:
         r.state = _WAITING
         r.mark = -1
         self.running.remove(r)
+        self.running_seqs -= r.n
         self.waiting.push_front(r)
 
     # ------------------------------------------------------------------ one iteration
-    def schedule(self, now: float) -> tuple[list[_Request], list[int], list[int], int]:
+    def schedule(self, now: float) -> tuple[list[tuple[_Request, int]], list[int], list[int], int]:
         """Choose the batch starting at ``now``: running first in admission order, then
-        admissions by policy when nothing was preempted. Returns (requests, n, c,
-        preempted). Re-runs a pass that preempted and scheduled nothing."""
+        admissions by policy when nothing was preempted. Returns (batch of (request,
+        positions per sequence), n and c per batch sequence for the roofline, preempted).
+        Re-runs a pass that preempted and scheduled nothing."""
         total_preempted = 0
         while True:
             self.step_id += 1
@@ -293,7 +392,7 @@ class _Worker:
             chunked = self.chunked
             bs = self.block_size
             private = self.private
-            reqs: list[_Request] = []
+            batch: list[tuple[_Request, int]] = []
             ns: list[int] = []
             cs: list[int] = []
             preempted = 0
@@ -302,19 +401,34 @@ class _Worker:
             while i < len(running) and budget > 0:
                 r = running[i]
                 c = r.computed
-                out = r.output
-                prefill_len = r.prompt + (out - 1 if out > 1 else 0)
-                if c < prefill_len:
-                    left = prefill_len - c
-                    if not chunked and left > budget:
-                        i += 1
-                        continue
-                    n = min(left, budget, chunk_cap)
+                if r.n == 1:  # the plain request: the hot path
+                    out = r.output
+                    prefill_len = r.prompt + (out - 1 if out > 1 else 0)
+                    if c < prefill_len:
+                        left = prefill_len - c
+                        if not chunked and left > budget:
+                            i += 1
+                            continue
+                        n = min(left, budget, chunk_cap)
+                    else:
+                        n = 1
+                    need = (
+                        self.roofline.blocks_for(c + n) if private else -(-(c + n) // bs)
+                    ) - r.blocks
+                    seqs = 1
                 else:
-                    n = 1
-                need = (
-                    self.roofline.blocks_for(c + n) if private else -(-(c + n) // bs)
-                ) - r.blocks
+                    left, seqs = self._stage(r, c)
+                    if left:
+                        if not chunked and left * seqs > budget:
+                            i += 1
+                            continue
+                        n = min(left, budget // seqs, chunk_cap)
+                    else:
+                        n = 1
+                    if n * seqs > budget or n == 0:
+                        i += 1  # this step's budget cannot hold every sequence
+                        continue
+                    need = self.group_blocks(r, c + n) - r.blocks
                 if need > self.free_blocks:
                     victim = self._victim(r)
                     vi = running.index(victim)
@@ -327,24 +441,28 @@ class _Worker:
                     self.free_blocks -= need
                     r.blocks += need
                 r.mark = mark
-                reqs.append(r)
-                ns.append(n)
-                cs.append(c)
-                budget -= n
+                batch.append((r, n))
+                if seqs == 1:
+                    ns.append(n)
+                    cs.append(c)
+                else:
+                    ns.extend([n] * seqs)
+                    cs.extend([c] * seqs)
+                budget -= n * seqs
                 i += 1
             if not preempted:
                 waiting = self.waiting
                 while budget > 0 and waiting.count:
-                    if len(running) >= self.max_num_seqs:
-                        break
                     head = waiting.peek()
                     assert head is not None
                     r = head
-                    out = r.output
-                    prefill_len = r.prompt + (out - 1 if out > 1 else 0)
-                    if not chunked and prefill_len > budget:
+                    if self.running_seqs + r.n > self.max_num_seqs and self.running_seqs:
                         break
-                    n = min(prefill_len, budget, chunk_cap)
+                    # the first stage always runs as one sequence (a group's prompt)
+                    left, _ = self._stage(r, 0)
+                    if not chunked and left > budget:
+                        break
+                    n = min(left, budget, chunk_cap)
                     need = self.blocks_for(n)
                     if need > self.free_blocks:
                         break
@@ -357,13 +475,14 @@ class _Worker:
                         r.first_scheduled = now
                     r.mark = mark
                     running.append(r)
-                    reqs.append(r)
+                    self.running_seqs += r.n
+                    batch.append((r, n))
                     ns.append(n)
                     cs.append(0)
                     budget -= n
             total_preempted += preempted
-            if reqs or not preempted:
-                return reqs, ns, cs, total_preempted
+            if batch or not preempted:
+                return batch, ns, cs, total_preempted
 
 
 class Engine:
@@ -394,9 +513,10 @@ class Engine:
         self._max_num_seqs = deployment.scheduler.max_num_seqs
 
     # ------------------------------------------------------------------ admission
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> RequestRefused | None:
-        """Why a request of this size can never run here, or None. Pure: the serving
-        layer calls it before admission to answer 400 ``context_length_exceeded``."""
+    def check_fits(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> RequestRefused | None:
+        """Why a request of this size (``n`` sequences sharing the prompt) can never run
+        here, or None. Pure: the serving layer calls it before admission to answer 400
+        ``context_length_exceeded``."""
         dep = self.deployment
         total = prompt_tokens + max_tokens
         if total > dep.model.max_seq_len:
@@ -405,34 +525,49 @@ class Engine:
                 f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
                 f"exceeds the model's max_seq_len of {dep.model.max_seq_len}",
             )
-        blocks = self.workers[0].blocks_for(total)
+        worker = self.workers[0]
+        blocks = worker.blocks_for(total)
+        if n > 1:
+            shared = prompt_tokens // worker.block_size
+            blocks = shared + n * (blocks - shared)
         if blocks > self.roofline.total_blocks:
+            what = f"{total} tokens" if n == 1 else f"{total} tokens in each of n = {n} sequences"
             return RequestRefused(
                 "kv_cache",
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} tokens "
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) = {what} "
                 f"need {blocks} KV blocks but a replica's KV cache holds "
                 f"{self.roofline.total_blocks}",
             )
         sched = dep.scheduler
-        if not sched.enable_chunked_prefill and total - 1 > sched.max_num_batched_tokens:
+        budget = sched.max_num_batched_tokens
+        if n > budget:
             return RequestRefused(
                 "batch_tokens",
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) - 1 = {total - 1} "
-                f"positions exceed max_num_batched_tokens ({sched.max_num_batched_tokens}) "
-                "with chunked prefill disabled",
+                f"n = {n} sequences cannot decode together in max_num_batched_tokens ({budget})",
             )
+        if not sched.enable_chunked_prefill:
+            # the largest stage that must run in one step: a plain request's whole
+            # re-prefill; a group's prompt, or its n re-prefilled outputs
+            largest = total - 1 if n == 1 else max(prompt_tokens, n * (max_tokens - 1))
+            if largest > budget:
+                return RequestRefused(
+                    "batch_tokens",
+                    f"prompt ({prompt_tokens} tokens) and max_tokens ({max_tokens}) need "
+                    f"{largest} positions in one step, more than max_num_batched_tokens "
+                    f"({budget}) with chunked prefill disabled",
+                )
         return None
 
     def submit(self, spec: RequestSpec) -> int:
         """Queue an arrival at ``max(spec.arrival_time, now)`` and return its id. Nothing
         enters a worker until ``step()`` handles the arrival. Raises RequestRefused for a
         request that can never fit, and ValueError for a malformed spec."""
-        if spec.prompt_tokens < 1 or spec.max_tokens < 1:
-            raise ValueError("prompt_tokens and max_tokens must be >= 1")
+        if spec.prompt_tokens < 1 or spec.max_tokens < 1 or spec.n < 1:
+            raise ValueError("prompt_tokens, max_tokens and n must be >= 1")
         target = spec.max_tokens if spec.target is None else spec.target
         if not 1 <= target <= spec.max_tokens:
             raise ValueError(f"target must be in 1..max_tokens, got {target}")
-        refused = self.check_fits(spec.prompt_tokens, spec.max_tokens)
+        refused = self.check_fits(spec.prompt_tokens, spec.max_tokens, spec.n)
         if refused is not None:
             raise refused
         rid = next(self._ids)
@@ -458,6 +593,7 @@ class Engine:
             w.free_blocks += r.blocks
             r.blocks = 0
             w.running.remove(r)
+            w.running_seqs -= r.n
         r.state = _DONE
         self._aborted += 1
         return True
@@ -510,7 +646,7 @@ class Engine:
             if not w.scheduled:
                 w.scheduled = True
                 heapq.heappush(self._heap, (now, next(self._seq), _BOUNDARY, w))
-            return StepEvents(now, (), (), (r.id,), None)
+            return StepEvents(time=now, tokens=(), finished=(), arrived=(r.id,), step=None)
         return self._boundary(payload, now)
 
     def _boundary(self, w: _Worker, now: float) -> StepEvents:
@@ -536,61 +672,62 @@ class Engine:
                         r.state = _DONE
                         w.free_blocks += r.blocks
                         r.blocks = 0
+                        w.running_seqs -= r.n
                         del self._requests[r.id]
                         self._finished += 1
                         finished.append(
                             Finished(
-                                r.id,
-                                r.prompt,
-                                r.output,
-                                "length" if r.output >= r.max_tokens else "stop",
-                                r.arrival,
-                                r.first_scheduled,
-                                r.first_token_time,
-                                now,
-                                r.preemptions,
+                                request_id=r.id,
+                                prompt_tokens=r.prompt,
+                                output_tokens=r.output,
+                                finish_reason="length" if r.output >= r.max_tokens else "stop",
+                                arrival_time=r.arrival,
+                                first_scheduled_time=r.first_scheduled,
+                                first_token_time=r.first_token_time,
+                                finish_time=now,
+                                preemptions=r.preemptions,
+                                n=r.n,
                             )
                         )
         if any_done:
             w.running = [r for r in w.running if r.state == _RUNNING]
-        reqs, ns, cs, preempted = w.schedule(now)
+        batch, ns, cs, preempted = w.schedule(now)
         self._preemptions += preempted
         info = None
-        if reqs:
+        if batch:
             n_arr = np.array(ns, dtype=np.int64)
             c_arr = np.array(cs, dtype=np.int64)
             cost = self.roofline.step_cost(n_arr, c_arr)
             duration = cost.seconds
-            w.batch = list(zip(reqs, ns, strict=True))
+            w.batch = batch
             heapq.heappush(self._heap, (now + duration, next(self._seq), _BOUNDARY, w))
             self._steps += 1
             roof = cost.roofline if cost.roofline > 0 else 1.0
             info = StepInfo(
-                w.index,
-                now,
-                duration,
-                len(reqs),
-                int(n_arr.sum()),
-                (w.total_blocks - w.free_blocks) / w.total_blocks,
-                cost.compute / roof,
-                cost.memory / roof,
-                preempted,
+                worker=w.index,
+                start=now,
+                duration=duration,
+                num_seqs=len(ns),
+                num_tokens=int(n_arr.sum()),
+                kv_usage=(w.total_blocks - w.free_blocks) / w.total_blocks,
+                flop_util=cost.compute / roof,
+                bw_util=cost.memory / roof,
+                preempted=preempted,
             )
         else:
             w.batch = []
             w.scheduled = False
-        return StepEvents(now, tuple(tokens), tuple(finished), (), info)
+        return StepEvents(
+            time=now, tokens=tuple(tokens), finished=tuple(finished), arrived=(), step=info
+        )
 
     # ------------------------------------------------------------------ state
     def num_waiting(self) -> int:
         return sum(w.waiting.count for w in self.workers)
 
     def num_running(self) -> int:
+        """Running requests (a group counts once; see ``statistics().running_seqs``)."""
         return sum(len(w.running) for w in self.workers)
-
-    def num_pending(self) -> int:
-        """Arrivals submitted but not yet stepped into a worker's waiting queue."""
-        return self._pending
 
     @property
     def max_num_seqs(self) -> int:
@@ -609,6 +746,7 @@ class Engine:
             WorkerStatistics(
                 waiting=w.waiting.count,
                 running=len(w.running),
+                running_seqs=w.running_seqs,
                 kv_used_blocks=w.total_blocks - w.free_blocks,
                 kv_total_blocks=w.total_blocks,
                 max_num_seqs=w.max_num_seqs,
@@ -622,6 +760,7 @@ class Engine:
             pending_arrivals=self._pending,
             waiting=sum(ws.waiting for ws in workers),
             running=sum(ws.running for ws in workers),
+            running_seqs=sum(ws.running_seqs for ws in workers),
             kv_used_blocks=used,
             kv_total_blocks=total,
             kv_usage=used / total if total else 0.0,

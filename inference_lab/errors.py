@@ -6,13 +6,26 @@ exactly one place (the serve app); CLIs print ``str(error)`` on one line and exi
 
 from __future__ import annotations
 
-import json
+from inference_lab.jsonbytes import dumps
+
+#: Echoed client values (a model name, a stop string) are cut to this many characters.
+MAX_ECHO_CHARS = 256
+
+
+def truncate_echo(value: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """``value`` as it may be echoed in an error message: at most ``limit`` characters,
+    the cut marked with an ellipsis, so a 1 MB model name gives a short reply. Called by
+    the HTTP layer wherever a message quotes what the client sent."""
+    if len(value) <= limit:
+        return value
+    return value[: limit - 1] + "\u2026"
 
 
 def error_body(message: str, type_: str, code: str, param: str | None) -> bytes:
-    """The OpenAI error envelope, compact, key order message/type/param/code."""
+    """The OpenAI error envelope, compact, key order message/type/param/code. Never fails
+    to encode: a lone surrogate in the message is written as its JSON escape."""
     envelope = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return json.dumps(envelope, separators=(",", ":"), ensure_ascii=False).encode()
+    return dumps(envelope)
 
 
 class InferenceLabError(Exception):

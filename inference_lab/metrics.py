@@ -1,4 +1,4 @@
-"""Offline-simulation metrics: per-request latencies, throughput, utilisation (engine.md).
+"""Offline-simulation metrics: per-request latencies, throughput, utilisation.
 
 Rule 1: pure functions of what the engine reported (`Finished` records and `StepInfo`
         batches); nothing here reads a clock or touches the engine.
@@ -7,7 +7,9 @@ Rule 2: latencies are computed in seconds and reported in milliseconds, as
         An empty set (e.g. TPOT when every request produced one token) reports count 0 and
         None for every statistic (JSON null), never NaN.
 Rule 3: TPOT is defined only for requests with more than one output token; refused requests
-        never enter the latency statistics, they are counted apart.
+        never enter the latency statistics, they are counted apart. A request of ``n``
+        sequences is one latency sample (its sequences finish together) and ``n`` times
+        its output tokens in the throughput.
 Rule 4: throughput is measured over the simulated span, from the first arrival to the last
         completion (the idle time before the first arrival is not the server's).
 
@@ -53,6 +55,8 @@ class FinishedLike(Protocol):
     def first_token_time(self) -> float: ...
     @property
     def finish_time(self) -> float: ...
+    @property
+    def n(self) -> int: ...
 
 
 class StepLike(Protocol):
@@ -121,7 +125,7 @@ class SimSummary:
     e2e: LatencyStats
     queue: LatencyStats
     input_tokens: int  # prompt tokens of completed requests
-    output_tokens: int  # output tokens of completed requests
+    output_tokens: int  # output tokens of completed requests (n per step for a group)
     span_s: float  # first arrival -> last completion, simulated seconds
     input_tokens_per_s: float
     output_tokens_per_s: float
@@ -204,7 +208,7 @@ def summarize(
     else:
         span = 0.0
     input_tokens = int(prompt.sum())
-    output_tokens = int(output.sum())
+    output_tokens = int((output * _column(finished, "n")).sum())
 
     def rate(x: float) -> float:
         return x / span if span > 0 else 0.0

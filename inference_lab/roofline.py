@@ -1,4 +1,4 @@
-"""The step-cost model (``spec/roofline.md``).
+"""The step-cost model: what one engine step costs on one deployment.
 
 Rule 1: a step is priced from datasheet peaks only. Each precision stream costs
         ``max(FLOPs[p] / R_p, Bytes[p] / BW)``; streams are summed (serial kernels);
@@ -53,7 +53,6 @@ class Roofline:
         self.block_bytes = dep.block_bytes
         self.total_blocks = dep.total_blocks
         precisions = sorted({w.precision for w in model.weights} | {model.attention_precision})
-        self._precisions = precisions
         self._index = {p: i for i, p in enumerate(precisions)}
         rates = []
         for p in precisions:
@@ -95,7 +94,7 @@ class Roofline:
         widest = max((w for w, _ in self._windowed_kv), default=0)
         self._private_table = [self._private_blocks(t) for t in range(widest + 1)]
         # collectives
-        self._collective: tuple[float, float, float] | None = None  # (fixed, per byte) per AR
+        self._collective: tuple[float, float] | None = None  # (fixed, per byte) per step
         self._message_per_token = model.hidden_dim * model.activation_bytes
         if tp > 1 and profile.fabric is not None:
             fab = profile.fabric
@@ -113,11 +112,14 @@ class Roofline:
                 f_out = 1.0 if out.in_network_reduction else 2 * (n - 1) / n
                 fixed = 2 * up.latency + out.latency
                 per_byte = 2 * (k - 1) / k / up.bandwidth + f_out / k / out.bandwidth
-            self._collective = (calls * fixed, calls * per_byte, 0.0)
+            self._collective = (calls * fixed, calls * per_byte)
 
     # ----------------------------------------------------------------------------------
     def weight_read(self, tokens: int) -> list[float]:
-        """Bytes read from HBM by each weight stream for a step of ``tokens`` tokens."""
+        """Bytes read from HBM by each weight stream (in ``model.weights`` order) for a step
+        of ``tokens`` tokens: a dense stream reads its active parameters; a routed (MoE)
+        stream its shared part plus the experts the tokens touch
+        (:func:`expert_read_fraction`). ``step_cost`` prices its memory time with it."""
         out = []
         for _idx, active, b, routed in self._weights:
             if routed is None or tokens == 0:
@@ -130,7 +132,7 @@ class Roofline:
     def collective_time(self, tokens: int) -> float:
         if self._collective is None or tokens == 0:
             return 0.0
-        fixed, per_byte, _ = self._collective
+        fixed, per_byte = self._collective
         return fixed + per_byte * tokens * self._message_per_token
 
     def step_cost(self, n: IntArray, c: IntArray) -> StepCost:
@@ -139,13 +141,11 @@ class Roofline:
         nreq = len(n)
         flops = [0.0] * len(self._rates)
         mem = [0.0] * len(self._rates)
-        for idx, active, b, routed in self._weights:
+        for (idx, active, _b, _routed), read in zip(
+            self._weights, self.weight_read(tokens), strict=True
+        ):
             flops[idx] += 2.0 * active * tokens
-            if routed is None or tokens == 0:
-                mem[idx] += b * active
-            else:
-                shared, per_expert, e, k = routed
-                mem[idx] += b * (shared + per_expert * e * (1.0 - (1.0 - 1.0 / e) ** (k * tokens)))
+            mem[idx] += read
         if nreq:
             m = c + (n + 1) // 2
             a = self._attn_idx

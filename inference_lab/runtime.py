@@ -56,6 +56,7 @@ __all__ = [
     "QueueFull",
     "RequestHandle",
     "RequestSink",
+    "RuntimeObserver",
     "RuntimeSnapshot",
     "RuntimeStatistics",
 ]
@@ -89,6 +90,18 @@ class RequestSink(Protocol):
 
 class LengthSampler(Protocol):
     def sample(self, rng: np.random.Generator, size: int) -> Any: ...
+
+
+class RuntimeObserver(Protocol):
+    """Told what a runtime did, for metrics (``ModelRuntime.observer``). ``on_step`` is
+    called on the engine task after each step's events were delivered, with the step's
+    pacing lag; ``on_refused`` by :meth:`ModelRuntime.admit_nowait` for each refusal. Both
+    are synchronous, must not block or raise, and must stay O(1) per engine event: they
+    run inside the pacing loop."""
+
+    def on_step(self, events: StepEvents, lag: float) -> None: ...
+
+    def on_refused(self, reason: Literal["queue_saturated", "engine_unavailable"]) -> None: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -220,6 +233,8 @@ class ModelRuntime:
         self._window_p99 = 0.0  # of the last complete window
         self._window_max = 0.0
         self._last_warning = -math.inf
+        #: Set by the serve app before :meth:`run` (None: nobody is told).
+        self.observer: RuntimeObserver | None = None
         self._snapshot = self._make_snapshot()
 
     # ------------------------------------------------------------------ snapshots
@@ -283,9 +298,10 @@ class ModelRuntime:
         )
 
     # ------------------------------------------------------------------ HTTP side
-    def check_fits(self, prompt_tokens: int, max_tokens: int) -> RequestRefused | None:
-        """Why a request of this size can never run on this model, or None (pure)."""
-        return self.engine.check_fits(prompt_tokens, max_tokens)
+    def check_fits(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> RequestRefused | None:
+        """Why a request of this size (``n`` sequences) can never run on this model, or
+        None (pure)."""
+        return self.engine.check_fits(prompt_tokens, max_tokens, n)
 
     def admit_nowait(
         self,
@@ -295,6 +311,8 @@ class ModelRuntime:
         priority: int,
         sink: RequestSink,
         arrival: float | None = None,
+        n: int = 1,
+        limit: int | None = None,
     ) -> RequestHandle:
         """The single entry into the engine. Synchronous, no checkpoint.
 
@@ -302,24 +320,31 @@ class ModelRuntime:
         :class:`QueueFull` when ``max_waiting`` is set and the depth has reached it.
         Otherwise takes a pending slot, stamps the arrival (``arrival``, the trio time at
         which the server received the request, or now), draws the response length
-        (``--workload``) and queues the arrival for the engine task.
+        (``--workload``; at most ``limit``, where a stop string ends the output, and
+        ``max_tokens``) and queues the arrival of its ``n`` sequences for the engine task.
         """
         if not self._alive:
+            if self.observer is not None:
+                self.observer.on_refused("engine_unavailable")
             raise EngineUnavailable(self.name)
         depth = self._snapshot.waiting + self._pending
         if self._max_waiting and depth >= self._max_waiting:
             self._refused += 1
             self._publish()
+            if self.observer is not None:
+                self.observer.on_refused("queue_saturated")
             raise QueueFull(self.name, depth, self._max_waiting)
-        target = None
+        cap = max_tokens if limit is None else min(limit, max_tokens)
+        target = cap if cap < max_tokens else None
         if self._output_lengths is not None:
             sample = int(self._output_lengths.sample(self._rng, 1)[0])
-            target = max(1, min(sample, max_tokens))
+            target = max(1, min(sample, cap))
         spec = RequestSpec(
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             target=target,
             priority=priority,
+            n=n,
             arrival_time=(trio.current_time() if arrival is None else arrival) - self.epoch,
         )
         handle = RequestHandle(runtime=self, spec=spec, sink=sink)
@@ -330,6 +355,8 @@ class ModelRuntime:
             handle.state = "failed"
             self._release_slot(handle)
             self._publish()
+            if self.observer is not None:
+                self.observer.on_refused("engine_unavailable")
             raise EngineUnavailable(self.name) from None
         self._live[handle] = None
         self._admitted += 1
@@ -476,6 +503,7 @@ class ModelRuntime:
         """Step every event whose time has come (at most MAX_EVENTS_PER_WAKE)."""
         engine = self.engine
         epoch = self.epoch
+        observer = self.observer
         # Compare in wall-clock terms, exactly as the pacer sleeps (until epoch + t): in
         # floating point, now - epoch < t can hold although epoch + t <= now.
         now = trio.current_time()
@@ -492,6 +520,8 @@ class ModelRuntime:
             self._lag_samples.append(lag)
             self._window.append(lag)
             self._deliver(events)
+            if observer is not None:
+                observer.on_step(events, lag)
         if now - self._window_start >= LAG_WINDOW:
             self._close_lag_window(now)
         self._publish()

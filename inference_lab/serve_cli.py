@@ -96,6 +96,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="max_tokens of a request that sends none (default: 256)",
     )
     parser.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="count prompt tokens with this tokenizer (a tokenizer.json, a directory holding "
+        "one, or a .tiktoken file) for every model; overrides [model].tokenizer",
+    )
+    parser.add_argument(
         "--enable-test-harness",
         action="store_true",
         help="fault injection and scripted responses (not built in this version)",
@@ -248,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
             workload=args.workload,
             seed=seed,
             default_max_tokens=default_max_tokens or DEFAULT_MAX_TOKENS,
+            tokenizer=args.tokenizer,
             on_skip=skip,
         )
     except ConfigError as exc:

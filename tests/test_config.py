@@ -838,3 +838,32 @@ def test_dists_from_toml_sample_like_their_classes(tmp_path: Path) -> None:
     w = load_workload(path)
     assert w.input_len_dist == LognormalDist(mean=6.0, std_dev=0.5)
     assert w.output_len_dist == NormalDist(mean=100.0, std_dev=10.0)
+
+
+# ---------------------------------------------------------------------------------------
+# [model].tokenizer
+
+
+def test_tokenizer_path_is_resolved_against_the_config_file(tmp_path: Path) -> None:
+    """``[model].tokenizer`` is written relative to the config file and loads as the
+    resolved path of a file that exists."""
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    cfg = load(tmp_path, dense_config(model={"tokenizer": "tok/tokenizer.json"}))
+    assert cfg.model.tokenizer == str(tmp_path / "tok" / "tokenizer.json")
+    assert cfg.deployments["gpu"].model.tokenizer == cfg.model.tokenizer
+    assert load(tmp_path, dense_config()).model.tokenizer is None
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [("missing.json", "no such file or directory"), ("", "must be a non-empty path")],
+)
+def test_tokenizer_that_is_missing_is_a_one_line_error(
+    tmp_path: Path, value: str, fragment: str
+) -> None:
+    """A tokenizer path that does not exist (or is empty) fails the load, naming the key."""
+    message = assert_names(
+        tmp_path, dense_config(model={"tokenizer": value}), "model.tokenizer", fragment
+    )
+    assert "\n" not in message

@@ -277,7 +277,7 @@ def test_abort_pending_arrival_returns_everything() -> None:
     rid = eng.submit(spec(10, 5))
     assert eng.abort(rid)
     assert eng.next_event_time() is None and eng.is_idle()
-    assert eng.num_pending() == 0
+    assert eng.statistics().pending_arrivals == 0
     assert not eng.abort(rid)  # idempotent
 
 
@@ -511,3 +511,16 @@ def test_statistics_snapshot_counts() -> None:
     s = eng.statistics()
     assert (s.running, s.waiting, s.finished, s.kv_used_blocks) == (0, 0, 2, 0)
     assert s.steps == 6
+
+
+def test_wide_event_records_are_keyword_only() -> None:
+    """Finished, StepInfo and StepEvents are built by keyword: a positional call (which
+    silently swaps same-typed fields) is a TypeError."""
+    from inference_lab.engine import Finished, StepEvents, StepInfo
+
+    with pytest.raises(TypeError):
+        Finished(1, 10, 5, "length", 0.0, 0.0, 0.1, 0.2, 0)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        StepInfo(0, 0.0, 0.1, 1, 1, 0.5, 0.1, 0.2, 0)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        StepEvents(0.0, (), (), (), None)  # type: ignore[misc]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import numpy as np
 import pytest
 
@@ -157,3 +158,13 @@ def test_no_requests_no_division_by_zero() -> None:
     assert summary.span_s == 0.0
     assert summary.output_tokens_per_s == 0.0
     assert summary.ttft.count == 0
+
+
+def test_a_group_of_n_choices_counts_n_times_its_output_tokens() -> None:
+    """A request of n sequences is one latency sample but n * output_tokens in the
+    throughput (output_tokens is per choice)."""
+    one = finished(0, 0.0, 0.0, 0.1, 1.0, output=10)
+    group = attrs.evolve(finished(1, 0.0, 0.0, 0.1, 1.0, output=10), n=3)
+    summary = summarize([one, group], [])
+    assert summary.output_tokens == 10 + 30
+    assert summary.tpot.count == 2 and summary.requests_completed == 2

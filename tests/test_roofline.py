@@ -1,9 +1,9 @@
-"""The step-cost model (``spec/roofline.md``): the published reference numbers for gpt-oss-20b
+"""The step-cost model: the published reference numbers for gpt-oss-20b
 on B200, closed forms for small dense / windowed / linear / MoE models, collectives, KV
 capacity and ``blocks_for``.
 
 ``reference_step_time`` below is an independent, loop-per-request-per-layer transcription
-of roofline.md; the explicit-number tests pin it (and the implementation) to hand
+of the cost model's formulas; the explicit-number tests pin it (and the implementation) to hand
 arithmetic.
 """
 
@@ -53,7 +53,7 @@ def build(
 
 
 # ---------------------------------------------------------------------------------------
-# an independent transcription of roofline.md
+# an independent transcription of the cost model's formulas
 
 
 def all_reduce(fabric: Mapping[str, Any], g: int, volume: float) -> float:
@@ -79,7 +79,7 @@ def reference_step_time(
     c: Sequence[int],
     hardware: str = "gpu",
 ) -> float:
-    """roofline.md, one request and one layer at a time."""
+    """The cost model's formulas, one request and one layer at a time."""
     model = config["model"]
     entry = config["hardware"][hardware]
     tp = entry.get("tp", 1)
@@ -172,7 +172,7 @@ def test_gpt_oss_decode_reference_numbers(
     gpt_oss_roofline: Roofline, batch: int, experts: float, ms: float
 ) -> None:
     """Decode with every request at c = 100, n = 1: distinct experts and step time as in the
-    roofline.md table (to every printed digit)."""
+    published gpt-oss-20b / B200 table (to every printed digit)."""
     assert round(expert_read_fraction(32, 4, batch), 2) == experts
     fp4 = gpt_oss_roofline.weight_read(batch)[0]
     assert round(fp4 / (0.5 * 597_196_800), 2) == experts
@@ -197,7 +197,7 @@ def test_gpt_oss_per_token_decode_cost_falls_with_batch(gpt_oss_roofline: Roofli
 
 def test_gpt_oss_matches_the_reference_transcription(gpt_oss: Deployment) -> None:
     """A mixed batch (prefill chunks past the 128-token window, decodes at long context) is
-    priced as the loop-by-loop transcription of roofline.md prices it."""
+    priced as the loop-by-loop transcription prices it."""
     config = tomllib.loads(GPT_OSS_20B.read_text())
     profile = tomllib.loads((PROFILES / "b200.toml").read_text())
     n, c = [512, 1, 1, 77], [1000, 5, 40_000, 0]
@@ -242,7 +242,7 @@ def test_dense_prefill_is_compute_bound_closed_form(tmp_path: Path) -> None:
 def test_dense_matches_the_reference_transcription(
     tmp_path: Path, n: list[int], c: list[int]
 ) -> None:
-    """Any batch on tiny-dense is priced as roofline.md's formulas price it."""
+    """Any batch on tiny-dense is priced as the cost model's formulas price it."""
     config = dense_config()
     rf = Roofline(build(tmp_path, config))
     assert step(rf, n, c) == pytest.approx(
@@ -480,7 +480,7 @@ def test_window_and_linear_layers_match_the_reference_transcription(
     tmp_path: Path, n: list[int], c: list[int]
 ) -> None:
     """A windowed layer attends min(t, window); a linear layer reads its state once per
-    request and does no attention; priced as roofline.md says."""
+    request and does no attention; priced as the cost model says."""
     config = dense_config(model={"layers": MIXED_LAYERS})
     rf = Roofline(build(tmp_path, config))
     expected = reference_step_time(config, gpu_profile(), n, c)

@@ -186,13 +186,6 @@ def test_invalid_chat_fields_are_400_invalid_value_naming_the_field(
     assert error.message == message
 
 
-def test_n_other_than_one_is_unsupported() -> None:
-    error = refusal(chat(n=2))
-    assert (error.status, error.code, error.param) == (400, "unsupported_value", "n")
-    assert error.message == "n > 1 is not supported"
-    assert parse_chat_request(chat(n=1), 256).model == "m"
-
-
 @pytest.mark.parametrize(("prompt", "count"), [(["a", "b"], 2), ([[1], [2], [3]], 3), ([], 0)])
 def test_completions_need_exactly_one_prompt(prompt: Any, count: int) -> None:
     error = refusal({"model": "m", "prompt": prompt}, parse_completion_request)
@@ -299,10 +292,8 @@ def test_chat_stream_frames_are_exact() -> None:
         enc.opening()
         == (f'data: {head}"choices":[{{"index":0,"delta":{{"role":"assistant"}}}}]}}\n\n').encode()
     )
-    out: list[bytes] = []
-    enc.append_tokens(out, 0, 2)
     assert (
-        b"".join(out)
+        enc.tokens(0, 2)
         == (
             f'data: {head}"choices":[{{"index":0,"delta":{{"content":"the "}}}}]}}\n\n'
             f'data: {head}"choices":[{{"index":0,"delta":{{"content":"of "}}}}]}}\n\n'
@@ -323,9 +314,13 @@ def test_completions_stream_frames_are_exact() -> None:
     enc = StreamEncoder(_parsed("completions"), request_id="cmpl-1", created=7)
     head = '{"id":"cmpl-1","object":"text_completion","created":7,"model":"m",'
     assert enc.opening() == b""
-    out: list[bytes] = []
-    enc.append_tokens(out, 50, 1)
-    assert b"".join(out) == f'data: {head}"choices":[{{"text":"the ","index":0}}]}}\n\n'.encode()
+    assert (
+        enc.tokens(50, 51) == f'data: {head}"choices":[{{"text":"the ","index":0}}]}}\n\n'.encode()
+    )
+    # a finished stream's last token is the text's last word: no trailing space
+    assert enc.tokens(50, 51, final=True) == (
+        f'data: {head}"choices":[{{"text":"the","index":0}}]}}\n\n'.encode()
+    )
     assert (
         enc.closing("stop", 1)
         == (

@@ -80,7 +80,7 @@ async def test_openai_client_streams_with_usage_and_completes() -> None:
             )
             chunks = [chunk async for chunk in stream]
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-            assert text == "the of and to in "
+            assert text == "the of and to in"  # the last word has no trailing space
             assert chunks[0].choices[0].delta.role == "assistant"
             assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
             assert chunks[-1].usage is not None

@@ -114,10 +114,10 @@ async def test_invalid_field_is_400_with_param(serve: ServeFactory) -> None:
     assert error["message"] == "max_tokens must be an integer >= 1, got 10.5"
 
 
-async def test_n_and_prompt_count_errors(serve: ServeFactory) -> None:
+async def test_best_of_and_prompt_count_errors(serve: ServeFactory) -> None:
     async with serve() as s:
-        response = await s.post("/v1/chat/completions", chat_body(n=3))
-        await expect_error(response, 400, "unsupported_value", "n")
+        response = await s.post("/v1/chat/completions", chat_body(n=3, best_of=4))
+        await expect_error(response, 400, "unsupported_value", "best_of")
         response = await s.post("/v1/completions", {"model": GPT, "prompt": ["a", "b"]})
         error = await expect_error(response, 400, "invalid_prompt", "prompt")
     assert error["message"] == "expected exactly 1 prompt, got 2"
@@ -190,8 +190,9 @@ def _chunk_head(frame: dict[str, Any], obj: str) -> None:
 
 @pytest.mark.parametrize("include_usage", [False, True])
 async def test_chat_stream_frames(serve: ServeFactory, include_usage: bool) -> None:
-    """role frame, one content frame per token, finish frame, usage frame only when asked
-    for, then [DONE]; every event exactly `data: <compact JSON>\\n\\n`; one id."""
+    """role frame, one content frame per token (the last one's word without its trailing
+    space, so the streamed text is the non-streaming text), finish frame, usage frame only
+    when asked for, then [DONE]; every event exactly `data: <compact JSON>\\n\\n`; one id."""
     body = chat_body(max_tokens=3, stream=True, stream_options={"include_usage": include_usage})
     async with serve() as s, s.stream(body) as stream:
         await stream.read_all()
@@ -207,7 +208,7 @@ async def test_chat_stream_frames(serve: ServeFactory, include_usage: bool) -> N
     assert len({f["id"] for f in frames}) == 1 and frames[0]["id"].startswith("chatcmpl-")
     assert frames[0]["choices"] == [{"index": 0, "delta": {"role": "assistant"}}]
     assert [f["choices"] for f in frames[1:4]] == [
-        [{"index": 0, "delta": {"content": word}}] for word in ("the ", "of ", "and ")
+        [{"index": 0, "delta": {"content": word}}] for word in ("the ", "of ", "and")
     ]
     assert frames[4]["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
     if include_usage:
@@ -237,7 +238,7 @@ async def test_completions_stream_frames(serve: ServeFactory, include_usage: boo
         assert frame["id"].startswith("cmpl-")
     assert [f["choices"] for f in frames[:3]] == [
         [{"text": "the ", "index": 0}],
-        [{"text": "of ", "index": 0}],
+        [{"text": "of", "index": 0}],
         [{"text": "", "index": 0, "finish_reason": "length"}],
     ]
     if include_usage:
@@ -255,7 +256,7 @@ async def test_completions_stream_echo_sends_the_prompt_first(serve: ServeFactor
         await stream.read_all()
     frames = [json.loads(p) for p in stream.frames()[:-1]]
     assert frames[0]["choices"] == [{"text": "hi", "index": 0}]
-    assert frames[1]["choices"] == [{"text": "the ", "index": 0}]
+    assert frames[1]["choices"] == [{"text": "the", "index": 0}]
 
 
 async def test_chat_non_streaming_body(serve: ServeFactory) -> None:
@@ -358,7 +359,7 @@ async def test_stream_writes_coalesce_frames_due_together(
         await stream.read_all()
     last_write = split_frames(stream.chunks[-1][1])
     assert len(last_write) == 4 and last_write[-1] == b"[DONE]"
-    assert json.loads(last_write[0])["choices"][0]["delta"] == {"content": "of "}
+    assert json.loads(last_write[0])["choices"][0]["delta"] == {"content": "of"}
 
 
 async def test_priority_field_reaches_the_engine(

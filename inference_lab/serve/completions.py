@@ -134,15 +134,17 @@ async def complete(
         default_max_tokens = state.settings.default_max_tokens
         try:
             raw = parse_json_object(body)
+            # the model's tokenizer counts the prompt (validation still answers first)
+            tokenizer = state.settings.tokenizers.get(raw.get("model"))  # type: ignore[arg-type]
             if kind == "chat":
-                parsed = parse_chat_request(raw, default_max_tokens)
+                parsed = parse_chat_request(raw, default_max_tokens, tokenizer=tokenizer)
             else:
-                parsed = parse_completion_request(raw, default_max_tokens)
+                parsed = parse_completion_request(raw, default_max_tokens, tokenizer=tokenizer)
             runtime = state.runtimes.get(parsed.model)
             if runtime is None:
                 raise state.model_not_found(parsed.model)
             engine_prompt = max(1, parsed.prompt_tokens)
-            refused = runtime.check_fits(engine_prompt, parsed.max_tokens)
+            refused = runtime.check_fits(engine_prompt, parsed.max_tokens, parsed.n)
             if refused is not None:
                 raise ApiError(400, "context_length_exceeded", refused.reason, "max_tokens")
             request_id = new_request_id(parsed.kind)
@@ -158,6 +160,8 @@ async def complete(
                 priority=parsed.priority,
                 sink=sink,
                 arrival=exchange.arrival,
+                n=parsed.n,
+                limit=parsed.output_cap,
             )
         except (ApiError, QueueFull, EngineUnavailable) as exc:
             await send_reply(send, error_reply(exc), exchange.headers)
@@ -166,9 +170,8 @@ async def complete(
             nursery.start_soon(_watch, receive, sink, handle)
             try:
                 if isinstance(sink, StreamSink):
-                    await send(
-                        {"type": "http.response.start", "status": 200, "headers": _STREAM_HEADERS}
-                    )
+                    headers = [*_STREAM_HEADERS, *exchange.headers]
+                    await send({"type": "http.response.start", "status": 200, "headers": headers})
                     await write_stream(send, sink, state.delivery)
                 else:
                     await sink.event.wait()

@@ -13,7 +13,6 @@ Rule 3: failures after a response has started are frames, not statuses: a stream
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ import attrs
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from inference_lab.errors import ApiError, EngineUnavailable, QueueFull, error_body
+from inference_lab.jsonbytes import dumps
 from inference_lab.openai_api import MAX_BODY_BYTES, StreamEncoder
 
 __all__ = [
@@ -54,11 +54,6 @@ class Reply:
             *self.headers,
             *extra,
         ]
-
-
-def dumps(value: Any) -> bytes:
-    """Compact JSON bytes (``separators=(",", ":")``, UTF-8, key order kept)."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def json_reply(value: Any, status: int = 200) -> Reply:

@@ -19,7 +19,15 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from inference_lab.errors import ApiError
-from inference_lab.openai_api import parse_capacity_request, parse_json_object
+from inference_lab.openai_api import (
+    BYTE_TOKENIZER,
+    detokenize_body,
+    parse_capacity_request,
+    parse_detokenize_request,
+    parse_json_object,
+    parse_tokenize_request,
+    tokenize_body,
+)
 from inference_lab.runtime import ModelRuntime, RuntimeSnapshot
 from inference_lab.serve.responses import Reply, error_reply, json_reply
 from inference_lab.serve.state import ServeState
@@ -87,6 +95,25 @@ def stats_entry(runtime: ModelRuntime, last: int | None, finished: int | None) -
     }
 
 
+def _model_for(state: ServeState, model: str | None) -> ModelRuntime:
+    """The runtime a ``/tokenize``-style request names; ``model`` may be left out only
+    when one model is served."""
+    if model is None:
+        if len(state.runtimes) == 1:
+            return next(iter(state.runtimes.values()))
+        raise ApiError(
+            400, "invalid_value", "model is required when more than one model is served", "model"
+        )
+    runtime = state.runtimes.get(model)
+    if runtime is None:
+        raise state.model_not_found(model)
+    return runtime
+
+
+async def _body() -> bytes:
+    return cast(bytes, await request.get_data(cache=False, as_text=False))
+
+
 def _count_arg(name: str) -> int | None:
     raw = request.args.get(name, "")
     return int(raw) if raw.isdigit() else None
@@ -128,8 +155,7 @@ def register_routes(app: QuartTrio, state: ServeState) -> None:
     @app.post("/control/capacity")
     async def post_capacity() -> Response:
         try:
-            data = cast(bytes, await request.get_data(cache=False, as_text=False))
-            change = parse_capacity_request(parse_json_object(data))
+            change = parse_capacity_request(parse_json_object(await _body()))
             if change.model is None:
                 targets = list(state.runtimes.values())
             elif change.model in state.runtimes:
@@ -141,6 +167,30 @@ def register_routes(app: QuartTrio, state: ServeState) -> None:
         for runtime in targets:
             runtime.set_capacity(max_num_seqs=change.max_num_seqs, max_waiting=change.max_waiting)
         return to_response(json_reply([capacity_entry(rt.snapshot()) for rt in targets]))
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        """vLLM's ``/tokenize``: the model's tokenizer (or the byte rule) on a prompt or
+        on chat messages."""
+        try:
+            parsed = parse_tokenize_request(parse_json_object(await _body()))
+            runtime = _model_for(state, parsed.model)
+            tokenizer = state.settings.tokenizers.get(runtime.name, BYTE_TOKENIZER)
+            max_len = runtime.deployment.model.max_seq_len
+            return to_response(Reply(200, tokenize_body(parsed, tokenizer, max_model_len=max_len)))
+        except (ApiError, HTTPException) as exc:
+            return to_response(error_reply(exc, method=request.method, path=request.path))
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        """vLLM's ``/detokenize``: token ids back to text."""
+        try:
+            parsed = parse_detokenize_request(parse_json_object(await _body()))
+            runtime = _model_for(state, parsed.model)
+            tokenizer = state.settings.tokenizers.get(runtime.name, BYTE_TOKENIZER)
+            return to_response(Reply(200, detokenize_body(parsed, tokenizer)))
+        except (ApiError, HTTPException) as exc:
+            return to_response(error_reply(exc, method=request.method, path=request.path))
 
     @app.get("/control/stats")
     async def stats() -> Response:

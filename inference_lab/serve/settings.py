@@ -12,11 +12,13 @@ import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import attrs
 
 from inference_lab.config import Deployment, Workload, load_model_config, load_workload
 from inference_lab.errors import ConfigError
+from inference_lab.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -41,6 +43,8 @@ class ServeSettings:
     workload: Workload | None = None
     seed: int | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    #: Model name -> its tokenizer; a model without one counts by the byte rule.
+    tokenizers: Mapping[str, Tokenizer] = attrs.field(factory=lambda: MappingProxyType({}))
 
 
 def _default_config_path(config: str | os.PathLike[str]) -> Path:
@@ -62,6 +66,7 @@ def load_settings(
     workload: str | os.PathLike[str] | None = None,
     seed: int | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    tokenizer: str | os.PathLike[str] | None = None,
     on_skip: Callable[[str], None] | None = None,
 ) -> ServeSettings:
     """Load the models to serve; raises ConfigError.
@@ -70,7 +75,8 @@ def load_settings(
     recursive). In directory mode a file without a ``[hardware.<hardware>]`` entry is
     skipped and reported through ``on_skip``; an invalid file, two configs with the same
     model name, or no model left is an error. ``max_waiting`` / ``max_num_seqs``
-    override every model's ``[scheduler]`` value.
+    override every model's ``[scheduler]`` value, and ``tokenizer`` every model's
+    ``[model].tokenizer``; each tokenizer file is loaded once, here.
     """
     if max_waiting is not None and max_waiting < 0:
         raise ConfigError(f"max_waiting: must be >= 0, got {max_waiting}")
@@ -119,11 +125,21 @@ def load_settings(
     if not deployments:
         raise ConfigError(f"{path}: no model config has a [hardware.{hardware}] entry")
     loaded = load_workload(workload) if workload is not None else None
+    by_source: dict[str, Tokenizer] = {}
+    tokenizers: dict[str, Tokenizer] = {}
+    for dep in deployments:
+        source = tokenizer if tokenizer is not None else dep.model.tokenizer
+        if source is not None:
+            key = str(source)
+            if key not in by_source:
+                by_source[key] = load_tokenizer(Path(source))
+            tokenizers[dep.model.name] = by_source[key]
     return ServeSettings(
         deployments=tuple(deployments),
         workload=loaded,
         seed=seed,
         default_max_tokens=default_max_tokens,
+        tokenizers=MappingProxyType(tokenizers),
     )
 
 
@@ -155,7 +171,8 @@ _TRUE = ("1", "true", "yes", "on")
 def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings:
     """Settings for a plain hypercorn launch, one variable per ``serve`` flag:
     ``INFERENCE_LAB_CONFIG``, ``_HARDWARE``, ``_MAX_WAITING``, ``_MAX_NUM_SEQS``,
-    ``_WORKLOAD``, ``_SEED``, ``_DEFAULT_MAX_TOKENS``, ``_ENABLE_TEST_HARNESS``."""
+    ``_WORKLOAD``, ``_SEED``, ``_DEFAULT_MAX_TOKENS``, ``_TOKENIZER``,
+    ``_ENABLE_TEST_HARNESS``."""
     env = os.environ if environ is None else environ
     if env.get("INFERENCE_LAB_ENABLE_TEST_HARNESS", "").strip().lower() in _TRUE:
         raise ConfigError(
@@ -171,5 +188,6 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
         workload=env.get("INFERENCE_LAB_WORKLOAD") or None,
         seed=_env_int(env, "INFERENCE_LAB_SEED", 0),
         default_max_tokens=default_max_tokens or DEFAULT_MAX_TOKENS,
+        tokenizer=env.get("INFERENCE_LAB_TOKENIZER") or None,
         on_skip=lambda line: print(f"inference-lab: {line}", file=sys.stderr),
     )

@@ -15,7 +15,7 @@ import time
 import attrs
 import trio
 
-from inference_lab.errors import ApiError
+from inference_lab.errors import ApiError, truncate_echo
 from inference_lab.runtime import ModelRuntime
 from inference_lab.serve.settings import ServeSettings
 from inference_lab.serve.streaming import Delivery
@@ -92,6 +92,6 @@ class ServeState:
         return ApiError(
             404,
             "model_not_found",
-            f"Model '{model}' not found. Available models: {available}",
+            f"Model '{truncate_echo(model)}' not found. Available models: {available}",
             "model",
         )

@@ -53,6 +53,7 @@ class StreamSink:
         "emitted",
         "closing",
         "done",
+        "finished",
         "gone",
         "lot",
         "hold",
@@ -67,6 +68,7 @@ class StreamSink:
         self.emitted = 0
         self.closing = b""
         self.done = False
+        self.finished = False
         self.gone = False
         self.hold = False
         self.hold_until = 0.0
@@ -77,11 +79,12 @@ class StreamSink:
         return bool(self.opening or self.emitted > self.written or self.closing)
 
     def take(self) -> bytes:
-        """Everything pending, in order (opening, tokens, end), marked written."""
+        """Everything pending, in order (opening, tokens, end), marked written. Once the
+        request has finished, its last token is encoded as the text's last word."""
         data = self.opening
         self.opening = b""
         if self.emitted > self.written:
-            data += self.encoder.tokens(self.written, self.emitted)
+            data += self.encoder.tokens(self.written, self.emitted, final=self.finished)
             self.written = self.emitted
         if self.closing:
             data += self.closing
@@ -98,6 +101,7 @@ class StreamSink:
 
     def on_finished(self, finished: Finished) -> None:
         self.closing = self.encoder.closing(finished.finish_reason, finished.output_tokens)
+        self.finished = True
         self._end()
 
     def on_failed(self, message: str) -> None:
