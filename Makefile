@@ -36,5 +36,13 @@ test: lint typecheck pytest
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_sim.py
 
+# The stress suite (not part of `make test`; about 2 minutes): fuzz, burst 1,000,
+# disconnect storm, slow clients, soak, SIGTERM under load. SOAK_SECONDS=1200 for the
+# 20-minute soak. Only 127.0.0.1.
+.PHONY: stress
+SOAK_SECONDS ?= 30
+stress: $(STAMP)
+	$(BIN)/python scripts/stress/run_all.py --soak-seconds $(SOAK_SECONDS)
+
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

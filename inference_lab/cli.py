@@ -1,43 +1,101 @@
-"""The ``inference-lab`` command: ``sim``, ``serve`` and ``load`` subcommands.
+"""The ``inference-lab`` command: ``sim``, ``serve`` and ``load``.
 
-Each subcommand lives in its own module exposing ``add_parser(subparsers)`` and
-``run(args) -> int``; this module only dispatches. Bad input exits 1 (or argparse's 2) with
-a one-line message, never a traceback.
+Each subcommand is one module exposing ``add_parser(subparsers)`` (its flags) and
+``run(args) -> int`` (the work); this module only picks the subcommand and dispatches.
+
+Rule 1: only the chosen subcommand's module is imported, and that module imports its
+        machinery inside ``run``: ``inference-lab sim`` never loads trio, quart or
+        hypercorn, and ``--help`` or a bad flag answers before numpy is loaded (for ``sim``
+        and ``load``; ``serve``'s module imports its stack at the top).
+Rule 2: one exit-code policy for every subcommand, each error one line on stderr,
+        ``inference-lab <sub>: error: <message>``, never a traceback:
+
+        - 0: done (``load``: the run completed, whatever the server answered; ``serve``:
+          stopped by SIGINT / SIGTERM, its normal end).
+        - 1: the command line was well formed but the run could not proceed: a file
+          missing, unreadable or invalid, an output directory that does not exist, an
+          unknown or ambiguous hardware entry, a server that cannot be reached, a port in
+          use, a workload that cannot run, ``--plot`` without matplotlib.
+        - 2: the command line is wrong: an unknown or missing flag, a value of the wrong
+          type or out of range (``sim --seed -1``), flags that cannot go together.
+        - 130: interrupted by Ctrl-C (``load`` still prints and writes its partial report).
+
+        The constants and the one-line helpers are in :mod:`inference_lab.cli_args`.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS = {
-    "sim": "inference_lab.sim",
-    "serve": "inference_lab.serve_cli",
-    "load": "inference_lab.client.cli",
+from inference_lab.cli_args import EXIT_INTERRUPTED, EXIT_USAGE, CliParser
+
+__all__ = ["SUBCOMMANDS", "main"]
+
+#: name -> (the module with ``add_parser`` and ``run``, the one-line summary for ``--help``)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "sim": (
+        "inference_lab.sim_cli",
+        "simulate a workload offline and report latency / throughput",
+    ),
+    "serve": (
+        "inference_lab.serve_cli",
+        "serve the OpenAI HTTP API over simulated, roofline-paced engines",
+    ),
+    "load": (
+        "inference_lab.client.cli",
+        "drive a server with closed-loop, open-loop or adaptive (AIMD) load",
+    ),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser(command: str | None) -> tuple[CliParser, CliParser | None]:
+    """The top-level parser and ``command``'s parser (None when no subcommand was named).
+    Only ``command``'s flags are defined (its module imported, Rule 1); the other
+    subcommands are bare entries, enough for the ``--help`` listing and for argparse to
+    name the choices."""
+    parser = CliParser(
         prog="inference-lab",
         description="A simulated OpenAI-compatible LLM inference server and its tools.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{sim,serve,load}")
-    for module in SUBCOMMANDS.values():
-        importlib.import_module(module).add_parser(sub)
-    return parser
+    chosen: CliParser | None = None
+    for name, (module, summary) in SUBCOMMANDS.items():
+        if name == command:
+            chosen = importlib.import_module(module).add_parser(sub)
+        else:
+            sub.add_parser(name, help=summary, add_help=False)
+    return parser, chosen
+
+
+def _chosen(argv: Sequence[str]) -> str | None:
+    # The top-level parser has no option that takes a value, so its first positional
+    # argument is the subcommand.
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in SUBCOMMANDS else None
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    module = importlib.import_module(SUBCOMMANDS[args.command])
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return the exit code
+    (Rule 2). The console script ``inference-lab`` and ``python -m inference_lab.cli``
+    call it."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser, chosen = build_parser(_chosen(args_list))
+    try:
+        args, unknown = parser.parse_known_args(args_list)
+        if unknown:  # reported by the subcommand, so the line names it
+            (chosen or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+    except SystemExit as exc:  # --help (0) or a usage error (2), already printed
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
     try:
         code: int = module.run(args)
     except KeyboardInterrupt:
-        return 130
+        print(f"inference-lab {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return code
 
 

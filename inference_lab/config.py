@@ -25,6 +25,7 @@ import numpy as np
 from cattrs.errors import ForbiddenExtraKeysError
 
 from inference_lab.errors import ConfigError
+from inference_lab.resources import shipped_dir
 from inference_lab.validation import (
     FieldError,
     Invalid,
@@ -295,6 +296,54 @@ class ModelConfig:
     model: ModelArch
     scheduler: SchedulerConfig
     deployments: Mapping[str, Deployment]
+    #: The model's static ``[fault]`` table (None: no faults).
+    fault: FaultConfig | None = None
+
+
+# ---------------------------------------------------------------------------------------
+# fault injection (the test harness: docs/test-harness.md)
+
+#: The stream endings a fault can inject.
+FAULT_MODES = (
+    "cut_between_frames",
+    "cut_mid_frame",
+    "reset",
+    "stall",
+    "error_envelope_200",
+    "error_400_in_sse",
+    "no_done",
+    "no_usage",
+    "cancelled_499",
+    "mid_reasoning",
+    "mid_tool_call",
+)
+#: Bounds of ``after_chunks`` and ``delay_ms``: far above any useful test, far below a
+#: stream that never ends.
+MAX_FAULT_CHUNKS = 100_000
+MAX_FAULT_DELAY_MS = 600_000
+
+
+@attrs.frozen(kw_only=True)
+class FaultConfig:
+    """A fault directive: a model config's ``[fault]`` table, or one request's
+    ``x-inference-lab-fault`` header (parsed by :mod:`inference_lab.serve.harness`).
+
+    ``after_chunks`` content frames (``delay_ms`` apart; with ``paced``, the engine's
+    tokens as the model paces them) come before the ``mode``'s ending; ``utf8`` (only for
+    ``cut_mid_frame``) puts the cut inside a multi-byte character. ``rate`` is the share
+    of the model's streaming requests a ``[fault]`` table applies to (a header: 1).
+    """
+
+    mode: str = attrs.field(validator=_one_of(FAULT_MODES))
+    after_chunks: int = attrs.field(default=3, validator=[_ge(0), _le(MAX_FAULT_CHUNKS)])
+    delay_ms: int = attrs.field(default=10, validator=[_ge(0), _le(MAX_FAULT_DELAY_MS)])
+    utf8: bool = False
+    paced: bool = False
+    rate: float = attrs.field(default=1.0, validator=[_ge(0), _le(1)])
+
+    def __attrs_post_init__(self) -> None:
+        if self.utf8 and self.mode != "cut_mid_frame":
+            raise FieldError("utf8", f"applies to mode cut_mid_frame only, got mode {self.mode}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -464,8 +513,8 @@ def default_profiles_dir(config_path: Path) -> Path:
     """Where hardware profiles are looked up for ``config_path``.
 
     ``$INFERENCE_LAB_HARDWARE_PROFILES`` if set; else the first of
-    ``<config dir>/../hardware_profiles``, ``<config dir>/hardware_profiles``,
-    ``./hardware_profiles`` that exists (the last one when none does).
+    ``<config dir>/../hardware_profiles`` and ``<config dir>/hardware_profiles`` that
+    exists; else the shipped profiles (:func:`inference_lab.resources.shipped_dir`).
     """
     env = os.environ.get("INFERENCE_LAB_HARDWARE_PROFILES")
     if env:
@@ -474,7 +523,7 @@ def default_profiles_dir(config_path: Path) -> Path:
     for candidate in (here.parent / "hardware_profiles", here / "hardware_profiles"):
         if candidate.is_dir():
             return candidate
-    return Path("hardware_profiles")
+    return shipped_dir("hardware_profiles")
 
 
 def _validate_deployment(dep: Deployment, file: Path, profile_path: Path) -> None:
@@ -529,13 +578,9 @@ def load_model_config(
         if key not in ("model", "scheduler", "hardware", "fault"):
             raise ConfigError(
                 f"{file}: {key}: unknown key (a model config holds the tables [model], "
-                "[scheduler] and [hardware.<name>])"
+                "[scheduler], [hardware.<name>] and optionally [fault])"
             )
-    if "fault" in raw:
-        raise ConfigError(
-            f"{file}: fault: static fault injection is not available in this version "
-            "(the test-harness features are not built yet)"
-        )
+    fault = _structure(raw["fault"], FaultConfig, file, "fault") if "fault" in raw else None
     for key in ("model", "scheduler", "hardware"):
         if key not in raw:
             raise ConfigError(f"{file}: {key}: missing required table [{key}]")
@@ -573,7 +618,9 @@ def load_model_config(
         )
         _validate_deployment(dep, file, profile_path)
         deployments[name] = dep
-    return ModelConfig(path=file, model=model, scheduler=scheduler, deployments=deployments)
+    return ModelConfig(
+        path=file, model=model, scheduler=scheduler, deployments=deployments, fault=fault
+    )
 
 
 def select_deployment(config: ModelConfig, hardware: str | None) -> Deployment:

@@ -698,7 +698,7 @@ class Engine:
             n_arr = np.array(ns, dtype=np.int64)
             c_arr = np.array(cs, dtype=np.int64)
             cost = self.roofline.step_cost(n_arr, c_arr)
-            duration = cost.seconds
+            duration = cost.seconds * self.step_time_factor
             w.batch = batch
             heapq.heappush(self._heap, (now + duration, next(self._seq), _BOUNDARY, w))
             self._steps += 1
@@ -732,6 +732,16 @@ class Engine:
     @property
     def max_num_seqs(self) -> int:
         return self._max_num_seqs
+
+    #: Every step lasts this many times its roofline time (the test harness's slowdown).
+    step_time_factor = 1.0
+
+    def set_step_time_factor(self, factor: float) -> None:
+        """Price every step that starts from now on at ``factor`` x its roofline time
+        (``factor`` > 0; 1.0 restores). Steps in flight keep their end times."""
+        if not 0 < factor < float("inf"):
+            raise ValueError(f"step_time_factor must be a finite number > 0, got {factor}")
+        self.step_time_factor = factor
 
     def set_max_num_seqs(self, n: int) -> None:
         """Change the per-worker cap; effective at the next admission. Never evicts."""

@@ -1,7 +1,8 @@
 """The project's one error hierarchy.
 
 Each class says who raises it and what the caller should do. Errors are mapped to HTTP in
-exactly one place (the serve app); CLIs print ``str(error)`` on one line and exit 1.
+exactly one place (:mod:`inference_lab.serve.responses`); CLIs print ``str(error)`` on one
+line and exit with the code of their documented policy (:mod:`inference_lab.cli`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ class ConfigError(InferenceLabError):
     """
 
 
+class SimError(InferenceLabError):
+    """Raised by :func:`inference_lab.sim.run_simulation` for a workload that cannot make
+    progress on the deployment (every request refused in a duration-bounded closed loop).
+    The ``sim`` command prints it on one line and exits 1."""
+
+
 class RequestRefused(InferenceLabError):
     """Raised by :meth:`Engine.submit` (and returned by ``check_fits``) for a request that
     can never run on the deployment.
@@ -59,8 +66,9 @@ class RequestRefused(InferenceLabError):
 class ApiError(InferenceLabError):
     """A request the HTTP layer refuses before any response starts.
 
-    Raised by the ``parse_*`` functions of this module (and by the serve app for unknown
-    models and fit failures); the serve app turns it into ``status`` + :meth:`body`.
+    Raised by the ``parse_*`` functions of :mod:`inference_lab.openai_api` (and by the serve
+    app for unknown models and fit failures); the serve app turns it into ``status`` +
+    :meth:`body`.
     """
 
     def __init__(

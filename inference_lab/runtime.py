@@ -1,7 +1,7 @@
 """The trio runtime of one served model: an engine task and a pacer task.
 
-``spec/README.md`` (runtime shape), ``spec/serve-api.md`` (pacing) and ``spec/saturation.md``
-(admission) fix what this module does. The HTTP app talks to it through three synchronous
+``docs/internals.md`` describes the runtime shape, the pacing and the admission rules this
+module implements. The HTTP app talks to it through three synchronous
 calls (:meth:`ModelRuntime.admit_nowait`, :meth:`RequestHandle.close`,
 :meth:`ModelRuntime.set_capacity`) and reads :meth:`ModelRuntime.snapshot`.
 
@@ -50,6 +50,7 @@ from inference_lab.errors import EngineUnavailable, QueueFull, RequestRefused
 from inference_lab.timer import Timer
 
 __all__ = [
+    "EngineKilled",
     "EngineUnavailable",
     "LengthSampler",
     "ModelRuntime",
@@ -74,6 +75,10 @@ LAG_WINDOW = 1.0
 LAG_WARN_P99 = 0.002
 #: ... at most once per this many seconds.
 LAG_WARN_EVERY = 10.0
+
+
+class EngineKilled(Exception):
+    """The failure :meth:`ModelRuntime.kill` injects: a crash on request."""
 
 
 class RequestSink(Protocol):
@@ -113,21 +118,34 @@ class RuntimeSnapshot:
     bounds. Pacing lag (seconds) is how late engine events were handled.
     """
 
+    #: The model's name.
     model: str
+    #: Whether its engine task runs (False: new requests get 503).
     alive: bool
+    #: Requests in the engine's waiting queues.
     waiting: int
+    #: Arrivals admitted by the HTTP layer that the engine has not yet queued.
     pending: int
+    #: Requests running (summed over workers).
     running: int
+    #: The per-worker cap on running sequences in force.
     max_num_seqs: int
+    #: The waiting bound in force (0: never refuse).
     max_waiting: int
+    #: Requests admitted since the runtime was built.
     admitted: int
+    #: Requests refused with 529 since the runtime was built.
     refused: int
+    #: Engine events handled (each one's pacing lag is recorded).
     events: int
+    #: The largest pacing lag so far (seconds).
     lag_max: float
+    #: The mean pacing lag so far (seconds).
     lag_mean: float
 
     @property
     def depth(self) -> int:
+        """What ``max_waiting`` bounds: ``waiting + pending``."""
         return self.waiting + self.pending
 
 
@@ -135,17 +153,26 @@ class RuntimeSnapshot:
 class RuntimeStatistics:
     """A fuller, costlier picture for ``/control/stats`` and benchmarks."""
 
+    #: The snapshot published last.
     snapshot: RuntimeSnapshot
+    #: The engine's own statistics (queues, KV blocks, counters).
     engine: EngineStatistics
+    #: The engine's simulated clock (seconds since the runtime started).
     sim_time: float
+    #: Wall-clock seconds since the runtime started.
     wall_time: float
+    #: The pacing lag summed over every event (seconds).
     lag_total: float
+    #: The median, p99 and largest pacing lag over the requested window of events.
     lag_p50: float
     lag_p99: float
     lag_max_recent: float
+    #: The pacing lag's p99 and largest value over the last complete second.
     lag_window_p99: float
     lag_window_max: float
+    #: Whether the pacer sleeps on a timerfd (sub-millisecond) rather than trio's timer.
     precise_timer: bool
+    #: How many completions the simulated E2E median is over, and that median (seconds).
     e2e_count: int
     e2e_p50: float
 
@@ -366,7 +393,7 @@ class ModelRuntime:
     def set_capacity(
         self, *, max_num_seqs: int | None = None, max_waiting: int | None = None
     ) -> None:
-        """Retune the live model (``saturation.md``): ``max_num_seqs`` gates admission at
+        """Retune the live model (``docs/saturation.md``): ``max_num_seqs`` gates admission at
         the engine's next step (lowering drains, never evicts); ``max_waiting`` applies to
         arrivals from now on (0 = never refuse). Values are validated by the caller."""
         if max_num_seqs is not None:
@@ -428,6 +455,20 @@ class ModelRuntime:
         self._shut_down(f"The engine for model '{self.name}' stopped.")
         if self._cancel_scope is not None:
             self._cancel_scope.cancel()
+
+    def kill(self) -> None:
+        """Fail the model as an engine crash does (Rule 7): new requests get 503, the
+        snapshot says it is not alive, every live request is told ``on_failed`` with the
+        crash's message and the runtime's tasks end. For the test harness
+        (``POST /control/engine``); synchronous, and a no-op unless the model is alive."""
+        if self._alive:
+            self._fail(EngineKilled("the engine was killed on request (test harness)"))
+
+    def set_step_time_factor(self, factor: float) -> None:
+        """Price every engine step that starts from now on at ``factor`` x its roofline
+        time (the test harness's slowdown; 1.0 restores). The step in flight keeps its
+        end time. ``factor`` (> 0, finite) is validated by the caller."""
+        self.engine.set_step_time_factor(factor)
 
     async def wait_stopped(self) -> None:
         if self._started:

@@ -1,24 +1,36 @@
 """``inference-lab serve``: flags, startup banner, the socket, hypercorn, signals.
 
-``spec/serve-api.md`` (Command line) fixes the flags. The lead's ``cli.py`` calls
-:func:`add_parser` and then :func:`run`.
+The top-level CLI (:mod:`inference_lab.cli`) calls :func:`add_parser` to build the
+command line and :func:`run` once it has been parsed; ``docs/serve.md`` documents the flags.
 
-Rule 1: every startup failure is one line on stderr and exit code 1 (bad flag value,
-        unreadable or invalid config, duplicate model names, no model left, the port).
+Rule 1: every startup failure is one line on stderr: exit code 2 for a bad command line
+        (a flag's value out of range: argparse), 1 for one that cannot be served
+        (unreadable or invalid config, duplicate model names, no model left, the port).
 Rule 2: the command binds the listening socket itself, so it can set ``TCP_USER_TIMEOUT``:
         a client that stops reading can then pin neither a connection nor a graceful
         shutdown for longer than that (hypercorn shields its socket writes).
-Rule 3: SIGINT / SIGTERM start a graceful shutdown (in-flight streams get
-        ``GRACEFUL_TIMEOUT`` seconds); a second signal stops at once. No traceback.
+Rule 3: SIGINT / SIGTERM start a graceful shutdown (``ServeState.drain``): new requests
+        get 503 with ``Connection: close``, live ones get ``--shutdown-grace`` seconds,
+        then each still live ends with an answer naming the shutdown (a stream: its error
+        frame, ``[DONE]`` and a complete chunked body) before hypercorn is told to stop,
+        and the process exits 0. A second signal ends the grace period at once; a third
+        stops without waiting. No traceback.
+Rule 4: the backlog asked for is the one in force: :func:`bind_socket` listens with it
+        and hypercorn, which calls ``listen`` again on the socket it adopts, is given the
+        same value.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -32,15 +44,29 @@ from inference_lab.serve import (
     DEFAULT_MAX_TOKENS,
     ServeSettings,
     create_app,
+    get_state,
     load_settings,
     parse_int_setting,
 )
+from inference_lab.serve.settings import DEFAULT_BODY_TIMEOUT
 
 __all__ = ["add_parser", "bind_socket", "run", "serve_app"]
 
 PROG = "inference-lab serve"
-#: Seconds in-flight requests get to finish after SIGINT / SIGTERM.
+#: Seconds in-flight requests get to finish after SIGINT / SIGTERM (``--shutdown-grace``).
 GRACEFUL_TIMEOUT = 3.0
+#: Seconds the last frames of requests ended by a shutdown get to reach their clients
+#: before hypercorn cancels the connections (hypercorn's own ``graceful_timeout``).
+FLUSH_TIMEOUT = 2.0
+#: The listen backlog (``--backlog``); hypercorn's own default is 100.
+DEFAULT_BACKLOG = 2048
+#: The environment variable ``--control-token`` falls back to (a secret on a command line
+#: is visible to every local user in the process list).
+CONTROL_TOKEN_ENV = "INFERENCE_LAB_CONTROL_TOKEN"
+#: The environment variables ``--api-key`` (a secret, too) and ``--allowed-origins`` fall
+#: back to.
+API_KEY_ENV = "INFERENCE_LAB_API_KEY"
+ORIGINS_ENV = "INFERENCE_LAB_ALLOWED_ORIGINS"
 #: Milliseconds sent data may stay unacknowledged (or unsent behind a zero window) before
 #: the kernel drops the connection. Accepted sockets inherit it from the listener.
 TCP_USER_TIMEOUT_MS = 10_000
@@ -49,10 +75,12 @@ KEEP_ALIVE_TIMEOUT = 5.0
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``serve`` on the top-level CLI's subparsers (``set_defaults(func=run)``)."""
+    """Register ``serve`` and its flags on the top-level CLI's subparsers; integer flags
+    are checked here (``cli_args.integer``: a bad value is a usage error, exit 2)."""
+    from inference_lab.cli_args import integer
+
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
-        help="serve the OpenAI HTTP API over simulated, roofline-paced engines",
         description=(
             "Serve an OpenAI-compatible HTTP API. No model runs: each model's "
             "continuous-batching engine is priced by a roofline model of the chosen GPU and "
@@ -72,14 +100,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="which [hardware.<NAME>] entry to deploy (default: b200)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    parser.add_argument("--port", default="8080", help="port to bind (default: 8080; 0 = any)")
+    parser.add_argument(
+        "--port",
+        type=integer(ge=0, le=65535),
+        default=8080,
+        help="port to bind (default: 8080; 0 = any)",
+    )
     parser.add_argument(
         "--max-waiting",
+        type=integer(ge=0),
         metavar="N",
         help="waiting-queue bound for every model (0 = unbounded); overrides [scheduler]",
     )
     parser.add_argument(
         "--max-num-seqs",
+        type=integer(ge=1),
         metavar="N",
         help="cap on running requests per worker for every model; overrides [scheduler]",
     )
@@ -88,10 +123,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="PATH",
         help="a workload TOML: response lengths are min(output_len_dist sample, max_tokens)",
     )
-    parser.add_argument("--seed", metavar="N", help="seed of the response-length generators")
+    parser.add_argument(
+        "--seed", type=integer(ge=0), metavar="N", help="seed of the response-length generators"
+    )
     parser.add_argument(
         "--default-max-tokens",
-        default=str(DEFAULT_MAX_TOKENS),
+        type=integer(ge=1),
+        default=DEFAULT_MAX_TOKENS,
         metavar="N",
         help="max_tokens of a request that sends none (default: 256)",
     )
@@ -104,33 +142,89 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--enable-test-harness",
         action="store_true",
-        help="fault injection and scripted responses (not built in this version)",
+        help=(
+            "the test harness: the x-inference-lab-fault header, scripted responses "
+            "(<<respond:{...} markers) and POST /control/engine (kill, restart, slowdown); "
+            "never on a server untrusted clients reach (see docs/test-harness.md)"
+        ),
     )
-    parser.set_defaults(func=run)
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $INFERENCE_LAB_API_KEY; "
+        "/health, /version and /metrics stay open)",
+    )
+    parser.add_argument(
+        "--allowed-origins",
+        metavar="ORIGINS",
+        help="comma-separated browser origins (scheme://host[:port], or *) answered with "
+        "CORS headers and preflights (default: $INFERENCE_LAB_ALLOWED_ORIGINS; none)",
+    )
+    _add_hardening_flags(parser)
     return parser
+
+
+def _add_hardening_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the listening socket, the control plane, body deadlines and shutdown."""
+    from inference_lab.cli_args import integer, number
+
+    parser.add_argument(
+        "--backlog",
+        type=integer(ge=1, le=65535),
+        default=DEFAULT_BACKLOG,
+        metavar="N",
+        help=f"listen backlog: connections the kernel queues before they are accepted "
+        f"(default: {DEFAULT_BACKLOG}; capped by net.core.somaxconn)",
+    )
+    parser.add_argument(
+        "--control-token",
+        metavar="TOKEN",
+        help="require 'Authorization: Bearer TOKEN' on /control/* (default: "
+        "$INFERENCE_LAB_CONTROL_TOKEN; without one, /control/* answers loopback clients only)",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=number(gt=0),
+        default=DEFAULT_BODY_TIMEOUT,
+        metavar="SECONDS",
+        help=f"a request body must arrive within this many seconds, else 408 "
+        f"(default: {DEFAULT_BODY_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--shutdown-grace",
+        type=number(ge=0),
+        default=GRACEFUL_TIMEOUT,
+        metavar="SECONDS",
+        help=f"on SIGINT/SIGTERM, live requests get this long to finish before they are ended "
+        f"with an error naming the shutdown (default: {GRACEFUL_TIMEOUT:g})",
+    )
 
 
 class _UsageError(Exception):
     pass
 
 
-def _int_flag(value: str | None, flag: str, lowest: int) -> int | None:
+def _int_flag(value: int | None, flag: str, lowest: int) -> int | None:
+    """A flag value as ``add_parser``'s types parsed it (already in range); the bound is
+    checked again so that a Namespace built by hand is refused the same way."""
     if value is None:
         return None
     try:
-        return parse_int_setting(value, lowest)
+        return parse_int_setting(str(value), lowest)
     except ValueError as exc:
         raise _UsageError(f"{flag} {exc}") from None
 
 
 def _fail(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return 1
+    from inference_lab.cli_args import fail
+
+    return fail(PROG, message)
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` with ``TCP_USER_TIMEOUT`` set (inherited by
-    accepted connections on Linux). Raises OSError."""
+def bind_socket(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
+    """A TCP socket on ``host:port`` listening with ``backlog``, with ``TCP_USER_TIMEOUT``
+    set (inherited by accepted connections on Linux). Raises OSError. Serve it with the
+    same ``backlog`` (:func:`serve_app`), which hypercorn applies again (Rule 4)."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, type_, proto, _, address = infos[0]
     sock = socket.socket(family, type_, proto)
@@ -140,11 +234,33 @@ def bind_socket(host: str, port: int) -> socket.socket:
         if hasattr(socket, "TCP_USER_TIMEOUT"):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, TCP_USER_TIMEOUT_MS)
         sock.bind(address)
-        sock.listen(1024)
+        sock.listen(backlog)
     except OSError:
         sock.close()
         raise
     return sock
+
+
+def _somaxconn() -> int | None:
+    """The kernel's cap on listen backlogs (Linux), or None where it cannot be read."""
+    try:
+        return int(Path("/proc/sys/net/core/somaxconn").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _raise_fd_limit() -> None:
+    """Raise this process's soft limit on open files to its hard limit: every connection
+    is a file descriptor, and a 1,000-connection burst passes the common soft limit of
+    1024 (trio's accept loop would then stall until descriptors are freed)."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _url(sock: socket.socket) -> str:
@@ -170,11 +286,13 @@ def _banner(settings: ServeSettings, hardware: str, url: str) -> str:
 
 
 def _hypercorn_config(
-    sock: socket.socket, graceful_timeout: float, keep_alive_timeout: float
+    sock: socket.socket, graceful_timeout: float, keep_alive_timeout: float, backlog: int
 ) -> HyperConfig:
     config = HyperConfig()
     # hypercorn adopts the socket by file descriptor; it owns (and closes) it from here.
     config.bind = [f"fd://{sock.detach()}"]
+    # ... and calls listen() on it again, with this (Rule 4; its default is 100).
+    config.backlog = backlog
     config.graceful_timeout = graceful_timeout
     config.keep_alive_timeout = keep_alive_timeout
     config.accesslog = None
@@ -189,48 +307,69 @@ async def serve_app(
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
     graceful_timeout: float = GRACEFUL_TIMEOUT,
     keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT,
+    backlog: int = DEFAULT_BACKLOG,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` with hypercorn's trio worker on an already-bound ``sock`` (which it
-    takes over) until ``shutdown_trigger`` returns; then in-flight requests get
-    ``graceful_timeout`` seconds. ``task_status.started`` gets hypercorn's bound URLs.
-    Tests use it with ``await nursery.start(serve_app, app, bind_socket("127.0.0.1", 0))``.
+    """Serve ``app`` (made by ``create_app``) with hypercorn's trio worker on an
+    already-bound ``sock`` (which it takes over, listening with ``backlog``) until
+    ``shutdown_trigger`` returns; then the app drains (Rule 3: new requests 503, live ones
+    get ``graceful_timeout`` seconds, then end with an answer naming the shutdown) and
+    only then is hypercorn told to stop, giving the last frames :data:`FLUSH_TIMEOUT`
+    seconds. ``task_status.started`` gets hypercorn's bound URLs. Tests use it with
+    ``await nursery.start(serve_app, app, bind_socket("127.0.0.1", 0))``.
     """
-    config = _hypercorn_config(sock, graceful_timeout, keep_alive_timeout)
-    await hypercorn_serve(app, config, shutdown_trigger=shutdown_trigger, task_status=task_status)
+    config = _hypercorn_config(sock, FLUSH_TIMEOUT, keep_alive_timeout, backlog)
+    trigger = shutdown_trigger
+    if shutdown_trigger is not None:
+        state = get_state(app)
+
+        async def drain_then_stop() -> None:
+            await shutdown_trigger()
+            # hypercorn cancels every connection FLUSH_TIMEOUT s after this returns: the
+            # runtimes stop first, so no stream is cut mid-message.
+            await state.drain(graceful_timeout)
+
+        trigger = drain_then_stop
+    await hypercorn_serve(app, config, shutdown_trigger=trigger, task_status=task_status)
 
 
-async def _serve_until_signalled(app: Any, sock: socket.socket) -> None:
+async def _serve_until_signalled(
+    app: Any, sock: socket.socket, *, grace: float, backlog: int
+) -> None:
     stop = trio.Event()
+    state = get_state(app)
     async with trio.open_nursery() as nursery:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
 
             async def watch() -> None:
+                signalled = 0
                 async for signum in signals:
-                    if stop.is_set():
-                        print(f"{PROG}: second signal: stopping now", file=sys.stderr)
+                    signalled += 1
+                    if signalled == 1:
+                        name = signal.Signals(signum).name
+                        print(
+                            f"{PROG}: {name}: shutting down (new requests get 503; live "
+                            f"requests get {grace:g} s)",
+                            file=sys.stderr,
+                        )
+                        stop.set()
+                    elif signalled == 2:
+                        print(f"{PROG}: second signal: ending live requests now", file=sys.stderr)
+                        state.hurry()
+                    else:
+                        print(f"{PROG}: third signal: stopping now", file=sys.stderr)
                         nursery.cancel_scope.cancel()
                         return
-                    name = signal.Signals(signum).name
-                    print(
-                        f"{PROG}: {name}: shutting down (in-flight requests get "
-                        f"{GRACEFUL_TIMEOUT:g} s)",
-                        file=sys.stderr,
-                    )
-                    stop.set()
 
             nursery.start_soon(watch)
-            await serve_app(app, sock, shutdown_trigger=stop.wait)
+            await serve_app(
+                app, sock, shutdown_trigger=stop.wait, graceful_timeout=grace, backlog=backlog
+            )
             nursery.cancel_scope.cancel()
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``inference-lab serve``; returns the exit code."""
-    if args.enable_test_harness:
-        return _fail(
-            "--enable-test-harness: the test-harness features (fault injection, scripted "
-            "responses) are not built in this version"
-        )
     try:
         port = _int_flag(args.port, "--port", 0)
         if port is not None and port > 65535:
@@ -255,18 +394,40 @@ def run(args: argparse.Namespace) -> int:
             seed=seed,
             default_max_tokens=default_max_tokens or DEFAULT_MAX_TOKENS,
             tokenizer=args.tokenizer,
+            enable_test_harness=bool(args.enable_test_harness),
+            control_token=args.control_token or os.environ.get(CONTROL_TOKEN_ENV) or None,
+            body_timeout=args.body_timeout,
+            api_key=getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None,
+            allowed_origins=getattr(args, "allowed_origins", None)
+            or os.environ.get(ORIGINS_ENV)
+            or None,
             on_skip=skip,
         )
     except ConfigError as exc:
         return _fail(str(exc))
     try:
-        sock = bind_socket(args.host, port or 0)
+        sock = bind_socket(args.host, port or 0, args.backlog)
     except OSError as exc:
         return _fail(f"cannot listen on {args.host}:{port}: {exc.strerror or exc}")
+    _raise_fd_limit()
     app = create_app(settings, server_process=True)
     print(_banner(settings, args.hardware, _url(sock)), flush=True)
+    if settings.enable_test_harness:
+        print(
+            f"{PROG}: test harness on: requests can inject faults and script answers, and "
+            "POST /control/engine can kill, restart and slow down models",
+            file=sys.stderr,
+        )
+    somaxconn = _somaxconn()
+    if somaxconn is not None and somaxconn < args.backlog:
+        print(
+            f"{PROG}: warning: --backlog {args.backlog} is capped at net.core.somaxconn "
+            f"({somaxconn}) by the kernel",
+            file=sys.stderr,
+        )
+    serve = partial(_serve_until_signalled, grace=args.shutdown_grace, backlog=args.backlog)
     try:
-        trio.run(_serve_until_signalled, app, sock)
+        trio.run(serve, app, sock)
     except KeyboardInterrupt:
         pass  # a signal before the handlers were installed: nothing was serving yet
     print(f"{PROG}: stopped", file=sys.stderr)

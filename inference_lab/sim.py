@@ -1,4 +1,5 @@
-"""`inference-lab sim`: run a workload through the engine offline, as fast as the CPU allows.
+"""The offline simulation behind `inference-lab sim`: a workload through the engine, as fast
+as the CPU allows, and the text, JSON and CSV that describe the run.
 
 Rule 1: the simulation is `run_simulation`, a plain loop over `Engine.step()`; it is the only
         place that reads the wall clock (to report real time) and it does constant work per
@@ -11,29 +12,24 @@ Rule 3: every request is submitted with `max_tokens = target = ` the sampled out
         it runs to its sampled length and finishes with reason `length`; a request the
         deployment can never run (`RequestRefused`) is counted apart and, in a closed loop,
         its user moves straight on to its next request.
-Rule 4: bad input (missing file, bad key, unknown or ambiguous hardware entry, unwritable
-        output) is one line on stderr, `inference-lab sim: error: <message>`, and exit code 1.
 
-Dependencies: config -> engine -> this module -> cli (`cli.py` calls `add_parser`).
+Dependencies: config -> engine -> this module -> `sim_cli` (the `inference-lab sim` command,
+which prints and writes what the functions of this module's second half format).
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
-import json
 import math
-import sys
 import time
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import IO, Any
 
 import attrs
 
-from inference_lab.config import Deployment, Workload, load_deployment, load_workload
+from inference_lab.config import Deployment, Workload
 from inference_lab.engine import Engine, Finished, RequestSpec, StepInfo
-from inference_lab.errors import ConfigError, InferenceLabError, RequestRefused
+from inference_lab.errors import RequestRefused, SimError
 from inference_lab.metrics import LATENCY_COLUMNS, SimSummary, summarize
 from inference_lab.workload import Arrival, make_generator
 
@@ -42,23 +38,18 @@ __all__ = [
     "Refused",
     "SimError",
     "SimResult",
-    "add_parser",
-    "main",
-    "run",
+    "config_dict",
+    "format_config",
+    "format_summary",
     "run_simulation",
+    "write_request_csv",
 ]
 
-PROG = "inference-lab sim"
 #: Progress is reported every this many engine events (and once at the end).
 PROGRESS_EVERY = 256
 #: A closed loop whose users are refused this many times in a row without one admitted
 #: request would spin forever at one simulated instant; it is reported as an error instead.
 MAX_REFUSAL_STREAK = 100_000
-
-
-class SimError(InferenceLabError):
-    """Raised by `run_simulation` for a workload that cannot make progress on the deployment
-    (every request refused in a duration-bounded closed loop). The CLI prints it and exits 1."""
 
 
 @attrs.frozen
@@ -96,6 +87,7 @@ class SimResult:
     seed: int  # the seed the arrivals were drawn with
 
     def to_dict(self) -> dict[str, Any]:
+        """The summary sections of `sim -o`'s JSON, plus the peak queue and the times."""
         out = self.summary.to_dict()
         out["peak_waiting"] = self.peak_waiting
         out["time"] = {
@@ -256,7 +248,8 @@ def _describe_arrivals(workload: Workload) -> str:
 def config_dict(
     deployment: Deployment, workload: Workload, workload_path: str, seed: int
 ) -> dict[str, Any]:
-    """The run's configuration, for the JSON output."""
+    """The run's configuration as plain JSON values: the `config` section of `sim -o`'s
+    file (called by `sim_cli.run`)."""
     hw = deployment.hardware
     sched = deployment.scheduler
     return {
@@ -287,6 +280,8 @@ def config_dict(
 
 
 def format_config(deployment: Deployment, workload: Workload, workload_path: str, seed: int) -> str:
+    """The configuration block `inference-lab sim` prints before the run: model, hardware,
+    KV cache, scheduler, timing correction (when not the identity) and workload."""
     hw = deployment.hardware
     sched = deployment.scheduler
     kv_gib = deployment.kv_bytes / 2**30
@@ -323,7 +318,8 @@ def _ms(value: float | None) -> str:
 
 
 def format_summary(result: SimResult) -> str:
-    """The human-readable summary table."""
+    """The summary `inference-lab sim` prints after the run: the latency table (ms) and one
+    line each for requests, throughput, utilisation, preemptions and time."""
     s = result.summary
     rows = [("TTFT", s.ttft), ("TPOT", s.tpot), ("E2E", s.e2e), ("queue", s.queue)]
     table = [["latency (ms)", *LATENCY_COLUMNS, "n"]]
@@ -426,137 +422,3 @@ def write_request_csv(result: SimResult, out: IO[str]) -> int:
     writer.writeheader()
     writer.writerows(row for _, _, row in rows)
     return len(rows)
-
-
-# ---------------------------------------------------------------------------------------
-# the command line
-
-
-def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the `sim` options to `parser` (shared by `add_parser` and `main`)."""
-    parser.add_argument("--config", required=True, metavar="PATH", help="model config TOML")
-    parser.add_argument(
-        "--hardware",
-        metavar="NAME",
-        help="the config's [hardware.NAME] entry (may be omitted when there is only one)",
-    )
-    parser.add_argument("--workload", required=True, metavar="PATH", help="workload TOML")
-    parser.add_argument("-o", "--output", metavar="PATH", help="write the summary as JSON")
-    parser.add_argument("--request-csv", metavar="PATH", help="write one CSV row per request")
-    parser.add_argument("--seed", type=int, metavar="N", help="override the workload's seed")
-    parser.add_argument(
-        "--profiles-dir",
-        metavar="DIR",
-        type=Path,
-        help="hardware profile directory (default: hardware_profiles/ next to the configs)",
-    )
-    parser.add_argument(
-        "-q", "--quiet", action="store_true", help="no configuration print, no progress bar"
-    )
-    parser.add_argument(
-        "--no-progress",
-        action="store_true",
-        help="no progress bar (it is also off when stderr is not a terminal)",
-    )
-    parser.set_defaults(func=run)
-    return parser
-
-
-def add_parser(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    """Register `sim` on the top-level CLI; `args.func(args)` then runs it."""
-    parser = subparsers.add_parser(
-        "sim",
-        help="simulate a workload offline and report latency / throughput",
-        description="Run a workload through the simulated engine as fast as the CPU allows and "
-        "report TTFT / TPOT / E2E / queue-time percentiles, throughput and utilisation.",
-    )
-    return configure_parser(parser)
-
-
-def _error(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return 1
-
-
-def _os_error_message(exc: OSError) -> str:
-    if exc.filename is not None and exc.strerror:
-        return f"{exc.filename}: {exc.strerror}"
-    return str(exc)
-
-
-def _check_writable(path: str | None, option: str) -> None:
-    if path is None:
-        return
-    parent = Path(path).resolve().parent
-    if not parent.is_dir():
-        raise ConfigError(f"{option} {path}: directory {parent} does not exist")
-
-
-def _make_progress_bar(total: int | None) -> tuple[Callable[[Progress], None], Callable[[], None]]:
-    from tqdm import tqdm  # imported here: only the interactive CLI draws a bar
-
-    bar = tqdm(
-        total=total, unit="req", desc="sim", file=sys.stderr, disable=None, dynamic_ncols=True
-    )
-
-    def update(p: Progress) -> None:
-        done = p.done + p.refused
-        if done > bar.n:
-            bar.update(done - bar.n)
-        bar.set_postfix_str(
-            f"t={p.time:,.1f}s run={p.running} wait={p.waiting} kv={p.kv_usage:.0%}", refresh=False
-        )
-
-    return update, bar.close
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run `inference-lab sim` for parsed `args`; returns the exit code."""
-    try:
-        _check_writable(args.output, "-o")
-        _check_writable(args.request_csv, "--request-csv")
-        deployment = load_deployment(args.config, args.hardware, args.profiles_dir)
-        workload = load_workload(args.workload)
-        seed = workload.seed if args.seed is None else args.seed
-        if not args.quiet:
-            print(format_config(deployment, workload, args.workload, seed), flush=True)
-        progress: Callable[[Progress], None] | None = None
-        close: Callable[[], None] = lambda: None  # noqa: E731
-        if not (args.quiet or args.no_progress):
-            progress, close = _make_progress_bar(workload.num_requests)
-        try:
-            result = run_simulation(deployment, workload, seed=args.seed, progress=progress)
-        finally:
-            close()
-        if not args.quiet:
-            print()
-        print(format_summary(result))
-        if args.output is not None:
-            doc = {
-                "config": config_dict(deployment, workload, args.workload, seed),
-                **result.to_dict(),
-            }
-            with open(args.output, "w", encoding="utf-8") as fh:
-                json.dump(doc, fh, indent=2)
-                fh.write("\n")
-        if args.request_csv is not None:
-            with open(args.request_csv, "w", encoding="utf-8", newline="") as fh:
-                write_request_csv(result, fh)
-    except InferenceLabError as exc:
-        return _error(str(exc))
-    except OSError as exc:
-        return _error(_os_error_message(exc))
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m inference_lab.sim ...`: the same as `inference-lab sim ...`."""
-    parser = configure_parser(argparse.ArgumentParser(prog=PROG))
-    args = parser.parse_args(argv)
-    return run(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

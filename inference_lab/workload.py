@@ -58,7 +58,8 @@ class Arrival:
 
 
 def make_rng(workload: Workload, seed: int | None = None) -> np.random.Generator:
-    """The workload's one generator: `seed` when given (the CLI's `--seed`), else `workload.seed`."""
+    """The workload's one generator (Rule 1): `seed` when given (`--seed`), else
+    `workload.seed`. Called by `make_generator` here and by serve for response lengths."""
     return np.random.default_rng(workload.seed if seed is None else seed)
 
 
@@ -91,7 +92,8 @@ def _check_bounded(workload: Workload) -> None:
 
 
 class ArrivalGenerator:
-    """The sim loop's view of a workload.
+    """The sim loop's view of a workload (made by `make_generator`, driven by
+    `sim.run_simulation`).
 
     The caller submits everything `initial()` returns, then calls `on_complete(user, t)` for
     each finished (or refused) request; a closed loop answers with that user's next request.
@@ -100,6 +102,8 @@ class ArrivalGenerator:
     closed_loop: bool = False
 
     def initial(self) -> list[Arrival]:
+        """The arrivals known before the first step, in arrival order: every one of an open
+        loop, each user's first of a closed loop."""
         raise NotImplementedError
 
     def on_complete(self, user: int, time: float) -> Arrival | None:
@@ -134,7 +138,7 @@ class OpenLoopGenerator(ArrivalGenerator):
         # uniform and batched need no randomness (uniform times are computed exactly below)
         return np.zeros(n)
 
-    def arrays(
+    def _arrays(
         self,
     ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """All arrivals as (times, prompt_tokens, output_lens), in arrival order."""
@@ -172,7 +176,7 @@ class OpenLoopGenerator(ArrivalGenerator):
         )
 
     def initial(self) -> list[Arrival]:
-        times, prompts, outputs = self.arrays()
+        times, prompts, outputs = self._arrays()
         return [
             Arrival(t, p, o)
             for t, p, o in zip(times.tolist(), prompts.tolist(), outputs.tolist(), strict=True)
@@ -205,11 +209,6 @@ class ClosedLoopGenerator(ArrivalGenerator):
             rng.uniform(0.0, jitter, users).tolist() if jitter > 0 else [0.0] * users
         )
         self._lengths = _Lengths(workload, rng)
-
-    @property
-    def issued(self) -> int:
-        """Requests handed out so far."""
-        return self._issued
 
     def _issue(self, user: int, time: float) -> Arrival | None:
         if self._issued >= self._limit or time >= self._duration:

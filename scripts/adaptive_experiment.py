@@ -1,9 +1,10 @@
-"""The AIMD client against a bounded queue, and the two dials of ``spec/saturation.md``.
+"""The AIMD client against a bounded queue, and the server's two capacity dials
+(``max_num_seqs`` and ``max_waiting``, changed live through ``POST /control/capacity``).
 
     .venv/bin/python scripts/adaptive_experiment.py --out docs/
     .venv/bin/python scripts/adaptive_experiment.py --url http://127.0.0.1:8080 --out /tmp/x
 
-Without ``--url`` it starts ``inference-lab serve --config configs/gpt-oss-20b.toml
+Without ``--url`` it starts ``inference-lab serve --config <shipped configs>/gpt-oss-20b.toml
 --hardware b200 --max-num-seqs S --max-waiting W`` on a free 127.0.0.1 port and stops it at
 the end (with ``--url`` the same values are set through ``POST /control/capacity`` and the
 server's own are restored afterwards). One run of the package's load generator in
@@ -19,13 +20,13 @@ server holds) through three phases of ``--phase`` seconds each, changed live:
 For each phase it reports the limit at every AIMD cut (the "peak": how many requests were
 in flight when a 529 came back), the limit the client settled at (time-weighted median
 over the phase's last two thirds), the measured output throughput and the roofline's
-(``capacity_experiment.predict``: ``max_num_seqs / t_step``), and writes
+(``inference_lab.benchkit.predict_closed_loop``: ``max_num_seqs / t_step``), and writes
 ``adaptive_experiment.png`` and ``adaptive_experiment.json`` to ``--out``.
 
 Why ``W >= S`` by default: AIMD halves its limit on a 529, from ``S + W + 1`` to about
 ``(S + W) / 2``. With ``W >= S - 1`` that trough still fills all ``S`` batch slots, so the
 engine runs a full batch all the time and throughput is set by ``max_num_seqs`` alone — the
-point of phase B. With a smaller ``W`` (say the README's ``S = 16, W = 8``) each halving
+point of phase B. With a smaller ``W`` (say ``S = 16, W = 8``) each halving
 leaves the batch part-empty for a moment and raising ``W`` would also raise throughput a
 little, by fixing the client's under-use rather than the server's capacity.
 """
@@ -33,6 +34,7 @@ little, by fixing the client's under-use rather than the server's capacity.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -42,31 +44,30 @@ from typing import Any
 import numpy as np
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _experiment_server import (  # noqa: E402
-    ROOT,
+from inference_lab.benchkit import (
     ServerProcess,
     columns,
     get_capacity,
+    get_stats,
+    model_entry,
     post_capacity,
-    request_json,
+    predict_closed_loop,
     rounded,
 )
-from capacity_experiment import predict  # noqa: E402
-
-from inference_lab.client.load import LoadConfig, LoadResult, run_load  # noqa: E402
-from inference_lab.client.wire import build_prompt, chat_prompt_tokens  # noqa: E402
-from inference_lab.config import load_deployment  # noqa: E402
+from inference_lab.cli_args import CliParser, fail, integer, number
+from inference_lab.client.load import LoadConfig, LoadResult, run_load
+from inference_lab.client.wire import build_prompt, chat_prompt_tokens
+from inference_lab.config import load_deployment
+from inference_lab.resources import shipped_dir
 
 BIN = 1.0  # seconds per throughput bin
 
 
 async def run_experiment(args: argparse.Namespace, url: str) -> dict[str, Any]:
-    original = await get_capacity(url)
-    entry = next((e for e in original if e["model"] == args.model), None)
-    if entry is None:
-        raise SystemExit(f"adaptive_experiment: the server at {url} does not serve {args.model}")
+    try:
+        entry = model_entry(await get_capacity(url), args.model)
+    except KeyError as exc:
+        raise SystemExit(f"adaptive_experiment: {url}: {exc.args[0]}") from None
     await post_capacity(url, model=args.model, max_num_seqs=args.seqs, max_waiting=args.waiting)
     config = LoadConfig(
         url=url,
@@ -105,7 +106,7 @@ async def run_experiment(args: argparse.Namespace, url: str) -> dict[str, Any]:
 
     async def poll(done: trio.Event) -> None:
         while not done.is_set():
-            snap = next(e for e in await get_capacity(url) if e["model"] == args.model)
+            snap = model_entry(await get_capacity(url), args.model)
             snap["unix"] = time.time()
             capacity.append(snap)
             with trio.move_on_after(0.1):
@@ -117,7 +118,7 @@ async def run_experiment(args: argparse.Namespace, url: str) -> dict[str, Any]:
             nursery.start_soon(load, done)
             nursery.start_soon(dials)
             nursery.start_soon(poll, done)
-        status, stats = await request_json(url, "GET", "/control/stats", None)
+        stats = await get_stats(url)
     finally:
         with trio.CancelScope(shield=True):
             await post_capacity(
@@ -132,7 +133,7 @@ async def run_experiment(args: argparse.Namespace, url: str) -> dict[str, Any]:
         "result": result,
         "changes": changes,
         "capacity": capacity,
-        "server_stats": stats if status == 200 else None,
+        "server_stats": stats,
     }
 
 
@@ -184,7 +185,9 @@ def analyse(args: argparse.Namespace, run: dict[str, Any]) -> dict[str, Any]:
         # the client needs a moment to climb to the new point: measure the last 2/3
         settle_lo = lo + (hi - lo) / 3
         peaks = [p for t, p in cuts if lo <= t < hi]
-        pred = predict(dep, clients=seqs, seqs=seqs, prompt=args.p, output=args.max_tokens)
+        pred = predict_closed_loop(
+            dep, clients=seqs, seqs=seqs, prompt=args.p, output=args.max_tokens
+        )
         n_tokens = int(((tokens >= settle_lo) & (tokens < hi)).sum())
         phases.append(
             {
@@ -214,7 +217,7 @@ def analyse(args: argparse.Namespace, run: dict[str, Any]) -> dict[str, Any]:
     return {
         "model": args.model,
         "hardware": args.hardware,
-        "config": args.config,
+        "config": args.config.name,
         "prompt_tokens": args.p,
         "max_tokens": args.max_tokens,
         "aimd": {"start": args.start, "window": args.window, "backoff": args.backoff},
@@ -386,39 +389,37 @@ def plot(path: Path, out: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = CliParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="use this server instead of starting one (its own origin only)")
-    ap.add_argument("--config", default="configs/gpt-oss-20b.toml")
+    ap.add_argument("--config", type=Path, default=shipped_dir("configs") / "gpt-oss-20b.toml")
     ap.add_argument("--hardware", default="b200")
     ap.add_argument("--model", default=None, help="model id (default: the config's name)")
-    ap.add_argument("--seqs", type=int, default=16, help="max_num_seqs in phases A and B")
-    ap.add_argument("--waiting", type=int, default=20, help="max_waiting in phase A")
-    ap.add_argument("--waiting-after", type=int, default=36, help="max_waiting in B and C")
-    ap.add_argument("--seqs-after", type=int, default=32, help="max_num_seqs in phase C")
-    ap.add_argument("--phase", type=float, default=25.0, help="seconds per phase")
-    ap.add_argument("--start", type=int, default=8, help="the AIMD starting limit")
-    ap.add_argument("--window", type=int, default=8)
-    ap.add_argument("--backoff", type=float, default=0.5)
-    ap.add_argument("--prompt-tokens", type=int, default=50)
-    ap.add_argument("--max-tokens", type=int, default=400)
+    ap.add_argument("--seqs", type=integer(ge=1), default=16, help="max_num_seqs in phases A and B")
+    ap.add_argument("--waiting", type=integer(ge=1), default=20, help="max_waiting in phase A")
+    ap.add_argument(
+        "--waiting-after", type=integer(ge=1), default=36, help="max_waiting in B and C"
+    )
+    ap.add_argument("--seqs-after", type=integer(ge=1), default=32, help="max_num_seqs in phase C")
+    ap.add_argument("--phase", type=number(gt=0), default=25.0, help="seconds per phase")
+    ap.add_argument("--start", type=integer(ge=1), default=8, help="the AIMD starting limit")
+    ap.add_argument("--window", type=integer(ge=1), default=8)
+    ap.add_argument("--backoff", type=number(gt=0, lt=1), default=0.5)
+    ap.add_argument("--prompt-tokens", type=integer(ge=1), default=50)
+    ap.add_argument("--max-tokens", type=integer(ge=1), default=400)
     ap.add_argument("--out", type=Path, required=True, help="directory for the PNG and JSON")
     ap.add_argument(
         "--replot", action="store_true", help="only redraw the PNG from the JSON in --out"
     )
     args = ap.parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:  # needed at the end: fail up front
+        return fail(ap.prog, "needs matplotlib: pip install 'inference-lab[plot]'")
     if args.replot:
         out = json.loads((args.out / "adaptive_experiment.json").read_text())
         plot(args.out / "adaptive_experiment.png", out)
         print(report(out))
         return 0
-    if min(args.seqs, args.seqs_after, args.start) < 1 or min(args.waiting, args.waiting_after) < 1:
-        ap.error("--seqs*, --start must be >= 1 and --waiting* >= 1 (a bound is needed)")
-    if args.phase <= 0:
-        ap.error("--phase must be > 0")
     args.out.mkdir(parents=True, exist_ok=True)
-    config = Path(args.config)
-    if not config.is_absolute():
-        config = ROOT / config
+    config = args.config.resolve()
     args.deployment = load_deployment(config, args.hardware)
     args.model = args.model or args.deployment.model.name
     args.p = chat_prompt_tokens(len(build_prompt(args.prompt_tokens, "chat")))

@@ -3,8 +3,8 @@
     python scripts/bench_client.py [--streams 64] [--concurrency 16] [--frames 2000]
 
 Starts a minimal fake server (raw trio + h11) in a separate process on 127.0.0.1:0. It
-answers every chat completion with ``--frames`` token frames in the exact wire format of
-``serve-api.md`` — one HTTP chunk per frame, as a real ASGI server sends them — as fast as
+answers every chat completion with ``--frames`` token frames in the server's exact wire
+format (``inference_lab.openai_api``) — one HTTP chunk per frame, as a real ASGI server sends them — as fast as
 the socket takes them (the body is framed once and cached, so the server costs next to
 nothing). Then this process runs the real load generator (``inference_lab.client.load``,
 closed loop) against it and prints the tokens parsed per second and the client's CPU time
@@ -23,17 +23,15 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import h11
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from inference_lab.client.load import LoadConfig, run_load  # noqa: E402
-from inference_lab.client.sse import SSEParser  # noqa: E402
-from inference_lab.client.wire import StreamAccumulator  # noqa: E402
+from inference_lab.cli_args import CliParser, integer, number
+from inference_lab.client.load import LoadConfig, run_load
+from inference_lab.client.sse import SSEParser
+from inference_lab.client.wire import StreamAccumulator
 
 WORDS = "the of and to in a is that for it was on are be with as at this have".split()
 
@@ -174,13 +172,19 @@ def bench_parse_only(frames: int, repeats: int) -> tuple[int, float]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--streams", type=int, default=64, help="responses to read (default 64)")
-    p.add_argument("--concurrency", type=int, default=16, help="streams at once (default 16)")
-    p.add_argument("--frames", type=int, default=2000, help="tokens per response (default 2000)")
+    p = CliParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--streams", type=integer(ge=1), default=64, help="responses to read (default 64)"
+    )
+    p.add_argument(
+        "--concurrency", type=integer(ge=1), default=16, help="streams at once (default 16)"
+    )
+    p.add_argument(
+        "--frames", type=integer(ge=1), default=2000, help="tokens per response (default 2000)"
+    )
     p.add_argument(
         "--pace",
-        type=float,
+        type=number(ge=0),
         default=0.0,
         metavar="TOK_S",
         help="tokens/s per stream (default 0: as fast as possible); try --pace 100 "

@@ -1,23 +1,25 @@
 """Benchmark the cost of refusing work: 529s fired while 24 streams run.
 
-Starts ``inference-lab serve`` on every shipped model (b200) unless ``--url`` is given, then
+Starts ``inference-lab serve`` on the shipped models (b200) unless ``--url`` is given, then
 retunes it through ``POST /control/capacity``: gpt-oss-20b gets ``max_num_seqs 24`` and 24
 closed-loop clients streaming 200-token responses (50-token prompts) — all admitted, none
 waiting; Llama-3.1-8B-Instruct gets ``max_num_seqs 1, max_waiting 1`` and two very long
 non-streaming requests, one running and one waiting, so its queue sits at its bound for
 the whole run. A second client fires requests at that full queue at a fixed rate (0, 100,
-200, 500 per second by default) over 32 keep-alive connections; every one is refused
-with 529 by the same admission path any model uses, in the same process and on the same
-core as the 24 streams. Per rate it prints:
+200, 500 per second by default), **each on a new connection** (connect, send, read the
+answer, close) as a refused client that backs off and comes back does; every one is
+refused with 529 by the same admission path any model uses, in the same process and on
+the same core as the 24 streams. Per rate it prints:
 
-- refusals/s achieved and the 529 latency p50 / p99 (send -> complete response),
-- the streams' median E2E and its shift against the rate-0 baseline,
-- the server's pacing lag over the level.
+- refusals/s achieved, how many answers were not 529 (or never came), and the 529
+  latency p50 / p99 (connect -> complete response);
+- the streams' median E2E and its shift against the rate-0 baseline;
+- the server's CPU and pacing lag over the level.
 
     python scripts/bench_overload.py
     python scripts/bench_overload.py --rates 0,1000 --duration 15
 
-Only 127.0.0.1 (or the given URL) is contacted; every level is bounded in time.
+Only 127.0.0.1 (or the given URL) is contacted; every level is bounded in time and count.
 """
 
 from __future__ import annotations
@@ -30,27 +32,51 @@ import sys
 import time
 import urllib.parse
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_serve import PROMPT_BYTES, Result, _entry, _http_get, client_loop, start_server  # noqa: E402
+from inference_lab.benchkit import (
+    Result,
+    ServerProcess,
+    client_loop,
+    completion_request,
+    get_capacity,
+    get_stats,
+    model_entry,
+    post_capacity,
+    request_json,
+)
 
 STREAMS = 24
 PINNED = "Llama-3.1-8B-Instruct"  # the model whose queue is held full
+#: Refusals in flight at once, at most (a ticket that finds them all busy is dropped and
+#: counted as not answered).
+MAX_IN_FLIGHT = 256
+#: Seconds a refusal may take before it counts as not answered.
+REFUSAL_TIMEOUT = 10.0
 
 
 @attrs.define
 class Refusal:
     start: float
     latency: float
-    status: int
+    status: int  # 0: no answer (refused connection, reset, timeout)
 
 
-async def _read_response(stream: trio.SocketStream) -> int:
+def _refused_request(host: str) -> bytes:
+    body = json.dumps(
+        {"model": PINNED, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    ).encode()
+    return (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+async def _read_status(stream: trio.SocketStream) -> int:
     """Read one content-length response; return its status."""
     buf = bytearray()
     while b"\r\n\r\n" not in buf:
@@ -69,132 +95,117 @@ async def _read_response(stream: trio.SocketStream) -> int:
         if not chunk:
             raise ConnectionError("server closed the connection")
         body += chunk
-    if b"\r\nconnection: close" in head.lower():
-        raise ConnectionResetError("close requested")
     return int(head[9:12])
 
 
-async def refuser(
-    host: str,
-    port: int,
-    request: bytes,
-    tickets: trio.MemoryReceiveChannel[float],
-    out: list[Refusal],
-) -> None:
-    """One keep-alive connection sending a request per ticket."""
-    stream = await trio.open_tcp_stream(host, port)
-    try:
-        async for _ in tickets:
-            start = time.perf_counter()
-            await stream.send_all(request)
+async def refuse_once(host: str, port: int, request: bytes, out: list[Refusal]) -> None:
+    """One refused client: a new connection, one request, its answer, close."""
+    start = time.perf_counter()
+    status = 0
+    with trio.move_on_after(REFUSAL_TIMEOUT):
+        try:
+            stream = await trio.open_tcp_stream(host, port)
             try:
-                status = await _read_response(stream)
-            except ConnectionResetError:
-                status = 529
+                await stream.send_all(request)
+                status = await _read_status(stream)
+            finally:
                 await stream.aclose()
-                stream = await trio.open_tcp_stream(host, port)
-            out.append(Refusal(start, time.perf_counter() - start, status))
-    finally:
-        await stream.aclose()
+        except (OSError, ConnectionError, trio.BrokenResourceError):
+            status = 0
+    out.append(Refusal(start, time.perf_counter() - start, status))
 
 
-async def fire(
-    host: str, port: int, model: str, rate: float, stop_at: float, out: list[Refusal]
-) -> None:
-    """Hand out tickets at ``rate`` per second (a fixed schedule: late tickets are sent at
-    once) to a few keep-alive connections."""
-    body = json.dumps(
-        {"model": PINNED, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
-    ).encode()
-    request = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\n"
-        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
-    ).encode() + body
-    send, receive = trio.open_memory_channel[float](1000)
+async def fire(host: str, port: int, rate: float, stop_at: float, out: list[Refusal]) -> int:
+    """Start a refused client every ``1/rate`` seconds (a fixed schedule: late ones start
+    at once) until ``stop_at``; returns how many tickets found MAX_IN_FLIGHT busy."""
+    request = _refused_request(host)
+    limiter = trio.CapacityLimiter(MAX_IN_FLIGHT)
+    dropped = 0
+
+    async def one() -> None:
+        async with limiter:
+            await refuse_once(host, port, request, out)
+
     async with trio.open_nursery() as nursery:
-        for _ in range(32):
-            nursery.start_soon(refuser, host, port, request, receive.clone(), out)
-        receive.close()
-        async with send:
-            next_at = time.perf_counter()
-            while next_at < stop_at:
-                await trio.sleep_until(
-                    trio.current_time() + max(0.0, next_at - time.perf_counter())
-                )
-                try:
-                    send.send_nowait(next_at)
-                except trio.WouldBlock:
-                    pass  # connections saturated: the rate is not reached (reported)
-                next_at += 1.0 / rate
+        next_at = time.perf_counter()
+        while next_at < stop_at:
+            await trio.sleep(max(0.0, next_at - time.perf_counter()))
+            if limiter.available_tokens:
+                nursery.start_soon(one)
+            else:
+                dropped += 1
+            next_at += 1.0 / rate
+    return dropped
 
 
 @attrs.frozen
 class Row:
     rate: float
     refusals_per_s: float
-    admitted_extra: int
+    not_refused: int
     refusal_p50_ms: float
     refusal_p99_ms: float
     streams: int
     e2e_p50_ms: float
+    server_cpu_pct: float
     lag_mean_ms: float
     lag_p99_ms: float
 
 
-async def run_level(host: str, port: int, model: str, rate: float, duration: float) -> Row:
-    body = json.dumps(
-        {"model": model, "prompt": "x" * PROMPT_BYTES, "max_tokens": 200, "stream": True}
-    ).encode()
-    stream_request = (
-        f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
-    ).encode() + body
-    before = _entry(await _http_get(host, port, "/control/stats"), model)
+async def run_level(url: str, model: str, rate: float, duration: float) -> Row:
+    parsed = urllib.parse.urlsplit(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
+    stream_request = completion_request(host, model, 200)
     results: list[Result] = []
     refusals: list[Refusal] = []
+    warmup = 1.5  # the streams fill the batch and settle
     start = time.perf_counter()
-    stop_at = start + duration
+    stop_at = start + warmup + duration
     delays = np.random.default_rng(1).uniform(0.0, 0.3, STREAMS)
-    with trio.fail_after(duration + 60):
+    before: dict[str, Any] = {}
+    dropped = [0]
+
+    async def measured() -> None:
+        await trio.sleep(warmup)
+        before.update(await get_stats(url))
+        if rate > 0:
+            dropped[0] = await fire(host, port, rate, stop_at, refusals)
+
+    with trio.fail_after(warmup + duration + 60):
         async with trio.open_nursery() as nursery:
             for delay in delays:
                 nursery.start_soon(
                     client_loop, host, port, stream_request, float(delay), stop_at, results
                 )
-            if rate > 0:
-                # refusals start once the streams have filled the batch
-                await trio.sleep(1.0)
-                nursery.start_soon(fire, host, port, model, rate, stop_at, refusals)
-    wall = time.perf_counter() - start
-    events = _entry(await _http_get(host, port, "/control/stats"), model)["pacing_lag_ms"]["events"]
-    after = _entry(
-        await _http_get(
-            host, port, f"/control/stats?last={events - before['pacing_lag_ms']['events']}"
-        ),
-        model,
-    )
-    lag_b, lag_a = before["pacing_lag_ms"], after["pacing_lag_ms"]
-    n_events = lag_a["events"] - lag_b["events"]
-    warm = sorted(results, key=lambda r: r.start)[STREAMS:]
-    e2e = [r.e2e for r in warm if r.status == 200]
+            nursery.start_soon(measured)
+    after = await get_stats(url)
+    m_before, m_after = model_entry(before, model), model_entry(after, model)
+    events = m_after["pacing_lag_ms"]["events"] - m_before["pacing_lag_ms"]["events"]
+    status, window = await request_json(url, "GET", f"/control/stats?last={max(0, events)}")
+    lag_p99 = model_entry(window, model)["pacing_lag_ms"]["window_p99"] if status == 200 else 0.0
+    lag_total = m_after["pacing_lag_ms"]["total"] - m_before["pacing_lag_ms"]["total"]
+    cpu = after["process"]["cpu_seconds"] - before["process"]["cpu_seconds"]
+    cpu_wall = after["process"]["monotonic_seconds"] - before["process"]["monotonic_seconds"]
+    measured_from = start + warmup
+    e2e = [r.e2e for r in results if r.start >= measured_from and r.status == 200]
     refused = [r.latency for r in refusals if r.status == 529]
-    window = max(1e-9, wall - 1.0)
     return Row(
         rate=rate,
-        refusals_per_s=len(refused) / window if rate else 0.0,
-        admitted_extra=sum(1 for r in refusals if r.status == 200),
-        refusal_p50_ms=float(np.percentile(refused, 50)) * 1000 if refused else float("nan"),
-        refusal_p99_ms=float(np.percentile(refused, 99)) * 1000 if refused else float("nan"),
+        refusals_per_s=len(refused) / duration if rate else 0.0,
+        not_refused=sum(1 for r in refusals if r.status != 529) + dropped[0],
+        refusal_p50_ms=float(np.percentile(refused, 50)) * 1000 if refused else math.nan,
+        refusal_p99_ms=float(np.percentile(refused, 99)) * 1000 if refused else math.nan,
         streams=len(e2e),
-        e2e_p50_ms=statistics.median(e2e) * 1000 if e2e else float("nan"),
-        lag_mean_ms=(lag_a["total"] - lag_b["total"]) / n_events if n_events else 0.0,
-        lag_p99_ms=lag_a["window_p99"],
+        e2e_p50_ms=statistics.median(e2e) * 1000 if e2e else math.nan,
+        server_cpu_pct=cpu / cpu_wall * 100 if cpu_wall > 0 else math.nan,
+        lag_mean_ms=lag_total / events if events else 0.0,
+        lag_p99_ms=lag_p99,
     )
 
 
 HEADER = (
     f"{'rate':>6} {'529/s':>7} {'not 529':>8} {'529 p50':>8} {'529 p99':>8} {'streams':>7} "
-    f"{'E2E p50':>9} {'shift':>7} {'lag mean':>9} {'lag p99':>8}"
+    f"{'E2E p50':>9} {'shift':>7} {'CPU %':>6} {'lag mean':>9} {'lag p99':>8}"
 )
 
 
@@ -206,27 +217,11 @@ def _ms(value: float) -> str:
 def format_row(row: Row, baseline: float) -> str:
     shift = (row.e2e_p50_ms - baseline) / baseline * 100 if baseline else 0.0
     return (
-        f"{row.rate:>6.0f} {row.refusals_per_s:>7.1f} {row.admitted_extra:>8} "
+        f"{row.rate:>6.0f} {row.refusals_per_s:>7.1f} {row.not_refused:>8} "
         f"{_ms(row.refusal_p50_ms)} {_ms(row.refusal_p99_ms)} {row.streams:>7} "
-        f"{row.e2e_p50_ms:>7.1f}ms {shift:>+6.2f}% {row.lag_mean_ms:>7.3f}ms "
-        f"{row.lag_p99_ms:>6.2f}ms"
+        f"{row.e2e_p50_ms:>7.1f}ms {shift:>+6.2f}% {row.server_cpu_pct:>6.0f} "
+        f"{row.lag_mean_ms:>7.3f}ms {row.lag_p99_ms:>6.2f}ms"
     )
-
-
-async def _post(host: str, port: int, path: str, body: object) -> tuple[int, bytes]:
-    payload = json.dumps(body).encode()
-    stream = await trio.open_tcp_stream(host, port)
-    request = (
-        f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n"
-    ).encode() + payload
-    await stream.send_all(request)
-    data = bytearray()
-    while chunk := await stream.receive_some(65536):
-        data += chunk
-    await stream.aclose()
-    head, _, rest = bytes(data).partition(b"\r\n\r\n")
-    return int(head[9:12]), rest
 
 
 async def hold_queue_full(
@@ -256,31 +251,23 @@ async def hold_queue_full(
 async def main_async(args: argparse.Namespace, url: str) -> list[Row]:
     parsed = urllib.parse.urlsplit(url)
     host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
-    await _post(host, port, "/control/capacity", {"model": args.model, "max_num_seqs": 24})
-    await _post(
-        host, port, "/control/capacity", {"model": PINNED, "max_num_seqs": 1, "max_waiting": 1}
-    )
+    await post_capacity(url, model=args.model, max_num_seqs=STREAMS)
+    await post_capacity(url, model=PINNED, max_num_seqs=1, max_waiting=1)
     async with trio.open_nursery() as nursery:
         await nursery.start(hold_queue_full, host, port)
-        capacity = await _http_get(host, port, "/control/capacity")
-        pinned = next(entry for entry in capacity if entry["model"] == PINNED)
+        pinned = model_entry(await get_capacity(url), PINNED)
         assert (pinned["running"], pinned["waiting"]) == (1, 1), pinned
-        rows = await _run_levels(args, host, port)
+        print(HEADER)
+        print("-" * len(HEADER), flush=True)
+        rows: list[Row] = []
+        baseline = 0.0
+        for rate in args.rates:
+            row = await run_level(url, args.model, rate, args.duration)
+            if not rows:
+                baseline = row.e2e_p50_ms
+            rows.append(row)
+            print(format_row(row, baseline), flush=True)
         nursery.cancel_scope.cancel()
-    return rows
-
-
-async def _run_levels(args: argparse.Namespace, host: str, port: int) -> list[Row]:
-    print(HEADER)
-    print("-" * len(HEADER), flush=True)
-    rows: list[Row] = []
-    baseline = 0.0
-    for rate in args.rates:
-        row = await run_level(host, port, args.model, rate, args.duration)
-        if not rows:
-            baseline = row.e2e_p50_ms
-        rows.append(row)
-        print(format_row(row, baseline), flush=True)
     return rows
 
 
@@ -296,17 +283,18 @@ def main() -> int:
         default=[0.0, 100.0, 200.0, 500.0],
         help="refusal rates per second; the first is the baseline (default 0,100,200,500)",
     )
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per rate")
+    parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per rate")
     parser.add_argument("-o", "--output", help="write the rows as JSON here")
     args = parser.parse_args()
     server = None
     url = args.url
     if url is None:
-        server = start_server(["--config", "configs/", "--hardware", "b200"])
+        server = ServerProcess(["--hardware", "b200"]).__enter__()
         url = server.url
     print(
         f"bench_overload: {STREAMS} closed-loop streams on {args.model}, 529s fired at the full "
-        f"queue of {PINNED} at {args.rates} per s, {args.duration:g} s each, server {url}",
+        f"queue of {PINNED} at {args.rates} per s (a new connection each), "
+        f"{args.duration:g} s each, server {url}",
         flush=True,
     )
     try:

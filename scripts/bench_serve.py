@@ -1,33 +1,36 @@
 """Benchmark serve mode against the roofline: closed-loop streams through real HTTP.
 
-Starts ``inference-lab serve`` (gpt-oss-20b on b200 by default) in a subprocess — its own
-process, so on a 2-core machine the server and this client each get a core — unless
-``--url`` points at a running server. For each concurrency level C it runs C closed-loop
-clients, each streaming ``/v1/completions`` requests of a 200-byte prompt (exactly 50
-prompt tokens) and ``max_tokens`` 200 back to back on one keep-alive connection, and
-prints per level:
+Starts ``inference-lab serve`` (gpt-oss-20b on b200 by default) in its own process — on a
+2-core machine the server and this client each get a core — unless ``--url`` points at a
+running server. Each level runs C closed-loop clients, each streaming ``/v1/completions``
+requests (a 200-byte prompt = 50 prompt tokens, ``max_tokens`` 200) back to back on one
+keep-alive connection; the level ``24>8`` runs 24 clients after a live
+``POST /control/capacity {"max_num_seqs": 8}``. Beside the closed loop, a probe client
+sends a one-token streaming request every ``--probe-every`` seconds and times its first
+token. Per level it prints, after a warm-up (each client's first request is dropped):
 
-- the measured median end-to-end latency (send -> last byte) after a warm-up round,
-- the roofline prediction for batch C (all C requests in lock-step: one prefill step of
-  C x 50 tokens, then 199 decode steps of C requests at growing context),
-- the engine's own closed-loop prediction (the same engine, simulated offline with
-  zero client turnaround),
-- the error of the measurement against the roofline prediction,
-- tokens/s delivered to the clients, and the server's pacing lag over the level.
+- client TTFT p50 and E2E p50 (send -> last byte), and the roofline's E2E for the level
+  (all requests in lock-step: one prefill step, then 199 decode steps; with fewer slots
+  than clients, ceil(C / S) such waves), with the error of the measurement;
+- the probe's TTFT p50 against the model's for it (half a decode step of waiting for the
+  next step boundary, then the step that carries its prefill beside the batch's decodes);
+- ITL as the client sees it: the gap between successive writes (p50 / p90) and the tokens
+  per write, against the model's decode step — how much delivery was coalesced;
+- the server's CPU (process time over wall time) and its pacing lag (mean, p99).
 
-The client is deliberately raw (trio sockets, no HTTP parser): it only needs the status
-line, the time of the first token and the end of the chunked body, so it stays cheap next
-to the server. Only 127.0.0.1 (or the given URL) is contacted; every level is bounded in
-time.
+The client is deliberately raw (trio sockets, no HTTP parser) so it stays cheap next to the
+server. Only 127.0.0.1 (or the given URL) is contacted; every level is bounded in time.
 
-    python scripts/bench_serve.py                       # 1, 8, 24, 64, 256 clients
+    python scripts/bench_serve.py                       # 1, 24, 64, 256, 24>8
     python scripts/bench_serve.py --levels 24 --duration 20
+    python scripts/bench_serve.py --levels 24 --scrape-every 0.1   # does /metrics disturb?
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -39,280 +42,256 @@ import attrs
 import numpy as np
 import trio
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from inference_lab.benchkit import (
+    PROMPT_BYTES,
+    Result,
+    ServerProcess,
+    client_loop,
+    completion_request,
+    get_stats,
+    model_entry,
+    one_stream,
+    post_capacity,
+    request_json,
+    scrape_loop,
+)
+from inference_lab.config import Deployment, load_deployment
+from inference_lab.resources import shipped_dir
+from inference_lab.roofline import Roofline
 
-from _experiment_server import ServerProcess  # noqa: E402
-
-from inference_lab.config import load_deployment  # noqa: E402
-from inference_lab.engine import Engine, RequestSpec  # noqa: E402
-from inference_lab.roofline import Roofline  # noqa: E402
-
-PROMPT_BYTES = 200  # ceil(200 / 4) = 50 prompt tokens on /v1/completions
-_TERMINATOR = b"0\r\n\r\n"
+PROMPT = PROMPT_BYTES // 4
 
 
 # ---------------------------------------------------------------------------------------
 # predictions
 
 
-def roofline_lockstep_e2e(dep: Any, batch: int, prompt: int, output: int) -> float:
+def _step(roof: Roofline, n: list[int], c: list[int]) -> float:
+    return float(roof.step_time(np.array(n, dtype=np.int64), np.array(c, dtype=np.int64)))
+
+
+def roofline_lockstep_e2e(dep: Deployment, batch: int, prompt: int, output: int) -> float:
     """E2E of ``batch`` identical requests moving in lock-step: one prefill step, then
     ``output - 1`` decode steps of the whole batch."""
     roof = Roofline(dep)
-    ones = np.ones(batch, dtype=np.int64)
-    total = roof.step_time(ones * prompt, ones * 0)
+    total = _step(roof, [prompt] * batch, [0] * batch)
     for k in range(1, output):
-        total += roof.step_time(ones, ones * (prompt + k - 1))
-    return float(total)
+        total += _step(roof, [1] * batch, [prompt + k - 1] * batch)
+    return total
 
 
-def engine_closed_loop_e2e(
-    dep: Any, users: int, prompt: int, output: int, rounds: int, jitter: float
-) -> float:
-    """Median E2E of an ideal closed loop on the engine itself: user i first arrives at
-    U(0, jitter), then resubmits the moment its previous request finishes (no client
-    turnaround)."""
-    engine = Engine(dep)
-    rng = np.random.default_rng(0)
-    starts = sorted(rng.uniform(0.0, jitter, users)) if jitter > 0 else [0.0] * users
-    e2e: list[float] = []
-    done = 0
-    for at in starts:
-        engine.submit(RequestSpec(prompt, output, arrival_time=float(at)))
-    while done < users * rounds:
-        events = engine.step()
-        for fin in events.finished:
-            done += 1
-            if done > users:  # skip the first, synchronised round
-                e2e.append(fin.finish_time - fin.arrival_time)
-            engine.submit(RequestSpec(prompt, output, arrival_time=fin.finish_time))
-    return float(np.median(e2e))
+def model_for_level(
+    dep: Deployment, clients: int, seqs: int, prompt: int, output: int
+) -> dict[str, float]:
+    """The roofline's E2E, decode step and probe TTFT for ``clients`` closed-loop clients
+    and ``seqs`` batch slots (seconds)."""
+    batch = min(clients, seqs)
+    roof = Roofline(dep)
+    waves = math.ceil(clients / seqs)
+    ctx = prompt + output // 2
+    t_dec = _step(roof, [1] * batch, [ctx] * batch)
+    # the probe's prefill (its prompt) rides on a step beside the batch's decodes
+    t_mix = _step(roof, [1] * batch + [prompt], [ctx] * batch + [0]) if clients > 1 else 0.0
+    return {
+        "e2e": waves * roofline_lockstep_e2e(dep, batch, prompt, output),
+        "step": t_dec,
+        "probe_ttft": t_dec / 2 + t_mix if clients > 1 else _step(roof, [prompt], [0]),
+    }
 
 
 # ---------------------------------------------------------------------------------------
-# the server
+# the probe
 
 
-def start_server(args: list[str]) -> ServerProcess:
-    """``inference-lab serve`` with ``args`` in a subprocess, healthy; ``.stop()`` ends it."""
-    return ServerProcess(args).__enter__()
-
-
-# ---------------------------------------------------------------------------------------
-# the client
-
-
-@attrs.define
-class Result:
-    start: float
-    ttft: float
-    e2e: float
-    tokens: int
-    status: int
-
-
-def _entry(stats: Any, model: str) -> dict[str, Any]:
-    """The /control/stats entry of ``model``."""
-    models = stats["models"] if isinstance(stats, dict) else stats
-    return next(entry for entry in models if entry["model"] == model)
-
-
-async def _http_get(host: str, port: int, path: str) -> Any:
-    stream = await trio.open_tcp_stream(host, port)
-    request = f"GET {path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n"
-    await stream.send_all(request.encode())
-    data = bytearray()
-    while chunk := await stream.receive_some(65536):
-        data += chunk
-    await stream.aclose()
-    head, _, body = bytes(data).partition(b"\r\n\r\n")
-    if b"transfer-encoding: chunked" in head.lower():
-        out = bytearray()
-        while body:
-            size_line, _, rest = body.partition(b"\r\n")
-            size = int(size_line, 16)
-            if size == 0:
-                break
-            out += rest[:size]
-            body = rest[size + 2 :]
-        body = bytes(out)
-    return json.loads(body)
-
-
-async def client_loop(
-    host: str,
-    port: int,
-    request: bytes,
-    delay: float,
-    stop_at: float,
-    results: list[Result],
+async def probe_loop(
+    host: str, port: int, model: str, every: float, stop_at: float, ttfts: list[float]
 ) -> None:
-    """One closed-loop user on one keep-alive connection: wait ``delay``, then send, read
-    to the end of the chunked body, send again."""
+    """A lone extra client: a one-token streaming request every ``every`` seconds."""
+    request = completion_request(host, model, 1)
     stream = await trio.open_tcp_stream(host, port)
-    await trio.sleep(delay)
     try:
-        while time.perf_counter() < stop_at:
-            start = time.perf_counter()
-            await stream.send_all(request)
-            buf = bytearray()
-            ttft = 0.0
-            done_at = 0.0
-            while True:
-                chunk = await stream.receive_some(65536)
-                if not chunk:
-                    raise ConnectionError("server closed the connection")
-                buf += chunk
-                now = time.perf_counter()
-                if not ttft and b'"text":"the ' in chunk:
-                    ttft = now - start
-                if not done_at and b"[DONE]" in chunk:
-                    done_at = now  # the last token arrived with [DONE]
-                if buf.endswith(_TERMINATOR) and b"[DONE]" in buf[-200:]:
-                    break
-                if buf.startswith(b"HTTP/1.1 5") and buf.endswith(b"}"):
-                    break
-            end = done_at or time.perf_counter()
-            status = int(buf[9:12])
-            tokens = buf.count(b'"text":"') - 1 if status == 200 else 0
-            results.append(Result(start, ttft, end - start, tokens, status))
-            if b"\r\nconnection: close\r\n" in buf[: buf.find(b"\r\n\r\n") + 2].lower():
-                # hypercorn closes a keep-alive connection after keep_alive_max_requests
-                await stream.aclose()
-                stream = await trio.open_tcp_stream(host, port)
+        while time.perf_counter() + every < stop_at:
+            await trio.sleep(every)
+            result = await one_stream(stream, request, time.perf_counter())
+            if result.status == 200:
+                ttfts.append(result.ttft)
     finally:
         await stream.aclose()
 
 
+# ---------------------------------------------------------------------------------------
+# a level
+
+
 @attrs.frozen
 class LevelReport:
+    level: str
     clients: int
+    seqs: int
     requests: int
-    median_e2e_ms: float
-    p90_e2e_ms: float
-    median_ttft_ms: float
-    server_e2e_ms: float
+    ttft_p50_ms: float
+    e2e_p50_ms: float
     roofline_ms: float
-    engine_ms: float
     error_pct: float
+    probe_ttft_p50_ms: float
+    probe_model_ms: float
+    itl_p50_ms: float
+    itl_p90_ms: float
+    tokens_per_write: float
+    step_ms: float
     tokens_per_s: float
+    server_cpu_pct: float
     lag_mean_ms: float
     lag_p99_ms: float
-    lag_max_ms: float
     errors: int
 
 
+def _p(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1000 if values else float("nan")
+
+
 async def run_level(
-    host: str,
-    port: int,
+    url: str,
     model: str,
-    clients: int,
-    duration: float,
-    max_tokens: int,
-    dep: Any,
-    jitter_rounds: float,
+    dep: Deployment,
+    level: str,
+    args: argparse.Namespace,
+    scrape_every: float = 0.0,
 ) -> LevelReport:
-    body = json.dumps(
-        {
-            "model": model,
-            "prompt": "x" * PROMPT_BYTES,
-            "max_tokens": max_tokens,
-            "stream": True,
-        }
-    ).encode()
-    request = (
-        f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
-    ).encode() + body
-    prompt = PROMPT_BYTES // 4
-    roof = roofline_lockstep_e2e(dep, clients, prompt, max_tokens)
-    jitter = roof * jitter_rounds
-    delays = (
-        np.random.default_rng(1).uniform(0.0, jitter, clients) if jitter > 0 else [0.0] * clients
-    )
-    before = _entry(await _http_get(host, port, "/control/stats"), model)
+    parsed = urllib.parse.urlsplit(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
+    clients, _, limited = level.partition(">")
+    clients_n = int(clients)
+    original_seqs = model_entry(await get_stats(url), model)["max_num_seqs"]
+    seqs = int(limited) if limited else original_seqs
+    model_fig = model_for_level(dep, clients_n, seqs, PROMPT, args.max_tokens)
+    request = completion_request(host, model, args.max_tokens)
+    delays = np.random.default_rng(1).uniform(0.0, model_fig["e2e"], clients_n)
     results: list[Result] = []
+    probe: list[float] = []
+    scrapes: list[float] = []
     start = time.perf_counter()
-    stop_at = start + duration
-    with trio.fail_after(duration + 120):
+    warmup = 2 * model_fig["e2e"] + 0.5
+    stop_at = start + warmup + args.duration
+    measured_from = start + warmup
+    before: dict[str, Any] = {}
+
+    async def measure_window() -> None:
+        await trio.sleep(warmup)
+        before.update(await get_stats(url))
+
+    with trio.fail_after(warmup + args.duration + 120):
         async with trio.open_nursery() as nursery:
+            if limited:
+                await post_capacity(url, model=model, max_num_seqs=seqs)
             for delay in delays:
                 nursery.start_soon(client_loop, host, port, request, float(delay), stop_at, results)
-    wall = time.perf_counter() - start
-    after_events = _entry(await _http_get(host, port, "/control/stats"), model)["pacing_lag_ms"][
-        "events"
-    ]
-    new_events = after_events - before["pacing_lag_ms"]["events"]
-    new_finished = (
-        _entry(await _http_get(host, port, "/control/stats"), model)["finished"]
-        - before["finished"]
-    )
-    # the last 2/3 of the level's completions: past the warm-up round
-    after = _entry(
-        await _http_get(
-            host, port, f"/control/stats?last={new_events}&finished={new_finished * 2 // 3}"
-        ),
-        model,
-    )
-    lag_before, lag_after = before["pacing_lag_ms"], after["pacing_lag_ms"]
-    # warm-up: each client's first request (the closed loop's ramp) is dropped
-    warm = sorted(results, key=lambda r: r.start)[clients:]
-    ok = [r for r in warm if r.status == 200]
+            if clients_n > 1 and args.probe_every > 0:
+                nursery.start_soon(probe_loop, host, port, model, args.probe_every, stop_at, probe)
+            nursery.start_soon(measure_window)
+            if scrape_every > 0:
+                nursery.start_soon(scrape_until, url, scrape_every, stop_at, scrapes)
+    after_total = await get_stats(url)
+    if limited:
+        await post_capacity(url, model=model, max_num_seqs=original_seqs)
+    wall = time.perf_counter() - measured_from
+    m_before, m_after = model_entry(before, model), model_entry(after_total, model)
+    events = m_after["pacing_lag_ms"]["events"] - m_before["pacing_lag_ms"]["events"]
+    window = model_entry(await get_stats_last(url, events), model)["pacing_lag_ms"]
+    lag_total = m_after["pacing_lag_ms"]["total"] - m_before["pacing_lag_ms"]["total"]
+    cpu = after_total["process"]["cpu_seconds"] - before["process"]["cpu_seconds"]
+    cpu_wall = after_total["process"]["monotonic_seconds"] - before["process"]["monotonic_seconds"]
+    ok = [r for r in results if r.start >= measured_from and r.status == 200]
+    bad = [r for r in results if r.start >= measured_from and r.status != 200]
+    gaps: list[float] = []
+    per_write: list[int] = []
+    for r in ok:
+        per_write.extend(n for _, n in r.writes)
+        gaps.extend(b[0] - a[0] for a, b in zip(r.writes, r.writes[1:], strict=False))
     e2e = [r.e2e for r in ok]
-    engine = engine_closed_loop_e2e(dep, clients, prompt, max_tokens, rounds=8, jitter=jitter)
     median = statistics.median(e2e) if e2e else float("nan")
-    delta_events = lag_after["events"] - lag_before["events"]
-    lag_mean = (lag_after["total"] - lag_before["total"]) / delta_events if delta_events else 0.0
     return LevelReport(
-        clients=clients,
+        level=level,
+        clients=clients_n,
+        seqs=seqs,
         requests=len(ok),
-        median_e2e_ms=median * 1000,
-        p90_e2e_ms=float(np.percentile(e2e, 90)) * 1000 if e2e else float("nan"),
-        median_ttft_ms=statistics.median(r.ttft for r in ok) * 1000 if ok else float("nan"),
-        server_e2e_ms=after["sim_e2e_ms"]["p50"],
-        roofline_ms=roof * 1000,
-        engine_ms=engine * 1000,
-        error_pct=(median - roof) / roof * 100,
-        tokens_per_s=sum(r.tokens for r in results) / wall,
-        lag_mean_ms=lag_mean,
-        lag_p99_ms=lag_after["window_p99"],
-        lag_max_ms=lag_after["window_max"],
-        errors=len(warm) - len(ok),
+        ttft_p50_ms=_p([r.ttft for r in ok], 50),
+        e2e_p50_ms=median * 1000,
+        roofline_ms=model_fig["e2e"] * 1000,
+        error_pct=(median - model_fig["e2e"]) / model_fig["e2e"] * 100,
+        probe_ttft_p50_ms=_p(probe, 50),
+        probe_model_ms=model_fig["probe_ttft"] * 1000,
+        itl_p50_ms=_p(gaps, 50),
+        itl_p90_ms=_p(gaps, 90),
+        tokens_per_write=float(np.mean(per_write)) if per_write else float("nan"),
+        step_ms=model_fig["step"] * 1000,
+        tokens_per_s=sum(r.tokens for r in ok) / wall,
+        server_cpu_pct=cpu / cpu_wall * 100 if cpu_wall > 0 else float("nan"),
+        lag_mean_ms=lag_total / events if events else 0.0,
+        lag_p99_ms=window["window_p99"],
+        errors=len(bad),
     )
+
+
+async def scrape_until(url: str, every: float, stop_at: float, latencies: list[float]) -> None:
+    """``GET /metrics`` every ``every`` seconds (a Prometheus-like scraper) until
+    ``stop_at``."""
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(scrape_loop, url, "/metrics", every, stop, latencies, [])
+        await trio.sleep(max(0.0, stop_at - time.perf_counter()))
+        stop.set()
+
+
+async def get_stats_last(url: str, events: int) -> dict[str, Any]:
+    """``/control/stats`` with lag percentiles over the last ``events`` engine events."""
+    status, answer = await request_json(url, "GET", f"/control/stats?last={max(0, events)}")
+    if status != 200:
+        raise RuntimeError(f"/control/stats: HTTP {status}")
+    return dict(answer)
 
 
 HEADER = (
-    f"{'clients':>7} {'reqs':>5} {'E2E p50':>9} {'roofline':>9} {'err %':>6} "
-    f"{'engine':>9} {'sim E2E':>9} {'TTFT p50':>9} {'tok/s':>8} {'lag mean':>9} {'lag p99':>8} "
-    f"{'lag max':>8}"
+    f"{'level':>6} {'reqs':>5} {'TTFT p50':>9} {'E2E p50':>9} {'roofline':>9} {'err %':>6} "
+    f"{'probe TTFT':>10} {'model':>7} {'ITL p50':>8} {'ITL p90':>8} {'tok/wr':>6} "
+    f"{'step':>6} {'CPU %':>6} {'lag mean':>8} {'lag p99':>8}"
 )
 
 
 def format_row(r: LevelReport) -> str:
+    def ms(value: float, width: int, digits: int = 2) -> str:
+        return f"{'-':>{width}}" if math.isnan(value) else f"{value:>{width}.{digits}f}"
+
     return (
-        f"{r.clients:>7} {r.requests:>5} {r.median_e2e_ms:>7.1f}ms {r.roofline_ms:>7.1f}ms "
-        f"{r.error_pct:>+6.2f} {r.engine_ms:>7.1f}ms {r.server_e2e_ms:>7.1f}ms "
-        f"{r.median_ttft_ms:>7.2f}ms "
-        f"{r.tokens_per_s:>8.0f} {r.lag_mean_ms:>7.3f}ms {r.lag_p99_ms:>6.2f}ms "
-        f"{r.lag_max_ms:>6.1f}ms"
+        f"{r.level:>6} {r.requests:>5} {ms(r.ttft_p50_ms, 9)} {ms(r.e2e_p50_ms, 9, 1)} "
+        f"{ms(r.roofline_ms, 9, 1)} {r.error_pct:>+6.2f} {ms(r.probe_ttft_p50_ms, 10)} "
+        f"{ms(r.probe_model_ms, 7)} {ms(r.itl_p50_ms, 8)} {ms(r.itl_p90_ms, 8)} "
+        f"{ms(r.tokens_per_write, 6, 1)} {ms(r.step_ms, 6)} {ms(r.server_cpu_pct, 6, 0)} "
+        f"{ms(r.lag_mean_ms, 8, 3)} {ms(r.lag_p99_ms, 8)}"
+        + (f"  ({r.errors} errors)" if r.errors else "")
     )
 
 
 async def main_async(args: argparse.Namespace, url: str) -> list[LevelReport]:
-    parsed = urllib.parse.urlsplit(url)
-    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
-    dep = load_deployment(ROOT / "configs" / f"{args.model}.toml", args.hardware)
+    dep = load_deployment(shipped_dir("configs") / f"{args.model}.toml", args.hardware)
+    print("times in ms; ITL = gap between successive writes a client receives")
     print(HEADER)
     print("-" * len(HEADER), flush=True)
     rows = []
-    for clients in args.levels:
-        row = await run_level(
-            host, port, args.model, clients, args.duration, args.max_tokens, dep, args.jitter
-        )
+    for level in args.levels:
+        row = await run_level(url, args.model, dep, level, args)
         rows.append(row)
         print(format_row(row), flush=True)
+        if args.scrape_every > 0:
+            scraped = await run_level(url, args.model, dep, level, args, args.scrape_every)
+            rows.append(attrs.evolve(scraped, level=f"{level}+m"))
+            shift = (scraped.e2e_p50_ms - row.e2e_p50_ms) / row.e2e_p50_ms * 100
+            print(format_row(attrs.evolve(scraped, level=f"{level}+m")), flush=True)
+            print(
+                f"{'':>6} /metrics every {args.scrape_every * 1000:.0f} ms moved E2E p50 by "
+                f"{shift:+.2f} %",
+                flush=True,
+            )
     return rows
 
 
@@ -323,38 +302,43 @@ def main() -> int:
     parser.add_argument("--hardware", default="b200")
     parser.add_argument(
         "--levels",
-        type=lambda s: [int(x) for x in s.split(",")],
-        default=[1, 8, 24, 64, 256],
-        help="comma-separated concurrency levels (default 1,8,24,64,256)",
+        type=lambda s: s.split(","),
+        default=["1", "24", "64", "256", "24>8"],
+        help="comma-separated levels: C clients, or C>S (C clients after a live "
+        "max_num_seqs S) (default 1,24,64,256,24>8)",
     )
-    parser.add_argument("--duration", type=float, default=12.0, help="seconds per level")
+    parser.add_argument("--duration", type=float, default=12.0, help="measured seconds per level")
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument(
-        "--jitter",
+        "--probe-every", type=float, default=0.05, help="seconds between probe requests (0: none)"
+    )
+    parser.add_argument(
+        "--scrape-every",
         type=float,
-        default=1.0,
-        help="spread the clients' first requests over U(0, J x predicted E2E) so the closed "
-        "loop does not run in lock-step (0 = all start at once; default 1)",
+        default=0.0,
+        help="also run each level with GET /metrics every S seconds beside it (level 'C+m') "
+        "and print the E2E shift (0: no; the scrape benchmark uses 0.1)",
     )
     parser.add_argument("-o", "--output", help="write the rows as JSON here")
     args = parser.parse_args()
     server = None
     url = args.url
     if url is None:
-        server = start_server(
+        clients = max(int(level.partition(">")[0]) for level in args.levels)
+        server = ServerProcess(
             [
                 "--config",
-                f"configs/{args.model}.toml",
+                str(shipped_dir("configs") / f"{args.model}.toml"),
                 "--hardware",
                 args.hardware,
                 "--max-num-seqs",
-                str(max(256, max(args.levels))),
+                str(max(256, clients)),
             ]
-        )
+        ).__enter__()
         url = server.url
     print(
-        f"bench_serve: {args.model} on {args.hardware}, {PROMPT_BYTES // 4}-token prompts, "
-        f"{args.max_tokens}-token streamed responses, {args.duration:g} s per level, "
+        f"bench_serve: {args.model} on {args.hardware}, {PROMPT}-token prompts, "
+        f"{args.max_tokens}-token streamed responses, {args.duration:g} s measured per level, "
         f"server {url}",
         flush=True,
     )

@@ -9,26 +9,29 @@ and preemptions. The target is a total wall time under 5.5 s.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
 
+from inference_lab.cli_args import CliParser, integer
 from inference_lab.config import load_deployment, load_workload
+from inference_lab.resources import shipped_dir
 from inference_lab.sim import run_simulation
 
-ROOT = Path(__file__).resolve().parent.parent
 TARGET_S = 5.5
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(ROOT / "configs" / "Llama-3-70B.toml"))
+    parser = CliParser(description=__doc__.splitlines()[0])
+    configs = shipped_dir("configs")
+    parser.add_argument("--config", type=Path, default=configs / "Llama-3-70B.toml")
     parser.add_argument("--hardware", default="b200")
     parser.add_argument(
-        "--workload", default=str(ROOT / "configs" / "workloads" / "poisson-50rps-4000.toml")
+        "--workload", type=Path, default=configs / "workloads" / "poisson-50rps-4000.toml"
     )
-    parser.add_argument("--repeat", type=int, default=1, help="run this many times")
+    parser.add_argument(
+        "--repeat", type=integer(ge=1), default=1, help="run this many times (default 1)"
+    )
     args = parser.parse_args()
 
     worst = 0.0
@@ -41,7 +44,7 @@ def main() -> int:
         worst = max(worst, wall)
         s = result.summary
         print(
-            f"run {i + 1}: {Path(args.config).name} [{args.hardware}] x {Path(args.workload).name}\n"
+            f"run {i + 1}: {args.config.name} [{args.hardware}] x {args.workload.name}\n"
             f"  wall time            {wall:8.3f} s (loop {result.wall_time_s:.3f} s)\n"
             f"  simulated steps      {s.steps:8,d}\n"
             f"  steps/s              {s.steps / result.wall_time_s:8,.0f}\n"

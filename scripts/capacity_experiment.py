@@ -3,7 +3,7 @@
     .venv/bin/python scripts/capacity_experiment.py --out docs/
     .venv/bin/python scripts/capacity_experiment.py --url http://127.0.0.1:8080 --out /tmp/x
 
-Without ``--url`` it starts ``inference-lab serve --config configs/gpt-oss-20b.toml
+Without ``--url`` it starts ``inference-lab serve --config <shipped configs>/gpt-oss-20b.toml
 --hardware b200`` on a free 127.0.0.1 port and stops it at the end. ``--clients`` closed-loop
 clients (the package's load generator, ``inference_lab.client.load.run_load``, one worker
 each, their starts staggered over one request lifetime so prefills do not arrive in lock-
@@ -13,20 +13,9 @@ stays on for ``--after`` seconds more. It prints latency and throughput of both 
 their ratio, and the roofline's prediction of both, and writes ``capacity_experiment.png``
 and ``capacity_experiment.json`` to ``--out``.
 
-The prediction (P prompt tokens, L output tokens, C clients, batch cap S, all from the
-same deployment the server runs):
-
-    B        = min(C, S)                                  running requests
-    t_dec    = step_time(n = [1]·B, c = [P + L/2]·B)      a decode step, mean context
-    t_pf     = step_time(n = [P, 1, …, 1], c = [0, P + L/2, …])   the same step with one
-               request prefilling instead of decoding
-    t_step   = t_dec + (B / L)·(t_pf − t_dec)             every request prefills once in
-               its L steps, so a step carries B/L prefills on average
-    tokens/s = B / t_step                                 one token per running request
-    E2E      = max(1, C / S)·L·t_step                     Little's law: C requests in the
-               system, S/(L·t_step) finishing per second
-    TTFT     = E2E − (L − 1)·t_step                       queueing + the prefill step
-    TPOT     = t_step                                     inter-token time
+The prediction is ``inference_lab.benchkit.predict_closed_loop`` (P prompt tokens, L output
+tokens, C clients, batch cap S, all from the same deployment the server runs; its docstring
+has the formula).
 
 The defaults (40 clients, 32 -> 8) keep the whole exchange within what one machine with
 two cores can pace: above roughly 25,000 streamed tokens/s the server's HTTP writers and
@@ -43,6 +32,7 @@ Only 127.0.0.1 (or the ``--url`` origin) is contacted; the run is bounded by
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
@@ -53,57 +43,23 @@ from typing import Any
 import numpy as np
 import trio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _experiment_server import (  # noqa: E402
-    ROOT,
+from inference_lab.benchkit import (
     ServerProcess,
     columns,
     get_capacity,
+    get_stats,
+    model_entry,
     post_capacity,
-    request_json,
+    predict_closed_loop,
     rounded,
 )
-
-from inference_lab.client.load import LoadConfig, LoadResult, run_load  # noqa: E402
-from inference_lab.client.wire import build_prompt, chat_prompt_tokens  # noqa: E402
-from inference_lab.config import Deployment, load_deployment  # noqa: E402
-from inference_lab.roofline import Roofline  # noqa: E402
+from inference_lab.cli_args import CliParser, fail, integer, number
+from inference_lab.client.load import LoadConfig, LoadResult, run_load
+from inference_lab.client.wire import build_prompt, chat_prompt_tokens
+from inference_lab.config import Deployment, load_deployment
+from inference_lab.resources import shipped_dir
 
 BIN = 0.5  # seconds per time-series bin
-
-
-# -- the prediction ------------------------------------------------------------------------
-
-
-def predict(
-    dep: Deployment, *, clients: int, seqs: int, prompt: int, output: int
-) -> dict[str, Any]:
-    """The roofline's steady state for ``clients`` closed-loop clients and batch cap
-    ``seqs`` (formula in the module docstring). Times in seconds."""
-    roof = Roofline(dep)
-    batch = min(clients, seqs)
-    ctx = prompt + output // 2
-    ones = np.ones(batch, dtype=np.int64)
-    t_dec = roof.step_time(ones, np.full(batch, ctx, dtype=np.int64))
-    n = ones.copy()
-    n[0] = prompt
-    c = np.full(batch, ctx, dtype=np.int64)
-    c[0] = 0
-    t_pf = roof.step_time(n, c)
-    t_step = t_dec + (batch / output) * (t_pf - t_dec)
-    e2e = max(1.0, clients / seqs) * output * t_step
-    return {
-        "batch": batch,
-        "t_decode": t_dec,
-        "t_step_with_prefill": t_pf,
-        "t_step": t_step,
-        "output_tokens_per_s": batch / t_step,
-        "requests_per_s": batch / (output * t_step),
-        "e2e": e2e,
-        "ttft": e2e - (output - 1) * t_step,
-        "tpot": t_step,
-    }
 
 
 # -- the load ------------------------------------------------------------------------------
@@ -111,14 +67,14 @@ def predict(
 
 async def run_experiment(args: argparse.Namespace, url: str, dep: Deployment) -> dict[str, Any]:
     total = args.before + args.after
-    before_pred = predict(
+    before_pred = predict_closed_loop(
         dep, clients=args.clients, seqs=args.seqs_before, prompt=args.p, output=args.max_tokens
     )
     stagger = before_pred["e2e"] / args.clients
-    original = await get_capacity(url)
-    entry = next((e for e in original if e["model"] == args.model), None)
-    if entry is None:
-        raise SystemExit(f"capacity_experiment: the server at {url} does not serve {args.model}")
+    try:
+        entry = model_entry(await get_capacity(url), args.model)
+    except KeyError as exc:
+        raise SystemExit(f"capacity_experiment: {url}: {exc.args[0]}") from None
     await post_capacity(url, model=args.model, max_num_seqs=args.seqs_before, max_waiting=0)
     results: list[LoadResult] = []
     capacity: list[dict[str, Any]] = []
@@ -142,7 +98,7 @@ async def run_experiment(args: argparse.Namespace, url: str, dep: Deployment) ->
 
     async def poll(done: trio.Event) -> None:
         while not done.is_set():
-            snap = next(e for e in await get_capacity(url) if e["model"] == args.model)
+            snap = model_entry(await get_capacity(url), args.model)
             snap["time"] = time.time() - t0
             capacity.append(snap)
             with trio.move_on_after(0.25):
@@ -168,7 +124,7 @@ async def run_experiment(args: argparse.Namespace, url: str, dep: Deployment) ->
                     nursery.start_soon(client, i)
                 nursery.start_soon(turn_dial)
             done.set()
-        status, stats = await request_json(url, "GET", "/control/stats", None)
+        stats = await get_stats(url)
     finally:
         with trio.CancelScope(shield=True):
             await post_capacity(
@@ -182,7 +138,7 @@ async def run_experiment(args: argparse.Namespace, url: str, dep: Deployment) ->
         "results": results,
         "capacity": capacity,
         "change": change,
-        "server_stats": stats if status == 200 else None,
+        "server_stats": stats,
     }
 
 
@@ -391,37 +347,37 @@ def plot(path: Path, out: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = CliParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="use this server instead of starting one (its own origin only)")
-    ap.add_argument("--config", default="configs/gpt-oss-20b.toml")
+    ap.add_argument("--config", type=Path, default=shipped_dir("configs") / "gpt-oss-20b.toml")
     ap.add_argument("--hardware", default="b200")
     ap.add_argument("--model", default=None, help="model id (default: the config's name)")
-    ap.add_argument("--clients", type=int, default=40)
-    ap.add_argument("--seqs-before", type=int, default=32)
-    ap.add_argument("--seqs-after", type=int, default=8)
-    ap.add_argument("--before", type=float, default=12.0, help="seconds before the change")
-    ap.add_argument("--after", type=float, default=16.0, help="seconds after the change")
-    ap.add_argument("--warmup", type=float, default=2.0, help="seconds left out at the start")
-    ap.add_argument("--prompt-tokens", type=int, default=50)
-    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--clients", type=integer(ge=1), default=40)
+    ap.add_argument("--seqs-before", type=integer(ge=1), default=32)
+    ap.add_argument("--seqs-after", type=integer(ge=1), default=8)
+    ap.add_argument("--before", type=number(gt=0), default=12.0, help="seconds before the change")
+    ap.add_argument("--after", type=number(gt=0), default=16.0, help="seconds after the change")
+    ap.add_argument(
+        "--warmup", type=number(ge=0), default=2.0, help="seconds left out at the start"
+    )
+    ap.add_argument("--prompt-tokens", type=integer(ge=1), default=50)
+    ap.add_argument("--max-tokens", type=integer(ge=1), default=200)
     ap.add_argument("--out", type=Path, required=True, help="directory for the PNG and JSON")
     ap.add_argument(
         "--replot", action="store_true", help="only redraw the PNG from the JSON in --out"
     )
     args = ap.parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:  # needed at the end: fail up front
+        return fail(ap.prog, "needs matplotlib: pip install 'inference-lab[plot]'")
     if args.replot:
         saved: dict[str, Any] = json.loads((args.out / "capacity_experiment.json").read_text())
         plot(args.out / "capacity_experiment.png", saved)
         print(report(saved))
         return 0
-    if not (args.clients >= 1 and args.seqs_before >= 1 and args.seqs_after >= 1):
-        ap.error("--clients and --seqs-* must be >= 1")
-    if not 0 <= args.warmup < args.before or args.after <= 0:
-        ap.error("need 0 <= --warmup < --before and --after > 0")
+    if args.warmup >= args.before:
+        ap.error("--warmup must be shorter than --before")
     args.out.mkdir(parents=True, exist_ok=True)
-    config = Path(args.config)
-    if not config.is_absolute():
-        config = ROOT / config
+    config = args.config.resolve()
     dep = load_deployment(config, args.hardware)
     args.model = args.model or dep.model.name
     # The server's count of the chat prompt the client sends (exact: same rule as serve).
@@ -439,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     total = args.before + args.after
     change = run["change"]["time"]
     predicted = {
-        phase: predict(dep, clients=args.clients, seqs=seqs, prompt=args.p, output=args.max_tokens)
+        phase: predict_closed_loop(
+            dep, clients=args.clients, seqs=seqs, prompt=args.p, output=args.max_tokens
+        )
         for phase, seqs in (("before", args.seqs_before), ("after", args.seqs_after))
     }
     # After the change the running batch drains to the new cap within one request lifetime
@@ -464,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {
         "model": args.model,
         "hardware": args.hardware,
-        "config": str(Path(args.config)),
+        "config": config.name,
         "clients": args.clients,
         "prompt_tokens": args.p,
         "max_tokens": args.max_tokens,

@@ -216,8 +216,9 @@ class Served:
     async def post(self, path: str, body: Any) -> Any:
         return await self.client.post(path, json=body)
 
-    async def post_raw(self, path: str, data: bytes) -> Any:
-        return await self.client.post(path, data=data)
+    async def post_raw(self, path: str, data: bytes, content_type: str = "application/json") -> Any:
+        """POST ``data`` as it is, declared as ``content_type``."""
+        return await self.client.post(path, data=data, headers={"content-type": content_type})
 
     async def get_json(self, path: str) -> tuple[int, Any]:
         response = await self.client.get(path)

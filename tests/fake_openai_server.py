@@ -1,10 +1,18 @@
-"""A tiny OpenAI-ish HTTP server for client tests: raw trio + h11 on 127.0.0.1:0.
+"""A tiny OpenAI-ish HTTP server for client tests: raw trio + h11 over any trio stream.
 
-Start it with ``server = await nursery.start(serve_fake_openai, FakeConfig(...))``; it
-returns a ``FakeServer`` with the bound ``port``/``url`` and live ``stats``. It speaks the
-wire format of ``serve-api.md`` (role frame, one frame per token, finish frame, optional
-usage frame, ``[DONE]``; the 529 body of ``saturation.md``) and counts prompt tokens the
-server's way, so a client test checks the client against the documented format.
+Two ways to reach it:
+
+- in memory (most tests): ``fake = MemoryFake(nursery, FakeConfig(...))`` gives
+  ``fake.connect``, a ``ConnectionPool`` connect function that opens trio.testing memory
+  streams to the fake (pass it as ``run_load(..., connect=fake.connect)``); with pytest-trio's
+  ``autojump_clock`` the load then runs on virtual time: a 0.2 s token delay takes
+  microseconds and times are exact.
+- over TCP (tests of the synchronous CLI): ``server = await nursery.start(serve_fake_openai,
+  FakeConfig(...))`` serves on 127.0.0.1:0 and returns a ``FakeServer`` with the ``url``.
+
+It speaks the server's wire format (role frame, one frame per token, finish frame, optional
+usage frame, ``[DONE]``; the 529 ``overloaded_error`` body) and counts prompt tokens the
+server's way, so a client test checks the client against the format the real server sends.
 
 Behaviour is scripted, not simulated:
 - ``script``: statuses for successive requests in arrival order (200, 529, 503, any other
@@ -16,6 +24,8 @@ Behaviour is scripted, not simulated:
   test synchronisation).
 - ``fail_after_tokens``: a 200 stream sends this many tokens, then the ``engine_failed``
   error frame and ``[DONE]``.
+- ``close_connections`` answers with ``connection: close``; ``close_idle`` closes the
+  connection after each answer without saying so (a keep-alive time-out on the server).
 """
 
 from __future__ import annotations
@@ -30,6 +40,9 @@ from typing import Any
 import attrs
 import h11
 import trio
+import trio.testing
+
+from inference_lab.client.http import Origin, Transport
 
 WORDS = (
     "the of and to in a is that for it was on are be with as at this have from or an by not "
@@ -57,6 +70,8 @@ class FakeConfig:
     fail_after_tokens: int | None = None
     close_connections: bool = False
     """Answer with ``connection: close`` (no keep-alive)."""
+    close_idle: bool = False
+    """Close the connection after each answer, without a ``connection: close`` header."""
 
 
 @attrs.define
@@ -69,6 +84,8 @@ class FakeStats:
     bodies: list[dict[str, Any]] = attrs.Factory(list)
     targets: list[str] = attrs.Factory(list)
     hosts: list[str] = attrs.Factory(list)
+    origins: list[str] = attrs.Factory(list)
+    """In memory: the origin of every connect call."""
 
 
 @attrs.frozen
@@ -100,7 +117,7 @@ class _Handler:
         self.stats = stats
         self.script = deque(config.script)
 
-    async def __call__(self, stream: trio.SocketStream) -> None:
+    async def __call__(self, stream: trio.abc.Stream) -> None:
         self.stats.connections += 1
         conn = h11.Connection(h11.SERVER)
         try:
@@ -109,7 +126,7 @@ class _Handler:
                 if request is None:
                     return
                 keep = await self._answer(stream, conn, request, body)
-                if not keep or conn.our_state is h11.MUST_CLOSE:
+                if not keep or self.config.close_idle or conn.our_state is h11.MUST_CLOSE:
                     return
                 conn.start_next_cycle()
         except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
@@ -118,7 +135,7 @@ class _Handler:
             await stream.aclose()
 
     async def _read_request(
-        self, stream: trio.SocketStream, conn: h11.Connection
+        self, stream: trio.abc.Stream, conn: h11.Connection
     ) -> tuple[h11.Request | None, bytes]:
         request = None
         body = b""
@@ -136,7 +153,7 @@ class _Handler:
                 return None, b""
 
     async def _answer(
-        self, stream: trio.SocketStream, conn: h11.Connection, request: h11.Request, body: bytes
+        self, stream: trio.abc.Stream, conn: h11.Connection, request: h11.Request, body: bytes
     ) -> bool:
         stats = self.stats
         cfg = self.config
@@ -192,7 +209,7 @@ class _Handler:
 
     async def _stream_answer(
         self,
-        stream: trio.SocketStream,
+        stream: trio.abc.Stream,
         conn: h11.Connection,
         request: h11.Request,
         payload: dict[str, Any],
@@ -273,6 +290,62 @@ class _Handler:
             tail += _frame({**base, "choices": [], "usage": usage})
         tail += b"data: [DONE]\n\n"
         await stream.send_all(_wire(conn, h11.Data(data=tail), h11.EndOfMessage()))
+
+
+class MemoryTransport:
+    """The client's end of an in-memory connection to the fake (an ``http.Transport``)."""
+
+    def __init__(
+        self,
+        to_server: trio.testing.MemorySendStream,
+        from_server: trio.testing.MemoryReceiveStream,
+    ) -> None:
+        self._send = to_server
+        self._receive = from_server
+        self.peer_closed = False
+        """Set when the fake closes its end: then a read would return EOF at once."""
+
+    async def send_all(self, data: bytes) -> None:
+        await self._send.send_all(data)
+
+    async def receive_some(self, max_bytes: int) -> bytes:
+        return bytes(await self._receive.receive_some(max_bytes))
+
+    def is_readable(self) -> bool:
+        # The fake never sends unasked bytes, so only its close makes an idle connection
+        # readable.
+        return self.peer_closed
+
+    def close(self) -> None:
+        self._send.close()
+        self._receive.close()
+
+
+class MemoryFake:
+    """The fake served over trio.testing memory streams, one handler task per connection
+    in ``nursery``; ``connect`` is the ``ConnectionPool`` connect function that reaches it."""
+
+    def __init__(self, nursery: trio.Nursery, config: FakeConfig | None = None) -> None:
+        self.stats = FakeStats()
+        self._handler = _Handler(config or FakeConfig(), self.stats)
+        self._nursery = nursery
+
+    async def connect(self, origin: Origin) -> Transport:
+        self.stats.origins.append(str(origin))
+        to_server, server_receive = trio.testing.memory_stream_one_way_pair()
+        server_send, from_server = trio.testing.memory_stream_one_way_pair()
+        transport = MemoryTransport(to_server, from_server)
+        pump = server_send.close_hook
+
+        def closed() -> None:
+            if pump is not None:
+                pump()  # delivers the EOF
+            transport.peer_closed = True
+
+        server_send.close_hook = closed
+        self._nursery.start_soon(self._handler, trio.StapledStream(server_send, server_receive))
+        await trio.lowlevel.checkpoint()
+        return transport
 
 
 async def serve_fake_openai(

@@ -1,4 +1,5 @@
-"""The pure AIMD controller: the rules of load-scripts.md, one test per rule."""
+"""The pure AIMD controller: the rules in ``inference_lab/client/aimd.py``'s header, one test
+per rule."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ def successes(c: AIMDController, n: int) -> int:
     return c.limit
 
 
-def test_defaults_match_the_spec() -> None:
-    """Starting limit 1, window 8, backoff 0.5, ceiling 1024."""
+def test_defaults_are_those_of_the_load_command() -> None:
+    """Starting limit 1, window 8, backoff 0.5, ceiling 1024 (``LoadConfig``'s defaults)."""
     c = AIMDController()
     assert (c.limit, c.window, c.backoff, c.max_limit) == (1, 8, 0.5, 1024)
 

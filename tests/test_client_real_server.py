@@ -1,27 +1,26 @@
 """The load client against the real server: ``create_app`` served by hypercorn's trio worker
 on ``127.0.0.1:0`` in this process (``serve_cli.serve_app`` on ``serve_cli.bind_socket``).
 
-What the client reports must agree with what the server did and with what the roofline
-says it should have taken: its outcome counts match the server's admission counters, a lone
-request's TTFT and E2E match the engine's own timeline for it, and the AIMD client's 529s
-start where ``spec/saturation.md`` puts them, ``max_num_seqs + max_waiting + 1`` in flight,
-also after the cap is changed live.
+What the client reports must agree with what the server did: its outcome counts match the
+server's admission counters, a lone request is never faster than the engine's own timeline
+for it, and every 529 the AIMD client gets comes when the server's queue (``max_waiting``)
+is full, also after the batch cap is changed live.
 
-Real sockets mean the real clock: every test runs under ``trio.fail_after`` and the server
-lives in pytest-trio's ``nursery`` fixture, cancelled when the test ends.
+Real sockets mean the real clock, and the machine may be busy: these tests assert only
+what holds however late the server or the client runs (orderings, counts, lower bounds).
+How close the measurements come to the roofline is measured by the benchmarks and the
+experiments in ``scripts/``, not asserted here. Every test runs under ``trio.fail_after``
+and the server lives in pytest-trio's ``nursery`` fixture, cancelled when the test ends.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from typing import Any
 
 import attrs
 import trio
 
-from inference_lab.client.aimd import AIMDController
-from inference_lab.client.http import ConnectionPool, parse_base_url
+from inference_lab.benchkit import post_capacity, request_json
 from inference_lab.client.load import LoadConfig, LoadResult, RequestRecord, run_load
 from inference_lab.config import Deployment, load_deployment
 from inference_lab.engine import Engine, RequestSpec
@@ -48,30 +47,13 @@ async def start_server(nursery: trio.Nursery, **scheduler: Any) -> Server:
     return Server(url=urls[0], deployment=dep, state=get_state(app))
 
 
-async def request_json(url: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    """One exchange over the client's own HTTP/1.1 connection."""
-    origin = parse_base_url(url)
-    pool = ConnectionPool(origin)
-    conn = await pool.acquire()
-    try:
-        data = b"" if body is None else json.dumps(body).encode()
-        headers = [("host", origin.authority), ("content-type", "application/json")]
-        await conn.send_request(method, path, headers, data)
-        response = await conn.receive_response()
-        raw = await conn.read_body(1 << 20)
-    finally:
-        conn.close()
-    return response.status_code, json.loads(raw)
-
-
-def cut_peaks(result: LoadResult, lo: float = 0.0, hi: float = float("inf")) -> list[int]:
-    """The limit just before each AIMD cut made in ``[lo, hi)`` (run time)."""
-    changes = result.limit_changes
-    return [
-        prev
-        for (_, prev), (t, new) in zip(changes, changes[1:], strict=False)
-        if new < prev and lo <= t < hi
-    ]
+def overlapping(records: tuple[RequestRecord, ...], r: RequestRecord) -> int:
+    """How many admitted (not 529'd) attempts overlapped ``r`` on the client's clock."""
+    return sum(
+        1
+        for p in records
+        if p is not r and p.outcome != "overloaded" and p.start < r.end and p.end > r.start
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -82,7 +64,7 @@ async def test_outcome_counts_match_the_servers_admissions(nursery: trio.Nursery
     the client counts as ``ok`` is one the server admitted and finished, and every 529 it
     counts is one the server refused: no request is lost, double-counted or misclassified,
     and afterwards the server holds nothing."""
-    with trio.fail_after(15):
+    with trio.fail_after(60):
         server = await start_server(nursery, max_num_seqs=4, max_waiting=4)
         config = LoadConfig(
             url=server.url, model=MODEL, concurrency=40, requests=80, max_tokens=100
@@ -130,88 +112,74 @@ def engine_timeline(dep: Deployment, prompt: int, max_tokens: int) -> tuple[floa
             )
 
 
-async def test_lone_request_latency_matches_the_engine(nursery: trio.Nursery) -> None:
-    """A request alone on the server streams its first token one prefill step after it
-    arrives and its last one after the decode steps the engine prices: the client's TTFT,
-    E2E and first-to-last-token span agree with ``Engine`` on the same deployment within a
-    few ms (the HTTP round trip on loopback, which only ever adds)."""
-    with trio.fail_after(15):
+async def test_lone_request_is_never_faster_than_the_engine(nursery: trio.Nursery) -> None:
+    """A request alone on the server streams its first token no sooner than one prefill
+    step after it arrives, and its last no sooner than the decode steps the engine prices:
+    the server never runs ahead of wall-clock, and the client only ever adds time. Every
+    token the request asked for arrives, each after the one before."""
+    with trio.fail_after(30):
         server = await start_server(nursery)
-        config = LoadConfig(url=server.url, model=MODEL, concurrency=1, requests=12, max_tokens=100)
+        config = LoadConfig(url=server.url, model=MODEL, concurrency=1, requests=4, max_tokens=100)
         result = await run_load(config)
         records: list[RequestRecord] = list(result.records)
-        assert [r.outcome for r in records] == ["ok"] * 12
+        assert [r.outcome for r in records] == ["ok"] * 4
         prompt = records[0].prompt_tokens
         assert prompt is not None
         ttft_pred, e2e_pred = engine_timeline(server.deployment, prompt, 100)
         assert 0.001 < ttft_pred < e2e_pred  # a real prefill step, then 99 decode steps
-
-        # The engine never runs ahead of wall-clock, so no request is early; a busy CPU can
-        # only make one late. The least delayed of twelve is the one to compare.
-        ttfts = [r.ttft for r in records if r.ttft is not None]
-        e2es = [r.e2e for r in records]
-        assert min(ttfts) >= ttft_pred - 0.0005, (ttfts, ttft_pred)
-        assert min(e2es) >= e2e_pred - 0.0005, (e2es, e2e_pred)
-        # Loopback HTTP and the client add a few ms at most.
-        assert min(ttfts) <= ttft_pred + 0.005, (ttfts, ttft_pred)
-        assert min(e2es) <= e2e_pred + 0.006, (e2es, e2e_pred)
-        # First to last token: both ends on the client's clock, so the round trip cancels
-        # and the 99 decode steps remain (a mispriced step would be off by far more).
-        span_pred = e2e_pred - ttft_pred
-        spans = [r.token_times[-1] - r.token_times[0] for r in records]
-        assert min(abs(span - span_pred) for span in spans) <= 0.002, (spans, span_pred)
+        for r in records:
+            assert r.ttft is not None and r.ttft >= ttft_pred - 0.0005, (r.ttft, ttft_pred)
+            assert r.e2e >= e2e_pred - 0.0005, (r.e2e, e2e_pred)
+            assert len(r.token_times) == r.completion_tokens == 100
+            assert list(r.token_times) == sorted(r.token_times)
 
 
-async def test_aimd_first_529_at_seqs_plus_waiting_plus_one(nursery: trio.Nursery) -> None:
-    """The AIMD client against ``max_num_seqs S = 8, max_waiting W = 12``: its first 529
-    comes when its limit reaches ``S + W + 1 = 21`` (±10 %), and every later cut too, so
-    the limit saw-tooths below that point. After ``POST /control/capacity`` lowers ``S``
-    to 4 (live, no restart) the cuts come at the new ``S + W + 1 = 17``.
+async def test_aimd_client_is_refused_only_by_a_full_queue(nursery: trio.Nursery) -> None:
+    """The AIMD client against ``max_num_seqs S = 8, max_waiting W = 12``: every 529 it gets
+        comes when the server's queue is full, so at least ``W`` other requests of the client
+        were held by the server then, and the limit had reached ``W + 1`` or more at the first
+        cut. After ``POST /control/capacity`` lowers ``S`` to 4 (live, no restart) the run goes
+        on and is refused again; the client's 529 count is the server's refusal count (up to the
+    requests the stop cancelled).
 
-    A cut can come a step or two late: requests admitted together finish at the same
-    engine step, and the client counts them in flight until it has read their ends,
-    while the server has already freed their slots."""
+        "Held" is checked on the client's clock: a request the server held when it refused
+        another was sent before the refusal was read and ended after the refused one was sent,
+        so the two overlap. In steady state the server also runs ``S`` requests when it
+        refuses (the cuts come at ``S + W + 1``), but a refusal can fall between an engine step
+        that left the batch part-empty and the next one, so ``S`` is not a bound the client can
+        check whatever the timing; ``scripts/adaptive_experiment.py`` measures the cut points."""
     seqs, waiting, seqs_after = 8, 12, 4
-    before, after = seqs + waiting + 1, seqs_after + waiting + 1
-    with trio.fail_after(25):
+    with trio.fail_after(120):
         server = await start_server(nursery, max_num_seqs=seqs, max_waiting=waiting)
         config = LoadConfig(
             url=server.url,
             model=MODEL,
             adaptive="aimd",
             concurrency=seqs,
-            duration=20.0,
-            max_tokens=100,
+            duration=100.0,  # a bound only: the run is stopped by events below
+            max_tokens=50,
             drain_timeout=5.0,
         )
-        # The run's controller sees the records in the order the collector gets them, so
-        # a twin fed from ``on_record`` counts the same cuts, as they happen.
-        twin = AIMDController(initial=seqs)
         lowered = trio.Event()
         stop = trio.Event()
-        cuts_at_change: list[int] = []
+        changed: list[bool] = []
+        refused_after_change: list[RequestRecord] = []
 
         def on_record(record: RequestRecord) -> None:
-            decreases = twin.statistics().decreases
-            twin.on_outcome(record.outcome)
-            cuts = twin.statistics().decreases
-            if cuts == decreases:
+            if record.outcome != "overloaded":
                 return
-            if cuts == 3:
-                lowered.set()  # three cuts on the first point: lower the cap
-            if cuts_at_change and cuts >= cuts_at_change[0] + 4:
-                stop.set()  # four cuts since: enough
+            lowered.set()  # the first 529: lower the cap
+            if changed:
+                refused_after_change.append(record)
+                if len(refused_after_change) >= 3:
+                    stop.set()
 
         async def lower_the_cap() -> None:
             await lowered.wait()
-            status, body = await request_json(
-                server.url, "POST", "/control/capacity", {"max_num_seqs": seqs_after}
-            )
-            assert status == 200 and body[0]["max_num_seqs"] == seqs_after
-            cuts_at_change.append(twin.statistics().decreases)
-            change_time.append(time.time())
+            body = await post_capacity(server.url, model=MODEL, max_num_seqs=seqs_after)
+            assert body[0]["max_num_seqs"] == seqs_after
+            changed.append(True)
 
-        change_time: list[float] = []
         results: list[LoadResult] = []
 
         async def load() -> None:
@@ -221,19 +189,19 @@ async def test_aimd_first_529_at_seqs_plus_waiting_plus_one(nursery: trio.Nurser
             inner.start_soon(lower_the_cap)
             inner.start_soon(load)
         result = results[0]
-        assert change_time, "the run ended before the cap was lowered"
-        t_change = change_time[0] - result.started_at
 
-        assert result.controller is not None
-        assert result.controller.decreases == twin.statistics().decreases
-        peaks = cut_peaks(result, hi=t_change)
-        assert len(peaks) >= 3, result.limit_changes
-        assert abs(peaks[0] - before) <= 0.1 * before, peaks  # the first 529
-        assert all(abs(p - before) <= 0.1 * before for p in peaks), peaks
-        # below the point: no limit above it (+10 %) was ever reached before the change
-        assert max(v for t, v in result.limit_changes if t < t_change) <= 1.1 * before
-        # The first cut after the change may still be on the old point (requests running
-        # above the new cap drain first); from then on the cuts follow the new one.
-        later = cut_peaks(result, lo=t_change)[1:]
-        assert len(later) >= 3, result.limit_changes
-        assert all(abs(p - after) <= 0.1 * after for p in later), (later, after)
+        assert result.interrupted, "the run ended before three 529s after the change"
+        changes = result.limit_changes
+        first_cut = next(
+            prev for (_, prev), (_, new) in zip(changes, changes[1:], strict=False) if new < prev
+        )
+        assert first_cut >= waiting + 1, changes
+        refused = [r for r in result.records if r.outcome == "overloaded"]
+        for r in refused:
+            assert overlapping(result.records, r) >= waiting, r
+        assert result.controller is not None and result.controller.overloads == len(refused)
+        # A request cancelled by the stop may have been refused before its answer was read.
+        cancelled = sum(1 for r in result.records if r.outcome == "cancelled")
+        snap = server.state.runtimes[MODEL].snapshot()
+        assert len(refused) <= snap.refused <= len(refused) + cancelled
+        assert snap.max_num_seqs == seqs_after

@@ -1,4 +1,4 @@
-"""The pure OpenAI layer: validation, token counting, wire bytes (``serve-api.md``)."""
+"""The pure OpenAI layer: validation, token counting, wire bytes (``docs/serve.md``)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def refusal(raw: Any, parse: Any = parse_chat_request) -> ApiError:
     return info.value
 
 
-# -- token counting: the worked examples of serve-api.md ----------------------------------
+# -- token counting: the worked examples of docs/serve.md ----------------------------------
 
 
 def test_chat_hello_world_counts_five_tokens() -> None:

@@ -349,16 +349,18 @@ async def test_inference_lab_serve_exits_cleanly_on_signal_after_in_flight_strea
                 await proc.wait()
 
 
-def test_serve_cli_startup_errors_are_one_line_exit_1(tmp_path: Any) -> None:
-    """Each startup failure: exit code 1, one line on stderr, nothing served."""
+def test_serve_cli_startup_errors_are_one_line_with_the_documented_exit_code(
+    tmp_path: Any,
+) -> None:
+    """Each startup failure: one line on stderr, nothing served; exit code 2 for a bad
+    command line, 1 for a command line that is fine but cannot be served."""
     cases = [
-        (["--enable-test-harness"], "test-harness features"),
-        (["--max-waiting", "x"], "--max-waiting must be an integer >= 0"),
-        (["--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1"),
-        (["--config", str(tmp_path / "missing")], "no such file or directory"),
-        (["--config", "configs/gpt-oss-20b.toml", "--hardware", "a100"], "hardware.a100"),
+        (["--max-waiting", "x"], "argument --max-waiting: must be an integer >= 0", 2),
+        (["--max-num-seqs", "0"], "argument --max-num-seqs: must be an integer >= 1", 2),
+        (["--config", str(tmp_path / "missing")], "no such file or directory", 1),
+        (["--config", "configs/gpt-oss-20b.toml", "--hardware", "a100"], "hardware.a100", 1),
     ]
-    for args, fragment in cases:
+    for args, fragment, code in cases:
         result = subprocess.run(
             [sys.executable, "-m", "inference_lab.cli", "serve", "--port", "0", *args],
             cwd=ROOT,
@@ -367,7 +369,7 @@ def test_serve_cli_startup_errors_are_one_line_exit_1(tmp_path: Any) -> None:
             text=True,
             timeout=60,
         )
-        assert result.returncode == 1, (args, result.stderr)
+        assert result.returncode == code, (args, result.stderr)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and fragment in lines[0], (args, result.stderr)
         assert result.stdout == ""

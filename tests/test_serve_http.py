@@ -43,7 +43,7 @@ async def test_models_lists_every_model_in_load_order(serve: ServeFactory) -> No
     assert body["object"] == "list"
     assert [m["id"] for m in body["data"]] == [GPT, LLAMA]
     for model in body["data"]:
-        assert list(model) == ["id", "object", "created", "owned_by"]
+        assert list(model) == ["id", "object", "created", "owned_by", "max_model_len"]
         assert model["object"] == "model" and model["owned_by"] == "inference-lab"
         assert isinstance(model["created"], int) and model["created"] > 1_600_000_000
 

@@ -1,4 +1,4 @@
-"""Saturation and capacity (``spec/saturation.md``): the waiting bound, HTTP 529, the
+"""Saturation and capacity (``docs/saturation.md``): the waiting bound, HTTP 529, the
 pending count, and ``/control/capacity``."""
 
 from __future__ import annotations

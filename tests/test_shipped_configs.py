@@ -1,5 +1,10 @@
-"""The shipped files (``spec/config.md``): every model config loads with every hardware entry,
-the architectures and hardware profiles carry the published numbers, the workloads load."""
+"""The shipped files: every model config loads with every hardware entry, the architectures
+and hardware profiles carry the published numbers, the workloads load.
+
+The tables below (``ARCHITECTURES``, ``PROFILE_TABLE``, ``WORKLOAD_TABLE``) are the
+reference: the models' published architectures, the GPUs' datasheet figures and the
+documented workloads, written out once here so that an edit to a shipped file that changes
+a number fails a test."""
 
 from __future__ import annotations
 
@@ -134,9 +139,9 @@ ARCHITECTURES: dict[str, tuple[int, int, list[W], list[L]]] = {
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_model_architecture_matches_the_spec_table(name: str) -> None:
-    """Each shipped model has config.md's hidden size, context, weight streams and layer
-    classes (all attention, K and V stored separately in bf16)."""
+def test_model_architecture_matches_the_reference_table(name: str) -> None:
+    """Each shipped model has the ARCHITECTURES table's hidden size, context, weight
+    streams and layer classes (all attention, K and V stored separately in bf16)."""
     hidden, max_seq_len, weights, layers = ARCHITECTURES[name]
     model = load_model_config(CONFIGS / f"{name}.toml", PROFILES).model
     assert model.name == name
@@ -236,9 +241,9 @@ PROFILE_TABLE: dict[str, tuple[Any, ...]] = {
 
 
 @pytest.mark.parametrize("name", list(PROFILE_TABLE))
-def test_hardware_profile_matches_the_spec_table(name: str) -> None:
-    """Each shipped profile carries config.md's FLOP rates (absent where the table has —),
-    bandwidth, capacity and fabric."""
+def test_hardware_profile_matches_the_reference_table(name: str) -> None:
+    """Each shipped profile carries the PROFILE_TABLE's FLOP rates (absent where the table
+    has None), bandwidth, capacity and fabric."""
     fp4, fp8, bf16, fp16, bw, cap, gpn, up_bw, up_lat, up_inr, out_bw, out_lat = PROFILE_TABLE[name]
     p = load_hardware_profile(PROFILES / f"{name}.toml")
     assert (p.flops_fp4, p.flops_fp8, p.flops_bf16, p.flops_fp16) == (fp4, fp8, bf16, fp16)
@@ -322,8 +327,9 @@ def test_shipped_workload_loads_and_samples(path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", list(WORKLOAD_TABLE))
-def test_shipped_workload_matches_the_spec(name: str) -> None:
-    """Each documented workload has config.md's pattern, rate or users, count and lengths."""
+def test_shipped_workload_matches_the_reference_table(name: str) -> None:
+    """Each documented workload has the WORKLOAD_TABLE's pattern, rate or users, count and
+    lengths."""
     expected = dict(WORKLOAD_TABLE[name])
     w = load_workload(WORKLOADS / f"{name}.toml")
     assert dist_tuple(w.input_len_dist) == expected.pop("input")

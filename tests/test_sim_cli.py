@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from inference_lab import sim
+from inference_lab import cli, sim_cli
 from inference_lab.config import load_deployment, load_workload
 from inference_lab.sim import Progress, run_simulation
 
@@ -29,7 +29,8 @@ def write(path: Path, text: str) -> str:
 
 
 def run_cli(*argv: str) -> int:
-    return sim.main(list(argv))
+    """``inference-lab sim ARGV`` in this process; returns the exit code."""
+    return cli.main(["sim", *argv])
 
 
 def without_wall_time(doc: dict[str, Any]) -> dict[str, Any]:
@@ -166,11 +167,11 @@ def test_seed_flag_equals_a_workload_with_that_seed(tmp_path: Path) -> None:
 
 
 def test_subprocess_run_exits_zero_and_writes_json(tmp_path: Path) -> None:
-    """The module entry point runs as a process: exit 0, summary on stdout, JSON written."""
+    """The command runs as a process: exit 0, summary on stdout, JSON written."""
     out = tmp_path / "r.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "inference_lab.sim", "--config", GPT_OSS, "--hardware", "b200",
-         "--workload", QUICK, "-o", str(out)],
+        [sys.executable, "-m", "inference_lab.cli", "sim", "--config", GPT_OSS, "--hardware",
+         "b200", "--workload", QUICK, "-o", str(out)],
         capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -179,28 +180,16 @@ def test_subprocess_run_exits_zero_and_writes_json(tmp_path: Path) -> None:
     assert json.loads(out.read_text())["requests"]["completed"] == 50
 
 
-def test_add_parser_registers_sim_on_a_top_level_cli() -> None:
-    """`add_parser` adds a `sim` subcommand whose `func` is `sim.run`."""
+def test_add_parser_registers_sim_and_types_its_flags() -> None:
+    """`sim_cli.add_parser` adds a `sim` subcommand; `--seed` is an int, paths are Paths."""
     parser = argparse.ArgumentParser(prog="inference-lab")
     sub = parser.add_subparsers(dest="command", required=True)
-    sim.add_parser(sub)
-    args = parser.parse_args(["sim", "--config", GPT_OSS, "--workload", QUICK, "--seed", "3", "-q"])
-    assert args.func is sim.run
+    sim_cli.add_parser(sub)
+    args = parser.parse_args(
+        ["sim", "--config", GPT_OSS, "--workload", QUICK, "--seed", "3", "-q", "-o", "r.json"]
+    )
     assert args.seed == 3 and args.quiet and args.hardware is None
-
-
-def test_top_level_cli_dispatches_sim(capsys: pytest.CaptureFixture[str]) -> None:
-    """`inference-lab sim ...` (cli.main) runs the simulator and returns its exit code."""
-    # cli.py imports every subcommand module; skip only while those are still being written.
-    pytest.importorskip("inference_lab.serve_cli")
-    pytest.importorskip("inference_lab.client.cli")
-    from inference_lab import cli
-
-    argv = ["sim", "--config", GPT_OSS, "--hardware", "b200", "--workload", QUICK, "-q"]
-    assert cli.main(argv) == 0
-    assert "50 completed" in capsys.readouterr().out
-    assert cli.main(["sim", "--config", GPT_OSS, "--workload", QUICK]) == 1  # ambiguous entry
-    assert capsys.readouterr().err.startswith("inference-lab sim: error: ")
+    assert args.output == Path("r.json") and args.request_csv is None
 
 
 def test_progress_callback_sees_requests_complete() -> None:
@@ -374,9 +363,31 @@ def test_unwritable_output_fails_before_running(
 def test_subprocess_error_is_one_line_exit_1(tmp_path: Path) -> None:
     """As a process, bad input exits 1 with exactly one stderr line and no traceback."""
     proc = subprocess.run(
-        [sys.executable, "-m", "inference_lab.sim", "--config", GPT_OSS, "--workload", QUICK],
+        [sys.executable, "-m", "inference_lab.cli", "sim", "--config", GPT_OSS, "--workload",
+         QUICK],
         capture_output=True, text=True, timeout=60, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 1
     assert len(proc.stderr.splitlines()) == 1
     assert proc.stderr.startswith("inference-lab sim: error: ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--seed", "-1"], "argument --seed: must be an integer >= 0, got -1"),
+        (["--seed", "x"], "argument --seed: must be an integer >= 0, got 'x'"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_bad_flags_are_one_line_usage_errors(
+    argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A flag value out of range (`--seed -1` once reached numpy and printed a traceback),
+    of the wrong type, or an unknown flag is a usage error: one line, exit 2, before any
+    file is read."""
+    rc = run_cli("--config", "missing.toml", "--workload", "missing.toml", *argv)
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert captured.err.splitlines() == [f"inference-lab sim: error: {fragment}"]
+    assert captured.out == ""

@@ -1,13 +1,14 @@
 """The trio load client: ``inference-lab load`` and its reusable parts.
 
-Depends only on the HTTP API (``docs/CONTRACTS.md``): nothing here imports the server.
+It talks to a server only over the HTTP API: nothing here imports the server side of the
+package (a test walks the imports).
 
 - ``sse``: sans-IO server-sent-events parser
 - ``aimd``: pure AIMD concurrency controller
-- ``http``: minimal HTTP/1.1 client (trio sockets + h11, keep-alive reuse)
+- ``http``: minimal HTTP/1.1 client (h11 over an injectable transport, keep-alive reuse)
 - ``wire``: OpenAI request bodies, prompt sizing, stream-frame classification
 - ``load``: the load generator (closed loop, open loop, adaptive)
 - ``report``: summary, percentiles, text, JSON, CSV
-- ``plot``: the ``--plot`` figure (matplotlib, Agg)
-- ``cli``: ``add_parser`` / ``run`` / ``main``
+- ``plot``: the ``--plot`` figure (matplotlib, Agg; the ``plot`` extra)
+- ``cli``: the ``load`` subcommand (``add_parser`` / ``run``)
 """

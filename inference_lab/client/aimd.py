@@ -28,18 +28,31 @@ class AIMDStatistics:
     """A snapshot of the controller, as returned by ``AIMDController.statistics()``."""
 
     limit: int
+    """The concurrency limit now."""
     max_limit: int
+    """The ceiling (``max_limit``)."""
     window: int
+    """Successes per window."""
     backoff: float
+    """The factor of a cut."""
     successes_in_window: int
+    """Successes counted in the current window."""
     overloaded_in_window: bool
+    """A 529 arrived in the current window (it ends without an increase)."""
     cut_in_window: bool
+    """The current window began with a cut (further 529s in it do not cut again)."""
     increases: int
+    """Additive increases so far."""
     decreases: int
+    """Cuts that lowered the limit so far."""
     successes: int
+    """Successful completions seen."""
     overloads: int
+    """529s seen."""
     min_limit_seen: int
+    """The lowest limit so far."""
     max_limit_seen: int
+    """The highest limit so far."""
 
 
 def _positive_int(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -123,6 +136,7 @@ class AIMDController:
         self._cut_in_window = False
 
     def statistics(self) -> AIMDStatistics:
+        """A frozen snapshot; the load generator puts the last one in its result."""
         return AIMDStatistics(
             limit=self.limit,
             max_limit=self.max_limit,

@@ -1,81 +1,58 @@
-"""``inference-lab load``: argument parsing, progress bar, report files.
+"""``inference-lab load``: flags, progress bar, report files.
 
-``add_parser(subparsers)`` registers the sub-command (and sets ``func=run``); ``run(args)``
-executes a parsed command and returns the exit code; ``main(argv)`` is the stand-alone entry
-point behind ``python -m inference_lab.client``.
+``cli.py`` calls :func:`add_parser` and then :func:`run`. The load itself is
+:func:`inference_lab.client.load.run_load`.
 
-Exit codes: 0 the run completed (whatever the server answered); 1 the server was
-unreachable before the run or a result file could not be written; 2 bad arguments
-(argparse's own errors, and combinations it cannot express, in the same one-line form);
-130 the run was interrupted by Ctrl-C (its partial report is still printed and written).
+Rule 1: this module's top level imports only the standard library and the flag toolkit, so
+        parsing (``--help``, a bad flag) costs no trio or numpy; ``run`` imports the client.
+Rule 2: exit codes follow ``cli.py``: 0 the run completed (whatever the server answered);
+        1 the server was unreachable before the run, a result file cannot be written, or
+        ``--plot`` was asked without matplotlib; 2 bad flags (argparse's own errors, and
+        combinations it cannot express, in the same one-line form); 130 the run was
+        interrupted by Ctrl-C (its partial report is still printed and written).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
-import signal
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import trio
-from tqdm import tqdm
+from inference_lab.cli_args import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    check_output,
+    fail,
+    integer,
+    number,
+)
 
-from .load import LoadConfig, LoadError, LoadResult, RequestRecord, Sample, run_load
-from .report import format_summary, summarize, write_csv, write_json
+if TYPE_CHECKING:
+    from .load import LoadConfig, LoadResult, RequestRecord, Sample
 
-__all__ = ["add_parser", "build_parser", "config_from_args", "main", "run"]
+__all__ = ["add_parser", "run"]
 
 PROG = "inference-lab load"
 
-
-def _int_at_least(lowest: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``lowest``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lowest:
-            raise argparse.ArgumentTypeError(f"must be >= {lowest}, got {value}")
-        return value
-
-    return parse
+_positive_int = integer(ge=1)
+_nonnegative_int = integer(ge=0)
+_positive_float = number(gt=0)
+_nonnegative_float = number(ge=0)
 
 
-_positive_int = _int_at_least(1)
-_nonnegative_int = _int_at_least(0)
-
-
-def _float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if value != value or value in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _nonnegative_float(text: str) -> float:
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _configure(p: argparse.ArgumentParser) -> None:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``load`` and its flags on the top-level CLI's subparsers."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "load",
+        description="Load generator for an OpenAI-compatible server: closed loop "
+        "(--concurrency), open loop (--rate) or adaptive (--adaptive aimd), bounded by "
+        "--duration or --requests.",
+    )
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8080")
     p.add_argument("--model", required=True, help="model id sent in every request")
     shape = p.add_mutually_exclusive_group()
@@ -128,7 +105,7 @@ def _configure(p: argparse.ArgumentParser) -> None:
     )
     a.add_argument(
         "--backoff",
-        type=_positive_float,
+        type=number(gt=0, lt=1),
         metavar="F",
         help="multiply the limit by F on a 529, at most once per window (default 0.5)",
     )
@@ -163,33 +140,17 @@ def _configure(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="time-series sampling period (default 0.25; log lines at most once a second)",
     )
-    x.add_argument("--seed", type=int, help="seed for open-loop arrival times")
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``load`` on an ``argparse`` sub-parsers object; ``func`` is set to ``run``."""
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "load",
-        help="drive a server with closed-loop, open-loop or adaptive (AIMD) load",
-        description="Load generator for an OpenAI-compatible server (see the README's load-generation section).",
+    x.add_argument(
+        "--seed", type=_nonnegative_int, metavar="N", help="seed for open-loop arrival times"
     )
-    _configure(p)
-    p.set_defaults(func=run)
     return p
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        description="Load generator for an OpenAI-compatible server (see the README's load-generation section).",
-    )
-    _configure(p)
-    return p
+def _config_from_args(args: argparse.Namespace) -> LoadConfig:
+    """Build the run's config (called by :func:`run`); ``ValueError`` (one line) for
+    combinations argparse allows but the run does not."""
+    from .load import LoadConfig
 
-
-def config_from_args(args: argparse.Namespace) -> LoadConfig:
-    """Build the run's config; ``ValueError`` (one line) for combinations argparse allows
-    but the run does not."""
     if args.adaptive is None:
         for flag in ("window", "backoff", "max_retries"):
             if getattr(args, flag) is not None:
@@ -220,21 +181,12 @@ def config_from_args(args: argparse.Namespace) -> LoadConfig:
     )
 
 
-def _check_output(flag: str, path: Path | None) -> str | None:
-    if path is None:
-        return None
-    if path.is_dir():
-        return f"{flag} {path}: is a directory"
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        return f"{flag} {path}: directory {parent} does not exist"
-    return None
-
-
 class _Progress:
     """tqdm on stderr: requests done (``--requests``) or seconds elapsed (``--duration``)."""
 
     def __init__(self, config: LoadConfig, quiet: bool) -> None:
+        from tqdm import tqdm
+
         self.config = config
         self.quiet = quiet
         timed = config.duration is not None
@@ -301,22 +253,29 @@ class _Progress:
         self.bar.close()
 
 
-async def _sigint_to_stop(stop: trio.Event, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    # The first Ctrl-C ends the run and keeps the partial report; leaving the receiver
-    # restores the default handler, so a second one interrupts outright.
-    with trio.open_signal_receiver(signal.SIGINT) as signals:
-        task_status.started()
-        async for _ in signals:
-            stop.set()
-            return
-
-
 async def _drive(config: LoadConfig, progress: _Progress) -> LoadResult:
+    """``run_load`` with the first Ctrl-C turned into its ``stop`` event: the run ends and
+    keeps its partial report. Leaving the signal receiver restores the default handler, so
+    a second Ctrl-C interrupts outright."""
+    import signal
+
+    import trio
+
+    from .load import LoadError, run_load
+
     stop = trio.Event()
+
+    async def sigint_to_stop(*, task_status: trio.TaskStatus[None]) -> None:
+        with trio.open_signal_receiver(signal.SIGINT) as signals:
+            task_status.started()
+            async for _ in signals:
+                stop.set()
+                return
+
     result: LoadResult | LoadError
     async with trio.open_nursery() as nursery:
         if threading.current_thread() is threading.main_thread():
-            await nursery.start(_sigint_to_stop, stop)
+            await nursery.start(sigint_to_stop)
         try:
             result = await run_load(
                 config, on_record=progress.on_record, on_sample=progress.on_sample, stop=stop
@@ -330,24 +289,31 @@ async def _drive(config: LoadConfig, progress: _Progress) -> LoadResult:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Execute a parsed ``load`` command; returns the exit code."""
+    """Execute a parsed ``load`` command; returns the exit code (Rule 2)."""
     try:
-        config = config_from_args(args)
+        config = _config_from_args(args)
     except ValueError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    for flag, path in (("-o", args.output), ("--csv", args.csv), ("--plot", args.plot)):
-        problem = _check_output(flag, path)
-        if problem is not None:
-            print(f"{PROG}: error: {problem}", file=sys.stderr)
-            return 1
+        return fail(PROG, str(exc), EXIT_USAGE)
+    try:
+        check_output("-o", args.output)
+        check_output("--csv", args.csv)
+        check_output("--plot", args.plot)
+    except ValueError as exc:
+        return fail(PROG, str(exc))
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        return fail(PROG, "--plot needs matplotlib: pip install 'inference-lab[plot]'")
+
+    import trio
+
+    from .load import LoadError
+    from .report import format_summary, summarize, write_csv, write_json
+
     progress = _Progress(config, args.quiet)
     try:
         result = trio.run(_drive, config, progress)
     except LoadError as exc:
         progress.close()
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
+        return fail(PROG, str(exc))
     progress.close()
     summary = summarize(result)
     print(format_summary(result, summary), flush=True)
@@ -357,15 +323,9 @@ def run(args: argparse.Namespace) -> int:
         if args.csv is not None:
             write_csv(args.csv, result)
         if args.plot is not None:
-            from .plot import plot_timeseries  # matplotlib is slow to import; only when asked
+            from .plot import plot_timeseries
 
             plot_timeseries(args.plot, result, summary)
     except OSError as exc:
-        print(f"{PROG}: error: cannot write result: {exc}", file=sys.stderr)
-        return 1
-    return 130 if result.interrupted else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point: ``python -m inference_lab.client ARGS``."""
-    return run(build_parser().parse_args(argv))
+        return fail(PROG, f"cannot write result: {exc}")
+    return EXIT_INTERRUPTED if result.interrupted else EXIT_OK

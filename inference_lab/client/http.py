@@ -1,7 +1,11 @@
-"""A minimal HTTP/1.1 client: trio sockets + h11, with keep-alive connection reuse.
+"""A minimal HTTP/1.1 client: h11 over a trio byte stream, with keep-alive connection reuse.
 
 Only what the load generator needs: ``POST`` a small body, read the status and headers,
 then read the body either whole or chunk by chunk as it arrives (server-sent events).
+
+The byte stream is a ``Transport`` from the pool's ``connect`` function: ``connect_tcp``
+(trio sockets) by default; tests pass one that returns in-memory streams, so the whole
+client runs on ``trio.testing.MockClock`` without a socket.
 
 Rule 1: a pool connects only to the one origin (host, port) it was built with. Nothing here
   follows redirects or resolves another address: the load generator's promise that it never
@@ -9,7 +13,7 @@ Rule 1: a pool connects only to the one origin (host, port) it was built with. N
 Rule 2: a connection goes back to the pool only when h11 says both sides are ``DONE`` (the
   response was read to its end and the server did not ask to close); anything else is
   closed.
-Rule 3: closing is synchronous (``socket.close()``), so cleanup code that cannot await — the
+Rule 3: closing is synchronous (``Transport.close``), so cleanup code that cannot await — the
   ``finally`` of a cancelled request — can always release its connection.
 Rule 4: every network or protocol failure surfaces as ``ConnectionFailed``, with the
   original exception chained; callers never see ``OSError`` or ``h11`` errors directly.
@@ -20,17 +24,23 @@ from __future__ import annotations
 import ipaddress
 import os
 import urllib.parse
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import attrs
 import h11
 import trio
 
 __all__ = [
+    "Connect",
     "Connection",
     "ConnectionFailed",
     "ConnectionPool",
     "Origin",
     "PoolStatistics",
+    "TCPTransport",
+    "Transport",
+    "connect_tcp",
     "parse_base_url",
 ]
 
@@ -91,6 +101,57 @@ def parse_base_url(url: str) -> Origin:
     return Origin(host=host, port=port, base_path=parts.path.rstrip("/"))
 
 
+class Transport(Protocol):
+    """The byte stream under one ``Connection``, as a ``Connect`` function returns it."""
+
+    async def send_all(self, data: bytes) -> None:
+        """Send every byte (trio ``Stream.send_all``); OSError or a trio resource error if the
+        connection is broken."""
+
+    async def receive_some(self, max_bytes: int) -> bytes:
+        """Up to ``max_bytes`` bytes, waiting for at least one; ``b""`` at end of stream."""
+        ...
+
+    def is_readable(self) -> bool:
+        """True if a read would not wait: data or the end of the stream has arrived. Asked of
+        idle connections only, to drop the ones the server closed."""
+        ...
+
+    def close(self) -> None:
+        """Close now: synchronous and idempotent (Rule 3)."""
+
+
+Connect = Callable[[Origin], Awaitable[Transport]]
+"""How a ``ConnectionPool`` opens a connection to its origin; OSError when it cannot."""
+
+
+class TCPTransport:
+    """A ``Transport`` over a trio TCP stream (what ``connect_tcp`` returns)."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self._stream = stream
+
+    async def send_all(self, data: bytes) -> None:
+        await self._stream.send_all(data)
+
+    async def receive_some(self, max_bytes: int) -> bytes:
+        return await self._stream.receive_some(max_bytes)
+
+    def is_readable(self) -> bool:
+        return self._stream.socket.is_readable()
+
+    def close(self) -> None:
+        # The socket's own close is synchronous; trio's ``aclose`` would be a checkpoint.
+        self._stream.socket.close()
+
+
+async def connect_tcp(origin: Origin) -> Transport:
+    """The default ``Connect``: a TCP connection to ``origin``'s host and port."""
+    return TCPTransport(await trio.open_tcp_stream(origin.host, origin.port))
+
+
 class Connection:
     """One HTTP/1.1 connection; carries one exchange at a time.
 
@@ -101,7 +162,7 @@ class Connection:
 
     __slots__ = ("_h11", "_stream", "reused")
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: Transport) -> None:
         self._stream = stream
         self._h11 = h11.Connection(h11.CLIENT)
         self.reused = False
@@ -206,11 +267,11 @@ class Connection:
     def is_stale(self) -> bool:
         """True if an idle connection has something to read: the server closed it (EOF) or
         sent bytes nobody asked for. Either way it must not carry another request."""
-        return self._stream.socket.is_readable()
+        return self._stream.is_readable()
 
     def close(self) -> None:
-        """Close the socket now (synchronous, idempotent; Rule 3)."""
-        self._stream.socket.close()
+        """Close the connection now (synchronous, idempotent; Rule 3)."""
+        self._stream.close()
 
 
 def _describe(exc: BaseException) -> str:
@@ -231,21 +292,29 @@ class PoolStatistics:
     """Returned by ``ConnectionPool.statistics()``."""
 
     opened: int
+    """Connections opened (``connect`` calls that succeeded)."""
     reused: int
+    """Requests that went out on a kept-alive connection."""
     idle: int
+    """Connections waiting in the pool now."""
     stale_dropped: int
+    """Idle connections closed because the server had closed them (or sent unasked bytes)."""
 
 
 class ConnectionPool:
     """Idle keep-alive connections to one origin (Rule 1), most recently used first.
 
-    ``acquire`` hands out an idle connection or opens a new one; ``release`` (synchronous)
-    keeps it for the next request or closes it. The pool never limits how many connections
-    are open at once: the caller's concurrency limit does.
+    ``acquire`` hands out an idle connection or opens a new one with ``connect`` (default
+    ``connect_tcp``); ``release`` (synchronous) keeps it for the next request or closes it.
+    The pool never limits how many connections are open at once: the caller's concurrency
+    limit does.
     """
 
-    def __init__(self, origin: Origin, *, max_idle: int = 1024) -> None:
+    def __init__(
+        self, origin: Origin, *, connect: Connect = connect_tcp, max_idle: int = 1024
+    ) -> None:
         self.origin = origin
+        self._connect = connect
         self._max_idle = max_idle
         self._idle: list[Connection] = []
         self._opened = 0
@@ -265,7 +334,7 @@ class ConnectionPool:
             await trio.lowlevel.checkpoint()
             return conn
         try:
-            stream = await trio.open_tcp_stream(self.origin.host, self.origin.port)
+            stream = await self._connect(self.origin)
         except OSError as exc:
             raise ConnectionFailed(f"cannot connect to {self.origin}: {_describe(exc)}") from exc
         self._opened += 1
@@ -284,6 +353,7 @@ class ConnectionPool:
             self._idle.pop().close()
 
     def statistics(self) -> PoolStatistics:
+        """Counts since the pool was made; the load generator puts them in its result."""
         return PoolStatistics(
             opened=self._opened,
             reused=self._reused,

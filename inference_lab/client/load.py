@@ -32,7 +32,15 @@ import numpy as np
 import trio
 
 from .aimd import AIMDController, AIMDStatistics
-from .http import Connection, ConnectionFailed, ConnectionPool, PoolStatistics, parse_base_url
+from .http import (
+    Connect,
+    Connection,
+    ConnectionFailed,
+    ConnectionPool,
+    PoolStatistics,
+    connect_tcp,
+    parse_base_url,
+)
 from .sse import SSEParser
 from .wire import (
     Endpoint,
@@ -175,6 +183,7 @@ class LoadConfig:
 
     @property
     def mode(self) -> Literal["closed", "open", "adaptive"]:
+        """Which loop the run is: adaptive (``--adaptive``), open (``--rate``) or closed."""
         if self.adaptive is not None:
             return "adaptive"
         return "open" if self.rate is not None else "closed"
@@ -216,6 +225,7 @@ class RequestRecord:
 
     @property
     def e2e(self) -> float:
+        """Seconds from the attempt's start to its end."""
         return self.end - self.start
 
 
@@ -323,15 +333,18 @@ async def run_load(
     on_record: Callable[[RequestRecord], None] | None = None,
     on_sample: Callable[[Sample], None] | None = None,
     stop: trio.Event | None = None,
+    connect: Connect = connect_tcp,
 ) -> LoadResult:
     """Run one load and return its records and time series.
 
     Raises ``LoadError`` if the server cannot be reached before the run starts. Setting
     ``stop`` ends the run at once (requests in flight are cancelled and recorded as such),
     which is how the CLI turns Ctrl-C into a partial report. The callbacks run in the
-    collector and sampler tasks; they must not block.
+    collector and sampler tasks; they must not block. ``connect`` opens each connection to
+    the ``url``'s origin (``http.connect_tcp`` by default; tests pass in-memory streams and
+    run the whole load on trio's ``MockClock``).
     """
-    run = _Run(config, on_record, on_sample)
+    run = _Run(config, on_record, on_sample, connect)
     try:
         return await run.run(stop)
     finally:
@@ -344,10 +357,11 @@ class _Run:
         config: LoadConfig,
         on_record: Callable[[RequestRecord], None] | None,
         on_sample: Callable[[Sample], None] | None,
+        connect: Connect,
     ) -> None:
         self.cfg = config
         origin = parse_base_url(config.url)
-        self.pool = ConnectionPool(origin)
+        self.pool = ConnectionPool(origin, connect=connect)
         self.target = endpoint_path(origin.base_path, config.endpoint)
         self.headers = [
             ("host", origin.authority),

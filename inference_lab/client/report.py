@@ -52,6 +52,8 @@ class Distribution:
 
 
 def distribution(values: Iterable[float] | np.ndarray[Any, Any]) -> Distribution:
+    """Count, mean, p50/p90/p99 (linear interpolation) and max of ``values``; all None for
+    an empty sample (Rule 4). ``summarize`` calls it for each latency."""
     a = np.asarray(values if isinstance(values, np.ndarray) else list(values), dtype=float)
     if a.size == 0:
         return Distribution(0, None, None, None, None, None)
@@ -61,6 +63,8 @@ def distribution(values: Iterable[float] | np.ndarray[Any, Any]) -> Distribution
 
 @attrs.frozen(kw_only=True)
 class AdaptiveSummary:
+    """What the AIMD controller did during an adaptive run (``Summary.adaptive``)."""
+
     settled_limit: int | None
     """Rule 3."""
     final_limit: int
@@ -80,6 +84,9 @@ class AdaptiveSummary:
 
 @attrs.frozen(kw_only=True)
 class Summary:
+    """The numbers of one run (``summarize``): what the CLI prints and ``-o`` writes.
+    Latencies in seconds, throughputs per second of the measurement window."""
+
     mode: str
     run_time: float
     dispatch_end: float
@@ -110,6 +117,7 @@ def _completion_tokens(r: RequestRecord) -> int:
 
 
 def summarize(result: LoadResult) -> Summary:
+    """The run's numbers under Rules 1-3; called by the CLI after the run (and by tests)."""
     cfg = result.config
     records = result.records
     warmup = cfg.warmup
@@ -304,6 +312,7 @@ def to_json_obj(result: LoadResult, summary: Summary) -> dict[str, Any]:
 
 
 def write_json(path: Path, result: LoadResult, summary: Summary) -> None:
+    """Write the ``-o`` document (``to_json_obj``) to ``path``; OSError if it cannot."""
     text = json.dumps(to_json_obj(result, summary), indent=2, allow_nan=False)
     path.write_text(text + "\n", encoding="utf-8")
 

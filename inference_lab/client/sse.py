@@ -14,9 +14,10 @@ Rule 3: the internal buffer only ever holds the current, unterminated line; it n
   contains ``\\r`` or ``\\n``.
 
 Field handling follows the WHATWG HTML "event stream interpretation": ``data`` lines are
-joined with ``\\n``; lines starting with ``:`` are comments; ``event``, ``id`` and ``retry``
-are tracked; other fields are ignored; an event is dispatched at a blank line only if it had
-at least one ``data`` line; an unterminated event at end of stream is discarded.
+joined with ``\\n``; lines starting with ``:`` are comments; ``event`` and ``id`` are
+tracked; other fields (``retry`` too: the load client never reconnects) are ignored; an
+event is dispatched at a blank line only if it had at least one ``data`` line; an
+unterminated event at end of stream is discarded.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class SSEParser:
     case of ``data: ...\\n\\n`` frames: one ``split``, then a ``startswith`` per line.
     """
 
-    __slots__ = ("_buffer", "_data", "_event", "_last_id", "_pending_cr", "_started", "retry")
+    __slots__ = ("_buffer", "_data", "_event", "_last_id", "_pending_cr", "_started")
 
     def __init__(self) -> None:
         self._buffer = b""
@@ -53,8 +54,6 @@ class SSEParser:
         self._data: list[bytes] = []
         self._event = b""
         self._last_id = b""
-        self.retry: int | None = None
-        """The last valid ``retry:`` value (milliseconds), if any."""
 
     def feed(self, chunk: bytes) -> list[ServerSentEvent]:
         """Consume ``chunk`` and return the events it completed, in order."""
@@ -107,9 +106,6 @@ class SSEParser:
         elif name == b"id":
             if b"\0" not in value:
                 self._last_id = value
-        elif name == b"retry":
-            if value.isdigit():
-                self.retry = int(value)
 
     def _dispatch(self) -> ServerSentEvent:
         data = self._data
@@ -122,7 +118,3 @@ class SSEParser:
             event.decode("utf-8", "replace") if event else "message",
             self._last_id.decode("utf-8", "replace") if self._last_id else "",
         )
-
-    def has_partial_event(self) -> bool:
-        """True if the bytes fed so far end inside an event (the stream was cut short)."""
-        return bool(self._buffer or self._data)

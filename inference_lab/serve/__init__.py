@@ -3,12 +3,19 @@
 The package, by concern (dependencies run downwards):
 
 - :mod:`~inference_lab.serve.settings`: flags and environment -> :class:`ServeSettings`;
+- :mod:`~inference_lab.serve.metrics`: the Prometheus recorder and collector, Retry-After;
 - :mod:`~inference_lab.serve.state`: the runtimes of one app and their lifecycle;
 - :mod:`~inference_lab.serve.responses`: every error and refusal as an HTTP reply;
+- :mod:`~inference_lab.serve.exchange`: one request as the app sees it;
 - :mod:`~inference_lab.serve.streaming`: per-request sinks and frame delivery;
 - :mod:`~inference_lab.serve.completions`: the two completion routes on raw ASGI;
-- :mod:`~inference_lab.serve.routes`: the Quart routes (health, models, control);
+- :mod:`~inference_lab.serve.harness`: fault injection, scripted answers, engine control
+  (``--enable-test-harness``);
+- :mod:`~inference_lab.serve.gate`: what every request passes first (paths, CORS, keys,
+  tokens, content type, request ids);
+- :mod:`~inference_lab.serve.routes`: the Quart routes (health, models, control, metrics);
 - :mod:`~inference_lab.serve.asgi`: the ASGI connection where every request enters;
+- :mod:`~inference_lab.serve.warmup`: the start-up warm-up of the completion path;
 - :mod:`~inference_lab.serve.app`: :func:`create_app`.
 
 ``hypercorn --worker-class trio 'inference_lab.serve:create_app()'`` serves the app

@@ -11,8 +11,12 @@ Rule 1: one app object serves once (its runtimes run once); create a fresh app p
 
 from __future__ import annotations
 
+import sys
+
+from inference_lab.errors import ConfigError
 from inference_lab.openai_api import MAX_BODY_BYTES
 from inference_lab.serve.asgi import STATE_KEY, InferenceLabApp
+from inference_lab.serve.harness import register_harness_routes
 from inference_lab.serve.routes import register_routes
 from inference_lab.serve.settings import ServeSettings, settings_from_env
 from inference_lab.serve.state import ServeState
@@ -34,8 +38,16 @@ def create_app(
     if server_process is None:
         server_process = settings is None
     if settings is None:
-        settings = settings_from_env()
+        try:
+            settings = settings_from_env()
+        except ConfigError as exc:
+            # A plain hypercorn launch: one line, and the server does not start.
+            print(f"inference-lab: error: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
     app = InferenceLabApp(__name__)
+    # OPTIONS is answered by the gate (CORS preflights from allowed origins) or is a 405,
+    # not Quart's automatic 200 (set before any route is registered).
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     state = ServeState.build(settings, server_process=server_process)
     app.extensions[STATE_KEY] = state
@@ -51,4 +63,5 @@ def create_app(
         await state.stop()
 
     register_routes(app, state)
+    register_harness_routes(app, state)  # POST /control/engine, harness on only
     return app

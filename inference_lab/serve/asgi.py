@@ -2,7 +2,8 @@
 
 Rule 1: a request's arrival is the moment the server received it: hypercorn's own receipt
         time when it offers one (:func:`received_at`), else the start of the ASGI call.
-Rule 2: every request passes :mod:`inference_lab.serve.gate` first; then ``POST`` on a
+Rule 2: every request passes :mod:`inference_lab.serve.gate` first (once a shutdown has
+        begun, every request is refused there with a 503); then ``POST`` on a
         completion path goes straight to :func:`inference_lab.serve.completions.complete`,
         any other method on those paths is a 405, and every other request is handed to
         Quart (with the exchange's headers added to its response).
@@ -11,6 +12,8 @@ Rule 3: the final ``http.response.body`` of a Quart route is shielded from cance
         the disconnect that its own end-of-response handling emits; a cancellation landing
         inside that send left ``Connection: close`` sockets open and keep-alive timers
         unarmed). The completion routes shield their own final sends.
+Rule 4: a request Werkzeug refuses before Quart's error handlers exist (a ``Host`` it
+        cannot bind) is answered with its error envelope too, never a bare 500.
 """
 
 from __future__ import annotations
@@ -21,11 +24,16 @@ from typing import Any, cast
 import trio
 from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
+from werkzeug.exceptions import HTTPException
 
 from inference_lab.serve import gate
 from inference_lab.serve.completions import COMPLETION_ROUTES, complete, send_reply
 from inference_lab.serve.exchange import Exchange
-from inference_lab.serve.responses import method_not_allowed_reply
+from inference_lab.serve.responses import (
+    error_reply,
+    method_not_allowed_reply,
+    shutting_down_reply,
+)
 from inference_lab.serve.state import ServeState
 
 __all__ = ["InferenceLabApp", "LabHTTPConnection", "STATE_KEY", "get_state"]
@@ -67,7 +75,7 @@ class LabHTTPConnection(TrioASGIHTTPConnection):
         state = get_state(self.app)
         exchange = Exchange(cast(dict[str, Any], self.scope), received_at(send))
         gate.prepare(state, exchange)
-        refusal = gate.check(state, exchange)
+        refusal = shutting_down_reply() if state.draining else gate.check(state, exchange)
         if refusal is not None:
             await send_reply(send, refusal, exchange.headers)
             return
@@ -91,7 +99,15 @@ class LabHTTPConnection(TrioASGIHTTPConnection):
             else:
                 await send(message)
 
-        await super().handle_request(nursery, request, send_shielding_final)
+        try:
+            await super().handle_request(nursery, request, send_shielding_final)
+        except HTTPException as exc:
+            # Werkzeug refuses some requests while Quart builds the request context, before
+            # any error handler exists (a Host it cannot bind, e.g. "." or "a..b": BadHost).
+            reply = error_reply(exc, method=request.method, path=request.path)
+            with trio.CancelScope(shield=True):
+                await send_reply(send, reply)
+            nursery.cancel_scope.cancel()
 
 
 class InferenceLabApp(QuartTrio):

@@ -5,10 +5,11 @@ server's traffic, so they skip Quart's request and response objects: the app's A
 connection (:mod:`inference_lab.serve.asgi`) calls :func:`complete` with the raw scope,
 ``receive`` and ``send``. Every other endpoint is an ordinary Quart route.
 
-Rule 1: checks run in the order body (413/400) -> validation (400) -> model (404) -> fit
+Rule 1: checks run in the order body (413/408/400) -> validation (400) -> model (404) -> fit
         (400) -> engine alive (503) -> depth (529); the last two are one synchronous call,
         ``ModelRuntime.admit_nowait``, and every refusal is a whole :class:`Reply` sent
-        before any response starts.
+        before any response starts. Between model and fit the test harness may take
+        the request over (:mod:`inference_lab.serve.harness`).
 Rule 2: a request's arrival is the moment its ASGI call started (``arrival``), before its
         body was read and parsed, as a real engine's API server stamps it.
 Rule 3: an admitted request is closed (aborted unless it finished) exactly when its
@@ -38,9 +39,13 @@ from inference_lab.runtime import RequestHandle
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.responses import (
     Reply,
+    body_timeout_reply,
+    body_too_fragmented_reply,
     body_too_large_reply,
     engine_failed_reply,
     error_reply,
+    shutting_down_reply,
+    stream_shutdown_frames,
 )
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.streaming import CollectSink, StreamSink, write_stream
@@ -54,11 +59,39 @@ COMPLETION_ROUTES: dict[str, Kind] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
 }
+#: A body may arrive in at most this many pieces (ASGI messages). Each costs the stack
+#: ~20 us of CPU: a 2 MiB body in 4-byte chunks would cost ~10 s; this bounds it to
+#: ~0.4 s. A real client's body comes in a few pieces (hypercorn reads 64 KiB at a time;
+#: 2 MiB in 1,460-byte TCP segments is 1,437).
+MAX_BODY_PIECES = 16_384
 _STREAM_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+class ServedStreamSink(StreamSink):
+    """A stream's sink that knows its server: when a shutdown stopped the runtimes, the
+    stream's error frame names the shutdown rather than a stopped engine."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, encoder: StreamEncoder, state: ServeState) -> None:
+        super().__init__(encoder)
+        self.state = state
+
+    def on_failed(self, message: str) -> None:
+        if self.state.shutdown_message is None:
+            super().on_failed(message)
+        else:
+            self.closing = stream_shutdown_frames()
+            self._end()
 
 
 class BodyTooLarge(Exception):
     """The request body passed :data:`MAX_BODY_BYTES` (raised by :func:`read_body`)."""
+
+
+class BodyTooFragmented(Exception):
+    """The request body arrived in more than :data:`MAX_BODY_PIECES` pieces (raised by
+    :func:`read_body`)."""
 
 
 class ClientGone(Exception):
@@ -77,14 +110,19 @@ def _content_length(scope: dict[str, Any]) -> int | None:
 
 async def read_body(receive: Receive, scope: dict[str, Any], limit: int = MAX_BODY_BYTES) -> bytes:
     """The whole request body. Raises :class:`BodyTooLarge` as soon as the declared or
-    received length passes ``limit`` (nothing more is read) and :class:`ClientGone` when
-    the client disconnects first."""
+    received length passes ``limit`` and :class:`BodyTooFragmented` as soon as it has
+    come in more than :data:`MAX_BODY_PIECES` pieces (nothing more is read), and
+    :class:`ClientGone` when the client disconnects first."""
     declared = _content_length(scope)
     if declared is not None and declared > limit:
         raise BodyTooLarge
     chunks: list[bytes] = []
     size = 0
+    pieces = 0
     while True:
+        pieces += 1
+        if pieces > MAX_BODY_PIECES:
+            raise BodyTooFragmented
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone
@@ -124,18 +162,28 @@ async def complete(
     connection for ``POST`` on a path of :data:`COMPLETION_ROUTES`."""
     handle: RequestHandle | None = None
     try:
-        try:
-            body = await read_body(receive, exchange.scope)
-        except BodyTooLarge:
-            await send_reply(send, body_too_large_reply(), exchange.headers)
-            return
-        except ClientGone:
+        timeout = state.settings.body_timeout
+        with trio.move_on_at(exchange.arrival + timeout) as body_deadline:
+            try:
+                body = await read_body(receive, exchange.scope)
+            except BodyTooLarge:
+                await send_reply(send, body_too_large_reply(), exchange.headers)
+                return
+            except BodyTooFragmented:
+                reply = body_too_fragmented_reply(MAX_BODY_PIECES)
+                await send_reply(send, reply, exchange.headers)
+                return
+            except ClientGone:
+                return
+        if body_deadline.cancelled_caught:
+            await send_reply(send, body_timeout_reply(timeout), exchange.headers)
             return
         default_max_tokens = state.settings.default_max_tokens
         try:
             raw = parse_json_object(body)
             # the model's tokenizer counts the prompt (validation still answers first)
-            tokenizer = state.settings.tokenizers.get(raw.get("model"))  # type: ignore[arg-type]
+            model = raw.get("model")  # any JSON value: validation refuses a non-string
+            tokenizer = state.settings.tokenizers.get(model) if type(model) is str else None
             if kind == "chat":
                 parsed = parse_chat_request(raw, default_max_tokens, tokenizer=tokenizer)
             else:
@@ -143,15 +191,25 @@ async def complete(
             runtime = state.runtimes.get(parsed.model)
             if runtime is None:
                 raise state.model_not_found(parsed.model)
+            # The test harness (fault header, scripted marker, [fault] table) answers
+            # here; a fault that bypasses the engine skips fit and depth (no 529).
+            harnessed = state.harness.intercept(exchange, raw, parsed)
+            if harnessed is not None:
+                await harnessed.serve(state, runtime, exchange, receive, send)
+                return
             engine_prompt = max(1, parsed.prompt_tokens)
             refused = runtime.check_fits(engine_prompt, parsed.max_tokens, parsed.n)
             if refused is not None:
                 raise ApiError(400, "context_length_exceeded", refused.reason, "max_tokens")
-            request_id = new_request_id(parsed.kind)
+            if state.draining:  # the shutdown began while this body was read
+                await send_reply(send, shutting_down_reply(), exchange.headers)
+                return
+            request_id = exchange.request_id or new_request_id(parsed.kind)
             created = int(time.time())
             sink: StreamSink | CollectSink
             if parsed.stream:
-                sink = StreamSink(StreamEncoder(parsed, request_id=request_id, created=created))
+                encoder = StreamEncoder(parsed, request_id=request_id, created=created)
+                sink = ServedStreamSink(encoder, state)
             else:
                 sink = CollectSink()
             handle = runtime.admit_nowait(
@@ -164,7 +222,8 @@ async def complete(
                 limit=parsed.output_cap,
             )
         except (ApiError, QueueFull, EngineUnavailable) as exc:
-            await send_reply(send, error_reply(exc), exchange.headers)
+            reply = error_reply(exc, retry_after=state.metrics.retry_after(exc))
+            await send_reply(send, reply, exchange.headers)
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch, receive, sink, handle)
@@ -187,6 +246,8 @@ async def complete(
                                 finish_reason=sink.finished.finish_reason,
                             ),
                         )
+                    elif not sink.gone and state.shutdown_message is not None:
+                        reply = shutting_down_reply(state.shutdown_message)
                     elif not sink.gone:
                         reply = engine_failed_reply(sink.failure or "The engine failed.")
                     else:

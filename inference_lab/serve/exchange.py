@@ -27,6 +27,9 @@ class Exchange:
     arrival: float
     #: Headers added to every response start of this exchange.
     headers: list[tuple[bytes, bytes]] = attrs.field(factory=list)
+    #: The id the server gave this request (set by the gate's ``prepare``): a completion's
+    #: body ``id``, and ``x-request-id`` unless the client sent a usable one.
+    request_id: str = ""
 
     @property
     def method(self) -> str:

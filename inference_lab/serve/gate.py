@@ -10,34 +10,176 @@ Rule 2: the checks run in a fixed order (path, CORS preflight, control token, AP
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
+import uuid
+from collections.abc import Sequence
+
+from inference_lab.openai_api import new_request_id
+from inference_lab.serve.completions import COMPLETION_ROUTES
 from inference_lab.serve.exchange import Exchange
-from inference_lab.serve.responses import Reply
+from inference_lab.serve.responses import (
+    Reply,
+    api_key_reply,
+    control_forbidden_reply,
+    control_unauthorized_reply,
+    preflight_reply,
+    route_not_found_reply,
+    unsupported_media_type_reply,
+)
 from inference_lab.serve.state import ServeState
 
 __all__ = ["check", "prepare"]
 
 
+#: The longest client ``x-request-id`` echoed; a longer or unprintable one is replaced.
+MAX_REQUEST_ID = 128
+#: Response headers a browser page may read (``Access-Control-Expose-Headers``).
+_EXPOSED = b"x-request-id, retry-after, x-should-retry"
+
+
+def _usable_request_id(value: bytes) -> bool:
+    return 0 < len(value) <= MAX_REQUEST_ID and value.isascii() and value.decode().isprintable()
+
+
+def _allowed_origin(allowed: Sequence[str], origin: bytes) -> bytes | None:
+    """The ``Access-Control-Allow-Origin`` value for a request from ``origin``, or None
+    when that origin is not allowed."""
+    if "*" in allowed:
+        return b"*"
+    if not origin.isascii():
+        return None
+    return origin if origin.decode().lower() in allowed else None
+
+
 def prepare(state: ServeState, exchange: Exchange) -> None:
-    """Set the headers every answer to ``exchange`` carries."""
+    """Set the headers every answer to ``exchange`` carries: ``x-request-id`` (the
+    client's when it is 1-128 printable ASCII characters, else the id generated here,
+    ``Exchange.request_id``, which a completion's body carries as its ``id``), and the
+    CORS headers when the request comes from an allowed origin (``--allowed-origins``)."""
+    kind = COMPLETION_ROUTES.get(exchange.path)
+    generated = new_request_id(kind) if kind is not None else f"req-{uuid.uuid4().hex}"
+    exchange.request_id = generated
+    client_id: bytes | None = None
+    origin: bytes | None = None
+    for name, value in exchange.scope["headers"]:
+        if name == b"x-request-id":
+            if client_id is None:
+                client_id = bytes(value)
+        elif name == b"origin":
+            origin = bytes(value)
+    headers = exchange.headers
+    if client_id is not None and _usable_request_id(client_id):
+        headers.append((b"x-request-id", client_id))
+    else:
+        headers.append((b"x-request-id", generated.encode()))
+    allowed = state.settings.allowed_origins
+    if allowed and origin is not None:
+        allow = _allowed_origin(allowed, origin)
+        if allow is not None:
+            headers.append((b"access-control-allow-origin", allow))
+            headers.append((b"access-control-expose-headers", _EXPOSED))
+            if allow != b"*":
+                headers.append((b"vary", b"origin"))
 
 
 def _path(state: ServeState, exchange: Exchange) -> Reply | None:
+    """A path that is not canonical (an empty segment, or no leading ``/``) is a 404
+    here: no lookup behind the gate normalises paths, and Werkzeug's slash merging would
+    answer a redirect whose ``Location`` is built from the client's ``Host``."""
+    path = exchange.path
+    if path[:1] != "/" or "//" in path:
+        return route_not_found_reply(exchange.method, path)
     return None
 
 
 def _preflight(state: ServeState, exchange: Exchange) -> Reply | None:
-    return None
+    """A CORS preflight (``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method``)
+    from an allowed origin is answered here, before the API key (a preflight carries no
+    credentials). From any other origin it goes on like any request and its answer has
+    no CORS headers, so the browser refuses the real request."""
+    allowed = state.settings.allowed_origins
+    if exchange.method != "OPTIONS" or not allowed:
+        return None
+    origin = exchange.header(b"origin")
+    if origin is None or exchange.header(b"access-control-request-method") is None:
+        return None
+    if _allowed_origin(allowed, origin) is None:
+        return None
+    return preflight_reply(exchange.header(b"access-control-request-headers"))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(header: bytes) -> str:
+    """The host of a ``Host`` header value, without its port (IPv6 unbracketed)."""
+    text = header.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1 : text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
 
 
 def _control_token(state: ServeState, exchange: Exchange) -> Reply | None:
+    """``/control/*`` with a control token: ``Authorization: Bearer <token>`` (401 when
+    missing, 403 when wrong; compared in constant time). Without one: only a loopback
+    client that names the server by a loopback host (a DNS-rebinding page names it by the
+    attacker's domain) is answered, others get 403."""
+    path = exchange.path
+    if not (path.startswith("/control/") or path == "/control"):
+        return None
+    token = state.settings.control_token
+    if token is None:
+        client = exchange.scope.get("client")
+        host = exchange.header(b"host")
+        if (client and not _is_loopback(str(client[0]))) or (
+            host is not None and not _is_loopback(_host_name(host))
+        ):
+            return control_forbidden_reply(
+                "The control endpoints answer only loopback clients addressing a loopback "
+                "host unless the server has a control token (--control-token)"
+            )
+        return None
+    scheme, _, credentials = (exchange.header(b"authorization") or b"").strip().partition(b" ")
+    credentials = credentials.strip()
+    if scheme.lower() != b"bearer" or not credentials:
+        return control_unauthorized_reply()
+    if not hmac.compare_digest(credentials, token.encode()):
+        return control_forbidden_reply("The control token is not valid")
     return None
 
 
 def _api_key(state: ServeState, exchange: Exchange) -> Reply | None:
+    """``/v1/*`` with an API key (``--api-key``): ``Authorization: Bearer <key>``, compared
+    in constant time; 401 ``invalid_api_key`` otherwise. Health, version and metrics stay
+    open."""
+    key = state.settings.api_key
+    if key is None or not exchange.path.startswith("/v1/"):
+        return None
+    scheme, _, credentials = (exchange.header(b"authorization") or b"").strip().partition(b" ")
+    credentials = credentials.strip()
+    if scheme.lower() != b"bearer" or not credentials:
+        return api_key_reply(provided=False)
+    if not hmac.compare_digest(credentials, key.encode()):
+        return api_key_reply(provided=True)
     return None
 
 
 def _content_type(state: ServeState, exchange: Exchange) -> Reply | None:
+    """A POST body must be declared ``application/json`` (parameters such as ``charset``
+    allowed): a browser page can send ``text/plain``, form and untyped bodies without a
+    CORS preflight, never a JSON one. 415 otherwise."""
+    if exchange.method != "POST":
+        return None
+    value = exchange.header(b"content-type")
+    if value is None or value.partition(b";")[0].strip().lower() != b"application/json":
+        return unsupported_media_type_reply(value)
     return None
 
 

@@ -1,4 +1,4 @@
-"""The Quart routes: health, models, capacity control and runtime statistics.
+"""The Quart routes: health, version, models, metrics, capacity control and statistics.
 
 The completion routes are not here: the app's ASGI connection serves them
 (:mod:`inference_lab.serve.completions`). Every answer is built from published runtime
@@ -11,14 +11,17 @@ Rule 2: errors go through :func:`inference_lab.serve.responses.error_reply`.
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 from typing import Any, cast
 
+import attrs
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from inference_lab.errors import ApiError
+from inference_lab.jsonbytes import dumps
 from inference_lab.openai_api import (
     BYTE_TOKENIZER,
     detokenize_body,
@@ -29,10 +32,16 @@ from inference_lab.openai_api import (
     tokenize_body,
 )
 from inference_lab.runtime import ModelRuntime, RuntimeSnapshot
-from inference_lab.serve.responses import Reply, error_reply, json_reply
+from inference_lab.serve.responses import (
+    RETRY_AFTER_UNAVAILABLE,
+    Reply,
+    error_reply,
+    json_reply,
+    retry_after_header,
+)
 from inference_lab.serve.state import ServeState
 
-__all__ = ["capacity_entry", "register_routes", "stats_entry"]
+__all__ = ["capacity_entry", "model_object", "package_version", "register_routes", "stats_entry"]
 
 
 def to_response(reply: Reply) -> Response:
@@ -114,6 +123,26 @@ async def _body() -> bytes:
     return cast(bytes, await request.get_data(cache=False, as_text=False))
 
 
+def model_object(state: ServeState, runtime: ModelRuntime) -> dict[str, Any]:
+    """One model as ``/v1/models`` lists it (vLLM's fields: ``max_model_len`` is the
+    deployment's context length)."""
+    return {
+        "id": runtime.name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "inference-lab",
+        "max_model_len": runtime.deployment.model.max_seq_len,
+    }
+
+
+def package_version() -> str:
+    """The installed ``inference-lab`` version (``GET /version``)."""
+    try:
+        return importlib.metadata.version("inference-lab")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _count_arg(name: str) -> int | None:
     raw = request.args.get(name, "")
     return int(raw) if raw.isdigit() else None
@@ -121,6 +150,12 @@ def _count_arg(name: str) -> int | None:
 
 def register_routes(app: QuartTrio, state: ServeState) -> None:
     """Add the Quart routes and error handlers of the serve app to ``app``."""
+    # Paths match as sent: Werkzeug's slash merging would answer ``//v1//models`` with a
+    # redirect whose Location is built from the client's Host (the gate 404s them first).
+    app.url_map.merge_slashes = False
+    # Quart's body deadline (60 s by default) is the server's (settings.body_timeout);
+    # its MAX_CONTENT_LENGTH refuses a body as soon as it passes the limit.
+    app.config["BODY_TIMEOUT"] = state.settings.body_timeout
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
@@ -137,15 +172,34 @@ def register_routes(app: QuartTrio, state: ServeState) -> None:
         if all(alive.values()):
             return to_response(Reply(200, b'{"status":"ok"}'))
         models = {name: ("running" if up else "stopped") for name, up in alive.items()}
-        return to_response(json_reply({"status": "unavailable", "models": models}, 503))
+        reply = json_reply({"status": "unavailable", "models": models}, 503)
+        retry = retry_after_header(RETRY_AFTER_UNAVAILABLE)
+        return to_response(attrs.evolve(reply, headers=(retry,)))
 
     @app.get("/v1/models")
     async def models() -> Response:
-        data = [
-            {"id": name, "object": "model", "created": state.created, "owned_by": "inference-lab"}
-            for name in state.runtimes
-        ]
+        data = [model_object(state, rt) for rt in state.runtimes.values()]
         return to_response(json_reply({"object": "list", "data": data}))
+
+    @app.get("/v1/models/<path:model_id>")
+    async def retrieve_model(model_id: str) -> Response:
+        """OpenAI's ``models.retrieve``; ``model_id`` may contain ``/``."""
+        runtime = state.runtimes.get(model_id)
+        if runtime is None:
+            return to_response(error_reply(state.model_not_found(model_id)))
+        return to_response(json_reply(model_object(state, runtime)))
+
+    version_body = dumps({"version": package_version()})
+
+    @app.get("/version")
+    async def version() -> Response:
+        return to_response(Reply(200, version_body))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus exposition of every model (:mod:`inference_lab.serve.metrics`)."""
+        body, content_type = await state.metrics.exposition()
+        return to_response(Reply(200, body, content_type=content_type.encode()))
 
     @app.get("/control/capacity")
     async def get_capacity() -> Response:
@@ -200,7 +254,7 @@ def register_routes(app: QuartTrio, state: ServeState) -> None:
         last, finished = _count_arg("last"), _count_arg("finished")
         delivery = state.delivery.statistics()
         body = {
-            "process": {"cpu_seconds": time.process_time(), "wall_seconds": time.monotonic()},
+            "process": {"cpu_seconds": time.process_time(), "monotonic_seconds": time.monotonic()},
             "delivery": {
                 "open_streams": delivery.open_streams,
                 "interval_ms": _ms(delivery.interval),

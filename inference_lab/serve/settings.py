@@ -8,7 +8,9 @@ Rule 2: ``inference-lab serve`` flags and the ``INFERENCE_LAB_*`` variables of a
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -16,23 +18,34 @@ from types import MappingProxyType
 
 import attrs
 
-from inference_lab.config import Deployment, Workload, load_model_config, load_workload
+from inference_lab.config import (
+    Deployment,
+    FaultConfig,
+    Workload,
+    load_model_config,
+    load_workload,
+)
 from inference_lab.errors import ConfigError
+from inference_lab.resources import shipped_dir
 from inference_lab.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
+    "DEFAULT_BODY_TIMEOUT",
     "DEFAULT_CONFIG",
     "DEFAULT_HARDWARE",
     "DEFAULT_MAX_TOKENS",
     "ServeSettings",
     "load_settings",
     "parse_int_setting",
+    "parse_origins",
     "settings_from_env",
 ]
 
 DEFAULT_CONFIG = "configs/"
 DEFAULT_HARDWARE = "b200"
 DEFAULT_MAX_TOKENS = 256
+#: Seconds a request body may take to arrive, counted from the request's arrival.
+DEFAULT_BODY_TIMEOUT = 10.0
 
 
 @attrs.frozen(kw_only=True)
@@ -45,15 +58,30 @@ class ServeSettings:
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     #: Model name -> its tokenizer; a model without one counts by the byte rule.
     tokenizers: Mapping[str, Tokenizer] = attrs.field(factory=lambda: MappingProxyType({}))
+    #: ``Authorization: Bearer`` token required on ``/control/*``; None: the control
+    #: plane answers only loopback clients that name the server by a loopback host.
+    control_token: str | None = attrs.field(default=None, repr=False)
+    #: Seconds a request body may take to arrive, from the request's arrival (then 408).
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    #: ``Authorization: Bearer`` key required on ``/v1/*`` (401 otherwise); None: open.
+    api_key: str | None = attrs.field(default=None, repr=False)
+    #: Origins answered with CORS headers (``*``: any); empty: no CORS at all.
+    allowed_origins: tuple[str, ...] = ()
+    #: The test harness (``docs/test-harness.md``): the fault header, scripted responses
+    #: and ``POST /control/engine``. Off: the header is a 400, markers are plain text.
+    enable_test_harness: bool = False
+    #: (model name, its ``[fault]`` table) for each model config that has one; these
+    #: apply with the harness off too (the operator's choice, not a client's).
+    faults: tuple[tuple[str, FaultConfig], ...] = ()
 
 
 def _default_config_path(config: str | os.PathLike[str]) -> Path:
+    """``config`` as a path; the default (``configs/``) falls back to the shipped configs
+    when the working directory has none, so ``inference-lab serve`` serves the shipped
+    models from any directory."""
     path = Path(config)
     if str(config) == DEFAULT_CONFIG and not path.exists():
-        # Installed elsewhere than the repository root: use the shipped configs.
-        shipped = Path(__file__).resolve().parent.parent.parent / "configs"
-        if shipped.is_dir():
-            return shipped
+        return shipped_dir("configs")
     return path
 
 
@@ -67,6 +95,11 @@ def load_settings(
     seed: int | None = None,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     tokenizer: str | os.PathLike[str] | None = None,
+    control_token: str | None = None,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    api_key: str | None = None,
+    allowed_origins: str | None = None,
+    enable_test_harness: bool = False,
     on_skip: Callable[[str], None] | None = None,
 ) -> ServeSettings:
     """Load the models to serve; raises ConfigError.
@@ -76,8 +109,19 @@ def load_settings(
     skipped and reported through ``on_skip``; an invalid file, two configs with the same
     model name, or no model left is an error. ``max_waiting`` / ``max_num_seqs``
     override every model's ``[scheduler]`` value, and ``tokenizer`` every model's
-    ``[model].tokenizer``; each tokenizer file is loaded once, here.
+    ``[model].tokenizer``; each tokenizer file is loaded once, here. ``control_token``
+    (if not None) is 1-4096 printable ASCII characters without spaces (it is compared
+    with an HTTP header); ``body_timeout`` is a finite number of seconds > 0.
+    ``api_key`` follows ``control_token``'s rule; ``allowed_origins`` is the comma-separated
+    text of ``--allowed-origins`` (see :func:`parse_origins`).
     """
+    if control_token is not None and not _valid_token(control_token):
+        raise ConfigError("control_token: must be 1-4096 printable ASCII characters, no spaces")
+    if api_key is not None and not _valid_token(api_key):
+        raise ConfigError("api_key: must be 1-4096 printable ASCII characters, no spaces")
+    origins = parse_origins(allowed_origins) if allowed_origins is not None else ()
+    if not (math.isfinite(body_timeout) and body_timeout > 0):
+        raise ConfigError(f"body_timeout: must be a number of seconds > 0, got {body_timeout}")
     if max_waiting is not None and max_waiting < 0:
         raise ConfigError(f"max_waiting: must be >= 0, got {max_waiting}")
     if max_num_seqs is not None and max_num_seqs < 1:
@@ -96,6 +140,7 @@ def load_settings(
     else:
         raise ConfigError(f"{path}: no such file or directory")
     deployments: list[Deployment] = []
+    faults: list[tuple[str, FaultConfig]] = []
     seen: dict[str, Path] = {}
     for file in files:
         model_config = load_model_config(file)
@@ -122,6 +167,8 @@ def load_settings(
         if max_num_seqs is not None:
             sched = attrs.evolve(sched, max_num_seqs=max_num_seqs)
         deployments.append(attrs.evolve(dep, scheduler=sched))
+        if model_config.fault is not None:
+            faults.append((name, model_config.fault))
     if not deployments:
         raise ConfigError(f"{path}: no model config has a [hardware.{hardware}] entry")
     loaded = load_workload(workload) if workload is not None else None
@@ -140,7 +187,41 @@ def load_settings(
         seed=seed,
         default_max_tokens=default_max_tokens,
         tokenizers=MappingProxyType(tokenizers),
+        control_token=control_token,
+        body_timeout=body_timeout,
+        api_key=api_key,
+        allowed_origins=origins,
+        enable_test_harness=enable_test_harness,
+        faults=tuple(faults),
     )
+
+
+def _valid_token(token: str) -> bool:
+    return 0 < len(token) <= 4096 and all(33 <= ord(c) <= 126 for c in token)
+
+
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+")
+
+
+def parse_origins(raw: str) -> tuple[str, ...]:
+    """``--allowed-origins``: comma-separated origins as browsers send them
+    (``scheme://host[:port]``, no path; compared lower-cased) or ``*`` for any origin.
+    Raises ConfigError naming the first bad item."""
+    origins: list[str] = []
+    for item in raw.split(","):
+        origin = item.strip().lower()
+        if not origin:
+            continue
+        if origin != "*" and not _ORIGIN.fullmatch(origin):
+            raise ConfigError(
+                f"allowed_origins: {item.strip()!r} is not an origin "
+                "(scheme://host[:port] without a path, or *)"
+            )
+        if origin not in origins:
+            origins.append(origin)
+    if not origins:
+        raise ConfigError("allowed_origins: no origin given")
+    return tuple(origins)
 
 
 def parse_int_setting(raw: str, lowest: int) -> int:
@@ -165,20 +246,40 @@ def _env_int(environ: Mapping[str, str], name: str, lowest: int) -> int | None:
         raise ConfigError(f"{name}: {exc}") from None
 
 
+def _env_seconds(environ: Mapping[str, str], name: str) -> float | None:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name}: must be a number of seconds > 0, got {raw!r}")
+    return value
+
+
 _TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def _env_flag(environ: Mapping[str, str], name: str) -> bool:
+    raw = environ.get(name, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ConfigError(f"{name}: must be one of 1, true, yes, on, 0, false, no, off; got {raw!r}")
 
 
 def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings:
     """Settings for a plain hypercorn launch, one variable per ``serve`` flag:
     ``INFERENCE_LAB_CONFIG``, ``_HARDWARE``, ``_MAX_WAITING``, ``_MAX_NUM_SEQS``,
-    ``_WORKLOAD``, ``_SEED``, ``_DEFAULT_MAX_TOKENS``, ``_TOKENIZER``,
-    ``_ENABLE_TEST_HARNESS``."""
+    ``_WORKLOAD``, ``_SEED``, ``_DEFAULT_MAX_TOKENS``, ``_TOKENIZER``, ``_CONTROL_TOKEN``,
+    ``_BODY_TIMEOUT``,
+    ``_API_KEY``, ``_ALLOWED_ORIGINS``, ``_ENABLE_TEST_HARNESS``."""
     env = os.environ if environ is None else environ
-    if env.get("INFERENCE_LAB_ENABLE_TEST_HARNESS", "").strip().lower() in _TRUE:
-        raise ConfigError(
-            "INFERENCE_LAB_ENABLE_TEST_HARNESS: the test-harness features (fault injection, "
-            "scripted responses) are not built in this version"
-        )
+    enable_test_harness = _env_flag(env, "INFERENCE_LAB_ENABLE_TEST_HARNESS")
     default_max_tokens = _env_int(env, "INFERENCE_LAB_DEFAULT_MAX_TOKENS", 1)
     return load_settings(
         config=env.get("INFERENCE_LAB_CONFIG") or DEFAULT_CONFIG,
@@ -189,5 +290,10 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
         seed=_env_int(env, "INFERENCE_LAB_SEED", 0),
         default_max_tokens=default_max_tokens or DEFAULT_MAX_TOKENS,
         tokenizer=env.get("INFERENCE_LAB_TOKENIZER") or None,
+        control_token=env.get("INFERENCE_LAB_CONTROL_TOKEN") or None,
+        body_timeout=_env_seconds(env, "INFERENCE_LAB_BODY_TIMEOUT") or DEFAULT_BODY_TIMEOUT,
+        api_key=env.get("INFERENCE_LAB_API_KEY") or None,
+        allowed_origins=env.get("INFERENCE_LAB_ALLOWED_ORIGINS") or None,
+        enable_test_harness=enable_test_harness,
         on_skip=lambda line: print(f"inference-lab: {line}", file=sys.stderr),
     )

@@ -1,0 +1,411 @@
+"""What the benchmarks and experiments in ``scripts/`` share: a server subprocess, JSON over
+the load client's own HTTP connection, the control endpoints, the roofline's prediction of
+a closed loop, and JSON-output helpers.
+
+Rule 1: the server is reached only over HTTP: ``ServerProcess`` starts ``inference-lab
+        serve`` as another process and learns its URL from the banner. The only server-side
+        code used is the roofline, for predictions (``predict_closed_loop``).
+Rule 2: only the given origin is contacted (``ServerProcess`` binds 127.0.0.1), each
+        exchange on a fresh connection that is closed afterwards, under a time limit.
+Rule 3: ``ServerProcess`` always stops what it started: SIGINT (a graceful shutdown), then
+        SIGKILL if the server has not exited within ``STOP_TIMEOUT`` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import attrs
+import numpy as np
+import trio
+
+from inference_lab.client.http import (
+    Connect,
+    ConnectionFailed,
+    ConnectionPool,
+    connect_tcp,
+    parse_base_url,
+)
+from inference_lab.config import Deployment
+from inference_lab.roofline import Roofline
+
+__all__ = [
+    "Result",
+    "ServerProcess",
+    "client_loop",
+    "completion_request",
+    "one_stream",
+    "scrape_loop",
+    "columns",
+    "get_capacity",
+    "get_stats",
+    "model_entry",
+    "post_capacity",
+    "predict_closed_loop",
+    "request_json",
+    "rounded",
+]
+
+#: Seconds the server gets to print its URL, and then to answer ``GET /health``.
+STARTUP_TIMEOUT = 20.0
+#: Seconds a stopping server gets after SIGINT before it is killed.
+STOP_TIMEOUT = 8.0
+#: Seconds one ``request_json`` exchange may take.
+REQUEST_TIMEOUT = 10.0
+_BODY_LIMIT = 16 << 20
+_URL = re.compile(r"listening on (http://\S+)")
+#: The raw client's prompt: ceil(200 / 4) = 50 prompt tokens on /v1/completions.
+PROMPT_BYTES = 200
+_TERMINATOR = b"0\r\n\r\n"
+_TOKEN = b'"text":"'
+
+
+class ServerProcess:
+    """``inference-lab serve --host 127.0.0.1 --port 0 ARGS`` in a subprocess (the same
+    Python interpreter), healthy on entry and stopped on exit (Rule 3):
+
+        with ServerProcess(["--config", path, "--max-num-seqs", "64"]) as server:
+            trio.run(experiment, server.url)
+
+    ``url`` is the server's base URL once entered. The server's stderr goes to ``log``
+    (a file) or to ours; its banner is echoed on our stderr. Blocking: enter and stop it
+    outside ``trio.run``. ``stop`` is idempotent; callers that cannot use ``with`` call
+    ``__enter__`` and ``stop`` themselves.
+    """
+
+    def __init__(self, args: list[str], *, log: Path | None = None, cwd: Path | None = None):
+        self.args = args
+        self.log = log
+        self.cwd = cwd
+        self.url = ""
+        self.proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> ServerProcess:
+        cmd = [sys.executable, "-m", "inference_lab.cli", "serve", "--host", "127.0.0.1"]
+        cmd += ["--port", "0", *self.args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        log = open(self.log, "w") if self.log is not None else None  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                cmd, cwd=self.cwd, stdout=subprocess.PIPE, stderr=log, text=True, env=env
+            )
+        finally:
+            if log is not None:
+                log.close()
+        try:
+            self.url = self._read_url()
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _read_url(self) -> str:
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        banner: list[str] = []
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            banner.append(line.rstrip())
+            match = _URL.search(line)
+            if match:
+                print("\n".join(banner), file=sys.stderr)
+                return match.group(1)
+        raise RuntimeError("the server did not start:\n" + "\n".join(banner))
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            try:
+                status, _ = trio.run(request_json, self.url, "GET", "/health")
+                if status == 200:
+                    return
+            except ConnectionFailed:
+                pass
+            time.sleep(0.05)  # polling a process we do not control; nothing to wait on
+        raise RuntimeError(f"{self.url}/health did not answer 200 in {STARTUP_TIMEOUT} s")
+
+    def stop(self) -> None:
+        """Stop the server (Rule 3); does nothing if it is not running."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+async def request_json(
+    url: str, method: str, path: str, body: Any = None, *, connect: Connect = connect_tcp
+) -> tuple[int, Any]:
+    """One exchange with the server at ``url`` (its origin; ``path`` goes after the URL's
+    own path prefix): ``body`` sent as JSON when not None; returns the status and the
+    decoded JSON answer (None for an empty body).
+
+    Raises ``ConnectionFailed`` when the exchange fails and ``trio.TooSlowError`` after
+    ``REQUEST_TIMEOUT`` seconds (Rule 2)."""
+    origin = parse_base_url(url)
+    pool = ConnectionPool(origin, connect=connect)
+    data = b"" if body is None else json.dumps(body).encode()
+    headers = [
+        ("host", origin.authority),
+        ("content-type", "application/json"),
+        ("connection", "close"),
+    ]
+    with trio.fail_after(REQUEST_TIMEOUT):
+        conn = await pool.acquire()
+        try:
+            await conn.send_request(method, origin.base_path + path, headers, data)
+            response = await conn.receive_response()
+            raw = await conn.read_body(_BODY_LIMIT)
+        finally:
+            conn.close()
+    return response.status_code, json.loads(raw) if raw else None
+
+
+async def _control(url: str, method: str, path: str, body: Any = None) -> Any:
+    status, answer = await request_json(url, method, path, body)
+    if status != 200:
+        raise RuntimeError(f"{method} {path}: HTTP {status}: {answer}")
+    return answer
+
+
+async def get_stats(url: str) -> dict[str, Any]:
+    """``GET /control/stats``: the process, delivery and per-model (``models``) statistics;
+    RuntimeError unless HTTP 200."""
+    answer: dict[str, Any] = await _control(url, "GET", "/control/stats")
+    return answer
+
+
+async def get_capacity(url: str) -> list[dict[str, Any]]:
+    """``GET /control/capacity``: one entry per model; RuntimeError unless HTTP 200."""
+    return list(await _control(url, "GET", "/control/capacity"))
+
+
+async def post_capacity(url: str, **change: Any) -> list[dict[str, Any]]:
+    """``POST /control/capacity`` with ``change`` (``model``, ``max_num_seqs``,
+    ``max_waiting``); returns the new capacity entries; RuntimeError unless HTTP 200."""
+    return list(await _control(url, "POST", "/control/capacity", change))
+
+
+def model_entry(answer: list[dict[str, Any]] | dict[str, Any], model: str) -> dict[str, Any]:
+    """The entry of ``model`` in a ``/control/capacity`` answer (a list of entries) or a
+    ``/control/stats`` answer (its ``models`` list); KeyError naming the model if the
+    server does not serve it."""
+    entries = answer["models"] if isinstance(answer, dict) else answer
+    for entry in entries:
+        if entry.get("model") == model:
+            return entry
+    raise KeyError(f"the server does not serve {model!r}")
+
+
+def columns(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, list[Any]]:
+    """Rows (e.g. ``/control/capacity`` snapshots) as one list per key, for compact JSON."""
+    return {key: [row[key] for row in rows] for key in keys}
+
+
+def rounded(value: Any, digits: int = 6) -> Any:
+    """``value`` with every float cut to ``digits`` significant digits (JSON outputs)."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [rounded(v, digits) for v in value]
+    return value
+
+
+def predict_closed_loop(
+    dep: Deployment, *, clients: int, seqs: int, prompt: int, output: int
+) -> dict[str, Any]:
+    """The roofline's steady state for ``clients`` closed-loop clients, each sending a
+    ``prompt``-token request for ``output`` tokens as soon as its last one ended, against a
+    batch cap ``seqs``. Times in seconds. The experiments compare their measurements with it.
+
+        B        = min(C, S)                                  running requests
+        t_dec    = step_time(n = [1]·B, c = [P + L/2]·B)      a decode step, mean context
+        t_pf     = step_time(n = [P, 1, …, 1], c = [0, P + L/2, …])   the same step with one
+                   request prefilling instead of decoding
+        t_step   = t_dec + (B / L)·(t_pf − t_dec)             every request prefills once in
+                   its L steps, so a step carries B/L prefills on average
+        tokens/s = B / t_step                                 one token per running request
+        E2E      = max(1, C / S)·L·t_step                     Little's law: C requests in the
+                   system, S/(L·t_step) finishing per second
+        TTFT     = E2E − (L − 1)·t_step                       queueing + the prefill step
+        TPOT     = t_step                                     inter-token time
+    """
+    roof = Roofline(dep)
+    batch = min(clients, seqs)
+    ctx = prompt + output // 2
+    ones = np.ones(batch, dtype=np.int64)
+    t_dec = roof.step_time(ones, np.full(batch, ctx, dtype=np.int64))
+    n = ones.copy()
+    n[0] = prompt
+    c = np.full(batch, ctx, dtype=np.int64)
+    c[0] = 0
+    t_pf = roof.step_time(n, c)
+    t_step = t_dec + (batch / output) * (t_pf - t_dec)
+    e2e = max(1.0, clients / seqs) * output * t_step
+    return {
+        "batch": batch,
+        "t_decode": t_dec,
+        "t_step_with_prefill": t_pf,
+        "t_step": t_step,
+        "output_tokens_per_s": batch / t_step,
+        "requests_per_s": batch / (output * t_step),
+        "e2e": e2e,
+        "ttft": e2e - (output - 1) * t_step,
+        "tpot": t_step,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# a raw streaming client (the serve benchmarks')
+
+
+@attrs.define
+class Result:
+    start: float
+    ttft: float
+    e2e: float
+    tokens: int
+    status: int
+    #: (arrival time, tokens in that write) per write that carried tokens
+    writes: list[tuple[float, int]] = attrs.field(factory=list)
+
+
+def completion_request(host: str, model: str, max_tokens: int, stream: bool = True) -> bytes:
+    body = json.dumps(
+        {"model": model, "prompt": "x" * PROMPT_BYTES, "max_tokens": max_tokens, "stream": stream}
+    ).encode()
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+async def one_stream(stream: trio.SocketStream, request: bytes, result_start: float) -> Result:
+    """Send one streaming request on ``stream`` and read its whole chunked answer."""
+    await stream.send_all(request)
+    buf = bytearray()
+    writes: list[tuple[float, int]] = []
+    ttft = 0.0
+    done_at = 0.0
+    while True:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            raise ConnectionError("server closed the connection")
+        now = time.perf_counter()
+        buf += chunk
+        tokens = chunk.count(_TOKEN)
+        if tokens:
+            writes.append((now, tokens))
+            if not ttft:
+                ttft = now - result_start
+        if not done_at and b"[DONE]" in chunk:
+            done_at = now  # the last token arrives with [DONE]
+        if buf.endswith(_TERMINATOR) and b"[DONE]" in buf[-200:]:
+            break
+        if buf.startswith(b"HTTP/1.1 5") and buf.endswith(b"}"):
+            break
+    end = done_at or time.perf_counter()
+    status = int(buf[9:12])
+    count = buf.count(_TOKEN) - 1 if status == 200 else 0  # the finish frame has "text":""
+    return Result(result_start, ttft, end - result_start, count, status, writes)
+
+
+async def client_loop(
+    host: str, port: int, request: bytes, delay: float, stop_at: float, results: list[Result]
+) -> None:
+    """One closed-loop user on one keep-alive connection: wait ``delay``, then send, read
+    to the end of the chunked body, send again until ``stop_at``."""
+    stream = await trio.open_tcp_stream(host, port)
+    await trio.sleep(delay)
+    try:
+        while time.perf_counter() < stop_at:
+            results.append(await one_stream(stream, request, time.perf_counter()))
+    finally:
+        await stream.aclose()
+
+
+# ---------------------------------------------------------------------------------------
+# a scraper beside a benchmark
+
+
+async def read_response(stream: trio.SocketStream, buf: bytearray) -> tuple[int, bytes]:
+    """One ``content-length`` HTTP/1.1 response from ``stream`` (``buf`` holds what was
+    read past the previous one)."""
+    while b"\r\n\r\n" not in buf:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            raise ConnectionError("server closed the connection")
+        buf += chunk
+    head, _, rest = bytes(buf).partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(rest) < length:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            raise ConnectionError("server closed the connection")
+        rest += chunk
+    buf[:] = rest[length:]
+    return int(head[9:12]), rest[:length]
+
+
+async def scrape_loop(
+    url: str,
+    path: str,
+    every: float,
+    stop: trio.Event,
+    latencies: list[float],
+    sizes: list[int],
+) -> None:
+    """GET ``path`` every ``every`` seconds (on a fixed schedule) until ``stop``."""
+    parsed = urllib.parse.urlsplit(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
+    request = f"GET {path} HTTP/1.1\r\nhost: {host}:{port}\r\n\r\n".encode()
+    stream = await trio.open_tcp_stream(host, port)
+    buf = bytearray()
+    try:
+        next_at = trio.current_time()
+        while not stop.is_set():
+            start = time.perf_counter()
+            await stream.send_all(request)
+            status, body = await read_response(stream, buf)
+            if status != 200:
+                raise RuntimeError(f"{path}: HTTP {status}")
+            latencies.append(time.perf_counter() - start)
+            sizes.append(len(body))
+            next_at += every
+            with trio.move_on_at(next_at):
+                await stop.wait()
+    finally:
+        await stream.aclose()

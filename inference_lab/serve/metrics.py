@@ -1,0 +1,419 @@
+"""``GET /metrics``: the Prometheus side of the serve app, and the ``Retry-After`` estimate.
+
+Each served model gets a :class:`ModelMetrics`, the :class:`RuntimeObserver` of its runtime;
+:class:`ServeMetrics` holds them and the app's own ``prometheus_client`` registry (never the
+process-global one: a process may hold several apps, tests do).
+
+Rule 1: the engine task only counts. ``ModelMetrics.on_step`` does O(1) work per engine
+        event (a step, a finished request): integer and float additions and a bisection
+        into a short tuple. Nothing is formatted, locked or exported there.
+Rule 2: everything else happens at scrape time, on the scraping request's task: gauges come
+        from the runtime's published :class:`RuntimeSnapshot` and the engine's statistics,
+        counters and histograms from the :class:`ModelMetrics`. Every value is read at
+        one instant; the exposition is ``prometheus_client``'s (metric families from a
+        custom collector, encoded by its ``generate_latest`` one family at a time, with a
+        checkpoint in between so that a scrape never holds up the pacer for long).
+Rule 3: names, types and histogram buckets are vLLM's (``vllm:*``, label ``model_name``);
+        the latency histograms carry the engine's simulated times (``Finished``), i.e. the
+        model's prediction, not times measured at the socket. Our own series are
+        ``inference_lab:*``.
+Rule 4: a refusal's ``Retry-After`` is :meth:`ModelMetrics.retry_after`: the seconds until
+        the admission depth is expected to fall below ``max_waiting`` at the completion
+        rate of the last ``RATE_WINDOW`` seconds, an integer in ``[1, RETRY_AFTER_MAX]``.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Literal
+
+import trio
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from inference_lab.engine import Finished, StepEvents
+from inference_lab.errors import QueueFull
+from inference_lab.runtime import ModelRuntime
+
+__all__ = [
+    "E2E_BUCKETS",
+    "ITL_BUCKETS",
+    "LAG_BUCKETS",
+    "RATE_WINDOW",
+    "RETRY_AFTER_MAX",
+    "TTFT_BUCKETS",
+    "ModelMetrics",
+    "ServeMetrics",
+    "token_buckets",
+]
+
+#: vLLM's buckets (``vllm/v1/metrics/loggers.py``): time to first token, ...
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+#: ... inter-token latency and time per output token, ...
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+#: ... request latencies (end to end, queue), ...
+E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+#: ... and tokens per engine step.
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+#: Pacing lag (ours): how late the engine task handled an engine event, in seconds.
+LAG_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+)  # fmt: skip
+
+#: Seconds of recent completions the ``Retry-After`` estimate's rate is measured over; with
+#: none in that window the estimate is the window itself.
+RATE_WINDOW = 10.0
+#: The largest ``Retry-After`` sent, in seconds.
+RETRY_AFTER_MAX = 60
+
+Reason = Literal["queue_saturated", "engine_unavailable"]
+REJECT_REASONS: tuple[Reason, ...] = ("queue_saturated", "engine_unavailable")
+#: Finish reasons exported (at 0) before any request finished with them.
+FINISH_REASONS = ("stop", "length")
+_LABEL = ["model_name"]
+
+
+def token_buckets(max_value: int) -> tuple[int, ...]:
+    """vLLM's ``build_1_2_5_buckets``: 1, 2, 5, 10, 20, 50, ... up to ``max_value``
+    (the buckets of its token-count histograms, bounded by the model's context)."""
+    buckets: list[int] = []
+    exponent = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * exponent
+            if value > max_value:
+                return tuple(buckets)
+            buckets.append(value)
+        exponent *= 10
+
+
+class Histogram:
+    """Bucket counts and a sum, for one model's series: :meth:`observe` is the engine
+    task's O(log buckets) update; :meth:`buckets` the cumulative view for exposition."""
+
+    __slots__ = ("bounds", "counts", "labels", "total")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.total = 0.0
+        # the ``le`` labels as prometheus_client writes them ("0.001", "1.0", ...)
+        self.labels = tuple(floatToGoString(b) for b in self.bounds)  # type: ignore[no-untyped-call]
+
+    def observe(self, value: float, count: int = 1) -> None:
+        """``count`` observations of ``value`` (Prometheus buckets are ``le``)."""
+        self.counts[bisect_left(self.bounds, value)] += count
+        self.total += value * count
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        running = 0
+        for label, count in zip(self.labels, self.counts, strict=False):
+            running += count
+            out.append((label, running))
+        out.append(("+Inf", running + self.counts[-1]))
+        return out
+
+
+class ModelMetrics:
+    """One model's counters and histograms, fed by its runtime (the runtime's observer)
+    and read at scrape time. Created by :class:`ServeMetrics`."""
+
+    def __init__(self, runtime: ModelRuntime) -> None:
+        self.runtime = runtime
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.preemptions = 0
+        self.success: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
+        self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+        self.queue = Histogram(E2E_BUCKETS)
+        max_len = runtime.deployment.model.max_seq_len
+        self.prompt_hist = Histogram(token_buckets(max_len))
+        self.generation_hist = Histogram(token_buckets(max_len))
+        self.iteration = Histogram(ITERATION_BUCKETS)
+        self.lag = Histogram(LAG_BUCKETS)
+        #: When requests finished (trio time) in the last RATE_WINDOW seconds, oldest first.
+        self.recent: deque[float] = deque()
+
+    # -- the engine task (RuntimeObserver) ---------------------------------------------
+    def on_step(self, events: StepEvents, lag: float) -> None:
+        self.lag.observe(lag)
+        step = events.step
+        if step is not None:
+            self.iteration.observe(step.num_tokens)
+            self.preemptions += step.preempted
+        if events.finished:
+            # wall-clock (trio) time, not the engine's: the rate survives an engine restart
+            now = trio.current_time()
+            for finished in events.finished:
+                self._finished(finished, now)
+
+    def _finished(self, f: Finished, now: float) -> None:
+        generated = f.output_tokens * f.n
+        self.prompt_tokens += f.prompt_tokens
+        self.generation_tokens += generated
+        self.success[f.finish_reason] = self.success.get(f.finish_reason, 0) + 1
+        self.ttft.observe(f.first_token_time - f.arrival_time)
+        self.e2e.observe(f.finish_time - f.arrival_time)
+        self.queue.observe(f.first_scheduled_time - f.arrival_time)
+        self.prompt_hist.observe(f.prompt_tokens)
+        self.generation_hist.observe(generated)
+        if f.output_tokens > 1:
+            # The engine reports a request's first and last token times, not each token's:
+            # its output_tokens - 1 gaps are observed at their mean (sum and count exact).
+            gaps = f.output_tokens - 1
+            self.itl.observe((f.finish_time - f.first_token_time) / gaps, gaps * f.n)
+        recent = self.recent
+        recent.append(now)
+        horizon = now - RATE_WINDOW
+        while recent[0] < horizon:
+            recent.popleft()
+
+    # -- the HTTP side -------------------------------------------------------------------
+    def on_refused(self, reason: Reason) -> None:
+        self.rejected[reason] += 1
+
+    def retry_after(self, depth: int, bound: int) -> int:
+        """Seconds until ``depth`` is expected below ``bound`` (Rule 4): each completion
+        lets one waiting request into the batch, so ``depth - bound + 1`` completions
+        must happen, at the rate of the last RATE_WINDOW seconds (or since the model's
+        runtime started, if that is shorter)."""
+        now = trio.current_time()
+        recent = self.recent
+        while recent and recent[0] < now - RATE_WINDOW:
+            recent.popleft()
+        elapsed = min(RATE_WINDOW, now - self.runtime.epoch)
+        if not recent or elapsed <= 0.0:
+            seconds = RATE_WINDOW
+        else:
+            seconds = max(1, depth - bound + 1) * elapsed / len(recent)
+        return max(1, min(RETRY_AFTER_MAX, math.ceil(seconds)))
+
+
+def _histogram(
+    name: str, documentation: str, models: Iterator[tuple[str, Histogram]]
+) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, documentation, labels=_LABEL)
+    for model, hist in models:
+        family.add_metric([model], hist.buckets(), hist.total)
+    return family
+
+
+class _Collector:
+    """The app's metric families, built from live state on each scrape (Rule 2)."""
+
+    def __init__(self, metrics: ServeMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        models = self.metrics.models
+        rows = []
+        for name, m in models.items():
+            rows.append((name, m, m.runtime.snapshot(), m.runtime.engine.statistics()))
+
+        def gauge(name: str, documentation: str, values: list[float]) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, documentation, labels=_LABEL)
+            for row, value in zip(rows, values, strict=True):
+                family.add_metric([row[0]], value)
+            return family
+
+        def counter(name: str, documentation: str, values: list[int]) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, documentation, labels=_LABEL)
+            for row, value in zip(rows, values, strict=True):
+                family.add_metric([row[0]], value)
+            return family
+
+        yield gauge(
+            "vllm:num_requests_running",
+            "Number of requests in the model's running batches.",
+            [snap.running for _, _, snap, _ in rows],
+        )
+        yield gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be scheduled: the admission depth (waiting plus "
+            "admitted but not yet stepped), which max_waiting bounds.",
+            [snap.depth for _, _, snap, _ in rows],
+        )
+        yield gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            [eng.kv_usage for _, _, _, eng in rows],
+        )
+        yield gauge(
+            "vllm:gpu_cache_usage_perc",
+            "GPU KV-cache usage. 1 means 100 percent usage. "
+            "DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+            [eng.kv_usage for _, _, _, eng in rows],
+        )
+        yield counter(
+            "vllm:prompt_tokens",
+            "Number of prefill tokens processed (of finished requests).",
+            [m.prompt_tokens for _, m, _, _ in rows],
+        )
+        yield counter(
+            "vllm:generation_tokens",
+            "Number of generation tokens processed (of finished requests).",
+            [m.generation_tokens for _, m, _, _ in rows],
+        )
+        yield counter(
+            "vllm:num_preemptions",
+            "Cumulative number of preemption from the engine.",
+            [m.preemptions for _, m, _, _ in rows],
+        )
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=[*_LABEL, "finished_reason"],
+        )
+        for name, m, _, _ in rows:
+            for reason, count in m.success.items():
+                success.add_metric([name, reason], count)
+        yield success
+        for hist_name, documentation, attr in _HISTOGRAMS:
+            yield _histogram(
+                hist_name, documentation, ((name, getattr(m, attr)) for name, m, _, _ in rows)
+            )
+        rejected = CounterMetricFamily(
+            "inference_lab:requests_rejected",
+            "Requests refused before admission: 529 queue_saturated, 503 engine_unavailable.",
+            labels=[*_LABEL, "reason"],
+        )
+        for name, m, _, _ in rows:
+            for reason, count in m.rejected.items():
+                rejected.add_metric([name, reason], count)
+        yield rejected
+        yield gauge(
+            "inference_lab:max_waiting",
+            "The admission bound on vllm:num_requests_waiting (0 = unbounded).",
+            [snap.max_waiting for _, _, snap, _ in rows],
+        )
+        yield gauge(
+            "inference_lab:max_num_seqs",
+            "The cap on running sequences per worker.",
+            [snap.max_num_seqs for _, _, snap, _ in rows],
+        )
+        yield gauge(
+            "inference_lab:engine_alive",
+            "1 while the model's engine task runs, 0 once it stopped or failed.",
+            [1.0 if snap.alive else 0.0 for _, _, snap, _ in rows],
+        )
+
+
+#: (name, documentation, ModelMetrics attribute) of every histogram, in exposition order.
+_HISTOGRAMS = (
+    (
+        "vllm:time_to_first_token_seconds",
+        "Histogram of time to first token in seconds (simulated engine time).",
+        "ttft",
+    ),
+    (
+        "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds (simulated engine time; each "
+        "request's gaps at their mean).",
+        "itl",
+    ),
+    (
+        "vllm:time_per_output_token_seconds",
+        "Histogram of time per output token in seconds. "
+        "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+        "itl",
+    ),
+    (
+        "vllm:e2e_request_latency_seconds",
+        "Histogram of e2e request latency in seconds (simulated engine time).",
+        "e2e",
+    ),
+    (
+        "vllm:request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request (simulated engine time).",
+        "queue",
+    ),
+    ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", "prompt_hist"),
+    (
+        "vllm:request_generation_tokens",
+        "Number of generation tokens processed.",
+        "generation_hist",
+    ),
+    (
+        "vllm:iteration_tokens_total",
+        "Histogram of number of tokens per engine_step.",
+        "iteration",
+    ),
+    (
+        "inference_lab:pacing_lag_seconds",
+        "How late the engine task handled each engine event, in wall-clock seconds.",
+        "lag",
+    ),
+)
+
+
+class _Family(Collector):
+    """One collected metric family, as the registry ``generate_latest`` encodes."""
+
+    def __init__(self, family: Metric) -> None:
+        self.family = family
+
+    def collect(self) -> Iterator[Metric]:
+        yield self.family
+
+
+class ServeMetrics:
+    """The metrics of one app: a :class:`ModelMetrics` per runtime (installed as its
+    observer) and the registry ``GET /metrics`` exports. Built by ``ServeState.build``."""
+
+    def __init__(self, runtimes: Mapping[str, ModelRuntime]) -> None:
+        self.models: dict[str, ModelMetrics] = {}
+        for name, runtime in runtimes.items():
+            metrics = ModelMetrics(runtime)
+            runtime.observer = metrics
+            self.models[name] = metrics
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
+
+    async def exposition(self) -> tuple[bytes, str]:
+        """The body and content type of a scrape (Rule 2): every value is read at one
+        instant, synchronously; then each family is encoded by ``generate_latest`` with a
+        checkpoint in between, so a scrape never holds the event loop (the pacer, the
+        stream writers) for more than one family's encoding.
+
+        Always the Prometheus text format 0.0.4, which every scraper accepts. Not
+        negotiated: prometheus_client's OpenMetrics encoder (chosen for Prometheus's
+        default ``Accept``) writes ``vllm:x`` samples as ``vllm_x`` under
+        ``# TYPE vllm:x`` (prometheus/client_python#1177)."""
+        parts = []
+        for family in list(self.registry.collect()):
+            parts.append(generate_latest(_Family(family)))
+            await trio.lowlevel.checkpoint()
+        return b"".join(parts), CONTENT_TYPE_PLAIN_0_0_4
+
+    def retry_after(self, exc: BaseException) -> int | None:
+        """The ``Retry-After`` of a refusal: the estimate of Rule 4 for a 529, None
+        (the default of :func:`inference_lab.serve.responses.error_reply`) otherwise."""
+        if isinstance(exc, QueueFull):
+            metrics = self.models.get(exc.model)
+            if metrics is not None:
+                return metrics.retry_after(exc.depth, exc.max_waiting)
+        return None

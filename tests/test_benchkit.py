@@ -1,0 +1,100 @@
+"""``inference_lab.benchkit``, what the scripts share: the server subprocess, the control
+endpoint accessors, the closed-loop prediction and the JSON helpers."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import trio
+
+from inference_lab.benchkit import (
+    ServerProcess,
+    columns,
+    get_capacity,
+    get_stats,
+    model_entry,
+    post_capacity,
+    predict_closed_loop,
+    request_json,
+    rounded,
+)
+from inference_lab.config import load_deployment
+from inference_lab.resources import shipped_dir
+
+GPT_OSS = shipped_dir("configs") / "gpt-oss-20b.toml"
+MODEL = "gpt-oss-20b"
+
+
+def test_server_process_serves_and_stops(tmp_path: Path) -> None:
+    """``ServerProcess`` starts ``inference-lab serve`` on 127.0.0.1 from any directory,
+    is healthy on entry, speaks the control endpoints, and stops the server gracefully on
+    exit (exit code 0); stopping again does nothing."""
+    log = tmp_path / "server.log"
+    args = ["--config", str(GPT_OSS), "--max-num-seqs", "16"]
+    with ServerProcess(args, log=log, cwd=tmp_path) as server:
+        assert server.url.startswith("http://127.0.0.1:")
+
+        async def talk() -> None:
+            with trio.fail_after(30):
+                assert model_entry(await get_capacity(server.url), MODEL)["max_num_seqs"] == 16
+                changed = await post_capacity(server.url, model=MODEL, max_waiting=5)
+                assert model_entry(changed, MODEL)["max_waiting"] == 5
+                stats = await get_stats(server.url)
+                assert model_entry(stats, MODEL)["max_waiting"] == 5
+                status, body = await request_json(server.url, "GET", "/v1/models")
+                assert status == 200 and [m["id"] for m in body["data"]] == [MODEL]
+                status, _ = await request_json(server.url, "GET", "/no/such/path")
+                assert status == 404
+                with pytest.raises(RuntimeError, match="HTTP 4"):
+                    await post_capacity(server.url, model=MODEL, max_num_seqs=0)
+
+        trio.run(talk)
+        proc = server.proc
+    assert proc is not None and proc.returncode == 0
+    assert "SIGINT" in log.read_text()
+    server.stop()
+    assert proc.returncode == 0
+
+
+def test_server_process_reports_a_server_that_cannot_start(tmp_path: Path) -> None:
+    """A server that exits at startup is a RuntimeError carrying what it printed, and
+    nothing is left running."""
+    with pytest.raises(RuntimeError, match="did not start"):
+        ServerProcess(["--config", str(tmp_path / "missing.toml")]).__enter__()
+
+
+def test_model_entry_reads_both_control_answers() -> None:
+    """``/control/capacity`` is a list of entries, ``/control/stats`` has them under
+    ``models``; an unserved model is a KeyError naming it."""
+    capacity = [{"model": "a", "x": 1}, {"model": "b", "x": 2}]
+    assert model_entry(capacity, "b") == {"model": "b", "x": 2}
+    assert model_entry({"process": {}, "models": capacity}, "a")["x"] == 1
+    with pytest.raises(KeyError, match="'c'"):
+        model_entry(capacity, "c")
+
+
+def test_closed_loop_prediction_follows_littles_law() -> None:
+    """Below the batch cap every client runs (E2E = L steps); above it the queue grows in
+    proportion (E2E x C/S) while throughput stays B / t_step; TTFT is E2E less the decode
+    steps, and a step with prefills costs more than a pure decode step."""
+    dep = load_deployment(GPT_OSS, "b200")
+    under = predict_closed_loop(dep, clients=8, seqs=16, prompt=100, output=50)
+    over = predict_closed_loop(dep, clients=32, seqs=16, prompt=100, output=50)
+    assert under["batch"] == 8 and over["batch"] == 16
+    assert under["t_step_with_prefill"] > under["t_decode"] > 0
+    assert under["t_decode"] < under["t_step"] < under["t_step_with_prefill"]
+    assert under["e2e"] == pytest.approx(50 * under["t_step"])
+    assert over["e2e"] == pytest.approx(2 * 50 * over["t_step"])
+    for p in (under, over):
+        assert p["output_tokens_per_s"] == pytest.approx(p["batch"] / p["t_step"])
+        assert p["ttft"] == pytest.approx(p["e2e"] - 49 * p["t_step"])
+        assert p["tpot"] == p["t_step"]
+
+
+def test_json_helpers() -> None:
+    """``columns`` transposes rows; ``rounded`` cuts floats to significant digits, deep."""
+    rows = [{"t": 0.0, "n": 1}, {"t": 0.5, "n": 2}]
+    assert columns(rows, ("t", "n")) == {"t": [0.0, 0.5], "n": [1, 2]}
+    assert rounded({"a": [math.pi, (2.0 / 3.0, 7)]}, 3) == {"a": [3.14, [0.667, 7]]}

@@ -1,0 +1,134 @@
+"""The package as a user installs it: a built wheel carries every module, the shipped model
+configs, workloads and hardware profiles, and ``resources.shipped_dir`` finds them from any
+working directory, in the checkout and in an installed wheel.
+
+The wheel is built offline from a copy of the sources (``pip wheel --no-build-isolation
+--no-index``, setuptools from the ``test`` extra), so the checkout gets no ``build/``.
+"""
+
+from __future__ import annotations
+
+import email.parser
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from inference_lab.resources import shipped_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ("pyproject.toml", "README.md", "inference_lab", "configs", "hardware_profiles")
+
+
+def _shipped(kind: str) -> set[str]:
+    """The wheel paths the checkout's ``kind`` directory must become."""
+    base = ROOT / kind
+    return {f"inference_lab/{kind}/{p.relative_to(base).as_posix()}" for p in base.rglob("*.toml")}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    src = tmp_path_factory.mktemp("src")
+    for name in SOURCES:
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(path, src / name)
+    out = tmp_path_factory.mktemp("dist")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--no-index", "--quiet", "-w", str(out), str(src)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = out.glob("inference_lab-*.whl")
+    yield path
+
+
+def test_wheel_holds_every_module_and_the_shipped_data(wheel: Path) -> None:
+    """Every module of the package (a subpackage missing from pyproject's list would be
+    left out), every shipped config and workload, and every hardware profile are in the
+    wheel, the data under ``inference_lab/``."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    modules = {
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "inference_lab").rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+    assert modules <= names, sorted(modules - names)
+    for kind in ("configs", "hardware_profiles"):
+        expected = _shipped(kind)
+        assert expected and expected <= names, sorted(expected - names)
+    assert "inference_lab/configs/workloads/quick.toml" in names
+
+
+def test_wheel_metadata_bounds_the_server_stack_and_makes_plotting_optional(
+    wheel: Path,
+) -> None:
+    """hypercorn and quart-trio are bounded above; matplotlib is only in the ``plot`` extra."""
+    with zipfile.ZipFile(wheel) as z:
+        (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        message = email.parser.Parser().parsestr(z.read(meta).decode())
+    requires = message.get_all("Requires-Dist") or []
+    by_name = {r.split(";")[0].split("<")[0].split(">")[0].strip().lower(): r for r in requires}
+    assert "<" in by_name["hypercorn"] and "<" in by_name["quart-trio"]
+    matplotlib = [r for r in requires if r.lower().startswith("matplotlib")]
+    assert matplotlib and all('extra == "plot"' in r for r in matplotlib)
+
+
+def test_installed_wheel_serves_its_shipped_configs_from_anywhere(
+    wheel: Path, tmp_path: Path
+) -> None:
+    """Installed outside the checkout and run from an unrelated directory, the package
+    finds its own configs and profiles (not the checkout's) and a simulation of a shipped
+    config and workload runs on them."""
+    site = tmp_path / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet",
+         "--target", str(site), str(wheel)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(site))
+    env.pop("INFERENCE_LAB_HARDWARE_PROFILES", None)
+    script = (
+        "import inference_lab, sys\n"
+        "from inference_lab.resources import shipped_dir\n"
+        "from inference_lab.cli import main\n"
+        "print(inference_lab.__file__)\n"
+        "print(shipped_dir('configs'))\n"
+        "print(shipped_dir('hardware_profiles'))\n"
+        "c = shipped_dir('configs')\n"
+        "sys.exit(main(['sim', '--config', str(c / 'gpt-oss-20b.toml'), '--hardware', 'b200',\n"
+        "               '--workload', str(c / 'workloads' / 'quick.toml'), '-q']))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True, text=True, timeout=120, cwd=elsewhere, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    package, configs, profiles = proc.stdout.splitlines()[:3]
+    installed = site.resolve() / "inference_lab"
+    assert Path(package).parent == installed
+    assert Path(configs) == installed / "configs"
+    assert Path(profiles) == installed / "hardware_profiles"
+    assert "50 completed" in proc.stdout
+
+
+def test_checkout_resources_are_found_from_another_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In the checkout, ``shipped_dir`` names the top-level directories whatever the
+    working directory."""
+    monkeypatch.chdir(tmp_path)
+    assert shipped_dir("configs") == ROOT / "configs"
+    assert shipped_dir("hardware_profiles") == ROOT / "hardware_profiles"
+    assert (shipped_dir("configs") / "workloads" / "quick.toml").is_file()

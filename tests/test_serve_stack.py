@@ -1,0 +1,144 @@
+"""The two places where serve relies on how hypercorn and quart-trio work inside.
+
+Both are pinned by upper bounds on the two packages (``pyproject.toml``); these tests fail
+loudly when a new release changes what they rely on:
+
+- the fix for hypercorn issue #330: quart-trio cancels a Quart route's request scope when
+  hypercorn reports the disconnect that its own end-of-response handling emits, so the
+  route's final ``http.response.body`` must be sent shielded (``LabHTTPConnection``
+  overrides quart-trio's ``handle_request`` to do that);
+- the arrival stamp: hypercorn's per-request stream notes when it parsed the request, and
+  ``received_at`` reads it through the ``send`` callable it hands the app.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import time
+from typing import Any
+
+import pytest
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+from quart_trio.asgi import TrioASGIHTTPConnection
+
+from inference_lab.serve import create_app
+from inference_lab.serve.asgi import LabHTTPConnection, received_at
+from tests.conftest import ServeFactory, make_settings
+
+
+def test_quart_trio_still_has_the_hook_the_fix_overrides() -> None:
+    """quart-trio's connection runs each request through
+    ``handle_request(nursery, request, send)``, the method the fix overrides."""
+    params = list(inspect.signature(TrioASGIHTTPConnection.handle_request).parameters)
+    assert params == ["self", "nursery", "request", "send"]
+    assert LabHTTPConnection.handle_request is not TrioASGIHTTPConnection.handle_request
+
+
+async def test_a_disconnect_during_a_quart_routes_final_send_does_not_cut_it() -> None:
+    """hypercorn #330 reproduced: the client 'disconnects' (as hypercorn reports after the
+    response) while the final body is being sent; the send still completes."""
+    app = create_app(make_settings())
+    completed: list[str] = []
+    final_started = trio.Event()
+
+    async with app.test_app():
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": {"spec_version": "2.1", "version": "3.0"},
+            "http_version": "1.1",
+            "method": "GET",
+            "scheme": "http",
+            "path": "/health",
+            "raw_path": b"/health",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"host", b"localhost")],
+            "client": ("127.0.0.1", 40000),
+            "server": ("127.0.0.1", 8080),
+            "extensions": {},
+            "state": {},
+        }
+        sent_request = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal sent_request
+            if not sent_request:
+                sent_request = True
+                return {"type": "http.request", "body": b"", "more_body": False}
+            await final_started.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                final_started.set()
+                await trio.sleep(0.01)  # the disconnect lands here, as in #330
+                completed.append("final")
+
+        with trio.fail_after(5):
+            await app(scope, receive, send)
+    assert completed == ["final"]
+
+
+async def test_hypercorn_still_tells_the_app_when_it_received_the_request() -> None:
+    """Under hypercorn's trio worker ``received_at`` finds the receipt time (before the
+    app was called), not the time of the call."""
+    seen: list[tuple[float, float, Any]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        now = trio.current_time()
+        start = getattr(getattr(send, "__self__", None), "start_time", None)
+        seen.append((received_at(send), now, start))
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(hypercorn_serve, app, config)
+            port = int(binds[0].rsplit(":", 1)[1])
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            while await stream.receive_some(4096):
+                pass
+            await stream.aclose()
+            nursery.cancel_scope.cancel()
+    [(arrival, now, start)] = seen
+    assert type(start) is float and math.isclose(start, time.time(), abs_tol=5.0)
+    assert arrival < now  # hypercorn parsed the request before it called the app
+
+
+async def test_options_without_an_allowed_origin_is_405_not_an_empty_200(
+    serve: ServeFactory,
+) -> None:
+    """OPTIONS is no route's method (CORS preflights from allowed origins are answered by
+    the gate): it is a 405 envelope, not Quart's automatic 200."""
+    async with serve() as s:
+        for path in ("/health", "/v1/models", "/v1/chat/completions"):
+            response = await s.client.options(path)
+            assert response.status_code == 405, path
+            body = json.loads(await response.get_data())
+            assert body["error"]["code"] == "method_not_allowed"
+
+
+def test_a_bad_environment_under_plain_hypercorn_is_one_line_and_exit_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``create_app()`` configured from a bad environment stops the launch with one line
+    (no traceback)."""
+    monkeypatch.setenv("INFERENCE_LAB_MAX_WAITING", "-3")
+    with pytest.raises(SystemExit) as info:
+        create_app()
+    assert info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "INFERENCE_LAB_MAX_WAITING" in err[0]
