@@ -20,7 +20,12 @@ Rule 1: no trio, quart, hypercorn, ``time`` or global ``random``: time is a numb
 Rule 2: a step's batch is chosen at its start time and its tokens and completions happen at
         its end time: both are returned by the one ``step()`` call that handles the event at
         that time (the step boundary), which also chooses the next batch. So an arrival
-        stamped before a boundary joins the batch that starts at that boundary.
+        stamped before a boundary joins the batch that starts at that boundary — also when
+        it reaches the engine after that boundary was handled (a paced caller hands arrivals
+        over with a delay): if the step in flight started after the arrival's stamp
+        and nothing else is waiting, the arrival joins it when the step has room (cap,
+        token budget, blocks), and the step is priced again with it (its end moves later;
+        the ``StepInfo`` reported at its start is not revised).
 Rule 3: a plain request computes ``P + target - 1`` positions in all; the prefill pass
         emits token 1; a preempted request re-prefills ``P + output - 1`` positions
         emitting nothing, then decodes on. A group computes ``P + n * (target - 1)``: the
@@ -206,6 +211,7 @@ class _Request:
         "mark",
         "admit_seq",
         "queue_key",
+        "stamp",
         "n",
     )
 
@@ -217,6 +223,7 @@ class _Request:
         self.target = target
         self.priority = spec.priority
         self.arrival = arrival
+        self.stamp = spec.arrival_time  # the caller's arrival time (may precede ``arrival``)
         self.computed = 0
         self.output = 0
         self.first_token_time = -1.0
@@ -320,8 +327,16 @@ class _Worker:
         self.running_seqs = 0  # sum of n over running
         self.batch: list[tuple[_Request, int]] = []
         self.scheduled = False  # a boundary event for this worker is in the heap
+        self.boundary_seq = -1  # the heap sequence number of that event (older: stale)
         self.admit_seq = itertools.count()
         self.step_id = 0
+        # The step in flight (when ``batch``): its start, roofline inputs, the token
+        # budget it left unused and its pass mark, so a late arrival can join it.
+        self.step_start = 0.0
+        self.step_ns: list[int] = []
+        self.step_cs: list[int] = []
+        self.step_budget = 0
+        self.step_mark = 0
 
     def blocks_for(self, positions: int) -> int:
         if self.private:
@@ -451,38 +466,49 @@ class _Worker:
                 budget -= n * seqs
                 i += 1
             if not preempted:
-                waiting = self.waiting
-                while budget > 0 and waiting.count:
-                    head = waiting.peek()
-                    assert head is not None
-                    r = head
-                    if self.running_seqs + r.n > self.max_num_seqs and self.running_seqs:
+                while budget > 0 and self.waiting.count:
+                    admitted = self.admit_head(now, mark, budget)
+                    if admitted is None:
                         break
-                    # the first stage always runs as one sequence (a group's prompt)
-                    left, _ = self._stage(r, 0)
-                    if not chunked and left > budget:
-                        break
-                    n = min(left, budget, chunk_cap)
-                    need = self.blocks_for(n)
-                    if need > self.free_blocks:
-                        break
-                    waiting.pop()
-                    self.free_blocks -= need
-                    r.blocks = need
-                    r.state = _RUNNING
-                    r.admit_seq = next(self.admit_seq)
-                    if r.first_scheduled < 0:
-                        r.first_scheduled = now
-                    r.mark = mark
-                    running.append(r)
-                    self.running_seqs += r.n
+                    r, n = admitted
                     batch.append((r, n))
                     ns.append(n)
                     cs.append(0)
                     budget -= n
             total_preempted += preempted
             if batch or not preempted:
+                self.step_budget = budget
+                self.step_mark = mark
                 return batch, ns, cs, total_preempted
+
+    def admit_head(self, now: float, mark: int, budget: int) -> tuple[_Request, int] | None:
+        """Admit the head of the waiting queue into a step starting at ``now`` with
+        ``budget`` tokens left, if the cap, the budget and the free blocks allow: it runs
+        its first prefill chunk there. Returns (request, positions) or None."""
+        r = self.waiting.peek()
+        if r is None:
+            return None
+        if self.running_seqs + r.n > self.max_num_seqs and self.running_seqs:
+            return None
+        # the first stage always runs as one sequence (a group's prompt)
+        left, _ = self._stage(r, 0)
+        if not self.chunked and left > budget:
+            return None
+        n = min(left, budget, self.chunk_cap)
+        need = self.blocks_for(n)
+        if need > self.free_blocks:
+            return None
+        self.waiting.pop()
+        self.free_blocks -= need
+        r.blocks = need
+        r.state = _RUNNING
+        r.admit_seq = next(self.admit_seq)
+        if r.first_scheduled < 0:
+            r.first_scheduled = now
+        r.mark = mark
+        self.running.append(r)
+        self.running_seqs += r.n
+        return r, n
 
 
 class Engine:
@@ -601,8 +627,14 @@ class Engine:
     # ------------------------------------------------------------------ time
     def next_event_time(self) -> float | None:
         heap = self._heap
-        while heap and heap[0][2] == _ARRIVAL and heap[0][3].state != _PENDING:
-            heapq.heappop(heap)  # an aborted arrival
+        while heap:
+            _, seq, kind, payload = heap[0]
+            if kind == _ARRIVAL and payload.state != _PENDING:
+                heapq.heappop(heap)  # an aborted arrival
+            elif kind == _BOUNDARY and seq != payload.boundary_seq:
+                heapq.heappop(heap)  # a step end moved by a late arrival
+            else:
+                break
         return heap[0][0] if heap else None
 
     def advance_to(self, t: float) -> None:
@@ -645,9 +677,34 @@ class Engine:
             w.waiting.push(r)
             if not w.scheduled:
                 w.scheduled = True
-                heapq.heappush(self._heap, (now, next(self._seq), _BOUNDARY, w))
+                w.boundary_seq = next(self._seq)
+                heapq.heappush(self._heap, (now, w.boundary_seq, _BOUNDARY, w))
+            elif w.batch and r.stamp < w.step_start and w.waiting.count == 1:
+                self._join_late(w, r)
             return StepEvents(time=now, tokens=(), finished=(), arrived=(r.id,), step=None)
         return self._boundary(payload, now)
+
+    def _join_late(self, w: _Worker, r: _Request) -> None:
+        """``r`` reached the engine after the boundary of the step in flight although it
+        arrived (``stamp``) before it (the caller took time to hand it over): it joins
+        that step, as it would have at the boundary, if the step has room for it (Rule 2).
+        The step is priced again with it and its end moves accordingly; the tokens of the
+        step's other members were not yet emitted, so none is observed early."""
+        admitted = w.admit_head(w.step_start, w.step_mark, w.step_budget)
+        if admitted is None:
+            return
+        _, n = admitted
+        r.arrival = r.stamp  # it is treated as having arrived when it was stamped
+        w.batch.append(admitted)
+        w.step_ns.append(n)
+        w.step_cs.append(0)
+        w.step_budget -= n
+        cost = self.roofline.step_cost(
+            np.array(w.step_ns, dtype=np.int64), np.array(w.step_cs, dtype=np.int64)
+        )
+        w.boundary_seq = next(self._seq)
+        end = w.step_start + cost.seconds * self.step_time_factor
+        heapq.heappush(self._heap, (end, w.boundary_seq, _BOUNDARY, w))
 
     def _boundary(self, w: _Worker, now: float) -> StepEvents:
         tokens: list[tuple[int, int]] = []
@@ -700,7 +757,9 @@ class Engine:
             cost = self.roofline.step_cost(n_arr, c_arr)
             duration = cost.seconds * self.step_time_factor
             w.batch = batch
-            heapq.heappush(self._heap, (now + duration, next(self._seq), _BOUNDARY, w))
+            w.step_start, w.step_ns, w.step_cs = now, ns, cs
+            w.boundary_seq = next(self._seq)
+            heapq.heappush(self._heap, (now + duration, w.boundary_seq, _BOUNDARY, w))
             self._steps += 1
             roof = cost.roofline if cost.roofline > 0 else 1.0
             info = StepInfo(

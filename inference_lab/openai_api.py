@@ -922,6 +922,11 @@ class StreamEncoder:
         )
         return body, b"]}}]}\n\n"
 
+    def prepare(self) -> None:
+        """Build the token frames now rather than on the first token (the completion route
+        calls it while the request's prefill runs, off the path of its first token)."""
+        self._token_frames()
+
     def _token_frames(self) -> tuple[tuple[_Frame, ...], ...]:
         frames = self._frames
         if frames is None:

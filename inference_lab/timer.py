@@ -70,10 +70,13 @@ def _ctypes_timerfd() -> tuple[Callable[[], int], Callable[[int, int], None]] | 
             raise OSError(err, os.strerror(err))
         return fd
 
+    spec = _Itimerspec()  # reused: the pacer arms its timer once per engine step
+    value = spec.it_value
+    ref = ctypes.byref(spec)
+
     def arm(fd: int, ns: int) -> None:
-        spec = _Itimerspec()
-        spec.it_value.tv_sec, spec.it_value.tv_nsec = divmod(ns, 1_000_000_000)
-        if settime_fn(fd, 0, ctypes.byref(spec), None) != 0:
+        value.tv_sec, value.tv_nsec = divmod(ns, 1_000_000_000)
+        if settime_fn(fd, 0, ref, None) != 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
 

@@ -272,3 +272,56 @@ async def test_an_idle_loop_writes_every_token_when_it_is_emitted(
         await stream.read_all()
     token_writes = [t for t, data in stream.chunks if b'"content"' in data]
     assert len(token_writes) == 30
+
+
+class TimedSink:
+    """Records the virtual times at which the engine hands a request its tokens."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.done = trio.Event()
+
+    def on_tokens(self, count: int) -> None:
+        self.times.extend([trio.current_time()] * count)
+
+    def on_finished(self, finished: object) -> None:
+        self.done.set()
+
+    def on_failed(self, message: str) -> None:
+        self.done.set()
+
+
+async def test_a_request_handed_over_after_the_boundary_it_arrived_before_joins_that_step(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The server stamps a request when it receives it and hands it to the engine a
+    little later: one that arrived before a step boundary but reached the engine after it
+    still joins that step (its tokens come when the on-time engine oracle says)."""
+    settings = make_settings()
+    dep = settings.deployments[0]
+    async with serve(settings) as s:
+        rt = s.runtime()
+        first = TimedSink()
+        rt.admit_nowait(prompt_tokens=40, max_tokens=30, priority=0, sink=first)
+        a_at = trio.current_time() - rt.epoch
+        # the start of A's third step, in simulated time
+        eng = Engine(dep)
+        eng.advance_to(a_at)
+        eng.submit(RequestSpec(40, 30, arrival_time=a_at))
+        starts = []
+        while eng.next_event_time() is not None:
+            ev = eng.step()
+            if ev.step is not None:
+                starts.append(ev.step.start)
+        boundary = starts[2]
+        await trio.sleep_until(rt.epoch + boundary + 1e-5)  # the boundary was handled
+        late = TimedSink()
+        stamp = boundary - 1e-6
+        rt.admit_nowait(
+            prompt_tokens=25, max_tokens=5, priority=0, sink=late, arrival=rt.epoch + stamp
+        )
+        await late.done.wait()
+        await first.done.wait()
+    expected = engine_oracle(dep, [(a_at, 40, 30), (stamp, 25, 5)])
+    assert [t - rt.epoch for t in late.times] == [approx(t) for t in expected[1]]
+    assert [t - rt.epoch for t in first.times] == [approx(t) for t in expected[0]]

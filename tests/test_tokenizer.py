@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from inference_lab.errors import ConfigError
+from inference_lab.openai_api import VOCABULARY, placeholder_text
 from inference_lab.tokenizer import (
     CL100K_PATTERN,
     O200K_PATTERN,
@@ -258,3 +259,30 @@ def test_a_missing_tokenizer_library_is_a_config_error(
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     message = _load_error(path)
     assert message.startswith(f"{path}: ") and "'tokenizers' package" in message
+
+
+def _word_merges() -> list[bytes]:
+    """Merges that make each placeholder word one token in the form the served text
+    carries it: " word" (and "the" without the space, the first word)."""
+    merges: list[bytes] = []
+    for form in ["the", *(f" {w}" for w in VOCABULARY)]:
+        data = form.encode()
+        for k in range(2, len(data) + 1):
+            if data[:k] not in merges:
+                merges.append(data[:k])
+    return merges
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 50, 51, 200, 1000])
+def test_a_client_tokenizer_counts_the_served_text_as_completion_tokens(
+    tmp_path: Path, tokens: int
+) -> None:
+    """In a BPE vocabulary where each placeholder word is one token (as it is in
+    cl100k_base and GPT-2's, scripts/check_placeholder_tokens.py), the text a client
+    receives for an n-token response — streamed or not, the last word carries no trailing
+    space — counts exactly n tokens."""
+    tokenizer = load_tokenizer(write_ranks(tmp_path / "words.tiktoken", _word_merges()))
+    served = placeholder_text(tokens).rstrip(" ")
+    assert tokenizer.count(served, add_special_tokens=False) == tokens
+    # the trailing space a stream's last frame used to carry was one token too many
+    assert tokenizer.count(placeholder_text(tokens), add_special_tokens=False) == tokens + 1

@@ -229,8 +229,10 @@ async def complete(
             nursery.start_soon(_watch, receive, sink, handle)
             try:
                 if isinstance(sink, StreamSink):
+                    await handle.wait_taken()  # the engine first, then the response's start
                     headers = [*_STREAM_HEADERS, *exchange.headers]
                     await send({"type": "http.response.start", "status": 200, "headers": headers})
+                    sink.encoder.prepare()  # while the prefill runs, not at its first token
                     await write_stream(send, sink, state.delivery)
                 else:
                     await sink.event.wait()

@@ -212,9 +212,9 @@ class Delivery:
     #: Seconds between control decisions.
     PERIOD = 0.05
     #: Busy share above which writes are spaced further apart ...
-    HIGH = 0.6
+    HIGH = 0.75
     #: ... and below which they are brought closer again.
-    LOW = 0.35
+    LOW = 0.55
     #: Smallest non-zero interval (seconds) and the largest.
     MIN_INTERVAL = 0.001
     MAX_INTERVAL = 0.05
