@@ -95,7 +95,14 @@ def model_for_level(
     return {
         "e2e": waves * roofline_lockstep_e2e(dep, batch, prompt, output),
         "step": t_dec,
-        "probe_ttft": t_dec / 2 + t_mix if clients > 1 else _step(roof, [prompt], [0]),
+        # with a queue (more clients than slots) the probe waits behind it: no figure
+        "probe_ttft": (
+            math.nan
+            if clients > seqs
+            else t_dec / 2 + t_mix
+            if clients > 1
+            else _step(roof, [prompt], [0])
+        ),
     }
 
 
