@@ -45,6 +45,7 @@ __all__ = [
     "client_loop",
     "completion_request",
     "one_stream",
+    "read_response",
     "scrape_loop",
     "columns",
     "get_capacity",

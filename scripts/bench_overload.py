@@ -48,6 +48,7 @@ from inference_lab.benchkit import (
     get_stats,
     model_entry,
     post_capacity,
+    read_response,
     request_json,
 )
 
@@ -81,28 +82,6 @@ def _refused_request(host: str) -> bytes:
     ).encode() + body
 
 
-async def _read_status(stream: trio.SocketStream) -> int:
-    """Read one content-length response; return its status."""
-    buf = bytearray()
-    while b"\r\n\r\n" not in buf:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            raise ConnectionError("server closed the connection")
-        buf += chunk
-    head, _, body = bytes(buf).partition(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    while len(body) < length:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            raise ConnectionError("server closed the connection")
-        body += chunk
-    return int(head[9:12])
-
-
 async def refuse_once(host: str, port: int, request: bytes, out: list[Refusal]) -> None:
     """One refused client: a new connection, one request, its answer, close."""
     start = time.perf_counter()
@@ -112,7 +91,7 @@ async def refuse_once(host: str, port: int, request: bytes, out: list[Refusal]) 
             stream = await trio.open_tcp_stream(host, port)
             try:
                 await stream.send_all(request)
-                status = await _read_status(stream)
+                status, _ = await read_response(stream, bytearray())
             finally:
                 await stream.aclose()
         except (OSError, ConnectionError, trio.BrokenResourceError):

@@ -27,11 +27,12 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from inference_lab.serve import gate
-from inference_lab.serve.completions import COMPLETION_ROUTES, complete, send_reply
+from inference_lab.serve.completions import COMPLETION_ROUTES, complete
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.responses import (
     error_reply,
     method_not_allowed_reply,
+    send_reply,
     shutting_down_reply,
 )
 from inference_lab.serve.state import ServeState

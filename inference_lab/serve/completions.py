@@ -20,7 +20,6 @@ Rule 3: an admitted request is closed (aborted unless it finished) exactly when 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import trio
@@ -44,13 +43,14 @@ from inference_lab.serve.responses import (
     body_too_large_reply,
     engine_failed_reply,
     error_reply,
+    send_reply,
     shutting_down_reply,
     stream_shutdown_frames,
 )
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.streaming import CollectSink, StreamSink, write_stream
 
-__all__ = ["COMPLETION_ROUTES", "complete", "read_body", "send_reply"]
+__all__ = ["COMPLETION_ROUTES", "complete", "read_body"]
 
 Kind = Literal["chat", "completions"]
 
@@ -135,14 +135,6 @@ async def read_body(receive: Receive, scope: dict[str, Any], limit: int = MAX_BO
         if not message.get("more_body", False):
             break
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-async def send_reply(send: Send, reply: Reply, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
-    """Send a whole reply, ``headers`` added: the start, then the body, which ends the
-    response."""
-    headers = reply.header_list(headers)
-    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-    await send({"type": "http.response.body", "body": reply.body, "more_body": False})
 
 
 async def _watch(receive: Receive, sink: StreamSink | CollectSink, handle: RequestHandle) -> None:

@@ -67,6 +67,7 @@ from inference_lab.serve.responses import (
     Reply,
     error_reply,
     json_reply,
+    send_reply,
     shutting_down_reply,
     stream_failure_frames,
 )
@@ -586,7 +587,7 @@ class _Fault:
             await self._serve_paced(state, runtime, exchange, receive, send)
             return
         if state.draining:
-            await _send_reply(send, shutting_down_reply(), exchange.headers)
+            await send_reply(send, shutting_down_reply(), exchange.headers)
             return
         frames = _FaultFrames(self.fault, self.parsed, new_request_id(self.parsed.kind), _now())
         fault = self.fault
@@ -618,7 +619,7 @@ class _Fault:
         if refused is not None:
             raise ApiError(400, "context_length_exceeded", refused.reason, "max_tokens")
         if state.draining:
-            await _send_reply(send, shutting_down_reply(), exchange.headers)
+            await send_reply(send, shutting_down_reply(), exchange.headers)
             return
         frames = _FaultFrames(self.fault, parsed, new_request_id(parsed.kind), _now())
         sink = _PacedSink(state)
@@ -692,7 +693,7 @@ class _Scripted:
         send: Send,
     ) -> None:
         if state.draining:
-            await _send_reply(send, shutting_down_reply(), exchange.headers)
+            await send_reply(send, shutting_down_reply(), exchange.headers)
             return
         parsed, script = self.parsed, self.script
         request_id, created = new_request_id(parsed.kind), _now()
@@ -727,7 +728,7 @@ class _Scripted:
                 "choices": [{"index": 0, "message": message, "finish_reason": script.reason}],
                 "usage": use,
             }
-            await _send_reply(send, json_reply(body), exchange.headers)
+            await send_reply(send, json_reply(body), exchange.headers)
             return
         frames = _Frames(parsed, request_id, created)
         data = frames.chat({"role": "assistant"})
@@ -745,17 +746,6 @@ class _Scripted:
 
 def _now() -> int:
     return int(time.time())
-
-
-async def _send_reply(send: Send, reply: Reply, headers: Sequence[tuple[bytes, bytes]]) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": reply.status,
-            "headers": reply.header_list(headers),
-        }
-    )
-    await send({"type": "http.response.body", "body": reply.body, "more_body": False})
 
 
 @attrs.define

@@ -28,8 +28,10 @@ from inference_lab.errors import (
 )
 from inference_lab.jsonbytes import dumps
 from inference_lab.openai_api import MAX_BODY_BYTES, StreamEncoder
+from inference_lab.serve.exchange import Send
 
 __all__ = [
+    "send_reply",
     "JSON",
     "RETRY_AFTER_UNAVAILABLE",
     "SHUTDOWN_MESSAGE",
@@ -272,3 +274,11 @@ def stream_shutdown_frames() -> bytes:
     error frame naming the shutdown (503's type and code), then ``[DONE]``."""
     body = error_body(SHUTDOWN_MESSAGE, "service_unavailable_error", "server_shutting_down", None)
     return b"data: " + body + b"\n\ndata: [DONE]\n\n"
+
+
+async def send_reply(send: Send, reply: Reply, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    """Send ``reply`` on ASGI ``send``, ``headers`` added: the start, then the body, which
+    ends the response. Every whole reply the app sends outside Quart goes through it."""
+    headers = reply.header_list(headers)
+    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+    await send({"type": "http.response.body", "body": reply.body, "more_body": False})
