@@ -226,11 +226,17 @@ class Served:
 
     @asynccontextmanager
     async def stream(
-        self, body: dict[str, Any], path: str = "/v1/chat/completions", window: int = 10
+        self,
+        body: dict[str, Any],
+        path: str = "/v1/chat/completions",
+        window: int = 10,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
     ) -> AsyncIterator[Stream]:
-        """Send ``body`` on an in-memory connection (streaming or not). Leaving the block
-        before the response is complete disconnects the client."""
+        """Send ``body`` (with extra request ``headers``) on an in-memory connection
+        (streaming or not). Leaving the block before the response is complete
+        disconnects the client."""
         stream = Stream(self.app, path, json.dumps(body).encode(), window)
+        stream.scope["headers"].extend(headers)
         async with trio.open_nursery() as nursery:
             stream.start(nursery)
             try:

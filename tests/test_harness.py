@@ -7,8 +7,7 @@ engine kill / restart / slowdown. The same modes on real sockets are in
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -56,27 +55,15 @@ def stream_body(max_tokens: int = 20, **extra: Any) -> dict[str, Any]:
     return chat_body(max_tokens=max_tokens, stream=True, **extra)
 
 
-@asynccontextmanager
-async def open_stream(
+def open_stream(
     s: Served,
     body: dict[str, Any],
     fault: str | None = None,
     path: str = "/v1/chat/completions",
-) -> AsyncIterator[Stream]:
+) -> AbstractAsyncContextManager[Stream]:
     """``Served.stream`` with an ``x-inference-lab-fault`` header (when ``fault``)."""
-    stream = Stream(s.app, path, json.dumps(body).encode())
-    if fault is not None:
-        stream.scope["headers"].append((FAULT_HEADER, fault.encode()))
-    async with trio.open_nursery() as nursery:
-        stream.start(nursery)
-        try:
-            yield stream
-        finally:
-            with trio.CancelScope(shield=True):
-                if stream.ended:
-                    await stream.app_done.wait()
-                else:
-                    await stream.disconnect()
+    headers = ((FAULT_HEADER, fault.encode()),) if fault is not None else ()
+    return s.stream(body, path, headers=headers)
 
 
 async def run_fault(
