@@ -31,6 +31,7 @@ Rule 5: every JSON body is compact (:mod:`inference_lab.jsonbytes`) and keeps Op
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import uuid
 from collections.abc import Sequence
@@ -847,6 +848,22 @@ def completion_body(
 
 DONE_FRAME = b"data: [DONE]\n\n"
 
+
+def _text_tail(kind: str, index: int, text: str) -> bytes:
+    """What follows a stream frame's head in a frame of choice ``index`` carrying ``text``
+    and no logprobs."""
+    if kind == "chat":
+        return b'"choices":[{"index":%d,"delta":{"content":' % index + dumps(text) + b"}}]}\n\n"
+    return b'"choices":[{"text":' + dumps(text) + b',"index":%d}]}\n\n' % index
+
+
+@functools.cache
+def _plain_tails(kind: str) -> tuple[bytes, ...]:
+    """The tails of choice 0's frames of the placeholder words, in word order (built once
+    per kind)."""
+    return tuple(_text_tail(kind, 0, word) for word in _WORDS)
+
+
 #: A token frame: complete bytes, or (bytes before, bytes after) a completions
 #: ``text_offset`` that depends on the token's position.
 _Frame = bytes | tuple[bytes, bytes]
@@ -895,10 +912,7 @@ class StreamEncoder:
     # -- frame building ------------------------------------------------------------
     def _text_frame(self, index: int, text: str) -> bytes:
         """A frame of choice ``index`` carrying ``text`` and no logprobs."""
-        if self._request.kind == "chat":
-            head = self._head + b'"choices":[{"index":%d,"delta":{"content":' % index
-            return head + dumps(text) + b"}}]}\n\n"
-        return self._head + b'"choices":[{"text":' + dumps(text) + b',"index":%d}]}\n\n' % index
+        return self._head + _text_tail(self._request.kind, index, text)
 
     def _frame(self, index: int, text: str, word: int) -> _Frame:
         """The frame of one token of choice ``index`` carrying ``text`` and, when asked
@@ -930,15 +944,18 @@ class StreamEncoder:
     def _token_frames(self) -> tuple[tuple[_Frame, ...], ...]:
         frames = self._frames
         if frames is None:
-            frames = tuple(
-                tuple(self._frame(c, _WORDS[w], w) for c in range(self._request.n))
-                for w in range(len(_WORDS))
-            )
-            self._frames = frames
             cut = self._cut
             request = self._request
             if request.n == 1 and request.logprobs is None:
-                self._plain = tuple(row[0] for row in frames)  # type: ignore[misc]
+                head = self._head  # the common case: the head + a tail shared by all streams
+                self._plain = tuple([head + tail for tail in _plain_tails(request.kind)])
+                frames = tuple([(frame,) for frame in self._plain])
+            else:
+                frames = tuple(
+                    tuple(self._frame(c, _WORDS[w], w) for c in range(request.n))
+                    for w in range(len(_WORDS))
+                )
+            self._frames = frames
             if cut is not None and request.stop_after is not None:
                 text = placeholder_text(request.stop_after)
                 for i in range(cut, request.stop_after):

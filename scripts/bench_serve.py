@@ -7,7 +7,8 @@ requests (a 200-byte prompt = 50 prompt tokens, ``max_tokens`` 200) back to back
 keep-alive connection; the level ``24>8`` runs 24 clients after a live
 ``POST /control/capacity {"max_num_seqs": 8}``. Beside the closed loop, a probe client
 sends a one-token streaming request every ``--probe-every`` seconds and times its first
-token. Per level it prints, after a warm-up (each client's first request is dropped):
+token. A server the script started itself first answers one request on a fresh
+connection, timed as "the first request after start". Per level it prints, after a warm-up (each client's first request is dropped):
 
 - client TTFT p50 and E2E p50 (send -> last byte), and the roofline's E2E for the level
   (all requests in lock-step: one prefill step, then 199 decode steps; with fewer slots
@@ -124,6 +125,34 @@ async def probe_loop(
                 ttfts.append(result.ttft)
     finally:
         await stream.aclose()
+
+
+# ---------------------------------------------------------------------------------------
+# the first request after start
+
+
+async def first_request(url: str, model: str, dep: Deployment, max_tokens: int) -> str:
+    """One streaming request on a fresh connection to a server that has served no
+    completion yet: its TTFT and E2E against the model's for a lone request."""
+    parsed = urllib.parse.urlsplit(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
+    stream = await trio.open_tcp_stream(host, port)
+    try:
+        with trio.fail_after(30):
+            result = await one_stream(
+                stream, completion_request(host, model, max_tokens), time.perf_counter()
+            )
+    finally:
+        await stream.aclose()
+    if result.status != 200:
+        return f"first request after start: HTTP {result.status}"
+    ttft = _step(Roofline(dep), [PROMPT], [0])
+    e2e = roofline_lockstep_e2e(dep, 1, PROMPT, max_tokens)
+    return (
+        f"first request after start (new connection): TTFT {result.ttft * 1000:.2f} ms "
+        f"(model {ttft * 1000:.2f}), E2E {result.e2e * 1000:.1f} ms (roofline "
+        f"{e2e * 1000:.1f}, {(result.e2e - e2e) / e2e * 100:+.2f} %)"
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -279,8 +308,10 @@ def format_row(r: LevelReport) -> str:
     )
 
 
-async def main_async(args: argparse.Namespace, url: str) -> list[LevelReport]:
+async def main_async(args: argparse.Namespace, url: str, fresh: bool) -> list[LevelReport]:
     dep = load_deployment(shipped_dir("configs") / f"{args.model}.toml", args.hardware)
+    if fresh:
+        print(await first_request(url, args.model, dep, args.max_tokens), flush=True)
     print("times in ms; ITL = gap between successive writes a client receives")
     print(HEADER)
     print("-" * len(HEADER), flush=True)
@@ -350,7 +381,7 @@ def main() -> int:
         flush=True,
     )
     try:
-        rows = trio.run(main_async, args, url)
+        rows = trio.run(main_async, args, url, server is not None)
     finally:
         if server is not None:
             server.stop()

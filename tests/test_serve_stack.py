@@ -8,7 +8,10 @@ loudly when a new release changes what they rely on:
   route's final ``http.response.body`` must be sent shielded (``LabHTTPConnection``
   overrides quart-trio's ``handle_request`` to do that);
 - the arrival stamp: hypercorn's per-request stream notes when it parsed the request, and
-  ``received_at`` reads it through the ``send`` callable it hands the app.
+  ``received_at`` reads it through the ``send`` callable it hands the app; earlier still,
+  the connection's stream (wrapped by ``install_receipt_hook``, which replaces the
+  ``TCPServer`` class hypercorn's trio worker instantiates per connection) notes when the
+  read that brought the request returned.
 """
 
 from __future__ import annotations
@@ -22,11 +25,19 @@ from typing import Any
 import pytest
 import trio
 from hypercorn.config import Config
+from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.trio.tcp_server import TCPServer
 from quart_trio.asgi import TrioASGIHTTPConnection
 
 from inference_lab.serve import create_app
-from inference_lab.serve.asgi import LabHTTPConnection, received_at
+from inference_lab.serve.asgi import (
+    LabHTTPConnection,
+    ReceiptStream,
+    ReceiptTCPServer,
+    install_receipt_hook,
+    received_at,
+)
 from tests.conftest import ServeFactory, make_settings
 
 
@@ -116,6 +127,105 @@ async def test_hypercorn_still_tells_the_app_when_it_received_the_request() -> N
     [(arrival, now, start)] = seen
     assert type(start) is float and math.isclose(start, time.time(), abs_tol=5.0)
     assert arrival < now  # hypercorn parsed the request before it called the app
+
+
+def test_hypercorn_still_builds_each_connections_server_from_the_hooked_name() -> None:
+    """The receipt hook relies on hypercorn's trio worker building
+    ``TCPServer(app, config, context, state, stream)`` per connection from the name in
+    ``hypercorn.trio.run``; ``create_app`` installs it there."""
+    params = list(inspect.signature(TCPServer.__init__).parameters)
+    assert params == ["self", "app", "config", "context", "state", "stream"]
+    assert "TCPServer," in inspect.getsource(hypercorn_run.worker_serve)
+    create_app(make_settings())
+    assert hypercorn_run.TCPServer is ReceiptTCPServer
+    assert install_receipt_hook() is True  # idempotent
+
+
+async def _serve_recording(
+    requests: list[bytes], pause: float
+) -> list[tuple[float, float, float, Any]]:
+    """Serve a recording app under hypercorn's trio worker (with the receipt hook) and send
+    ``requests`` on one connection, ``pause`` seconds apart, each after the previous
+    answer. Per request: (``received_at``, its parse time, the connection stream's latest read
+    when the app was called, that stream)."""
+    install_receipt_hook()
+    seen: list[tuple[float, float, float, Any]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        now = trio.current_time()
+        request_stream = send.__self__
+        parsed = now - (time.time() - request_stream.start_time)
+        server = request_stream.send.__self__.send.__self__
+        seen.append((received_at(send), parsed, server.stream.received, server.stream))
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(hypercorn_serve, app, config)
+            port = int(binds[0].rsplit(":", 1)[1])
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            for request in requests:
+                await trio.sleep(pause)
+                await stream.send_all(request)
+                answer = b""
+                while b"\r\n\r\n" not in answer:
+                    answer += await stream.receive_some(4096)
+            await stream.aclose()
+            nursery.cancel_scope.cancel()
+    return seen
+
+
+async def test_the_arrival_is_the_read_that_brought_the_request_in() -> None:
+    """With the receipt hook a request's arrival is when the connection's read returned
+    (not before it), which precedes hypercorn's parse; a later request on the same
+    connection is stamped by its own read, not the first one's."""
+    request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+    seen = await _serve_recording([request, request], pause=0.2)
+    [(first, parsed1, read1, stream1), (second, parsed2, read2, stream2)] = seen
+    assert isinstance(stream1, ReceiptStream) and stream2 is stream1
+    assert first == read1 and second == read2
+    assert first <= parsed1 + 1e-3  # the clocks convert to within 1 ms
+    assert second <= parsed2 + 1e-3
+    assert second - first >= 0.2  # the second request's own read, after the pause
+
+
+async def test_bytes_waiting_when_the_connection_is_taken_up_are_stamped_then() -> None:
+    """A connection's first read is stamped when the server took the connection up if its
+    bytes were already waiting then (``note_waiting``); a read of bytes that came later is
+    stamped when it returns; bytes read after the first are never stamped early."""
+    left, right = trio.socket.socketpair()
+    waiting, later = trio.SocketStream(left), trio.SocketStream(right)
+    await later.send_all(b"GET / HTTP/1.1\r\n\r\n")
+    receipt = ReceiptStream(waiting)
+    receipt.note_waiting()
+    taken_up = trio.current_time()
+    await trio.sleep(0.05)
+    assert await receipt.receive_some(100)
+    assert receipt.received <= taken_up  # noted before the server's own set-up
+    await trio.sleep(0.05)
+    await later.send_all(b"more")
+    assert await receipt.receive_some(100) == b"more"
+    assert receipt.received >= taken_up + 0.1  # when this read returned
+
+    other = ReceiptStream(later)
+    other.note_waiting()  # nothing waiting: nothing noted
+    noted = trio.current_time()
+    await trio.sleep(0.05)
+    await waiting.send_all(b"x")
+    assert await other.receive_some(100) == b"x"
+    assert other.received >= noted + 0.05
+    assert other.socket is later.socket  # everything else is the wrapped stream's
+    await waiting.aclose()
+    await later.aclose()
 
 
 async def test_options_without_an_allowed_origin_is_405_not_an_empty_200(
