@@ -31,14 +31,15 @@ from hypercorn.trio.tcp_server import TCPServer
 from quart_trio.asgi import TrioASGIHTTPConnection
 
 from inference_lab.serve import create_app
-from inference_lab.serve.asgi import (
-    LabHTTPConnection,
+from inference_lab.serve.asgi import LabHTTPConnection, get_state
+from inference_lab.serve.connection import (
+    LabTCPServer,
     ReceiptStream,
-    ReceiptTCPServer,
     install_receipt_hook,
     received_at,
 )
-from tests.conftest import ServeFactory, make_settings
+from inference_lab.serve_cli import bind_socket, serve_app
+from tests.conftest import GPT, ServeFactory, make_settings
 
 
 def test_quart_trio_still_has_the_hook_the_fix_overrides() -> None:
@@ -137,7 +138,7 @@ def test_hypercorn_still_builds_each_connections_server_from_the_hooked_name() -
     assert params == ["self", "app", "config", "context", "state", "stream"]
     assert "TCPServer," in inspect.getsource(hypercorn_run.worker_serve)
     create_app(make_settings())
-    assert hypercorn_run.TCPServer is ReceiptTCPServer
+    assert hypercorn_run.TCPServer is LabTCPServer
     assert install_receipt_hook() is True  # idempotent
 
 
@@ -226,6 +227,67 @@ async def test_bytes_waiting_when_the_connection_is_taken_up_are_stamped_then() 
     assert other.socket is later.socket  # everything else is the wrapped stream's
     await waiting.aclose()
     await later.aclose()
+
+
+async def _writes_of(requests: list[bytes], monkeypatch: pytest.MonkeyPatch) -> list[list[bytes]]:
+    """Serve the app under ``inference-lab serve``'s hypercorn set-up and send each of
+    ``requests`` on its own connection; per request, the socket writes the server made."""
+    writes: list[tuple[trio.SocketStream, bytes]] = []
+    plain_send_all = trio.SocketStream.send_all
+
+    async def counting_send_all(self: trio.SocketStream, data: Any) -> None:
+        writes.append((self, bytes(data)))
+        await plain_send_all(self, data)
+
+    app = create_app(make_settings(max_num_seqs=1, max_waiting=1))
+    state = get_state(app)
+    stop = trio.Event()
+    per_request: list[list[bytes]] = []
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            sock = bind_socket("127.0.0.1", 0, 128)
+            port = sock.getsockname()[1]
+            await nursery.start(
+                lambda task_status: serve_app(
+                    app, sock, shutdown_trigger=stop.wait, task_status=task_status
+                )
+            )
+            monkeypatch.setattr(trio.SocketStream, "send_all", counting_send_all)
+            for request in requests:
+                writes.clear()
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                await stream.send_all(request)
+                while await stream.receive_some(65536):
+                    pass
+                await stream.aclose()
+                per_request.append([data for who, data in writes if who is not stream])
+            monkeypatch.setattr(trio.SocketStream, "send_all", plain_send_all)
+            assert state.runtimes
+            stop.set()
+    return per_request
+
+
+def _post_closing(body: dict[str, Any]) -> bytes:
+    raw = json.dumps(body).encode()
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json"
+        b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(raw)
+    ) + raw
+
+
+async def test_a_whole_reply_and_a_streams_end_leave_in_one_write_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under hypercorn with the hook, a whole reply (start, body, end) is one socket write,
+    not three, and a stream's last frames share one write with the chunked terminator."""
+    bad = _post_closing({"model": "no-such-model", "prompt": "x"})
+    stream = _post_closing({"model": GPT, "prompt": "x", "max_tokens": 3, "stream": True})
+    [reply_writes, stream_writes] = await _writes_of([bad, stream], monkeypatch)
+    assert len(reply_writes) == 1
+    assert reply_writes[0].startswith(b"HTTP/1.1 404") and b'"model_not_found"' in reply_writes[0]
+    last = stream_writes[-1]
+    assert last.endswith(b"0\r\n\r\n") and b"data: [DONE]" in last
+    assert stream_writes[0].startswith(b"HTTP/1.1 200")  # the start is not held back
 
 
 async def test_options_without_an_allowed_origin_is_405_not_an_empty_200(

@@ -15,7 +15,8 @@ import sys
 
 from inference_lab.errors import ConfigError
 from inference_lab.openai_api import MAX_BODY_BYTES
-from inference_lab.serve.asgi import STATE_KEY, InferenceLabApp, install_receipt_hook
+from inference_lab.serve.asgi import STATE_KEY, InferenceLabApp
+from inference_lab.serve.connection import install_receipt_hook
 from inference_lab.serve.harness import register_harness_routes
 from inference_lab.serve.routes import register_routes
 from inference_lab.serve.settings import ServeSettings, settings_from_env
@@ -44,7 +45,7 @@ def create_app(
             # A plain hypercorn launch: one line, and the server does not start.
             print(f"inference-lab: error: {exc}", file=sys.stderr)
             raise SystemExit(1) from None
-    install_receipt_hook()  # arrivals stamped at the socket read (serve/asgi.py Rule 1)
+    install_receipt_hook()  # serve/connection.py: arrival stamps, single writes
     app = InferenceLabApp(__name__)
     # OPTIONS is answered by the gate (CORS preflights from allowed origins) or is a 405,
     # not Quart's automatic 200 (set before any route is registered).

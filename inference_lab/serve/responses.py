@@ -28,6 +28,7 @@ from inference_lab.errors import (
 )
 from inference_lab.jsonbytes import dumps
 from inference_lab.openai_api import MAX_BODY_BYTES, StreamEncoder
+from inference_lab.serve.connection import one_write
 from inference_lab.serve.exchange import Send
 
 __all__ = [
@@ -278,7 +279,10 @@ def stream_shutdown_frames() -> bytes:
 
 async def send_reply(send: Send, reply: Reply, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """Send ``reply`` on ASGI ``send``, ``headers`` added: the start, then the body, which
-    ends the response. Every whole reply the app sends outside Quart goes through it."""
+    ends the response, in one socket write where the connection allows it
+    (:func:`~inference_lab.serve.connection.one_write`). Every whole reply the app sends
+    outside Quart goes through it."""
     headers = reply.header_list(headers)
-    await send({"type": "http.response.start", "status": reply.status, "headers": headers})
-    await send({"type": "http.response.body", "body": reply.body, "more_body": False})
+    async with one_write(send):
+        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+        await send({"type": "http.response.body", "body": reply.body, "more_body": False})

@@ -30,6 +30,7 @@ import trio
 
 from inference_lab.engine import Finished
 from inference_lab.openai_api import StreamEncoder
+from inference_lab.serve.connection import one_write
 from inference_lab.serve.responses import stream_failure_frames
 
 __all__ = ["CollectSink", "Delivery", "LoopMonitor", "StreamSink", "write_stream"]
@@ -350,7 +351,8 @@ async def write_stream(send: Send, sink: StreamSink, delivery: Delivery) -> None
             data = sink.take()
             if sink.done:
                 with trio.CancelScope(shield=True):
-                    await send({"type": "http.response.body", "body": data, "more_body": False})
+                    async with one_write(send):  # the last frames and the body's end
+                        await send({"type": "http.response.body", "body": data, "more_body": False})
                 return
             await send({"type": "http.response.body", "body": data, "more_body": True})
             interval = delivery.interval
