@@ -10,8 +10,9 @@ Rule 1: checks run in the order body (413/408/400) -> validation (400) -> model 
         ``ModelRuntime.admit_nowait``, and every refusal is a whole :class:`Reply` sent
         before any response starts. Between model and fit the test harness may take
         the request over (:mod:`inference_lab.serve.harness`).
-Rule 2: a request's arrival is the moment its ASGI call started (``arrival``), before its
-        body was read and parsed, as a real engine's API server stamps it.
+Rule 2: a request's arrival is the exchange's (``Exchange.arrival``: when the server
+        received it, :func:`inference_lab.serve.connection.received_at`), before its body
+        was read and parsed, as a real engine's API server stamps it.
 Rule 3: an admitted request is closed (aborted unless it finished) exactly when its
         exchange ends, whatever ends it: the ``finally`` here is synchronous and
         idempotent, and a client that leaves wakes the writer or collector at once.
