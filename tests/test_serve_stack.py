@@ -22,6 +22,7 @@ import math
 import time
 from typing import Any
 
+import attrs
 import pytest
 import trio
 from hypercorn.config import Config
@@ -96,38 +97,11 @@ async def test_a_disconnect_during_a_quart_routes_final_send_does_not_cut_it() -
 
 
 async def test_hypercorn_still_tells_the_app_when_it_received_the_request() -> None:
-    """Under hypercorn's trio worker ``received_at`` finds the receipt time (before the
-    app was called), not the time of the call."""
-    seen: list[tuple[float, float, Any]] = []
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        now = trio.current_time()
-        start = getattr(getattr(send, "__self__", None), "start_time", None)
-        seen.append((received_at(send), now, start))
-        await send({"type": "http.response.start", "status": 204, "headers": []})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    config = Config()
-    config.bind = ["127.0.0.1:0"]
-    config.accesslog = None
-    with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            binds = await nursery.start(hypercorn_serve, app, config)
-            port = int(binds[0].rsplit(":", 1)[1])
-            stream = await trio.open_tcp_stream("127.0.0.1", port)
-            await stream.send_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-            while await stream.receive_some(4096):
-                pass
-            await stream.aclose()
-            nursery.cancel_scope.cancel()
-    [(arrival, now, start)] = seen
-    assert type(start) is float and math.isclose(start, time.time(), abs_tol=5.0)
-    assert arrival < now  # hypercorn parsed the request before it called the app
+    """Under hypercorn's trio worker ``received_at`` finds a receipt time before the app
+    was called (not the time of the call), and hypercorn still notes its parse time."""
+    [seen] = await _serve_recording([b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"], pause=0.0)
+    assert type(seen.start) is float and math.isclose(seen.start, time.time(), abs_tol=5.0)
+    assert seen.arrival < seen.now  # received (and parsed) before the app was called
 
 
 def test_hypercorn_still_builds_each_connections_server_from_the_hooked_name() -> None:
@@ -142,15 +116,24 @@ def test_hypercorn_still_builds_each_connections_server_from_the_hooked_name() -
     assert install_receipt_hook() is True  # idempotent
 
 
-async def _serve_recording(
-    requests: list[bytes], pause: float
-) -> list[tuple[float, float, float, Any]]:
+@attrs.frozen
+class Seen:
+    """What a recording app saw of one request under hypercorn."""
+
+    arrival: float  # received_at(send)
+    now: float  # when the app was called
+    start: Any  # hypercorn's start_time (wall clock)
+    parsed: float  # start_time as trio time
+    read: float  # the connection stream's latest read when the app was called
+    stream: Any  # the connection's stream
+
+
+async def _serve_recording(requests: list[bytes], pause: float) -> list[Seen]:
     """Serve a recording app under hypercorn's trio worker (with the receipt hook) and send
     ``requests`` on one connection, ``pause`` seconds apart, each after the previous
-    answer. Per request: (``received_at``, its parse time, the connection stream's latest read
-    when the app was called, that stream)."""
+    answer."""
     install_receipt_hook()
-    seen: list[tuple[float, float, float, Any]] = []
+    seen: list[Seen] = []
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -160,9 +143,18 @@ async def _serve_recording(
             return
         now = trio.current_time()
         request_stream = send.__self__
-        parsed = now - (time.time() - request_stream.start_time)
+        start = request_stream.start_time
         server = request_stream.send.__self__.send.__self__
-        seen.append((received_at(send), parsed, server.stream.received, server.stream))
+        seen.append(
+            Seen(
+                arrival=received_at(send),
+                now=now,
+                start=start,
+                parsed=now - (time.time() - start),
+                read=server.stream.received,
+                stream=server.stream,
+            )
+        )
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -191,12 +183,12 @@ async def test_the_arrival_is_the_read_that_brought_the_request_in() -> None:
     connection is stamped by its own read, not the first one's."""
     request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
     seen = await _serve_recording([request, request], pause=0.2)
-    [(first, parsed1, read1, stream1), (second, parsed2, read2, stream2)] = seen
-    assert isinstance(stream1, ReceiptStream) and stream2 is stream1
-    assert first == read1 and second == read2
-    assert first <= parsed1 + 1e-3  # the clocks convert to within 1 ms
-    assert second <= parsed2 + 1e-3
-    assert second - first >= 0.2  # the second request's own read, after the pause
+    [first, second] = seen
+    assert isinstance(first.stream, ReceiptStream) and second.stream is first.stream
+    assert first.arrival == first.read and second.arrival == second.read
+    assert first.arrival <= first.parsed + 1e-3  # the clocks convert to within 1 ms
+    assert second.arrival <= second.parsed + 1e-3
+    assert second.arrival - first.arrival >= 0.2  # the second request's own read
 
 
 async def test_bytes_waiting_when_the_connection_is_taken_up_are_stamped_then() -> None:
