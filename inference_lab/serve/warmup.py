@@ -9,22 +9,34 @@ Rule 1: the warm-up runs on a throwaway :class:`ServeState` built from the same 
         the served runtimes never see it (their counters, clocks and statistics start
         untouched), and it is stopped before serving starts.
 Rule 2: it drives :func:`inference_lab.serve.completions.complete` exactly as the app's
-        ASGI connection does, with in-memory ``receive``/``send`` callables.
+        ASGI connection does, first with in-memory ``receive``/``send`` callables, then
+        through hypercorn's own HTTP/1.1 connection server (the hooked
+        :class:`~inference_lab.serve.connection.LabTCPServer`) over a local socket pair,
+        so that hypercorn's request path, the arrival stamp and the single writes do not
+        run cold either. Nothing listens and nothing leaves the process.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import trio
+from hypercorn.app_wrappers import ASGIWrapper
+from hypercorn.config import Config as HyperConfig
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
 
-from inference_lab.serve.completions import Kind, complete
+from inference_lab.serve.completions import COMPLETION_ROUTES, Kind, complete
+from inference_lab.serve.connection import LabTCPServer, received_at
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.settings import ServeSettings
 from inference_lab.serve.state import ServeState
 
 __all__ = ["warm_up"]
+
+logger = logging.getLogger(__name__)
 
 #: Seconds the whole warm-up may take before it is abandoned (it takes ~10-50 ms).
 WARM_UP_TIMEOUT = 10.0
@@ -73,6 +85,42 @@ async def _exchange(state: ServeState, kind: Kind, body: dict[str, Any]) -> list
     return sent
 
 
+async def _through_hypercorn(state: ServeState, kind: Kind, body: dict[str, Any]) -> bytes:
+    """One request through hypercorn's HTTP/1.1 connection server over a socket pair (the
+    connection closes after it); the raw answer."""
+    data = json.dumps(body).encode()
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    request = (
+        f"POST {path} HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/json\r\n"
+        f"connection: close\r\ncontent-length: {len(data)}\r\n\r\n"
+    ).encode() + data
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            route = COMPLETION_ROUTES[scope["path"]]
+            await complete(state, route, Exchange(scope, received_at(send)), receive, send)
+
+    config = HyperConfig()
+    config.accesslog = None
+    ours, theirs = trio.socket.socketpair()
+    client = trio.SocketStream(theirs)
+    server = LabTCPServer(
+        ASGIWrapper(app),  # type: ignore[arg-type]
+        config,
+        WorkerContext(None),
+        ConnectionState({}),
+        trio.SocketStream(ours),
+    )
+    answer = bytearray()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.run)
+        await client.send_all(request)
+        while chunk := await client.receive_some(65536):
+            answer += chunk
+        await client.aclose()
+    return bytes(answer)
+
+
 async def warm_up(settings: ServeSettings) -> None:
     """Serve a handful of requests per model on a throwaway state (see the module rules).
     Called by :meth:`ServeState.start` in a server process, before the real runtimes
@@ -85,5 +133,13 @@ async def warm_up(settings: ServeSettings) -> None:
                 for model in state.runtimes:
                     for kind, body in _requests(model):
                         await _exchange(state, kind, body)
+                try:
+                    for model in state.runtimes:
+                        for kind, body in _requests(model):
+                            await _through_hypercorn(state, kind, body)
+                except Exception as exc:  # noqa: BLE001 - only a warm-up: serve regardless
+                    logger.warning(
+                        "warm-up through hypercorn skipped: %s: %s", type(exc).__name__, exc
+                    )
             finally:
                 await state.stop()
