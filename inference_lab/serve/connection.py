@@ -14,6 +14,11 @@ Rule 1: a request's arrival is the moment the server received it (:func:`receive
 Rule 2: the bytes of a whole reply (response start, body, end of body) and of a stream's
         last message (its last frames and the chunked terminator) leave in one socket
         write (:meth:`LabTCPServer.one_write`), not one per protocol event.
+Rule 3: the keep-alive idle timer is one task per connection sleeping until a deadline
+        that the start and end of each request move (:class:`IdleTimer`), not a task
+        spawned for every idle period and cancelled by the next request (~125 µs a
+        request); an idle connection is still closed after ``keep_alive_timeout`` or
+        when the server terminates, and the timer ends with the connection's reading.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio.tcp_server import TCPServer
 
 __all__ = [
+    "IdleTimer",
     "LabTCPServer",
     "MAX_RECEIPT_AGE",
     "ReceiptStream",
@@ -84,6 +90,73 @@ class ReceiptStream:
         return getattr(self._stream, name)
 
 
+class IdleTimer:
+    """The keep-alive idle timer of one connection (Rule 3), in place of hypercorn's
+    ``TrioSingleTask``: the same ``restart`` (the connection became idle) and ``stop`` (a
+    request began), but one watcher task per connection whose deadline they move.
+
+    While idle, the watcher closes the connection as hypercorn's own idle task does
+    (``_initiate_server_close``) once ``keep_alive_timeout`` has passed or the server
+    terminates; while a request runs it only waits. :meth:`finish` ends it when the
+    connection's reading has ended (the connection then closes through hypercorn's own
+    teardown)."""
+
+    __slots__ = ("_server", "_idle", "_deadline", "_finished", "_started", "_scope", "_lot")
+
+    def __init__(self, server: TCPServer) -> None:
+        self._server = server
+        self._idle = False
+        self._deadline = math.inf
+        self._finished = False
+        self._started = False
+        self._scope: trio.CancelScope | None = None
+        self._lot = trio.lowlevel.ParkingLot()
+
+    async def restart(self, task_group: Any, action: Any) -> None:
+        """The connection is idle from now: close it after ``keep_alive_timeout``
+        (``action``, hypercorn's own idle task, is not used)."""
+        self._idle = True
+        self._deadline = trio.current_time() + self._server.config.keep_alive_timeout
+        if not self._started:
+            self._started = True
+            task_group._nursery.start_soon(self._watch)
+        elif self._scope is not None:
+            self._scope.deadline = self._deadline
+        else:
+            self._lot.unpark_all()
+
+    async def stop(self) -> None:
+        """A request began: the connection is not idle."""
+        self._idle = False
+        self._deadline = math.inf
+        if self._scope is not None:
+            self._scope.deadline = math.inf
+
+    def finish(self) -> None:
+        """The connection's reading has ended: end the watcher without closing."""
+        self._finished = True
+        if self._scope is not None:
+            self._scope.cancel()
+        self._lot.unpark_all()
+
+    async def _watch(self) -> None:
+        terminated = self._server.context.terminated
+        while not self._finished:
+            if not self._idle:
+                await self._lot.park()  # until the connection is idle again, or done
+                continue
+            with trio.CancelScope(deadline=self._deadline) as scope:
+                self._scope = scope
+                await terminated.wait()
+            self._scope = None
+            if self._finished:
+                return
+            if self._idle and (terminated.is_set() or trio.current_time() >= self._deadline):
+                with trio.CancelScope(shield=True):
+                    await self._server._initiate_server_close()
+                return
+
+
 class LabTCPServer(TCPServer):
     """hypercorn's per-connection server, reading through a :class:`ReceiptStream` and
     able to gather the writes of several protocol events into one (:meth:`one_write`)."""
@@ -93,6 +166,14 @@ class LabTCPServer(TCPServer):
         receipt.note_waiting()
         super().__init__(app, config, context, state, receipt)  # type: ignore[arg-type]
         self._gathered: list[bytes] | None = None
+        self._idle_timer = IdleTimer(self)
+        self.idle_task = self._idle_timer  # type: ignore[assignment]
+
+    async def _read_data(self) -> None:
+        try:
+            await super()._read_data()
+        finally:
+            self._idle_timer.finish()
 
     async def protocol_send(self, event: Event) -> None:
         gathered = self._gathered

@@ -1,0 +1,127 @@
+"""The keep-alive idle timer of hypercorn's hooked connection server
+(inference_lab/serve/connection.py Rule 3)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import trio
+import trio.testing
+
+from inference_lab.serve.connection import IdleTimer
+from tests.conftest import GPT
+from tests.test_serve_e2e import http_request, read_until_eof, running_server
+
+
+@attrs.define
+class FakeServer:
+    """What the timer uses of hypercorn's connection server."""
+
+    config: Any
+    context: Any
+    closes: list[float] = attrs.field(factory=list)
+
+    async def _initiate_server_close(self) -> None:
+        self.closes.append(trio.current_time())
+
+
+def _timer(timeout: float) -> tuple[IdleTimer, FakeServer, trio.Event]:
+    terminated = trio.Event()
+    server = FakeServer(
+        config=attrs.make_class("C", ["keep_alive_timeout"])(timeout),
+        context=attrs.make_class("X", ["terminated"])(terminated),
+    )
+    return IdleTimer(server), server, terminated  # type: ignore[arg-type]
+
+
+@attrs.define
+class Group:
+    _nursery: trio.Nursery
+
+
+async def test_an_idle_connection_is_closed_once_after_the_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    timer, server, _ = _timer(5.0)
+    async with trio.open_nursery() as nursery:
+        start = trio.current_time()
+        await timer.restart(Group(nursery), None)
+        await trio.sleep(10)
+    assert server.closes == [start + 5.0]
+
+
+async def test_a_request_stops_the_timer_and_the_next_idle_period_starts_it_anew(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """stop() during a request holds the connection open however long the request
+    runs; restart() counts the timeout from the new idle moment, not the first."""
+    timer, server, _ = _timer(5.0)
+    async with trio.open_nursery() as nursery:
+        group = Group(nursery)
+        await timer.restart(group, None)
+        await trio.sleep(4)
+        await timer.stop()  # a request began at t=4 ...
+        await trio.sleep(100)  # ... and runs for 100 s
+        assert server.closes == []
+        again = trio.current_time()
+        await timer.restart(group, None)  # idle again
+        await trio.sleep(3)
+        await timer.stop()
+        await timer.restart(group, None)  # a short request: idle from t+3
+        await trio.sleep(10)
+    assert server.closes == [again + 3 + 5.0]
+
+
+async def test_termination_closes_an_idle_connection_but_not_a_busy_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    timer, server, terminated = _timer(5.0)
+    async with trio.open_nursery() as nursery:
+        group = Group(nursery)
+        await timer.restart(group, None)
+        await trio.sleep(1)  # the watcher waits on the idle connection ...
+        await timer.stop()  # ... which then gets a request
+        terminated.set()
+        await trio.sleep(50)
+        assert server.closes == []  # a request in flight is not cut by the idle timer
+        now = trio.current_time()
+        await timer.restart(group, None)  # its response done: idle on a terminating server
+        await trio.sleep(1)
+    assert server.closes == [now]
+
+
+async def test_finish_ends_the_watcher_without_closing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """When the connection's reading has ended the watcher ends at once (the nursery
+    can exit), idle or not, and never closes anything itself."""
+    for busy in (False, True):
+        timer, server, _ = _timer(5.0)
+        with trio.fail_after(1):
+            async with trio.open_nursery() as nursery:
+                await timer.restart(Group(nursery), None)
+                if busy:
+                    await timer.stop()
+                await trio.sleep(0.5)
+                timer.finish()
+        assert server.closes == []
+
+
+async def test_a_keep_alive_connection_serves_a_request_longer_than_the_timeout() -> None:
+    """With keep_alive_timeout 0.3 s, a 0.7 s request and then another after a 0.2 s
+    pause, all on one connection: both answered; then the idle connection is closed."""
+    body = {"model": GPT, "prompt": "x", "max_tokens": 1500}
+    with trio.fail_after(20):
+        async with running_server(keep_alive_timeout=0.3) as (_, port, _state):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(http_request("POST", "/v1/completions", body))
+            first = b""
+            while b'"finish_reason"' not in first:
+                first += await stream.receive_some(65536)
+            await trio.sleep(0.2)
+            await stream.send_all(http_request("GET", "/health"))
+            rest = await read_until_eof(stream)  # the server closes once idle 0.3 s
+            await stream.aclose()
+    assert first.startswith(b"HTTP/1.1 200")
+    assert rest.startswith(b"HTTP/1.1 200")
