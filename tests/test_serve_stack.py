@@ -107,9 +107,16 @@ async def test_hypercorn_still_tells_the_app_when_it_received_the_request() -> N
 def test_hypercorn_still_builds_each_connections_server_from_the_hooked_name() -> None:
     """The receipt hook relies on hypercorn's trio worker building
     ``TCPServer(app, config, context, state, stream)`` per connection from the name in
-    ``hypercorn.trio.run``; ``create_app`` installs it there."""
+    ``hypercorn.trio.run`` (``create_app`` installs it there), and the idle timer on how
+    ``TCPServer`` uses its ``idle_task``."""
     params = list(inspect.signature(TCPServer.__init__).parameters)
     assert params == ["self", "app", "config", "context", "state", "stream"]
+    # the idle timer it replaces is used through these two calls only (connection.py Rule 3)
+    source = inspect.getsource(TCPServer)
+    assert source.count("self.idle_task.") == 3
+    assert source.count("self.idle_task.restart(self._task_group, self._idle_timeout)") == 2
+    assert source.count("self.idle_task.stop()") == 1
+    assert "async def _read_data(self) -> None:" in source
     assert "TCPServer," in inspect.getsource(hypercorn_run.worker_serve)
     create_app(make_settings())
     assert hypercorn_run.TCPServer is LabTCPServer
