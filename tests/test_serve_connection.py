@@ -1,5 +1,5 @@
-"""The keep-alive idle timer of hypercorn's hooked connection server
-(inference_lab/serve/connection.py Rule 3)."""
+"""hypercorn's hooked connection server (inference_lab/serve/connection.py): the
+keep-alive idle timer (Rule 3) and the writes (Rule 4)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ from typing import Any
 import attrs
 import trio
 import trio.testing
+from hypercorn.app_wrappers import ASGIWrapper
+from hypercorn.config import Config as HyperConfig
+from hypercorn.events import RawData
+from hypercorn.protocol import ProtocolWrapper
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
 
-from inference_lab.serve.connection import IdleTimer
+from inference_lab.serve.connection import IdleTimer, LabTCPServer
 from tests.conftest import GPT
 from tests.test_serve_e2e import http_request, read_until_eof, running_server
 
@@ -125,3 +131,63 @@ async def test_a_keep_alive_connection_serves_a_request_longer_than_the_timeout(
             await stream.aclose()
     assert first.startswith(b"HTTP/1.1 200")
     assert rest.startswith(b"HTTP/1.1 200")
+
+
+async def _connection_server() -> tuple[LabTCPServer, trio.SocketStream]:
+    ours, theirs = trio.socket.socketpair()
+    config = HyperConfig()
+    server = LabTCPServer(
+        ASGIWrapper(None),  # type: ignore[arg-type]
+        config,
+        WorkerContext(None),
+        ConnectionState({}),
+        trio.SocketStream(ours),
+    )
+    server.protocol = ProtocolWrapper(  # what TCPServer.run sets up before any write
+        server.app,
+        config,
+        server.context,
+        None,
+        ConnectionState({}),
+        False,
+        None,
+        None,
+        server.protocol_send,
+        "http/1.1",
+    )
+    return server, trio.SocketStream(theirs)
+
+
+async def test_a_write_waits_for_a_held_send_lock_and_keeps_the_order() -> None:
+    """The lock-free fast path is only taken when nobody holds the lock: a write while
+    another holds it waits, and the bytes arrive in order."""
+    server, client = await _connection_server()
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            await server.send_lock.acquire()
+            nursery.start_soon(server.protocol_send, RawData(data=b"second"))
+            await trio.sleep(0.05)
+            await server.stream.send_all(b"first ")
+            server.send_lock.release()
+        await server.protocol_send(RawData(data=b" third"))
+        data = b""
+        while not data.endswith(b"third"):
+            data += await client.receive_some(100)
+    assert data == b"first second third"
+
+
+async def test_a_cancelled_task_does_not_write() -> None:
+    """As with hypercorn's own path, a write from a cancelled task raises Cancelled and
+    writes nothing; a shielded one (the end of a response) still writes."""
+    server, client = await _connection_server()
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        with trio.CancelScope(shield=True):
+            await server.protocol_send(RawData(data=b"shielded"))
+        await server.protocol_send(RawData(data=b"dropped"))
+    assert scope.cancelled_caught
+    await server.stream.aclose()
+    data = b""
+    while chunk := await client.receive_some(100):
+        data += chunk
+    assert data == b"shielded"

@@ -19,6 +19,9 @@ Rule 3: the keep-alive idle timer is one task per connection sleeping until a de
         spawned for every idle period and cancelled by the next request (~125 µs a
         request); an idle connection is still closed after ``keep_alive_timeout`` or
         when the server terminates, and the timer ends with the connection's reading.
+Rule 4: a write takes the connection's send lock without a scheduling point when the
+        lock is free (hypercorn's ``async with`` costs two trips through the scheduler
+        per write); a busy lock, or a cancelled task, goes hypercorn's own way.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
-from hypercorn.events import Event, RawData
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio.tcp_server import TCPServer
 
@@ -182,13 +185,39 @@ class LabTCPServer(TCPServer):
                 gathered.append(event.data)
                 return
             await self._flush()  # a close or an idle change: what was written goes first
-        await super().protocol_send(event)
+        if isinstance(event, RawData):
+            await self._write(event)
+        else:
+            await super().protocol_send(event)
+
+    async def _write(self, event: RawData) -> None:
+        """hypercorn's write (under the connection's send lock, shielded, a failed write
+        reported as the connection's close), without the lock's two scheduling points when
+        nobody holds or waits for it (Rule 4); a cancelled task, or a lock in use, takes
+        hypercorn's own path."""
+        lock = self.send_lock
+        if trio.current_effective_deadline() == -math.inf:
+            await super().protocol_send(event)  # cancelled: raises there, as hypercorn does
+            return
+        try:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await super().protocol_send(event)
+            return
+        try:
+            try:
+                with trio.CancelScope(shield=True):
+                    await self.stream.send_all(event.data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.protocol.handle(Closed())
+        finally:
+            lock.release()
 
     async def _flush(self) -> None:
         gathered, self._gathered = self._gathered, []
         if gathered:
             with trio.CancelScope(shield=True):
-                await super().protocol_send(RawData(data=b"".join(gathered)))
+                await self._write(RawData(data=b"".join(gathered)))
 
     @asynccontextmanager
     async def one_write(self) -> AsyncIterator[None]:

@@ -1,0 +1,137 @@
+"""What the HTTP stack costs per write and per request, in-process.
+
+Runs the serve app's hooked hypercorn connection server (``LabTCPServer``) over a local
+socket pair with a minimal ASGI app — no engine, no pacing — and a reader in the same
+trio loop, and prints the CPU time (``time.process_time``) per unit:
+
+- **per write**: one streaming response writing N mid-stream body messages of one SSE
+  frame each (the path of every mid-stream write of a stream) — hypercorn's request
+  stream, h11's chunk framing, the send lock and the ``send`` system call, plus the
+  reader's share;
+- **per request**: N requests on one keep-alive connection, each answered by a response
+  start and one body message (the path of a one-token answer) — h11 parsing, the request
+  stream's set-up, the app task, the response start, the body and its end, the idle timer.
+
+    python scripts/bench_stack.py
+    python scripts/bench_stack.py --writes 50000 --requests 5000
+
+Nothing listens; no traffic leaves the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import trio
+from hypercorn.app_wrappers import ASGIWrapper
+from hypercorn.config import Config as HyperConfig
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
+
+from inference_lab.serve.connection import LabTCPServer
+
+FRAME = (
+    b'data: {"id":"cmpl-0123456789abcdef","object":"text_completion","created":1764500000,'
+    b'"model":"gpt-oss-20b","choices":[{"text":"word ","index":0}]}\n\n'
+)
+REQUEST = b"GET /x HTTP/1.1\r\nhost: localhost\r\n\r\n"
+
+
+async def _serve(app: Any, work: Any) -> None:
+    config = HyperConfig()
+    config.accesslog = None
+    config.keep_alive_max_requests = 1 << 30
+    ours, theirs = trio.socket.socketpair()
+    client = trio.SocketStream(theirs)
+    server = LabTCPServer(
+        ASGIWrapper(app), config, WorkerContext(None), ConnectionState({}), trio.SocketStream(ours)
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.run)
+        await work(client)
+        await client.aclose()
+
+
+async def per_write(writes: int) -> float:
+    """CPU seconds per mid-stream write."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(writes):
+            await send({"type": "http.response.body", "body": FRAME, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    spent = 0.0
+
+    async def work(client: trio.SocketStream) -> None:
+        nonlocal spent
+        start = time.process_time()
+        await client.send_all(REQUEST)
+        data = bytearray()
+        while not data.endswith(b"0\r\n\r\n"):
+            data += await client.receive_some(1 << 20)
+        spent = time.process_time() - start
+
+    await _serve(app, work)
+    return spent / writes
+
+
+async def per_request(requests: int) -> float:
+    """CPU seconds per request answered with a start and one body message."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-length", b"%d" % len(FRAME))],
+            }
+        )
+        await send({"type": "http.response.body", "body": FRAME, "more_body": False})
+
+    spent = 0.0
+
+    async def work(client: trio.SocketStream) -> None:
+        nonlocal spent
+        start = time.process_time()
+        for _ in range(requests):
+            await client.send_all(REQUEST)
+            data = bytearray()
+            while not data.endswith(FRAME):
+                data += await client.receive_some(65536)
+        spent = time.process_time() - start
+
+    await _serve(app, work)
+    return spent / requests
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--writes", type=int, default=20_000)
+    parser.add_argument("--requests", type=int, default=2_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.writes < 1 or args.requests < 1 or args.repeats < 1:
+        parser.error("--writes, --requests and --repeats must be at least 1")
+    writes = [trio.run(per_write, args.writes) for _ in range(args.repeats)]
+    requests = [trio.run(per_request, args.requests) for _ in range(args.repeats)]
+    print(
+        f"per mid-stream write: {min(writes) * 1e6:.1f} us of CPU (best of {args.repeats}; "
+        f"all {', '.join(f'{w * 1e6:.1f}' for w in writes)})"
+    )
+    print(
+        f"per request (start + one body, keep-alive): {min(requests) * 1e6:.1f} us of CPU "
+        f"(best of {args.repeats}; all {', '.join(f'{r * 1e6:.1f}' for r in requests)})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
