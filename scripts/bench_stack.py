@@ -26,12 +26,9 @@ import time
 from typing import Any
 
 import trio
-from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HyperConfig
-from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.typing import ConnectionState
 
-from inference_lab.serve.connection import LabTCPServer
+from inference_lab.serve.connection import local_connection
 
 FRAME = (
     b'data: {"id":"cmpl-0123456789abcdef","object":"text_completion","created":1764500000,'
@@ -44,11 +41,7 @@ async def _serve(app: Any, work: Any) -> None:
     config = HyperConfig()
     config.accesslog = None
     config.keep_alive_max_requests = 1 << 30
-    ours, theirs = trio.socket.socketpair()
-    client = trio.SocketStream(theirs)
-    server = LabTCPServer(
-        ASGIWrapper(app), config, WorkerContext(None), ConnectionState({}), trio.SocketStream(ours)
-    )
+    server, client = local_connection(app, config)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(server.run)
         await work(client)

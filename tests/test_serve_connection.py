@@ -8,14 +8,11 @@ from typing import Any
 import attrs
 import trio
 import trio.testing
-from hypercorn.app_wrappers import ASGIWrapper
-from hypercorn.config import Config as HyperConfig
 from hypercorn.events import RawData
 from hypercorn.protocol import ProtocolWrapper
-from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 
-from inference_lab.serve.connection import IdleTimer, LabTCPServer
+from inference_lab.serve.connection import IdleTimer, LabTCPServer, local_connection
 from tests.conftest import GPT
 from tests.test_serve_e2e import http_request, read_until_eof, running_server
 
@@ -134,20 +131,12 @@ async def test_a_keep_alive_connection_serves_a_request_longer_than_the_timeout(
 
 
 async def _connection_server() -> tuple[LabTCPServer, trio.SocketStream]:
-    ours, theirs = trio.socket.socketpair()
-    config = HyperConfig()
-    server = LabTCPServer(
-        ASGIWrapper(None),  # type: ignore[arg-type]
-        config,
-        WorkerContext(None),
-        ConnectionState({}),
-        trio.SocketStream(ours),
-    )
+    server, client = local_connection(None)
     server.protocol = ProtocolWrapper(  # what TCPServer.run sets up before any write
         server.app,
-        config,
+        server.config,
         server.context,
-        None,
+        None,  # type: ignore[arg-type]
         ConnectionState({}),
         False,
         None,
@@ -155,7 +144,7 @@ async def _connection_server() -> tuple[LabTCPServer, trio.SocketStream]:
         server.protocol_send,
         "http/1.1",
     )
-    return server, trio.SocketStream(theirs)
+    return server, client
 
 
 async def test_a_write_waits_for_a_held_send_lock_and_keeps_the_order() -> None:

@@ -36,9 +36,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
+from hypercorn.app_wrappers import ASGIWrapper
+from hypercorn.config import Config as HyperConfig
 from hypercorn.events import Closed, Event, RawData
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
 
 __all__ = [
     "IdleTimer",
@@ -46,6 +50,7 @@ __all__ = [
     "MAX_RECEIPT_AGE",
     "ReceiptStream",
     "connection_server",
+    "local_connection",
     "install_receipt_hook",
     "one_write",
     "received_at",
@@ -300,3 +305,19 @@ async def one_write(send: Any) -> AsyncIterator[None]:
         return
     async with server.one_write():
         yield
+
+
+def local_connection(
+    app: Any, config: HyperConfig | None = None
+) -> tuple[LabTCPServer, trio.SocketStream]:
+    """A hooked connection server for the ASGI ``app`` over a local socket pair, not yet
+    running (``await server.run()``), and the client's end of the pair (a trio socket
+    stream). For the start-up warm-up and the stack benchmark: nothing listens."""
+    if config is None:
+        config = HyperConfig()
+        config.accesslog = None
+    ours, theirs = trio.socket.socketpair()
+    server = LabTCPServer(
+        ASGIWrapper(app), config, WorkerContext(None), ConnectionState({}), trio.SocketStream(ours)
+    )
+    return server, trio.SocketStream(theirs)

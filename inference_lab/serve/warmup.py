@@ -23,13 +23,9 @@ import logging
 from typing import Any
 
 import trio
-from hypercorn.app_wrappers import ASGIWrapper
-from hypercorn.config import Config as HyperConfig
-from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.typing import ConnectionState
 
 from inference_lab.serve.completions import COMPLETION_ROUTES, Kind, complete
-from inference_lab.serve.connection import LabTCPServer, received_at
+from inference_lab.serve.connection import local_connection, received_at
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.settings import ServeSettings
 from inference_lab.serve.state import ServeState
@@ -100,17 +96,7 @@ async def _through_hypercorn(state: ServeState, kind: Kind, body: dict[str, Any]
             route = COMPLETION_ROUTES[scope["path"]]
             await complete(state, route, Exchange(scope, received_at(send)), receive, send)
 
-    config = HyperConfig()
-    config.accesslog = None
-    ours, theirs = trio.socket.socketpair()
-    client = trio.SocketStream(theirs)
-    server = LabTCPServer(
-        ASGIWrapper(app),  # type: ignore[arg-type]
-        config,
-        WorkerContext(None),
-        ConnectionState({}),
-        trio.SocketStream(ours),
-    )
+    server, client = local_connection(app)
     answer = bytearray()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(server.run)
