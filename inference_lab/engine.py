@@ -206,6 +206,7 @@ class _Request:
         "first_scheduled",
         "preemptions",
         "blocks",
+        "room",
         "state",
         "worker",
         "mark",
@@ -230,6 +231,7 @@ class _Request:
         self.first_scheduled = -1.0
         self.preemptions = 0
         self.blocks = 0
+        self.room = 0  # positions its blocks surely hold (a plain request; 0: ask)
         self.state = _PENDING
         self.worker = -1
         self.mark = -1  # the step id whose batch holds this request
@@ -384,6 +386,7 @@ class _Worker:
     def _preempt(self, r: _Request) -> None:
         self.free_blocks += r.blocks
         r.blocks = 0
+        r.room = 0
         r.computed = 0
         r.preemptions += 1
         r.state = _WAITING
@@ -405,8 +408,8 @@ class _Worker:
             budget = self.budget
             chunk_cap = self.chunk_cap
             chunked = self.chunked
-            bs = self.block_size
-            private = self.private
+            room_for = self.roofline.room_for
+            blocks_for = self.blocks_for
             batch: list[tuple[_Request, int]] = []
             ns: list[int] = []
             cs: list[int] = []
@@ -427,10 +430,16 @@ class _Worker:
                         n = min(left, budget, chunk_cap)
                     else:
                         n = 1
-                    need = (
-                        self.roofline.blocks_for(c + n) if private else -(-(c + n) // bs)
-                    ) - r.blocks
                     seqs = 1
+                    if c + n <= r.room:  # its blocks hold it: no block to find
+                        r.mark = mark
+                        batch.append((r, n))
+                        ns.append(n)
+                        cs.append(c)
+                        budget -= n
+                        i += 1
+                        continue
+                    need = blocks_for(c + n) - r.blocks
                 else:
                     left, seqs = self._stage(r, c)
                     if left:
@@ -455,6 +464,8 @@ class _Worker:
                 if need > 0:
                     self.free_blocks -= need
                     r.blocks += need
+                if seqs == 1 and r.n == 1:
+                    r.room = room_for(r.blocks)
                 r.mark = mark
                 batch.append((r, n))
                 if seqs == 1:
@@ -710,19 +721,23 @@ class Engine:
         tokens: list[tuple[int, int]] = []
         finished: list[Finished] = []
         any_done = False
+        emit = tokens.append
+        running = _RUNNING
         for r, n in w.batch:
-            if r.state != _RUNNING:
+            if r.state != running:
                 continue  # aborted or preempted while its step was in flight
             c = r.computed + n
             r.computed = c
-            if c >= r.prompt:
-                new = c - r.prompt + 1
+            prompt = r.prompt
+            if c >= prompt:
+                new = c - prompt + 1
                 if new > r.max_tokens:
                     new = r.max_tokens
-                if new > r.output:
-                    if r.output == 0:
+                out = r.output
+                if new > out:
+                    if out == 0:
                         r.first_token_time = now
-                    tokens.append((r.id, new - r.output))
+                    emit((r.id, new - out))
                     r.output = new
                     if new >= r.target:
                         any_done = True

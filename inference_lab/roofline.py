@@ -184,5 +184,27 @@ class Roofline:
         table = self._private_table
         return content + table[positions if positions < len(table) else -1]
 
+    def room_for(self, blocks: int) -> int:
+        """The most resident positions ``blocks`` KV blocks hold: the largest ``p`` with
+        ``blocks_for(p) <= blocks`` (0 when not even one position fits). ``blocks_for`` is
+        non-decreasing, so a request holding ``blocks`` needs no new block while its
+        positions stay within this; the engine asks once per block a request grows by."""
+        bs = self.block_size
+        table = self._private_table
+        last = len(table) - 1
+        p = (blocks - table[last]) * bs  # past the table, private blocks no longer grow
+        if p >= last:
+            return p
+        lo, hi = 0, last  # blocks_for(hi) > blocks; find the largest p < hi that fits
+        if -(-lo // bs) + table[lo] > blocks:
+            return 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if -(-mid // bs) + table[mid] <= blocks:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
     def has_private_blocks(self) -> bool:
         return bool(self._windowed_kv) or self._state_bytes > 0

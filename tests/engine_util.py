@@ -67,8 +67,13 @@ def spec(prompt: int, max_tokens: int, **kw: Any) -> RequestSpec:
 
 
 def assert_blocks_conserved(engine: Engine) -> None:
-    """Rule 4 of the engine: free + held == total on every worker."""
+    """Rule 4 of the engine: free + held == total on every worker, and each running
+    member of the step in flight holds exactly the blocks of the positions it has once
+    that step ends (no more, no fewer)."""
     for w in engine.workers:
         held = sum(r.blocks for r in w.running)
         assert w.free_blocks + held == w.total_blocks, (w.free_blocks, held, w.total_blocks)
         assert w.free_blocks >= 0
+        for r, n in w.batch:
+            if r in w.running:
+                assert r.blocks == w.group_blocks(r, r.computed + n), (r.id, r.blocks)

@@ -204,6 +204,24 @@ def test_preemption_recomputes_and_keeps_output() -> None:
     assert eng.workers[0].free_blocks == 10
 
 
+@pytest.mark.parametrize("threshold", [0, 16])
+def test_a_preempted_request_finds_its_blocks_again(threshold: int) -> None:
+    """A preempted request gives back every block; re-admitted (its re-prefill in one
+    step, or chunked 16 positions at a time) it takes them again step by step as its
+    positions grow: every member of every step holds exactly the blocks its positions
+    need, and the cache ends empty."""
+    eng = Engine(deployment(blocks=10, long_prefill_token_threshold=threshold))
+    a = eng.submit(spec(64, 48))
+    b = eng.submit(spec(64, 48))
+    events = []
+    while eng.next_event_time() is not None:
+        events.append(eng.step())
+        assert_blocks_conserved(eng)
+    fin = finished(events)
+    assert fin[b].preemptions >= 1 and fin[a].output_tokens == fin[b].output_tokens == 48
+    assert eng.workers[0].free_blocks == 10
+
+
 def test_preempted_request_emits_nothing_during_reprefill() -> None:
     """Token counts never go backwards or repeat across a preemption."""
     eng = Engine(deployment(blocks=10))

@@ -547,6 +547,23 @@ def test_blocks_for_examples(tmp_path: Path) -> None:
     assert [dense.blocks_for(t) for t in (1, 16, 17, 1000)] == [1, 1, 2, 63]
 
 
+@pytest.mark.parametrize("layers", ["mixed", "dense", "linear only"])
+def test_room_for_is_the_most_positions_the_blocks_hold(tmp_path: Path, layers: str) -> None:
+    """room_for(b) is the largest p with blocks_for(p) <= b (0 when none fits), for every
+    b up to a 3000-position request: the engine skips a running request's block lookup
+    while its positions stay within it."""
+    model = {
+        "mixed": {"layers": MIXED_LAYERS},
+        "dense": {},
+        "linear only": {"layers": [attention(count=2), MIXED_LAYERS[2]]},
+    }[layers]
+    rf = Roofline(build(tmp_path, dense_config(model=model)))
+    sizes = [rf.blocks_for(p) for p in range(3001)]
+    for b in range(sizes[-1]):  # blocks whose room ends before position 3000
+        fits = [p for p, size in enumerate(sizes) if size <= b]
+        assert rf.room_for(b) == (fits[-1] if fits else 0), b
+
+
 def test_gpt_oss_blocks_for_saturates_past_the_window(gpt_oss_roofline: Roofline) -> None:
     """gpt-oss-20b (block 64): the 12 window-128 layers add ceil(12·2048·min(t,128) /
     1,572,864) private blocks: 1 up to t = 64, 2 from t = 65 on."""

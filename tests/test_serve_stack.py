@@ -228,9 +228,16 @@ async def test_bytes_waiting_when_the_connection_is_taken_up_are_stamped_then() 
     await later.aclose()
 
 
-async def _writes_of(requests: list[bytes], monkeypatch: pytest.MonkeyPatch) -> list[list[bytes]]:
+async def _writes_of(
+    requests: list[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+    interval: float | None = None,
+    slowdown: float = 1.0,
+) -> list[list[bytes]]:
     """Serve the app under ``inference-lab serve``'s hypercorn set-up and send each of
-    ``requests`` on its own connection; per request, the socket writes the server made."""
+    ``requests`` on its own connection; per request, the socket writes the server made.
+    ``interval`` fixes the delivery's mid-stream interval (as a saturated loop sets it);
+    ``slowdown`` prices the engine's steps at that many times the model's."""
     writes: list[tuple[trio.SocketStream, bytes]] = []
     plain_send_all = trio.SocketStream.send_all
 
@@ -251,6 +258,10 @@ async def _writes_of(requests: list[bytes], monkeypatch: pytest.MonkeyPatch) -> 
                     app, sock, shutdown_trigger=stop.wait, task_status=task_status
                 )
             )
+            if interval is not None:
+                state.delivery.force_interval(interval)
+            for runtime in state.runtimes.values():
+                runtime.set_step_time_factor(slowdown)
             monkeypatch.setattr(trio.SocketStream, "send_all", counting_send_all)
             for request in requests:
                 writes.clear()
@@ -266,11 +277,11 @@ async def _writes_of(requests: list[bytes], monkeypatch: pytest.MonkeyPatch) -> 
     return per_request
 
 
-def _post_closing(body: dict[str, Any]) -> bytes:
+def _post_closing(body: dict[str, Any], path: bytes = b"/v1/completions") -> bytes:
     raw = json.dumps(body).encode()
     return (
-        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json"
-        b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(raw)
+        b"POST %s HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json"
+        b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % (path, len(raw))
     ) + raw
 
 
@@ -281,12 +292,41 @@ async def test_a_whole_reply_and_a_streams_end_leave_in_one_write_each(
     not three, and a stream's last frames share one write with the chunked terminator."""
     bad = _post_closing({"model": "no-such-model", "prompt": "x"})
     stream = _post_closing({"model": GPT, "prompt": "x", "max_tokens": 3, "stream": True})
-    [reply_writes, stream_writes] = await _writes_of([bad, stream], monkeypatch)
+    [reply_writes, stream_writes] = await _writes_of(
+        [bad, stream], monkeypatch, interval=0.0, slowdown=100.0
+    )
     assert len(reply_writes) == 1
     assert reply_writes[0].startswith(b"HTTP/1.1 404") and b'"model_not_found"' in reply_writes[0]
     last = stream_writes[-1]
     assert last.endswith(b"0\r\n\r\n") and b"data: [DONE]" in last
     assert stream_writes[0].startswith(b"HTTP/1.1 200")  # the start is not held back
+    # ... for the first token (writes are not spaced; a 150 ms prefill here)
+    assert b"data:" not in stream_writes[0]
+
+
+async def test_a_streams_start_shares_a_write_with_its_first_frames(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chat stream's headers leave with its role frame; while delivery spaces writes (a
+    saturated loop), a completions stream's headers wait for its first token and leave
+    with it: one socket write less per request."""
+    chat = _post_closing(
+        {
+            "model": GPT,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 3,
+            "stream": True,
+        },
+        b"/v1/chat/completions",
+    )
+    plain = _post_closing({"model": GPT, "prompt": "x", "max_tokens": 3, "stream": True})
+    [chat_writes, _] = await _writes_of([chat, plain], monkeypatch, slowdown=100.0)
+    assert chat_writes[0].startswith(b"HTTP/1.1 200") and b'"role":"assistant"' in chat_writes[0]
+    assert b'"content"' not in chat_writes[0]  # the first token comes 150 ms later
+    [plain_writes] = await _writes_of([plain], monkeypatch, interval=0.002, slowdown=100.0)
+    first = plain_writes[0]
+    assert first.startswith(b"HTTP/1.1 200") and b'"text"' in first
+    assert plain_writes[-1].endswith(b"0\r\n\r\n")
 
 
 async def test_options_without_an_allowed_origin_is_405_not_an_empty_200(

@@ -224,9 +224,14 @@ async def complete(
                 if isinstance(sink, StreamSink):
                     await handle.wait_taken()  # the engine first, then the response's start
                     headers = [*_STREAM_HEADERS, *exchange.headers]
-                    await send({"type": "http.response.start", "status": 200, "headers": headers})
+                    start = {"type": "http.response.start", "status": 200, "headers": headers}
                     sink.encoder.prepare()  # while the prefill runs, not at its first token
-                    await write_stream(send, sink, state.delivery)
+                    if sink.pending() or state.delivery.interval > 0:
+                        # with its first frames, in one write (streaming Rule 5)
+                        await write_stream(send, sink, state.delivery, start)
+                    else:
+                        await send(start)
+                        await write_stream(send, sink, state.delivery)
                 else:
                     await sink.event.wait()
                     handle.close()

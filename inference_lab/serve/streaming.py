@@ -15,6 +15,11 @@ Rule 2: a stream's first token and its end (finish, an error, ``[DONE]``) are ne
 Rule 3: a slow reader only delays its own writes; the engine never waits for a writer.
 Rule 4: a client that goes away ends its writer at its next wake-up with nothing more
         written (the caller aborts the request in the engine).
+Rule 5: a stream's response start shares the socket write of its first frames when they
+        are pending at once (a chat stream's role frame) or when the loop is saturated
+        (:attr:`Delivery.interval` > 0: one write less per request where the CPU is the
+        limit, the headers then arriving with the first token); otherwise the start is
+        written at once, while the prefill runs.
 """
 
 from __future__ import annotations
@@ -218,7 +223,7 @@ class Delivery:
     LOW = 0.55
     #: Smallest non-zero interval (seconds) and the largest.
     MIN_INTERVAL = 0.001
-    MAX_INTERVAL = 0.05
+    MAX_INTERVAL = 0.25
     #: Factor of each change of the interval.
     GROW = 1.5
 
@@ -327,12 +332,16 @@ class Delivery:
                 await lot.park()
 
 
-async def write_stream(send: Send, sink: StreamSink, delivery: Delivery) -> None:
+async def write_stream(
+    send: Send, sink: StreamSink, delivery: Delivery, start: dict[str, Any] | None = None
+) -> None:
     """Write ``sink``'s frames to ``send`` until the stream ends or the client leaves.
 
     The message that carries the end of the stream ends the body (``more_body`` False)
     and is shielded from cancellation, so a finished stream always reaches its chunked
-    terminator. Called by the completion exchange once the response has started.
+    terminator. Called by the completion exchange once the response has started, or with
+    the response's ``start`` message, which then leaves in one socket write with the
+    first frames (Rule 5; nothing is sent when the client leaves before them).
     """
     lot = sink.lot
     delivery.open += 1
@@ -352,9 +361,17 @@ async def write_stream(send: Send, sink: StreamSink, delivery: Delivery) -> None
             if sink.done:
                 with trio.CancelScope(shield=True):
                     async with one_write(send):  # the last frames and the body's end
+                        if start is not None:
+                            await send(start)
                         await send({"type": "http.response.body", "body": data, "more_body": False})
                 return
-            await send({"type": "http.response.body", "body": data, "more_body": True})
+            if start is not None:
+                async with one_write(send):
+                    await send(start)
+                    start = None
+                    await send({"type": "http.response.body", "body": data, "more_body": True})
+            else:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
             interval = delivery.interval
             if interval > 0 and sink.emitted and not sink.done:
                 sink.hold = True
