@@ -48,6 +48,7 @@ from inference_lab.serve import (
     load_settings,
     parse_int_setting,
 )
+from inference_lab.serve.connection import enable_receive_timestamps
 from inference_lab.serve.settings import DEFAULT_BODY_TIMEOUT
 
 __all__ = ["add_parser", "bind_socket", "run", "serve_app"]
@@ -223,7 +224,8 @@ def _fail(message: str) -> int:
 
 def bind_socket(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
     """A TCP socket on ``host:port`` listening with ``backlog``, with ``TCP_USER_TIMEOUT``
-    set (inherited by accepted connections on Linux). Raises OSError. Serve it with the
+    set and the kernel stamping what it receives (both inherited by accepted connections on
+    Linux). Raises OSError. Serve it with the
     same ``backlog`` (:func:`serve_app`), which hypercorn applies again (Rule 4)."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, type_, proto, _, address = infos[0]
@@ -233,6 +235,7 @@ def bind_socket(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if hasattr(socket, "TCP_USER_TIMEOUT"):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, TCP_USER_TIMEOUT_MS)
+        enable_receive_timestamps(sock)  # arrivals stamped by the kernel (connection Rule 1)
         sock.bind(address)
         sock.listen(backlog)
     except OSError:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import socket
+import struct
 import time
 from typing import Any
 
@@ -34,8 +36,10 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 from inference_lab.serve import create_app
 from inference_lab.serve.asgi import LabHTTPConnection, get_state
 from inference_lab.serve.connection import (
+    SO_TIMESTAMPNS,
     LabTCPServer,
     ReceiptStream,
+    enable_receive_timestamps,
     install_receipt_hook,
     received_at,
 )
@@ -226,6 +230,44 @@ async def test_bytes_waiting_when_the_connection_is_taken_up_are_stamped_then() 
     assert other.socket is later.socket  # everything else is the wrapped stream's
     await waiting.aclose()
     await later.aclose()
+
+
+@pytest.mark.skipif(SO_TIMESTAMPNS is None, reason="no kernel receive timestamps here")
+async def test_a_read_is_stamped_when_the_kernel_received_its_bytes() -> None:
+    """On a listener that has the kernel stamp what it receives (as ``inference-lab
+    serve``'s does), a connection's read is stamped when its bytes arrived, not when the
+    server got round to the connection or the read: here 50 ms before both. A peer that
+    breaks the connection is BrokenResourceError, a read after close ClosedResourceError,
+    as with trio's own stream."""
+    listener = trio.socket.socket()
+    assert enable_receive_timestamps(listener)
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    client = trio.socket.socket()
+    await client.connect(listener.getsockname())
+    sent = trio.current_time()
+    await client.send(b"GET / HTTP/1.1\r\n\r\n")
+    await trio.sleep(0.05)
+    accepted, _ = await listener.accept()
+    receipt = ReceiptStream(trio.SocketStream(accepted))
+    receipt.note_waiting()
+    assert await receipt.receive_some(100) == b"GET / HTTP/1.1\r\n\r\n"
+    assert sent - 0.005 <= receipt.received <= sent + 0.02
+    await trio.sleep(0.05)
+    again = trio.current_time()
+    await client.send(b"more")
+    await trio.sleep(0.05)
+    assert await receipt.receive_some(100) == b"more"
+    assert again - 0.005 <= receipt.received <= again + 0.02
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    client.close()  # a reset
+    with pytest.raises(trio.BrokenResourceError):
+        while await receipt.receive_some(100):
+            pass
+    await receipt.aclose()
+    with pytest.raises(trio.ClosedResourceError):
+        await receipt.receive_some(100)
+    listener.close()
 
 
 async def _writes_of(

@@ -8,9 +8,11 @@ under ``inference-lab serve`` and a plain hypercorn launch alike). From a reques
 method of the connection server (:func:`connection_server`).
 
 Rule 1: a request's arrival is the moment the server received it (:func:`received_at`):
-        when the socket read that brought the request in returned (the connection's
-        :class:`ReceiptStream` notes it), else hypercorn's own receipt time (its parse),
-        else the start of the ASGI call.
+        when the kernel received the bytes that the socket read bringing the request in
+        returned (their receive timestamp, where the socket gives one:
+        :func:`enable_receive_timestamps`), else when that read returned (the
+        connection's :class:`ReceiptStream` notes either), else hypercorn's own receipt
+        time (its parse), else the start of the ASGI call.
 Rule 2: the bytes of a whole reply (response start, body, end of body) and of a stream's
         last message (its last frames and the chunked terminator) leave in one socket
         write (:meth:`LabTCPServer.one_write`), not one per protocol event.
@@ -26,9 +28,13 @@ Rule 4: a write takes the connection's send lock without a scheduling point when
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import math
+import platform
+import socket
 import struct
+import sys
 import termios
 import time
 from collections.abc import AsyncIterator
@@ -50,6 +56,7 @@ __all__ = [
     "MAX_RECEIPT_AGE",
     "ReceiptStream",
     "connection_server",
+    "enable_receive_timestamps",
     "local_connection",
     "install_receipt_hook",
     "one_write",
@@ -59,23 +66,68 @@ __all__ = [
 #: Seconds beyond which a server's own receipt time is not believed (a clock step).
 MAX_RECEIPT_AGE = 1.0
 
+#: ``SO_TIMESTAMPNS`` (Python's socket module does not name it): the kernel then stamps
+#: each received packet (``CLOCK_REALTIME``, a ``struct timespec``) and ``recvmsg`` hands
+#: the stamp of the latest one read back as ancillary data of the same type. Its number is
+#: 35 on Linux's generic socket ABI (x86, arm, riscv); elsewhere the option is not used.
+_GENERIC_ABI = ("x86_64", "i386", "i686", "aarch64", "arm64", "armv7l", "riscv64")
+SO_TIMESTAMPNS: int | None = getattr(
+    socket,
+    "SO_TIMESTAMPNS",
+    35 if sys.platform == "linux" and platform.machine() in _GENERIC_ABI else None,
+)
+_TIMESPEC = struct.Struct("@ll")
+_ANCILLARY_SPACE = socket.CMSG_SPACE(_TIMESPEC.size)
+
+
+def enable_receive_timestamps(sock: Any) -> bool:
+    """Have the kernel stamp the packets ``sock`` receives (``SO_TIMESTAMPNS``). On a
+    listening socket this is inherited by the connections it accepts, and it turns the
+    kernel's stamping on before their first bytes arrive. False where the platform or the
+    socket has no such option (nothing changed)."""
+    if SO_TIMESTAMPNS is None:
+        return False
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
+def _kernel_receipt(ancillary: list[tuple[int, int, bytes]]) -> float | None:
+    """The trio time of the receive timestamp in ``recvmsg``'s ancillary data, or None
+    (no stamp, or one not within MAX_RECEIPT_AGE before now: a clock step)."""
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= 16:
+            seconds, nanoseconds = _TIMESPEC.unpack_from(payload)
+            age = time.time() - (float(seconds) + float(nanoseconds) * 1e-9)
+            if -1e-3 < age < MAX_RECEIPT_AGE:
+                return trio.current_time() - max(0.0, age)
+    return None
+
 
 class ReceiptStream:
     """A connection's trio stream that notes when the server had each read's bytes.
 
-    ``received`` is the trio time at which the latest ``receive_some`` returned data (or
-    the end of the stream) -- except for a connection's first read when its bytes were
+    ``received`` is the trio time at which the kernel received the bytes the latest
+    ``receive_some`` returned, when the connection is a plain socket stream whose socket
+    stamps what it receives (:func:`enable_receive_timestamps`, asked here; the read is
+    then a ``recvmsg``). Otherwise it is when that read returned (or, for the end of the
+    stream, when it was seen) -- except for a connection's first read when its bytes were
     already waiting in the kernel when the server took the connection up
     (:meth:`note_waiting`): then it is that moment, before the server's own set-up of
     the connection. Everything else is the wrapped stream's.
     """
 
-    __slots__ = ("_stream", "received", "_waiting_since")
+    __slots__ = ("_stream", "received", "_waiting_since", "_stamped")
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
         self.received = -math.inf
         self._waiting_since: float | None = None
+        self._stamped = type(stream) is trio.SocketStream and enable_receive_timestamps(
+            stream.socket
+        )
 
     def note_waiting(self) -> None:
         """If bytes are waiting on the connection now, the first read's bytes were there
@@ -89,10 +141,34 @@ class ReceiptStream:
             self._waiting_since = trio.current_time()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        data: bytes | bytearray = await self._stream.receive_some(max_bytes)
+        stamp: float | None = None
+        if self._stamped:
+            data, stamp = await self._receive_stamped(max_bytes)
+        else:
+            data = await self._stream.receive_some(max_bytes)
         since, self._waiting_since = self._waiting_since, None
-        self.received = trio.current_time() if since is None else since
+        if stamp is None:
+            stamp = trio.current_time() if since is None else since
+        self.received = stamp
         return data
+
+    async def _receive_stamped(self, max_bytes: int | None) -> tuple[bytes, float | None]:
+        """``trio.SocketStream.receive_some`` as a ``recvmsg`` that also reads the receive
+        timestamp (the same errors: a closed socket is ClosedResourceError, a broken
+        connection BrokenResourceError; hypercorn has one reader per connection)."""
+        if max_bytes is None:
+            max_bytes = 65536
+        if max_bytes < 1:
+            raise ValueError("max_bytes must be >= 1")
+        try:
+            data, ancillary, _flags, _address = await self._stream.socket.recvmsg(
+                max_bytes, _ANCILLARY_SPACE
+            )
+        except OSError as exc:
+            if exc.errno in (errno.EBADF, errno.ENOTSOCK):
+                raise trio.ClosedResourceError("this socket was already closed") from None
+            raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+        return data, _kernel_receipt(ancillary) if ancillary else None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)

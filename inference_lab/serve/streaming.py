@@ -19,7 +19,8 @@ Rule 5: a stream's response start shares the socket write of its first frames wh
         are pending at once (a chat stream's role frame) or when the loop is saturated
         (:attr:`Delivery.interval` > 0: one write less per request where the CPU is the
         limit, the headers then arriving with the first token); otherwise the start is
-        written at once, while the prefill runs.
+        written at once, while the prefill runs. Either way the HTTP stack encodes the
+        start when the engine has taken the request, not on the first token's path.
 """
 
 from __future__ import annotations
@@ -340,38 +341,23 @@ async def write_stream(
     The message that carries the end of the stream ends the body (``more_body`` False)
     and is shielded from cancellation, so a finished stream always reaches its chunked
     terminator. Called by the completion exchange once the response has started, or with
-    the response's ``start`` message, which then leaves in one socket write with the
-    first frames (Rule 5; nothing is sent when the client leaves before them).
+    the response's ``start`` message: that is sent at once (the HTTP stack encodes it
+    now, while the prefill runs) but its bytes leave in one socket write with the first
+    frames (Rule 5).
     """
     lot = sink.lot
     delivery.open += 1
     try:
         while True:
-            while not sink.pending():
-                if sink.done:
-                    return  # the client left (nothing more to write)
-                sink.waiting = True
-                try:
-                    await lot.park()
-                finally:
-                    sink.waiting = False
-            if sink.gone:
-                return
-            data = sink.take()
-            if sink.done:
-                with trio.CancelScope(shield=True):
-                    async with one_write(send):  # the last frames and the body's end
-                        if start is not None:
-                            await send(start)
-                        await send({"type": "http.response.body", "body": data, "more_body": False})
-                return
             if start is not None:
                 async with one_write(send):
                     await send(start)
                     start = None
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
+                    ended = await _write_next(send, sink)
             else:
-                await send({"type": "http.response.body", "body": data, "more_body": True})
+                ended = await _write_next(send, sink)
+            if ended:
+                return
             interval = delivery.interval
             if interval > 0 and sink.emitted and not sink.done:
                 sink.hold = True
@@ -386,3 +372,26 @@ async def write_stream(
                     sink.hold = False
     finally:
         delivery.open -= 1
+
+
+async def _write_next(send: Send, sink: StreamSink) -> bool:
+    """Wait for frames and write everything pending in one message; True when the
+    stream has ended (its last message written, or the client gone)."""
+    while not sink.pending():
+        if sink.done:
+            return True  # the client left (nothing more to write)
+        sink.waiting = True
+        try:
+            await sink.lot.park()
+        finally:
+            sink.waiting = False
+    if sink.gone:
+        return True
+    data = sink.take()
+    if sink.done:
+        with trio.CancelScope(shield=True):
+            async with one_write(send):  # the last frames and the body's end
+                await send({"type": "http.response.body", "body": data, "more_body": False})
+        return True
+    await send({"type": "http.response.body", "body": data, "more_body": True})
+    return False
