@@ -35,12 +35,14 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 
 from inference_lab.serve import create_app
 from inference_lab.serve.asgi import LabHTTPConnection, get_state
+from inference_lab.serve.completions import _receive_nowait, read_body
 from inference_lab.serve.connection import (
     SO_TIMESTAMPNS,
     LabTCPServer,
     ReceiptStream,
     enable_receive_timestamps,
     install_receipt_hook,
+    local_connection,
     received_at,
 )
 from inference_lab.serve_cli import bind_socket, serve_app
@@ -188,6 +190,62 @@ async def _serve_recording(requests: list[bytes], pause: float) -> list[Seen]:
     return seen
 
 
+async def test_hypercorn_still_hands_the_app_a_memory_channels_receive() -> None:
+    """``read_body`` takes a body piece hypercorn already holds without a scheduling
+    point; that relies on ``receive`` being a trio memory channel's bound ``receive``,
+    with the body there when the app starts."""
+    seen: list[tuple[Any, bytes]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = b""
+        if _receive_nowait(receive) is not None:
+            body = _receive_nowait(receive)().get("body", b"")
+        seen.append((receive, body))
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    server, client = local_connection(app)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            await client.send_all(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nhi")
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += await client.receive_some(4096)
+            await client.aclose()
+    [(receive, body)] = seen
+    assert isinstance(receive.__self__, trio.MemoryReceiveChannel)
+    assert body == b"hi" and answer.startswith(b"HTTP/1.1 204")
+
+
+async def test_a_body_already_held_is_read_without_a_scheduling_point() -> None:
+    """From a memory channel, pieces already there are taken at once (here inside a
+    cancelled scope, where any scheduling point would raise Cancelled); a piece still to
+    come is waited for as before; any other ``receive`` is awaited."""
+    send, receive = trio.open_memory_channel[dict[str, Any]](10)
+    scope = {"headers": []}
+    await send.send({"type": "http.request", "body": b"ab", "more_body": True})
+    await send.send({"type": "http.request", "body": b"c", "more_body": False})
+    with trio.CancelScope() as cancelled:
+        cancelled.cancel()
+        assert await read_body(receive.receive, scope) == b"abc"
+    await send.send({"type": "http.request", "body": b"x", "more_body": True})
+    with trio.CancelScope() as cancelled:
+        cancelled.cancel()
+        with pytest.raises(trio.Cancelled):
+            await read_body(receive.receive, scope)  # "x", then a wait for the rest
+    await send.send({"type": "http.request", "body": b"z", "more_body": False})
+
+    async def plain() -> dict[str, Any]:
+        return await receive.receive()
+
+    with trio.CancelScope() as cancelled:
+        cancelled.cancel()
+        with pytest.raises(trio.Cancelled):
+            await read_body(plain, scope)
+    assert await read_body(plain, scope) == b"z"
+
+
 async def test_the_arrival_is_the_read_that_brought_the_request_in() -> None:
     """With the receipt hook a request's arrival is when the connection's read returned
     (not before it), which precedes hypercorn's parse; a later request on the same
@@ -243,6 +301,7 @@ async def test_a_read_is_stamped_when_the_kernel_received_its_bytes() -> None:
     assert enable_receive_timestamps(listener)
     await listener.bind(("127.0.0.1", 0))
     listener.listen()
+    await trio.sleep(0.2)  # the kernel turns its packet stamping on a moment later
     client = trio.socket.socket()
     await client.connect(listener.getsockname())
     sent = trio.current_time()
