@@ -5,11 +5,12 @@ retunes it through ``POST /control/capacity``: gpt-oss-20b gets ``max_num_seqs 2
 closed-loop clients streaming 200-token responses (50-token prompts) — all admitted, none
 waiting; Llama-3-70B gets ``max_num_seqs 1, max_waiting 1`` and two very long
 non-streaming requests, one running and one waiting, so its queue sits at its bound for
-the whole run. A second client fires requests at that full queue at a fixed rate (0, 100,
-200, 500 per second by default), **each on a new connection** (connect, send, read the
-answer, close) as a refused client that backs off and comes back does; every one is
-refused with 529 by the same admission path any model uses, in the same process and on
-the same core as the 24 streams. Per rate it prints:
+the whole run. A second client, in a process of its own (so that the stream client's
+own event loop does not delay the refusals it times), fires requests at that full queue
+at a fixed rate (0, 100, 200, 500 per second by default), **each on a new connection**
+(connect, send, read the answer, close) as a refused client that backs off and comes
+back does; every one is refused with 529 by the same admission path any model uses, in
+the same server process and on the same core as the 24 streams. Per rate it prints:
 
 - refusals/s achieved, how many answers were not 529 (or never came), and the 529
   latency p50 / p99 (connect -> complete response);
@@ -99,9 +100,12 @@ async def refuse_once(host: str, port: int, request: bytes, out: list[Refusal]) 
     out.append(Refusal(start, time.perf_counter() - start, status))
 
 
-async def fire(host: str, port: int, rate: float, stop_at: float, out: list[Refusal]) -> int:
-    """Start a refused client every ``1/rate`` seconds (a fixed schedule: late ones start
-    at once) until ``stop_at``; returns how many tickets found MAX_IN_FLIGHT busy."""
+async def fire(
+    host: str, port: int, rate: float, start_at: float, stop_at: float, out: list[Refusal]
+) -> int:
+    """Start a refused client every ``1/rate`` seconds from ``start_at`` (a fixed
+    schedule: late ones start at once) until ``stop_at`` (``time.perf_counter`` values,
+    the system's monotonic clock); returns how many tickets found MAX_IN_FLIGHT busy."""
     request = _refused_request(host)
     limiter = trio.CapacityLimiter(MAX_IN_FLIGHT)
     dropped = 0
@@ -111,7 +115,7 @@ async def fire(host: str, port: int, rate: float, stop_at: float, out: list[Refu
             await refuse_once(host, port, request, out)
 
     async with trio.open_nursery() as nursery:
-        next_at = time.perf_counter()
+        next_at = start_at
         while next_at < stop_at:
             await trio.sleep(max(0.0, next_at - time.perf_counter()))
             if limiter.available_tokens:
@@ -120,6 +124,29 @@ async def fire(host: str, port: int, rate: float, stop_at: float, out: list[Refu
                 dropped += 1
             next_at += 1.0 / rate
     return dropped
+
+
+async def fire_elsewhere(
+    host: str, port: int, rate: float, start_at: float, stop_at: float, out: list[Refusal]
+) -> int:
+    """:func:`fire` in a child process (this script with ``--fire``), its refusals added
+    to ``out``; returns its dropped count."""
+    plan = json.dumps([host, port, rate, start_at, stop_at])
+    done = await trio.run_process(
+        [sys.executable, __file__, "--fire", plan], capture_stdout=True, check=True
+    )
+    report = json.loads(done.stdout)
+    out.extend(Refusal(*r) for r in report["refusals"])
+    return int(report["dropped"])
+
+
+def fire_main(plan: str) -> int:
+    """The child of :func:`fire_elsewhere`: fire as planned, print the refusals as JSON."""
+    host, port, rate, start_at, stop_at = json.loads(plan)
+    refusals: list[Refusal] = []
+    dropped = trio.run(fire, host, int(port), float(rate), start_at, stop_at, refusals)
+    print(json.dumps({"dropped": dropped, "refusals": [attrs.astuple(r) for r in refusals]}))
+    return 0
 
 
 @attrs.frozen
@@ -150,10 +177,12 @@ async def run_level(url: str, model: str, rate: float, duration: float) -> Row:
     dropped = [0]
 
     async def measured() -> None:
+        if rate > 0:
+            dropped[0] = await fire_elsewhere(host, port, rate, start + warmup, stop_at, refusals)
+
+    async def baseline() -> None:
         await trio.sleep(warmup)
         before.update(await get_stats(url))
-        if rate > 0:
-            dropped[0] = await fire(host, port, rate, stop_at, refusals)
 
     with trio.fail_after(warmup + duration + 60):
         async with trio.open_nursery() as nursery:
@@ -161,6 +190,7 @@ async def run_level(url: str, model: str, rate: float, duration: float) -> Row:
                 nursery.start_soon(
                     client_loop, host, port, stream_request, float(delay), stop_at, results
                 )
+            nursery.start_soon(baseline)
             nursery.start_soon(measured)
     after = await get_stats(url)
     m_before, m_after = model_entry(before, model), model_entry(after, model)
@@ -261,6 +291,8 @@ async def main_async(args: argparse.Namespace, url: str) -> list[Row]:
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--fire"]:
+        return fire_main(sys.argv[2])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--url", help=f"use a running server (serving {PINNED}); its capacity is retuned"

@@ -3,6 +3,8 @@ keep-alive idle timer (Rule 3) and the writes (Rule 4)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import attrs
@@ -12,7 +14,12 @@ from hypercorn.events import RawData
 from hypercorn.protocol import ProtocolWrapper
 from hypercorn.typing import ConnectionState
 
-from inference_lab.serve.connection import IdleTimer, LabTCPServer, local_connection
+from inference_lab.serve.connection import (
+    IdleTimer,
+    LabTCPServer,
+    connection_server,
+    local_connection,
+)
 from tests.conftest import GPT
 from tests.test_serve_e2e import http_request, read_until_eof, running_server
 
@@ -180,3 +187,41 @@ async def test_a_cancelled_task_does_not_write() -> None:
     while chunk := await client.receive_some(100):
         data += chunk
     assert data == b"shielded"
+
+
+async def test_a_finished_connection_is_freed_without_the_cycle_collector() -> None:
+    """Once a connection has ended, its server, hypercorn's protocol objects and the idle
+    timer no longer refer to each other: reference counting frees them at once (with the
+    cycle collector off), so a churn of short connections leaves it nothing to find."""
+    refs: list[weakref.ref[Any]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        server = connection_server(send)
+        assert server is not None
+        refs.extend(
+            weakref.ref(o)
+            for o in (
+                server,
+                server.protocol,
+                server.protocol.protocol,
+                server.protocol.protocol.connection,
+            )
+        )
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    gc.disable()
+    try:
+        server, client = local_connection(app)
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(server.run)
+                await client.send_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                answer = await read_until_eof(client)
+                await client.aclose()
+        del server, nursery
+        assert answer.startswith(b"HTTP/1.1 204")
+        assert len(refs) == 4
+        assert [r() for r in refs] == [None] * 4
+    finally:
+        gc.enable()

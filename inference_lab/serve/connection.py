@@ -24,6 +24,11 @@ Rule 3: the keep-alive idle timer is one task per connection sleeping until a de
 Rule 4: a write takes the connection's send lock without a scheduling point when the
         lock is free (hypercorn's ``async with`` costs two trips through the scheduler
         per write); a busy lock, or a cancelled task, goes hypercorn's own way.
+Rule 5: when a connection ends, the links between its server, hypercorn's protocol and
+        the idle timer are dropped, so reference counting frees the connection's objects
+        at once: left in their reference cycles, ~30 objects a connection waited for the
+        cycle collector, whose young collections then took 5-11 ms each (a stall of the
+        whole loop) under a churn of short connections such as refused clients.
 """
 
 from __future__ import annotations
@@ -252,6 +257,21 @@ class LabTCPServer(TCPServer):
         self._gathered: list[bytes] | None = None
         self._idle_timer = IdleTimer(self)
         self.idle_task = self._idle_timer  # type: ignore[assignment]
+
+    async def run(self) -> None:
+        try:
+            await super().run()
+        finally:
+            self._unlink()
+
+    def _unlink(self) -> None:
+        """Drop the links by which the connection's objects refer back to this server
+        (the protocol's send callbacks, the idle timer), once hypercorn is done with it
+        (Rule 5): reference counting then frees them at once."""
+        self.__dict__.pop("protocol", None)
+        self.__dict__.pop("_task_group", None)
+        self._idle_timer._server = None  # type: ignore[assignment]
+        self.idle_task = None  # type: ignore[assignment]
 
     async def _read_data(self) -> None:
         try:
