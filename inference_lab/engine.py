@@ -54,7 +54,6 @@ from collections import deque
 from typing import Any
 
 import attrs
-import numpy as np
 
 from inference_lab.config import Deployment
 from inference_lab.errors import RequestRefused
@@ -710,9 +709,7 @@ class Engine:
         w.step_ns.append(n)
         w.step_cs.append(0)
         w.step_budget -= n
-        cost = self.roofline.step_cost(
-            np.array(w.step_ns, dtype=np.int64), np.array(w.step_cs, dtype=np.int64)
-        )
+        cost = self.roofline.batch_cost(w.step_ns, w.step_cs)
         w.boundary_seq = next(self._seq)
         end = w.step_start + cost.seconds * self.step_time_factor
         heapq.heappush(self._heap, (end, w.boundary_seq, _BOUNDARY, w))
@@ -767,9 +764,7 @@ class Engine:
         self._preemptions += preempted
         info = None
         if batch:
-            n_arr = np.array(ns, dtype=np.int64)
-            c_arr = np.array(cs, dtype=np.int64)
-            cost = self.roofline.step_cost(n_arr, c_arr)
+            cost = self.roofline.batch_cost(ns, cs)
             duration = cost.seconds * self.step_time_factor
             w.batch = batch
             w.step_start, w.step_ns, w.step_cs = now, ns, cs
@@ -782,7 +777,7 @@ class Engine:
                 start=now,
                 duration=duration,
                 num_seqs=len(ns),
-                num_tokens=int(n_arr.sum()),
+                num_tokens=sum(ns),
                 kv_usage=(w.total_blocks - w.free_blocks) / w.total_blocks,
                 flop_util=cost.compute / roof,
                 bw_util=cost.memory / roof,

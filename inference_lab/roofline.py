@@ -33,6 +33,10 @@ class StepCost:
     memory: float
 
 
+#: Batches of at most this many sequences are priced in Python integers (``batch_cost``).
+SMALL_BATCH = 32
+
+
 def expert_read_fraction(num_experts: int, k: int, tokens: int) -> float:
     """Expected distinct experts touched when ``tokens`` tokens each pick ``k`` of E."""
     return float(num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** (k * tokens)))
@@ -113,6 +117,7 @@ class Roofline:
                 fixed = 2 * up.latency + out.latency
                 per_byte = 2 * (k - 1) / k / up.bandwidth + f_out / k / out.bandwidth
             self._collective = (calls * fixed, calls * per_byte)
+        self._by_tokens: dict[int, tuple[tuple[float, ...], tuple[float, ...], float]] = {}
 
     # ----------------------------------------------------------------------------------
     def weight_read(self, tokens: int) -> list[float]:
@@ -137,22 +142,46 @@ class Roofline:
 
     def step_cost(self, n: IntArray, c: IntArray) -> StepCost:
         """Price a batch: request i computes ``n[i]`` new positions on top of ``c[i]``."""
-        tokens = int(n.sum())
         nreq = len(n)
-        flops = [0.0] * len(self._rates)
-        mem = [0.0] * len(self._rates)
-        for (idx, active, _b, _routed), read in zip(
-            self._weights, self.weight_read(tokens), strict=True
-        ):
-            flops[idx] += 2.0 * active * tokens
-            mem[idx] += read
+        sums: list[tuple[int, int]] = []
         if nreq:
             m = c + (n + 1) // 2
-            a = self._attn_idx
-            for window, attn_coef, kv_coef in self._windows:
+            for window, _, _ in self._windows:
                 att = np.minimum(m, window) if window > 0 else m
-                flops[a] += attn_coef * float(np.dot(n, att))
-                mem[a] += kv_coef * float(att.sum())
+                sums.append((int(np.dot(n, att)), int(att.sum())))
+        return self._price(int(n.sum()), nreq, sums)
+
+    def batch_cost(self, ns: list[int], cs: list[int]) -> StepCost:
+        """:meth:`step_cost` of a batch given as lists (the engine's). A batch of up to
+        :data:`SMALL_BATCH` sequences is summed in Python integers, which for so few is
+        several times cheaper than building arrays; the sums are the same integers either
+        way, so the price is identical."""
+        if len(ns) > SMALL_BATCH:
+            return self.step_cost(np.array(ns, dtype=np.int64), np.array(cs, dtype=np.int64))
+        sums: list[tuple[int, int]] = []
+        if ns:
+            mids = [c + (n + 1) // 2 for n, c in zip(ns, cs, strict=True)]
+            for window, _, _ in self._windows:
+                att = [m if m < window else window for m in mids] if window > 0 else mids
+                sums.append((sum([n * a for n, a in zip(ns, att, strict=True)]), sum(att)))
+        return self._price(sum(ns), len(ns), sums)
+
+    def _price(self, tokens: int, nreq: int, sums: list[tuple[int, int]]) -> StepCost:
+        """The step's cost from its token count, its sequence count and, per attention
+        window class (``_windows`` order), the sums over its sequences of ``n * att`` and
+        of ``att`` (``att`` = the positions attended at the chunk's midpoint, capped by
+        the window)."""
+        fixed = self._by_tokens.get(tokens)
+        if fixed is None:
+            fixed = self._by_tokens[tokens] = self._token_terms(tokens)
+        flops, mem, collective = list(fixed[0]), list(fixed[1]), fixed[2]
+        if nreq:
+            a = self._attn_idx
+            for (_window, attn_coef, kv_coef), (dot, total) in zip(
+                self._windows, sums, strict=True
+            ):
+                flops[a] += attn_coef * float(dot)
+                mem[a] += kv_coef * float(total)
             mem[a] += self._state_bytes * nreq
         compute = memory = roof = 0.0
         bw = self.bandwidth
@@ -162,8 +191,21 @@ class Roofline:
             compute += tc
             memory += tm
             roof += tc if tc > tm else tm
-        roof += self.collective_time(tokens)
+        roof += collective
         return StepCost(self.alpha * roof + self.beta, roof, compute, memory)
+
+    def _token_terms(self, tokens: int) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+        """What a step's price owes to its token count alone: the flops and bytes of each
+        rate class from the weights, and the collectives' time (kept per count in
+        ``_by_tokens``: a step's count is at most ``max_num_batched_tokens``)."""
+        flops = [0.0] * len(self._rates)
+        mem = [0.0] * len(self._rates)
+        for (idx, active, _b, _routed), read in zip(
+            self._weights, self.weight_read(tokens), strict=True
+        ):
+            flops[idx] += 2.0 * active * tokens
+            mem[idx] += read
+        return tuple(flops), tuple(mem), self.collective_time(tokens)
 
     def step_time(self, n: IntArray, c: IntArray) -> float:
         """Seconds for the batch, after time_correction."""

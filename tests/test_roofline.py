@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from inference_lab.config import Deployment, load_deployment, load_model_config
-from inference_lab.roofline import Roofline, expert_read_fraction
+from inference_lab.roofline import SMALL_BATCH, Roofline, expert_read_fraction
 from tests.configs_util import (
     GPT_OSS_20B,
     PROFILES,
@@ -573,3 +573,19 @@ def test_gpt_oss_blocks_for_saturates_past_the_window(gpt_oss_roofline: Roofline
     assert rf.blocks_for(65) == 2 + 2
     assert rf.blocks_for(128) == 2 + 2
     assert rf.blocks_for(100_000) == math.ceil(100_000 / 64) + 2
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in Path("configs").glob("*.toml")))
+@pytest.mark.parametrize("hardware", ["b200", "h200"])
+def test_batch_cost_prices_a_list_batch_exactly_as_step_cost(config: str, hardware: str) -> None:
+    """The engine's list form gives the very same StepCost (==, not approximately) as the
+    array form, for batches below, at and above SMALL_BATCH, decodes and prefill chunks
+    mixed, on every shipped model; asking again for a token count already seen too."""
+    rf = Roofline(load_deployment(Path("configs") / config, hardware, PROFILES))
+    rng = np.random.default_rng(7)
+    for size in (0, 1, 2, 5, SMALL_BATCH - 1, SMALL_BATCH, SMALL_BATCH + 1, 100, 300):
+        for _ in range(3):
+            ns = [int(x) for x in rng.choice([1, 1, 1, 16, 512], size)]
+            cs = [int(x) for x in rng.integers(0, 20_000, size)]
+            arrays = rf.step_cost(np.array(ns, dtype=np.int64), np.array(cs, dtype=np.int64))
+            assert rf.batch_cost(ns, cs) == arrays == rf.batch_cost(ns, cs)
