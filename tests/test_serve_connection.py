@@ -225,3 +225,34 @@ async def test_a_finished_connection_is_freed_without_the_cycle_collector() -> N
         assert [r() for r in refs] == [None] * 4
     finally:
         gc.enable()
+
+
+async def test_a_request_is_told_when_its_client_leaves_and_only_once() -> None:
+    """``watch_close``: the callback runs once, synchronously, when the client closes the
+    connection mid-request; a callback removed with ``unwatch_close`` never runs; once
+    the reading has ended, registering is refused (False)."""
+    calls: list[str] = []
+    left = trio.Event()
+    registered: list[bool] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        server = connection_server(send)
+        assert server is not None
+        assert server.watch_close(lambda: calls.append("removed"))
+        server.unwatch_close()
+        assert server.watch_close(lambda: (calls.append("left"), left.set()))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await left.wait()
+        registered.append(server.watch_close(lambda: calls.append("too late")))
+
+    server, client = local_connection(app)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            await client.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += await client.receive_some(4096)
+            await client.aclose()
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert calls == ["left"] and registered == [False]

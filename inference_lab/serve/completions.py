@@ -16,6 +16,10 @@ Rule 2: a request's arrival is the exchange's (``Exchange.arrival``: when the se
 Rule 3: an admitted request is closed (aborted unless it finished) exactly when its
         exchange ends, whatever ends it: the ``finally`` here is synchronous and
         idempotent, and a client that leaves wakes the writer or collector at once.
+Rule 4: a client that leaves is noticed by its connection when hypercorn's connection is
+        the hooked one (:meth:`inference_lab.serve.connection.LabTCPServer.watch_close`:
+        a synchronous call); otherwise by a task per request waiting for hypercorn's
+        ``http.disconnect`` message.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import trio
 from inference_lab.errors import ApiError, EngineUnavailable, QueueFull
 from inference_lab.openai_api import (
     MAX_BODY_BYTES,
+    ParsedRequest,
     StreamEncoder,
     completion_body,
     new_request_id,
@@ -36,6 +41,7 @@ from inference_lab.openai_api import (
     parse_json_object,
 )
 from inference_lab.runtime import RequestHandle
+from inference_lab.serve.connection import connection_server
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.responses import (
     Reply,
@@ -162,13 +168,19 @@ async def read_body(receive: Receive, scope: dict[str, Any], limit: int = MAX_BO
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+def _gone(handle: RequestHandle, sink: StreamSink | CollectSink) -> None:
+    """The client left: abort the request and wake its writer."""
+    handle.close()
+    sink.on_gone()
+
+
 async def _watch(receive: Receive, sink: StreamSink | CollectSink, handle: RequestHandle) -> None:
-    """Wait for the client to leave; then abort the request and wake its writer."""
+    """Wait for the client to leave (hypercorn's ``http.disconnect``), then :func:`_gone`:
+    for a connection that cannot tell the route itself (Rule 4)."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            handle.close()
-            sink.on_gone()
+            _gone(handle, sink)
             return
 
 
@@ -242,44 +254,67 @@ async def complete(
             reply = error_reply(exc, retry_after=state.metrics.retry_after(exc))
             await send_reply(send, reply, exchange.headers)
             return
+        server = connection_server(send)
+        if server is not None:  # told by the connection when the client leaves (Rule 4)
+            if not server.watch_close(lambda: _gone(handle, sink)):
+                _gone(handle, sink)  # it has already left
+            try:
+                await _respond(state, exchange, send, handle, sink, parsed, request_id, created)
+            finally:
+                server.unwatch_close()
+            return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch, receive, sink, handle)
             try:
-                if isinstance(sink, StreamSink):
-                    await handle.wait_taken()  # the engine first, then the response's start
-                    headers = [*_STREAM_HEADERS, *exchange.headers]
-                    start = {"type": "http.response.start", "status": 200, "headers": headers}
-                    sink.encoder.prepare()  # while the prefill runs, not at its first token
-                    if sink.pending() or state.delivery.interval > 0:
-                        # with its first frames, in one write (streaming Rule 5)
-                        await write_stream(send, sink, state.delivery, start)
-                    else:
-                        await send(start)
-                        await write_stream(send, sink, state.delivery)
-                else:
-                    await sink.event.wait()
-                    handle.close()
-                    if sink.finished is not None:
-                        reply = Reply(
-                            200,
-                            completion_body(
-                                parsed,
-                                request_id=request_id,
-                                created=created,
-                                completion_tokens=sink.finished.output_tokens,
-                                finish_reason=sink.finished.finish_reason,
-                            ),
-                        )
-                    elif not sink.gone and state.shutdown_message is not None:
-                        reply = shutting_down_reply(state.shutdown_message)
-                    elif not sink.gone:
-                        reply = engine_failed_reply(sink.failure or "The engine failed.")
-                    else:
-                        return
-                    with trio.CancelScope(shield=True):
-                        await send_reply(send, reply, exchange.headers)
+                await _respond(state, exchange, send, handle, sink, parsed, request_id, created)
             finally:
                 nursery.cancel_scope.cancel()
     finally:
         if handle is not None:
             handle.close()
+
+
+async def _respond(
+    state: ServeState,
+    exchange: Exchange,
+    send: Send,
+    handle: RequestHandle,
+    sink: StreamSink | CollectSink,
+    parsed: ParsedRequest,
+    request_id: str,
+    created: int,
+) -> None:
+    """Answer an admitted request: write its stream, or its whole reply once it ended."""
+    if isinstance(sink, StreamSink):
+        await handle.wait_taken()  # the engine first, then the response's start
+        headers = [*_STREAM_HEADERS, *exchange.headers]
+        start = {"type": "http.response.start", "status": 200, "headers": headers}
+        sink.encoder.prepare()  # while the prefill runs, not at its first token
+        if sink.pending() or state.delivery.interval > 0:
+            # with its first frames, in one write (streaming Rule 5)
+            await write_stream(send, sink, state.delivery, start)
+        else:
+            await send(start)
+            await write_stream(send, sink, state.delivery)
+    else:
+        await sink.event.wait()
+        handle.close()
+        if sink.finished is not None:
+            reply = Reply(
+                200,
+                completion_body(
+                    parsed,
+                    request_id=request_id,
+                    created=created,
+                    completion_tokens=sink.finished.output_tokens,
+                    finish_reason=sink.finished.finish_reason,
+                ),
+            )
+        elif not sink.gone and state.shutdown_message is not None:
+            reply = shutting_down_reply(state.shutdown_message)
+        elif not sink.gone:
+            reply = engine_failed_reply(sink.failure or "The engine failed.")
+        else:
+            return
+        with trio.CancelScope(shield=True):
+            await send_reply(send, reply, exchange.headers)

@@ -29,12 +29,17 @@ Rule 5: when a connection ends, the links between its server, hypercorn's protoc
         at once: left in their reference cycles, ~30 objects a connection waited for the
         cycle collector, whose young collections then took 5-11 ms each (a stall of the
         whole loop) under a churn of short connections such as refused clients.
+Rule 6: a request can be told synchronously that its client has gone
+        (:meth:`LabTCPServer.watch_close`) rather than by a task of its own waiting for
+        hypercorn's ``http.disconnect`` message (a task, a nursery and a cancellation per
+        request).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import math
 import platform
 import socket
@@ -42,7 +47,7 @@ import struct
 import sys
 import termios
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -67,6 +72,8 @@ __all__ = [
     "one_write",
     "received_at",
 ]
+
+logger = logging.getLogger("inference_lab.serve")
 
 #: Seconds beyond which a server's own receipt time is not believed (a clock step).
 MAX_RECEIPT_AGE = 1.0
@@ -257,6 +264,8 @@ class LabTCPServer(TCPServer):
         self._gathered: list[bytes] | None = None
         self._idle_timer = IdleTimer(self)
         self.idle_task = self._idle_timer  # type: ignore[assignment]
+        self._reading = True
+        self._on_close: Callable[[], None] | None = None
 
     async def run(self) -> None:
         try:
@@ -277,7 +286,28 @@ class LabTCPServer(TCPServer):
         try:
             await super()._read_data()
         finally:
+            self._reading = False
+            callback, self._on_close = self._on_close, None
+            if callback is not None:
+                try:
+                    callback()
+                except Exception:  # noqa: BLE001 - the connection's teardown goes on
+                    logger.exception("a connection's close callback failed")
             self._idle_timer.finish()
+
+    def watch_close(self, callback: Callable[[], None]) -> bool:
+        """Have ``callback`` called once, synchronously, when this connection's reading
+        ends -- the client closed or reset it, or the server closed it -- which is when
+        hypercorn tells the request's app ``http.disconnect`` (Rule 6). One callback at a
+        time (HTTP/1.1 serves one request at a time); :meth:`unwatch_close` removes it.
+        False, and nothing registered, when the reading has already ended."""
+        if not self._reading:
+            return False
+        self._on_close = callback
+        return True
+
+    def unwatch_close(self) -> None:
+        self._on_close = None
 
     async def protocol_send(self, event: Event) -> None:
         gathered = self._gathered
