@@ -212,14 +212,9 @@ async def test_a_finished_connection_is_freed_without_the_cycle_collector() -> N
 
     gc.disable()
     try:
-        server, client = local_connection(app)
-        with trio.fail_after(5):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(server.run)
-                await client.send_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-                answer = await read_until_eof(client)
-                await client.aclose()
-        del server, nursery
+        answer = await answer_on_local_connection(
+            app, b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        )
         assert answer.startswith(b"HTTP/1.1 204")
         assert len(refs) == 4
         assert [r() for r in refs] == [None] * 4
@@ -245,14 +240,22 @@ async def test_a_request_is_told_when_its_client_leaves_and_only_once() -> None:
         await left.wait()
         registered.append(server.watch_close(lambda: calls.append("too late")))
 
+    answer = await answer_on_local_connection(app, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200")
+    assert calls == ["left"] and registered == [False]
+
+
+async def answer_on_local_connection(app: Any, request: bytes) -> bytes:
+    """Serve ``app`` on a hooked connection over a socket pair, send ``request``, read the
+    answer up to the end of its head, close the client's end; returns once the
+    connection's server is done."""
     server, client = local_connection(app)
-    with trio.fail_after(5):
+    with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.run)
-            await client.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            await client.send_all(request)
             answer = b""
             while b"\r\n\r\n" not in answer:
                 answer += await client.receive_some(4096)
             await client.aclose()
-    assert answer.startswith(b"HTTP/1.1 200")
-    assert calls == ["left"] and registered == [False]
+    return answer

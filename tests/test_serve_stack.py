@@ -42,11 +42,11 @@ from inference_lab.serve.connection import (
     ReceiptStream,
     enable_receive_timestamps,
     install_receipt_hook,
-    local_connection,
     received_at,
 )
 from inference_lab.serve_cli import bind_socket, serve_app
 from tests.conftest import GPT, ServeFactory, make_settings
+from tests.test_serve_connection import answer_on_local_connection
 
 
 def test_quart_trio_still_has_the_hook_the_fix_overrides() -> None:
@@ -204,15 +204,8 @@ async def test_hypercorn_still_hands_the_app_a_memory_channels_receive() -> None
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    server, client = local_connection(app)
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(server.run)
-            await client.send_all(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nhi")
-            answer = b""
-            while b"\r\n\r\n" not in answer:
-                answer += await client.receive_some(4096)
-            await client.aclose()
+    request = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nhi"
+    answer = await answer_on_local_connection(app, request)
     [(receive, body)] = seen
     assert isinstance(receive.__self__, trio.MemoryReceiveChannel)
     assert body == b"hi" and answer.startswith(b"HTTP/1.1 204")
