@@ -25,6 +25,7 @@ Rule 4: a client that leaves is noticed by its connection when hypercorn's conne
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Literal
 
 import trio
@@ -115,14 +116,15 @@ def _content_length(scope: dict[str, Any]) -> int | None:
     return None
 
 
-def _receive_nowait(receive: Receive) -> Any:
+def _receive_nowait(receive: Receive) -> Callable[[], dict[str, Any]] | None:
     """``receive_nowait`` of the memory channel whose ``receive`` hypercorn hands the app
     (its per-request queue of body pieces), or None for any other ``receive``."""
     channel = getattr(receive, "__self__", None)
     if isinstance(channel, trio.MemoryReceiveChannel) and (
         getattr(receive, "__func__", None) is trio.MemoryReceiveChannel.receive
     ):
-        return channel.receive_nowait
+        take: Callable[[], dict[str, Any]] = channel.receive_nowait
+        return take
     return None
 
 
