@@ -463,7 +463,7 @@ class _Worker:
                 if need > 0:
                     self.free_blocks -= need
                     r.blocks += need
-                if seqs == 1 and r.n == 1:
+                if r.n == 1:
                     r.room = room_for(r.blocks)
                 r.mark = mark
                 batch.append((r, n))

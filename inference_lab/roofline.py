@@ -237,12 +237,12 @@ class Roofline:
         p = (blocks - table[last]) * bs  # past the table, private blocks no longer grow
         if p >= last:
             return p
-        lo, hi = 0, last  # blocks_for(hi) > blocks; find the largest p < hi that fits
-        if -(-lo // bs) + table[lo] > blocks:
+        if table[0] > blocks:  # blocks_for(0): not even the private blocks fit
             return 0
+        lo, hi = 0, last  # blocks_for(hi) > blocks; find the largest p < hi that fits
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if -(-mid // bs) + table[mid] <= blocks:
+            if self.blocks_for(mid) <= blocks:
                 lo = mid
             else:
                 hi = mid

@@ -110,7 +110,7 @@ def _kernel_receipt(ancillary: list[tuple[int, int, bytes]]) -> float | None:
     """The trio time of the receive timestamp in ``recvmsg``'s ancillary data, or None
     (no stamp, or one not within MAX_RECEIPT_AGE before now: a clock step)."""
     for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= 16:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= _TIMESPEC.size:
             seconds, nanoseconds = _TIMESPEC.unpack_from(payload)
             age = time.time() - (float(seconds) + float(nanoseconds) * 1e-9)
             if -1e-3 < age < MAX_RECEIPT_AGE:
