@@ -4,10 +4,12 @@ keep-alive idle timer (Rule 3) and the writes (Rule 4)."""
 from __future__ import annotations
 
 import gc
+import socket
 import weakref
 from typing import Any
 
 import attrs
+import pytest
 import trio
 import trio.testing
 from hypercorn.events import RawData
@@ -17,6 +19,7 @@ from hypercorn.typing import ConnectionState
 from inference_lab.serve.connection import (
     IdleTimer,
     LabTCPServer,
+    ReceiptStream,
     connection_server,
     local_connection,
 )
@@ -170,6 +173,83 @@ async def test_a_write_waits_for_a_held_send_lock_and_keeps_the_order() -> None:
         while not data.endswith(b"third"):
             data += await client.receive_some(100)
     assert data == b"first second third"
+
+
+async def test_a_write_the_socket_takes_at_once_has_no_scheduling_point() -> None:
+    """With the send lock free and room in the socket's buffer, a write goes out without
+    a trip through the scheduler: no other task runs during it (Rule 4)."""
+    server, client = await _connection_server()
+    ran: list[str] = []
+
+    async def other() -> None:
+        ran.append("other")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        await server.protocol_send(RawData(data=b"at once"))
+        assert ran == []  # the write did not yield to the waiting task
+    assert ran == ["other"]
+    assert await client.receive_some(100) == b"at once"
+
+
+async def test_what_the_socket_buffer_does_not_take_follows_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A write larger than the socket's buffer: the part it takes at once, then the
+    rest through ``send_all`` as the reader drains it; every byte arrives, in order,
+    before the next write's."""
+    server, client = await _connection_server()
+    server.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    big = bytes(range(256)) * 4096
+    rests: list[int] = []
+    plain_send_all = trio.SocketStream.send_all
+
+    async def recording_send_all(self: trio.SocketStream, data: Any) -> None:
+        rests.append(len(data))
+        await plain_send_all(self, data)
+
+    monkeypatch.setattr(trio.SocketStream, "send_all", recording_send_all)
+    received = bytearray()
+
+    async def read() -> None:
+        while len(received) < len(big) + 4:
+            received.extend(await client.receive_some(65536))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await server.protocol_send(RawData(data=big))
+            await server.protocol_send(RawData(data=b"tail"))
+    assert received == big + b"tail"
+    assert len(rests) >= 1 and 0 < rests[0] < len(big)  # a part went at once, the rest after
+
+
+async def test_a_write_to_a_broken_connection_reports_its_close() -> None:
+    """A write the socket refuses (the client has gone) raises nothing to the writer: the
+    protocol is told the connection closed, as with hypercorn's own write."""
+    server, client = await _connection_server()
+    events: list[Any] = []
+
+    async def handle(event: Any) -> None:
+        events.append(event)
+
+    server.protocol.handle = handle  # type: ignore[method-assign]
+    await client.aclose()
+    await server.protocol_send(RawData(data=b"x" * 100))
+    assert [type(e).__name__ for e in events] == ["Closed"]
+    await server.stream.aclose()
+    events.clear()
+    await server.protocol_send(RawData(data=b"after close"))  # a closed socket: the same
+    assert [type(e).__name__ for e in events] == ["Closed"]
+
+
+def test_a_stream_that_is_not_a_plain_socket_takes_no_write_at_once() -> None:
+    """``send_nowait`` writes only to a plain socket stream; any other stream's writes go
+    through its own ``send_all`` (nothing written here)."""
+    stream = trio.testing.MemorySendStream()
+    assert ReceiptStream(stream).send_nowait(b"data") == 0
+    with pytest.raises(trio.WouldBlock):  # nothing was written
+        stream.get_data_nowait()
 
 
 async def test_a_cancelled_task_does_not_write() -> None:

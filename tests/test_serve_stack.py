@@ -335,9 +335,17 @@ async def _writes_of(
     writes: list[tuple[trio.SocketStream, bytes]] = []
     plain_send_all = trio.SocketStream.send_all
 
+    plain_send_nowait = ReceiptStream.send_nowait
+
     async def counting_send_all(self: trio.SocketStream, data: Any) -> None:
         writes.append((self, bytes(data)))
         await plain_send_all(self, data)
+
+    def counting_send_nowait(self: ReceiptStream, data: bytes) -> int:
+        sent = plain_send_nowait(self, data)
+        if sent:
+            writes.append((self, bytes(data[:sent])))
+        return sent
 
     app = create_app(make_settings(max_num_seqs=1, max_waiting=1))
     state = get_state(app)
@@ -357,6 +365,7 @@ async def _writes_of(
             for runtime in state.runtimes.values():
                 runtime.set_step_time_factor(slowdown)
             monkeypatch.setattr(trio.SocketStream, "send_all", counting_send_all)
+            monkeypatch.setattr(ReceiptStream, "send_nowait", counting_send_nowait)
             for request in requests:
                 writes.clear()
                 stream = await trio.open_tcp_stream("127.0.0.1", port)
@@ -366,6 +375,7 @@ async def _writes_of(
                 await stream.aclose()
                 per_request.append([data for who, data in writes if who is not stream])
             monkeypatch.setattr(trio.SocketStream, "send_all", plain_send_all)
+            monkeypatch.setattr(ReceiptStream, "send_nowait", plain_send_nowait)
             assert state.runtimes
             stop.set()
     return per_request

@@ -21,9 +21,11 @@ Rule 3: the keep-alive idle timer is one task per connection sleeping until a de
         spawned for every idle period and cancelled by the next request (~125 µs a
         request); an idle connection is still closed after ``keep_alive_timeout`` or
         when the server terminates, and the timer ends with the connection's reading.
-Rule 4: a write takes the connection's send lock without a scheduling point when the
-        lock is free (hypercorn's ``async with`` costs two trips through the scheduler
-        per write); a busy lock, or a cancelled task, goes hypercorn's own way.
+Rule 4: a write goes to the socket without a scheduling point when the connection's
+        send lock is free and the socket's buffer takes the bytes at once (hypercorn's
+        ``async with`` on the lock and trio's ``send_all`` cost up to three trips through
+        the scheduler per write); the rest of a write the buffer did not take goes under
+        the lock, and a busy lock or a cancelled task goes hypercorn's own way.
 Rule 5: when a connection ends, the links between its server, hypercorn's protocol and
         the idle timer are dropped, so reference counting frees the connection's objects
         at once: left in their reference cycles, ~30 objects a connection waited for the
@@ -41,6 +43,7 @@ import errno
 import fcntl
 import logging
 import math
+import os
 import platform
 import socket
 import struct
@@ -131,15 +134,14 @@ class ReceiptStream:
     the connection. Everything else is the wrapped stream's.
     """
 
-    __slots__ = ("_stream", "received", "_waiting_since", "_stamped")
+    __slots__ = ("_stream", "received", "_waiting_since", "_stamped", "_plain")
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
         self.received = -math.inf
         self._waiting_since: float | None = None
-        self._stamped = type(stream) is trio.SocketStream and enable_receive_timestamps(
-            stream.socket
-        )
+        self._plain = type(stream) is trio.SocketStream
+        self._stamped = self._plain and enable_receive_timestamps(stream.socket)
 
     def note_waiting(self) -> None:
         """If bytes are waiting on the connection now, the first read's bytes were there
@@ -181,6 +183,26 @@ class ReceiptStream:
                 raise trio.ClosedResourceError("this socket was already closed") from None
             raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
         return data, _kernel_receipt(ancillary) if ancillary else None
+
+    def send_nowait(self, data: bytes) -> int:
+        """Write what the socket takes of ``data`` now, without a scheduling point: the
+        number of bytes written (0 when its buffer is full, or when the stream is not a
+        plain socket stream and the caller must use ``send_all``). A closed socket raises
+        ClosedResourceError, a broken connection BrokenResourceError, as ``send_all``
+        does. The caller must hold off any other writer (hypercorn's send lock)."""
+        if not self._plain:
+            return 0
+        fd = self._stream.socket.fileno()
+        if fd < 0:
+            raise trio.ClosedResourceError("this socket was already closed")
+        try:
+            return os.write(fd, data)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            if exc.errno in (errno.EBADF, errno.ENOTSOCK):
+                raise trio.ClosedResourceError("this socket was already closed") from None
+            raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
@@ -261,6 +283,7 @@ class LabTCPServer(TCPServer):
         receipt = ReceiptStream(stream)
         receipt.note_waiting()
         super().__init__(app, config, context, state, receipt)  # type: ignore[arg-type]
+        self._receipt = receipt
         self._gathered: list[bytes] | None = None
         self._idle_timer = IdleTimer(self)
         self.idle_task = self._idle_timer  # type: ignore[assignment]
@@ -323,22 +346,30 @@ class LabTCPServer(TCPServer):
 
     async def _write(self, event: RawData) -> None:
         """hypercorn's write (under the connection's send lock, shielded, a failed write
-        reported as the connection's close), without the lock's two scheduling points when
-        nobody holds or waits for it (Rule 4); a cancelled task, or a lock in use, takes
+        reported as the connection's close), without a scheduling point when nobody holds
+        the lock and the socket takes the bytes at once (Rule 4); what it does not take is
+        sent under the lock as hypercorn does. A cancelled task, or a lock in use, takes
         hypercorn's own path."""
         lock = self.send_lock
         if trio.current_effective_deadline() == -math.inf:
             await super().protocol_send(event)  # cancelled: raises there, as hypercorn does
             return
-        try:
-            lock.acquire_nowait()
-        except trio.WouldBlock:
+        if lock.locked():
             await super().protocol_send(event)
             return
+        data = event.data
+        try:
+            sent = self._receipt.send_nowait(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.protocol.handle(Closed())
+            return
+        if sent == len(data):
+            return
+        lock.acquire_nowait()  # free: nothing ran since it was seen free
         try:
             try:
                 with trio.CancelScope(shield=True):
-                    await self.stream.send_all(event.data)
+                    await self.stream.send_all(data[sent:] if sent else data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 await self.protocol.handle(Closed())
         finally:
