@@ -57,7 +57,7 @@ import attrs
 
 from inference_lab.config import Deployment
 from inference_lab.errors import RequestRefused
-from inference_lab.roofline import Roofline
+from inference_lab.roofline import BatchTerms, Roofline
 
 _PENDING, _WAITING, _RUNNING, _DONE = 0, 1, 2, 3
 _ARRIVAL, _BOUNDARY = 0, 1
@@ -331,11 +331,10 @@ class _Worker:
         self.boundary_seq = -1  # the heap sequence number of that event (older: stale)
         self.admit_seq = itertools.count()
         self.step_id = 0
-        # The step in flight (when ``batch``): its start, roofline inputs, the token
+        # The step in flight (when ``batch``): its start, its price's terms, the token
         # budget it left unused and its pass mark, so a late arrival can join it.
         self.step_start = 0.0
-        self.step_ns: list[int] = []
-        self.step_cs: list[int] = []
+        self.step_terms: BatchTerms | None = None
         self.step_budget = 0
         self.step_mark = 0
 
@@ -412,10 +411,12 @@ class _Worker:
             batch: list[tuple[_Request, int]] = []
             ns: list[int] = []
             cs: list[int] = []
+            add_batch, add_n, add_c = batch.append, ns.append, cs.append
             preempted = 0
             running = self.running
+            count = len(running)
             i = 0
-            while i < len(running) and budget > 0:
+            while i < count and budget > 0:
                 r = running[i]
                 c = r.computed
                 if r.n == 1:  # the plain request: the hot path
@@ -432,9 +433,9 @@ class _Worker:
                     seqs = 1
                     if c + n <= r.room:  # its blocks hold it: no block to find
                         r.mark = mark
-                        batch.append((r, n))
-                        ns.append(n)
-                        cs.append(c)
+                        add_batch((r, n))
+                        add_n(n)
+                        add_c(c)
                         budget -= n
                         i += 1
                         continue
@@ -456,6 +457,7 @@ class _Worker:
                     victim = self._victim(r)
                     vi = running.index(victim)
                     self._preempt(victim)
+                    count -= 1
                     preempted += 1
                     if victim is not r and vi < i:
                         i -= 1
@@ -706,10 +708,11 @@ class Engine:
         _, n = admitted
         r.arrival = r.stamp  # it is treated as having arrived when it was stamped
         w.batch.append(admitted)
-        w.step_ns.append(n)
-        w.step_cs.append(0)
+        terms = w.step_terms
+        assert terms is not None  # set with the step in flight
+        self.roofline.add_sequence(terms, n, 0)
         w.step_budget -= n
-        cost = self.roofline.batch_cost(w.step_ns, w.step_cs)
+        cost = self.roofline.price(terms)
         w.boundary_seq = next(self._seq)
         end = w.step_start + cost.seconds * self.step_time_factor
         heapq.heappush(self._heap, (end, w.boundary_seq, _BOUNDARY, w))
@@ -764,10 +767,11 @@ class Engine:
         self._preemptions += preempted
         info = None
         if batch:
-            cost = self.roofline.batch_cost(ns, cs)
+            terms = self.roofline.batch_terms(ns, cs)
+            cost = self.roofline.price(terms)
             duration = cost.seconds * self.step_time_factor
             w.batch = batch
-            w.step_start, w.step_ns, w.step_cs = now, ns, cs
+            w.step_start, w.step_terms = now, terms
             w.boundary_seq = next(self._seq)
             heapq.heappush(self._heap, (now + duration, w.boundary_seq, _BOUNDARY, w))
             self._steps += 1
@@ -776,8 +780,8 @@ class Engine:
                 worker=w.index,
                 start=now,
                 duration=duration,
-                num_seqs=len(ns),
-                num_tokens=sum(ns),
+                num_seqs=terms.seqs,
+                num_tokens=terms.tokens,
                 kv_usage=(w.total_blocks - w.free_blocks) / w.total_blocks,
                 flop_util=cost.compute / roof,
                 bw_util=cost.memory / roof,

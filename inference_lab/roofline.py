@@ -3,14 +3,17 @@
 Rule 1: a step is priced from datasheet peaks only. Each precision stream costs
         ``max(FLOPs[p] / R_p, Bytes[p] / BW)``; streams are summed (serial kernels);
         collectives are added serially; ``alpha * t + beta`` applies last.
-Rule 2: the per-request work is vectorised with numpy over the batch (one array per
-        request attribute); nothing loops per request per layer.
+Rule 2: a batch's price depends on it only through integer sums over its sequences
+        (:class:`BatchTerms`), taken once per batch: with numpy over arrays for a large
+        batch, in Python integers for a small one; nothing loops per request per layer.
+        A sequence joining a priced batch adds its own terms.
 Rule 3: KV capacity and ``blocks_for`` are pure functions of the deployment; the engine's
         block accounting and the serving layer's fit check both use them.
 """
 
 from __future__ import annotations
 
+import array
 import math
 from typing import Any
 
@@ -33,8 +36,22 @@ class StepCost:
     memory: float
 
 
-#: Batches of at most this many sequences are priced in Python integers (``batch_cost``).
+#: Batches of at most this many sequences are priced in Python integers (``batch_terms``).
 SMALL_BATCH = 32
+
+
+@attrs.define(slots=True)
+class BatchTerms:
+    """What a step's price depends on: its token count, its sequence count and, per
+    attention window class of the model (ascending windows, full attention first as 0),
+    the sums over its sequences of ``n * att`` and of ``att`` (``att`` = the positions a
+    sequence attends at its chunk's midpoint, capped by the window). All integers, so
+    adding a sequence (:meth:`Roofline.add_sequence`) gives exactly the terms of the
+    batch with it."""
+
+    tokens: int
+    seqs: int
+    sums: list[list[int]]
 
 
 def expert_read_fraction(num_experts: int, k: int, tokens: int) -> float:
@@ -142,31 +159,57 @@ class Roofline:
 
     def step_cost(self, n: IntArray, c: IntArray) -> StepCost:
         """Price a batch: request i computes ``n[i]`` new positions on top of ``c[i]``."""
-        nreq = len(n)
-        sums: list[tuple[int, int]] = []
-        if nreq:
+        return self.price(self._array_terms(n, c))
+
+    def _array_terms(self, n: IntArray, c: IntArray) -> BatchTerms:
+        sums: list[list[int]] = []
+        if len(n):
             m = c + (n + 1) // 2
             for window, _, _ in self._windows:
                 att = np.minimum(m, window) if window > 0 else m
-                sums.append((int(np.dot(n, att)), int(att.sum())))
-        return self._price(int(n.sum()), nreq, sums)
+                sums.append([int(np.dot(n, att)), int(att.sum())])
+        else:
+            sums = [[0, 0] for _ in self._windows]
+        return BatchTerms(int(n.sum()), len(n), sums)
+
+    def batch_terms(self, ns: list[int], cs: list[int]) -> BatchTerms:
+        """What a batch given as lists (the engine's) is priced from (:class:`BatchTerms`).
+        A batch of up to :data:`SMALL_BATCH` sequences is summed in Python integers,
+        which for so few is several times cheaper than building arrays; the sums are the
+        same integers either way, so the price is identical."""
+        if len(ns) > SMALL_BATCH:  # (via array.array: half the cost of np.array on a list)
+            return self._array_terms(
+                np.frombuffer(array.array("q", ns), dtype=np.int64),
+                np.frombuffer(array.array("q", cs), dtype=np.int64),
+            )
+        sums: list[list[int]] = []
+        mids = [c + (n + 1) // 2 for n, c in zip(ns, cs, strict=True)]
+        for window, _, _ in self._windows:
+            att = [m if m < window else window for m in mids] if window > 0 else mids
+            sums.append([sum([n * a for n, a in zip(ns, att, strict=True)]), sum(att)])
+        return BatchTerms(sum(ns), len(ns), sums)
+
+    def add_sequence(self, terms: BatchTerms, n: int, c: int) -> None:
+        """Add to ``terms`` one sequence computing ``n`` new positions on top of ``c``:
+        the terms are sums over the sequences, so they become exactly those of the batch
+        with it (a late arrival joining the step in flight is priced in O(1))."""
+        terms.tokens += n
+        terms.seqs += 1
+        m = c + (n + 1) // 2
+        for (window, _, _), sums in zip(self._windows, terms.sums, strict=True):
+            att = m if window <= 0 or m < window else window
+            sums[0] += n * att
+            sums[1] += att
 
     def batch_cost(self, ns: list[int], cs: list[int]) -> StepCost:
-        """:meth:`step_cost` of a batch given as lists (the engine's). A batch of up to
-        :data:`SMALL_BATCH` sequences is summed in Python integers, which for so few is
-        several times cheaper than building arrays; the sums are the same integers either
-        way, so the price is identical."""
-        if len(ns) > SMALL_BATCH:
-            return self.step_cost(np.array(ns, dtype=np.int64), np.array(cs, dtype=np.int64))
-        sums: list[tuple[int, int]] = []
-        if ns:
-            mids = [c + (n + 1) // 2 for n, c in zip(ns, cs, strict=True)]
-            for window, _, _ in self._windows:
-                att = [m if m < window else window for m in mids] if window > 0 else mids
-                sums.append((sum([n * a for n, a in zip(ns, att, strict=True)]), sum(att)))
-        return self._price(sum(ns), len(ns), sums)
+        """:meth:`step_cost` of a batch given as lists (the engine's)."""
+        return self.price(self.batch_terms(ns, cs))
 
-    def _price(self, tokens: int, nreq: int, sums: list[tuple[int, int]]) -> StepCost:
+    def price(self, terms: BatchTerms) -> StepCost:
+        """The cost of the batch ``terms`` sums up."""
+        return self._price(terms.tokens, terms.seqs, terms.sums)
+
+    def _price(self, tokens: int, nreq: int, sums: list[list[int]]) -> StepCost:
         """The step's cost from its token count, its sequence count and, per attention
         window class (``_windows`` order), the sums over its sequences of ``n * att`` and
         of ``att`` (``att`` = the positions attended at the chunk's midpoint, capped by

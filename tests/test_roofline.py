@@ -589,3 +589,22 @@ def test_batch_cost_prices_a_list_batch_exactly_as_step_cost(config: str, hardwa
             cs = [int(x) for x in rng.integers(0, 20_000, size)]
             arrays = rf.step_cost(np.array(ns, dtype=np.int64), np.array(cs, dtype=np.int64))
             assert rf.batch_cost(ns, cs) == arrays == rf.batch_cost(ns, cs)
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in Path("configs").glob("*.toml")))
+def test_a_sequence_added_to_a_batchs_terms_prices_it_as_the_batch_with_it(config: str) -> None:
+    """``add_sequence`` (a late arrival joining the step in flight) gives exactly the terms
+    and the price of the whole batch with the sequence, on every shipped model, from an
+    empty batch, across SMALL_BATCH, prefill chunks and decodes, past the windows."""
+    rf = Roofline(load_deployment(Path("configs") / config, "b200", PROFILES))
+    rng = np.random.default_rng(11)
+    for size in (0, 1, SMALL_BATCH - 1, SMALL_BATCH, 100):
+        ns = [int(x) for x in rng.choice([1, 1, 16, 512], size)]
+        cs = [int(x) for x in rng.integers(0, 20_000, size)]
+        terms = rf.batch_terms(ns, cs)
+        for n, c in ((51, 0), (1, 5), (1, 200_000), (700, 300)):
+            rf.add_sequence(terms, n, c)
+            ns.append(n)
+            cs.append(c)
+            assert terms == rf.batch_terms(ns, cs)
+            assert rf.price(terms) == rf.batch_cost(ns, cs)
