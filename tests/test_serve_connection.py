@@ -9,6 +9,7 @@ import weakref
 from typing import Any
 
 import attrs
+import h11
 import pytest
 import trio
 import trio.testing
@@ -20,6 +21,7 @@ from inference_lab.serve.connection import (
     IdleTimer,
     LabTCPServer,
     ReceiptStream,
+    chunk_writer,
     connection_server,
     local_connection,
 )
@@ -339,3 +341,139 @@ async def answer_on_local_connection(app: Any, request: bytes) -> bytes:
                 answer += await client.receive_some(4096)
             await client.aclose()
     return answer
+
+
+def _h11_answers(raw: bytes, requests: int) -> list[tuple[int, list[tuple[bytes, bytes]], bytes]]:
+    """Parse ``raw`` as ``requests`` HTTP/1.1 answers with h11's own client (strict about
+    the framing): (status, headers, body) each."""
+    client = h11.Connection(h11.CLIENT)
+    answers = []
+    for i in range(requests):
+        if i:
+            client.start_next_cycle()
+        client.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+        client.send(h11.EndOfMessage())
+        if i == 0:
+            client.receive_data(raw)
+        status, headers, body = 0, [], b""
+        while True:
+            event = client.next_event()
+            if isinstance(event, h11.Response):
+                status, headers = event.status_code, list(event.headers)
+            elif isinstance(event, h11.Data):
+                body += bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            else:
+                raise AssertionError(f"unexpected {event!r}")
+        answers.append((status, headers, body))
+    return answers
+
+
+async def test_pre_framed_chunks_skip_h11_and_keep_the_connection_usable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A streamed response's chunks written through ``chunk_writer`` are framed exactly
+    as h11 frames them (h11's client parses them), h11 sees only the start and the end of
+    the body (no Data event), and the keep-alive connection serves the next request."""
+    sent: list[str] = []
+    plain_send = h11.Connection.send
+
+    def recording_send(self: h11.Connection, event: Any) -> bytes | None:
+        sent.append(type(event).__name__)
+        return plain_send(self, event)
+
+    monkeypatch.setattr(h11.Connection, "send", recording_send)
+    writers: list[object] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        write = chunk_writer(send)
+        writers.append(write)
+        assert write is not None
+        for part in (b"data: one\n\n", b"", b"data: two\n\n" * 300):
+            await write(part)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    request = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+    server, client = local_connection(app)
+    raw = b""
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            for _ in range(2):
+                await client.send_all(request)
+                answer = b""
+                while not answer.endswith(b"0\r\n\r\n"):
+                    answer += await client.receive_some(65536)
+                raw += answer
+            await client.aclose()
+    assert sent == ["Response", "EndOfMessage"] * 2  # the server's h11: no Data event
+    for status, _, body in _h11_answers(raw, 2):
+        assert status == 200 and body == b"data: one\n\n" + b"data: two\n\n" * 300
+
+
+@pytest.mark.parametrize(
+    ("request_line", "headers", "why"),
+    [
+        (b"GET / HTTP/1.0", [], "an HTTP/1.0 client's body is not chunked"),
+        (b"GET / HTTP/1.1", [(b"content-length", b"9")], "a declared length"),
+        (b"HEAD / HTTP/1.1", [], "a HEAD answer has no body"),
+    ],
+)
+async def test_no_chunk_writer_where_the_body_is_not_chunked(
+    request_line: bytes, headers: list[tuple[bytes, bytes]], why: str
+) -> None:
+    found: list[object] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        found.append(chunk_writer(send))  # not started yet: none either
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        found.append(chunk_writer(send))
+        await send({"type": "http.response.body", "body": b"123456789", "more_body": False})
+
+    await answer_on_local_connection(app, request_line + b"\r\nhost: x\r\n\r\n")
+    assert found == [None, None], why
+
+
+async def test_no_chunk_writer_off_a_hooked_connection() -> None:
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    assert chunk_writer(send) is None
+
+
+async def test_a_chunk_for_a_stream_hypercorn_saw_close_writes_nothing() -> None:
+    """Once hypercorn has seen the client leave (the request stream closed), a chunk is
+    dropped as hypercorn would drop a body message."""
+    writes: list[bytes] = []
+    done = trio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        write = chunk_writer(send)
+        assert write is not None
+        server = connection_server(send)
+        assert server is not None
+        plain = server.protocol_send
+
+        async def recording(event: Any) -> None:
+            writes.append(getattr(event, "data", b""))
+            await plain(event)
+
+        server.protocol_send = recording  # type: ignore[method-assign]
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        await write(b"data: late\n\n")
+        done.set()
+
+    await answer_on_local_connection(app, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    with trio.fail_after(5):
+        await done.wait()
+    assert writes == []

@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 import attrs
+import h11
 import pytest
 import trio
 from hypercorn.config import Config
@@ -406,6 +407,45 @@ async def test_a_whole_reply_and_a_streams_end_leave_in_one_write_each(
     assert stream_writes[0].startswith(b"HTTP/1.1 200")  # the start is not held back
     # ... for the first token (writes are not spaced; a 150 ms prefill here)
     assert b"data:" not in stream_writes[0]
+
+
+async def test_a_streams_frames_reach_the_socket_without_passing_through_h11(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A served stream's frames go to the connection pre-framed (streaming Rule 6): h11
+    encodes the response start and the end of the body only, and what the client gets
+    is a well-framed chunked body carrying every token, the usage and ``[DONE]``."""
+    events: list[str] = []
+    plain_send = h11.Connection.send
+
+    def recording_send(self: h11.Connection, event: Any) -> bytes | None:
+        events.append(type(event).__name__)
+        return plain_send(self, event)
+
+    monkeypatch.setattr(h11.Connection, "send", recording_send)
+    stream = _post_closing(
+        {
+            "model": GPT,
+            "prompt": "x",
+            "max_tokens": 5,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    [writes] = await _writes_of([stream], monkeypatch, interval=0.0, slowdown=100.0)
+    assert events == ["Response", "EndOfMessage"]
+    assert len(writes) >= 3  # the start, mid-stream frames, the last ones
+    client = h11.Connection(h11.CLIENT)
+    client.send(h11.Request(method="POST", target="/", headers=[("host", "x")]))
+    client.receive_data(b"".join(writes))
+    body = b""
+    while not isinstance(event := client.next_event(), h11.EndOfMessage):
+        if isinstance(event, h11.Data):
+            body += bytes(event.data)
+    frames = [f for f in body.split(b"\n\n") if f]
+    texts = [f for f in frames if b'"text":"' in f and b"finish_reason" not in f]
+    assert len(texts) == 5 and b'"finish_reason":"length"' in frames[-3]
+    assert b'"usage"' in frames[-2] and frames[-1] == b"data: [DONE]"
 
 
 async def test_a_streams_start_shares_a_write_with_its_first_frames(

@@ -21,6 +21,10 @@ Rule 5: a stream's response start shares the socket write of its first frames wh
         limit, the headers then arriving with the first token); otherwise the start is
         written at once, while the prefill runs. Either way the HTTP stack encodes the
         start when the engine has taken the request, not on the first token's path.
+Rule 6: on a connection that takes them (:func:`~inference_lab.serve.connection.chunk_writer`:
+        hypercorn's, HTTP/1.1, chunked), frames are written as pre-framed chunks straight
+        to the connection; only the response start and the end of the body go through
+        hypercorn's request stream and h11.
 """
 
 from __future__ import annotations
@@ -36,12 +40,13 @@ import trio
 
 from inference_lab.engine import Finished
 from inference_lab.openai_api import StreamEncoder
-from inference_lab.serve.connection import one_write
+from inference_lab.serve.connection import chunk_writer, one_write
 from inference_lab.serve.responses import stream_failure_frames
 
 __all__ = ["CollectSink", "Delivery", "LoopMonitor", "StreamSink", "write_stream"]
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+WriteChunk = Callable[[bytes], Awaitable[None]]
 
 
 class StreamSink:
@@ -347,15 +352,17 @@ async def write_stream(
     """
     lot = sink.lot
     delivery.open += 1
+    chunks = None if start is not None else chunk_writer(send)
     try:
         while True:
             if start is not None:
                 async with one_write(send):
                     await send(start)
                     start = None
-                    ended = await _write_next(send, sink)
+                    chunks = chunk_writer(send)
+                    ended = await _write_next(send, sink, chunks)
             else:
-                ended = await _write_next(send, sink)
+                ended = await _write_next(send, sink, chunks)
             if ended:
                 return
             interval = delivery.interval
@@ -374,9 +381,10 @@ async def write_stream(
         delivery.open -= 1
 
 
-async def _write_next(send: Send, sink: StreamSink) -> bool:
-    """Wait for frames and write everything pending in one message; True when the
-    stream has ended (its last message written, or the client gone)."""
+async def _write_next(send: Send, sink: StreamSink, chunks: WriteChunk | None) -> bool:
+    """Wait for frames and write everything pending in one message (one pre-framed chunk
+    through ``chunks`` where the connection takes them, Rule 6); True when the stream has
+    ended (its last message written, or the client gone)."""
     while not sink.pending():
         if sink.done:
             return True  # the client left (nothing more to write)
@@ -391,7 +399,13 @@ async def _write_next(send: Send, sink: StreamSink) -> bool:
     if sink.done:
         with trio.CancelScope(shield=True):
             async with one_write(send):  # the last frames and the body's end
+                if chunks is not None:
+                    await chunks(data)
+                    data = b""
                 await send({"type": "http.response.body", "body": data, "more_body": False})
         return True
-    await send({"type": "http.response.body", "body": data, "more_body": True})
+    if chunks is not None:
+        await chunks(data)
+    else:
+        await send({"type": "http.response.body", "body": data, "more_body": True})
     return False
