@@ -24,6 +24,7 @@ from inference_lab.serve.connection import (
     chunk_writer,
     connection_server,
     local_connection,
+    one_write,
 )
 from tests.conftest import GPT
 from tests.test_serve_e2e import http_request, read_until_eof, running_server
@@ -252,6 +253,41 @@ def test_a_stream_that_is_not_a_plain_socket_takes_no_write_at_once() -> None:
     assert ReceiptStream(stream).send_nowait(b"data") == 0
     with pytest.raises(trio.WouldBlock):  # nothing was written
         stream.get_data_nowait()
+
+
+async def test_one_write_gathers_nested_uses_into_one_write_even_on_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the protocol writes inside ``one_write`` leaves in one socket write at its
+    end; a nested use joins the outer one; an error inside still writes what was
+    gathered, then propagates. Off a hooked connection it passes through."""
+    server, client = await _connection_server()
+    writes: list[bytes] = []
+    plain = ReceiptStream.send_nowait
+
+    def recording(self: ReceiptStream, data: bytes) -> int:
+        writes.append(bytes(data))
+        return plain(self, data)
+
+    monkeypatch.setattr(ReceiptStream, "send_nowait", recording)
+    with pytest.raises(ValueError, match="inside"):
+        async with server.one_write():
+            await server.protocol_send(RawData(data=b"a"))
+            async with server.one_write():
+                await server.protocol_send(RawData(data=b"b"))
+            assert writes == []
+            await server.protocol_send(RawData(data=b"c"))
+            raise ValueError("inside")
+    assert writes == [b"abc"]
+    await server.protocol_send(RawData(data=b"d"))  # not gathered any more
+    assert writes == [b"abc", b"d"]
+    assert await client.receive_some(100) == b"abcd"
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    async with one_write(send):  # no hooked connection behind it: nothing to gather
+        pass
 
 
 async def test_a_cancelled_task_does_not_write() -> None:
