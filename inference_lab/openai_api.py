@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import functools
 import json
-import uuid
+import random
 from collections.abc import Sequence
 from typing import Any, Literal, NewType
 
@@ -80,6 +80,7 @@ __all__ = [
     "error_body",
     "logprob_alternatives",
     "new_request_id",
+    "random_hex",
     "parse_capacity_request",
     "parse_chat_request",
     "parse_completion_request",
@@ -784,8 +785,16 @@ def _completion_logprobs(count: int, top: int, offset: int) -> dict[str, Any]:
     }
 
 
+def random_hex() -> str:
+    """32 random hex digits (128 bits), as ``uuid.uuid4().hex`` but a tenth of the cost:
+    request ids need only be unique, not secret, so they come from ``random``'s
+    generator (seeded from the OS, and again in a forked child) rather than from a read
+    of the OS's random source each time."""
+    return f"{random.getrandbits(128):032x}"
+
+
 def new_request_id(kind: Literal["chat", "completions"]) -> str:
-    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{random_hex()}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -162,15 +162,16 @@ class Roofline:
         return self.price(self._array_terms(n, c))
 
     def _array_terms(self, n: IntArray, c: IntArray) -> BatchTerms:
+        add = np.add.reduce  # (``.sum()`` goes through a Python wrapper: twice the cost)
         sums: list[list[int]] = []
         if len(n):
             m = c + (n + 1) // 2
             for window, _, _ in self._windows:
                 att = np.minimum(m, window) if window > 0 else m
-                sums.append([int(np.dot(n, att)), int(att.sum())])
+                sums.append([int(np.dot(n, att)), int(add(att))])
         else:
             sums = [[0, 0] for _ in self._windows]
-        return BatchTerms(int(n.sum()), len(n), sums)
+        return BatchTerms(int(add(n)), len(n), sums)
 
     def batch_terms(self, ns: list[int], cs: list[int]) -> BatchTerms:
         """What a batch given as lists (the engine's) is priced from (:class:`BatchTerms`).

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from inference_lab.openai_api import (
     StreamEncoder,
     completion_body,
     detokenize_body,
+    new_request_id,
     parse_capacity_request,
     parse_chat_request,
     parse_completion_request,
@@ -30,6 +32,7 @@ from inference_lab.openai_api import (
     parse_json_object,
     parse_tokenize_request,
     placeholder_text,
+    random_hex,
     stop_point,
     tokenize_body,
 )
@@ -655,3 +658,11 @@ def test_parse_functions_keep_their_positional_signature() -> None:
     """The serve app calls parse_*(raw, default_max_tokens); the tokenizer is a keyword."""
     assert parse_chat_request(chat(), 99).max_tokens == 99
     assert parse_completion_request(completion(), 42, tokenizer=None).prompt_tokens == 3
+
+
+def test_request_ids_are_32_random_hex_digits_after_their_kind() -> None:
+    ids = {new_request_id("completions") for _ in range(2000)}
+    assert len(ids) == 2000
+    assert all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids)
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", new_request_id("chat"))
+    assert len({random_hex() for _ in range(2000)}) == 2000

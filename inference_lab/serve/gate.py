@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import uuid
 from collections.abc import Sequence
 
-from inference_lab.openai_api import new_request_id
+from inference_lab.openai_api import new_request_id, random_hex
 from inference_lab.serve.completions import COMPLETION_ROUTES
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.responses import (
@@ -58,7 +57,7 @@ def prepare(state: ServeState, exchange: Exchange) -> None:
     ``Exchange.request_id``, which a completion's body carries as its ``id``), and the
     CORS headers when the request comes from an allowed origin (``--allowed-origins``)."""
     kind = COMPLETION_ROUTES.get(exchange.path)
-    generated = new_request_id(kind) if kind is not None else f"req-{uuid.uuid4().hex}"
+    generated = new_request_id(kind) if kind is not None else f"req-{random_hex()}"
     exchange.request_id = generated
     client_id: bytes | None = None
     origin: bytes | None = None
