@@ -4,10 +4,11 @@ Runs the serve app's hooked hypercorn connection server (``LabTCPServer``) over 
 socket pair with a minimal ASGI app — no engine, no pacing — and a reader in the same
 trio loop, and prints the CPU time (``time.process_time``) per unit:
 
-- **per write**: one streaming response writing N mid-stream body messages of one SSE
-  frame each (the path of every mid-stream write of a stream) — hypercorn's request
-  stream, h11's chunk framing, the send lock and the ``send`` system call, plus the
-  reader's share;
+- **per write**: one streaming response writing N mid-stream chunks of one SSE frame
+  each, the way a stream writes them (pre-framed, straight to the connection:
+  ``chunk_writer``) and, for comparison, as ASGI body messages through hypercorn's
+  request stream and h11 (what any other app's writes take) — the framing, the send
+  lock and the ``send`` system call, plus the reader's share;
 - **per request**: N requests on one keep-alive connection, each answered by a response
   start and one body message (the path of a one-token answer) — h11 parsing, the request
   stream's set-up, the app task, the response start, the body and its end, the idle timer.
@@ -28,7 +29,7 @@ from typing import Any
 import trio
 from hypercorn.config import Config as HyperConfig
 
-from inference_lab.serve.connection import local_connection
+from inference_lab.serve.connection import chunk_writer, local_connection
 
 FRAME = (
     b'data: {"id":"cmpl-0123456789abcdef","object":"text_completion","created":1764500000,'
@@ -48,15 +49,20 @@ async def _serve(app: Any, work: Any) -> None:
         await client.aclose()
 
 
-async def per_write(writes: int) -> float:
-    """CPU seconds per mid-stream write."""
+async def per_write(writes: int, through_send: bool = False) -> float:
+    """CPU seconds per mid-stream write: pre-framed (a stream's way), or as body messages
+    through hypercorn (``through_send``)."""
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
         await send({"type": "http.response.start", "status": 200, "headers": []})
+        write = None if through_send else chunk_writer(send)
         for _ in range(writes):
-            await send({"type": "http.response.body", "body": FRAME, "more_body": True})
+            if write is None:
+                await send({"type": "http.response.body", "body": FRAME, "more_body": True})
+            else:
+                await write(FRAME)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     spent = 0.0
@@ -114,10 +120,15 @@ def main() -> int:
     if args.writes < 1 or args.requests < 1 or args.repeats < 1:
         parser.error("--writes, --requests and --repeats must be at least 1")
     writes = [trio.run(per_write, args.writes) for _ in range(args.repeats)]
+    sends = [trio.run(per_write, args.writes, True) for _ in range(args.repeats)]
     requests = [trio.run(per_request, args.requests) for _ in range(args.repeats)]
     print(
         f"per mid-stream write: {min(writes) * 1e6:.1f} us of CPU (best of {args.repeats}; "
         f"all {', '.join(f'{w * 1e6:.1f}' for w in writes)})"
+    )
+    print(
+        f"  the same as body messages through hypercorn and h11: {min(sends) * 1e6:.1f} us "
+        f"(all {', '.join(f'{w * 1e6:.1f}' for w in sends)})"
     )
     print(
         f"per request (start + one body, keep-alive): {min(requests) * 1e6:.1f} us of CPU "
