@@ -290,6 +290,34 @@ async def test_one_write_gathers_nested_uses_into_one_write_even_on_an_error(
         pass
 
 
+async def test_a_gathered_write_is_flushed_even_in_a_cancelled_task() -> None:
+    """What ``one_write`` gathered leaves when it ends although the task was cancelled
+    meanwhile (a stream's last frames), also when it must first wait for the send lock."""
+    server, client = await _connection_server()
+    with trio.CancelScope() as scope:
+        async with server.one_write():
+            await server.protocol_send(RawData(data=b"gathered"))
+            scope.cancel()
+    assert await client.receive_some(100) == b"gathered"
+    async with trio.open_nursery() as nursery:
+        await server.send_lock.acquire()
+
+        async def cancelled_flush() -> None:
+            with trio.CancelScope() as inner:
+                async with server.one_write():
+                    await server.protocol_send(RawData(data=b" second"))
+                    inner.cancel()
+
+        nursery.start_soon(cancelled_flush)
+        await trio.sleep(0.05)
+        await server.stream.send_all(b" first")
+        server.send_lock.release()
+    data = b""
+    while not data.endswith(b"second"):
+        data += await client.receive_some(100)
+    assert data == b" first second"
+
+
 async def test_a_cancelled_task_does_not_write() -> None:
     """As with hypercorn's own path, a write from a cancelled task raises Cancelled and
     writes nothing; a shielded one (the end of a response) still writes."""

@@ -349,42 +349,44 @@ class LabTCPServer(TCPServer):
         else:
             await super().protocol_send(event)
 
-    async def _write(self, event: RawData) -> None:
+    async def _write(self, event: RawData, shielded: bool = False) -> None:
         """hypercorn's write (under the connection's send lock, shielded, a failed write
         reported as the connection's close), without a scheduling point when nobody holds
         the lock and the socket takes the bytes at once (Rule 4); what it does not take is
         sent under the lock as hypercorn does. A cancelled task, or a lock in use, takes
-        hypercorn's own path."""
+        hypercorn's own path. ``shielded``: the write must happen even in a cancelled
+        task (a gathered write's flush)."""
         lock = self.send_lock
-        if trio.current_effective_deadline() == -math.inf:
-            await super().protocol_send(event)  # cancelled: raises there, as hypercorn does
-            return
-        if lock.locked():
-            await super().protocol_send(event)
+        if lock.locked() or (not shielded and trio.current_effective_deadline() == -math.inf):
+            if shielded:
+                with trio.CancelScope(shield=True):
+                    await super().protocol_send(event)
+            else:  # a cancelled task raises there, as with hypercorn
+                await super().protocol_send(event)
             return
         data = event.data
         try:
             sent = self._receipt.send_nowait(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            await self.protocol.handle(Closed())
-            return
+            sent = -1
         if sent == len(data):
             return
-        lock.acquire_nowait()  # free: nothing ran since it was seen free
-        try:
+        with trio.CancelScope(shield=True):
+            if sent < 0:
+                await self.protocol.handle(Closed())
+                return
+            lock.acquire_nowait()  # free: nothing ran since it was seen free
             try:
-                with trio.CancelScope(shield=True):
-                    await self.stream.send_all(data[sent:] if sent else data)
+                await self.stream.send_all(data[sent:] if sent else data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 await self.protocol.handle(Closed())
-        finally:
-            lock.release()
+            finally:
+                lock.release()
 
     async def _flush(self) -> None:
         gathered, self._gathered = self._gathered, []
         if gathered:
-            with trio.CancelScope(shield=True):
-                await self._write(RawData(data=b"".join(gathered)))
+            await self._write(RawData(data=b"".join(gathered)), shielded=True)
 
     def one_write(self) -> OneWrite:
         """Gather what the protocol writes inside into one socket write at the end (or
