@@ -337,12 +337,17 @@ async def serve_app(
 
 
 async def _serve_until_signalled(
-    app: Any, sock: socket.socket, *, grace: float, backlog: int
+    app: Any, sock: socket.socket, *, grace: float, backlog: int, banner: str
 ) -> None:
+    """Serve until signalled (the first signal drains, the second hurries live requests,
+    the third stops at once). ``banner`` is printed once hypercorn serves -- after the
+    app's start-up and warm-up -- so a client that waits for it is answered at once: one
+    that connected earlier waited in the kernel's accept queue, and the kernel's receive
+    time, the request's arrival stamp, counted that wait in its latency."""
     stop = trio.Event()
     state = get_state(app)
-    async with trio.open_nursery() as nursery:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
 
             async def watch() -> None:
                 signalled = 0
@@ -365,10 +370,20 @@ async def _serve_until_signalled(
                         return
 
             nursery.start_soon(watch)
-            await serve_app(
-                app, sock, shutdown_trigger=stop.wait, graceful_timeout=grace, backlog=backlog
-            )
-            nursery.cancel_scope.cancel()
+
+            async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
+                await serve_app(
+                    app,
+                    sock,
+                    shutdown_trigger=stop.wait,
+                    graceful_timeout=grace,
+                    backlog=backlog,
+                    task_status=task_status,
+                )
+                nursery.cancel_scope.cancel()
+
+            await nursery.start(serve)
+            print(banner, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -414,7 +429,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"cannot listen on {args.host}:{port}: {exc.strerror or exc}")
     _raise_fd_limit()
     app = create_app(settings, server_process=True)
-    print(_banner(settings, args.hardware, _url(sock)), flush=True)
+    banner = _banner(settings, args.hardware, _url(sock))
     if settings.enable_test_harness:
         print(
             f"{PROG}: test harness on: requests can inject faults and script answers, and "
@@ -428,7 +443,9 @@ def run(args: argparse.Namespace) -> int:
             f"({somaxconn}) by the kernel",
             file=sys.stderr,
         )
-    serve = partial(_serve_until_signalled, grace=args.shutdown_grace, backlog=args.backlog)
+    serve = partial(
+        _serve_until_signalled, grace=args.shutdown_grace, backlog=args.backlog, banner=banner
+    )
     try:
         trio.run(serve, app, sock)
     except KeyboardInterrupt:

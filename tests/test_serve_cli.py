@@ -188,3 +188,48 @@ def test_listening_socket_sets_tcp_user_timeout() -> None:
     finally:
         sock.close()
     assert timeout == serve_cli.TCP_USER_TIMEOUT_MS
+
+
+async def test_the_banner_is_printed_once_the_server_answers(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "listening on" means ready: it is printed after the app's start-up (here made to
+    take 0.3 s), so a client that waits for it is not kept in the accept queue; the first
+    signal then drains and stops the server (the signal receiver is still installed)."""
+    import os
+    import signal
+    import time
+
+    import trio
+
+    from inference_lab.serve import create_app
+
+    app = create_app(make_settings(GPT))
+    started: list[float] = []
+
+    @app.before_serving
+    async def slow_start_up() -> None:
+        await trio.sleep(0.3)
+        started.append(time.monotonic())
+
+    banner = "listening on test"
+    printed: list[float] = []
+    shown = trio.Event()
+
+    def recording_print(*values: object, **options: object) -> None:
+        if values == (banner,):
+            printed.append(time.monotonic())
+            shown.set()
+
+    monkeypatch.setattr(serve_cli, "print", recording_print, raising=False)
+
+    async def stop_after_banner() -> None:
+        await shown.wait()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    sock = serve_cli.bind_socket("127.0.0.1", 0)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop_after_banner)
+            await serve_cli._serve_until_signalled(app, sock, grace=1.0, backlog=16, banner=banner)
+    assert started and printed and printed[0] >= started[0]
