@@ -407,7 +407,21 @@ async def answer_on_local_connection(app: Any, request: bytes) -> bytes:
     return answer
 
 
-def _h11_answers(raw: bytes, requests: int) -> list[tuple[int, list[tuple[bytes, bytes]], bytes]]:
+def record_h11_sends(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """From now on, the names of the events every h11 connection is asked to send, in
+    order (the server's; a test's own h11 client adds its own)."""
+    sent: list[str] = []
+    plain_send = h11.Connection.send
+
+    def recording_send(self: h11.Connection, event: Any) -> bytes | None:
+        sent.append(type(event).__name__)
+        return plain_send(self, event)
+
+    monkeypatch.setattr(h11.Connection, "send", recording_send)
+    return sent
+
+
+def h11_answers(raw: bytes, requests: int) -> list[tuple[int, list[tuple[bytes, bytes]], bytes]]:
     """Parse ``raw`` as ``requests`` HTTP/1.1 answers with h11's own client (strict about
     the framing): (status, headers, body) each."""
     client = h11.Connection(h11.CLIENT)
@@ -440,14 +454,7 @@ async def test_pre_framed_chunks_skip_h11_and_keep_the_connection_usable(
     """A streamed response's chunks written through ``chunk_writer`` are framed exactly
     as h11 frames them (h11's client parses them), h11 sees only the start and the end of
     the body (no Data event), and the keep-alive connection serves the next request."""
-    sent: list[str] = []
-    plain_send = h11.Connection.send
-
-    def recording_send(self: h11.Connection, event: Any) -> bytes | None:
-        sent.append(type(event).__name__)
-        return plain_send(self, event)
-
-    monkeypatch.setattr(h11.Connection, "send", recording_send)
+    sent = record_h11_sends(monkeypatch)
     writers: list[object] = []
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -475,7 +482,7 @@ async def test_pre_framed_chunks_skip_h11_and_keep_the_connection_usable(
                 raw += answer
             await client.aclose()
     assert sent == ["Response", "EndOfMessage"] * 2  # the server's h11: no Data event
-    for status, _, body in _h11_answers(raw, 2):
+    for status, _, body in h11_answers(raw, 2):
         assert status == 200 and body == b"data: one\n\n" + b"data: two\n\n" * 300
 
 

@@ -25,7 +25,6 @@ import time
 from typing import Any
 
 import attrs
-import h11
 import pytest
 import trio
 from hypercorn.config import Config
@@ -47,7 +46,11 @@ from inference_lab.serve.connection import (
 )
 from inference_lab.serve_cli import bind_socket, serve_app
 from tests.conftest import GPT, ServeFactory, make_settings
-from tests.test_serve_connection import answer_on_local_connection
+from tests.test_serve_connection import (
+    answer_on_local_connection,
+    h11_answers,
+    record_h11_sends,
+)
 
 
 def test_quart_trio_still_has_the_hook_the_fix_overrides() -> None:
@@ -415,14 +418,7 @@ async def test_a_streams_frames_reach_the_socket_without_passing_through_h11(
     """A served stream's frames go to the connection pre-framed (streaming Rule 6): h11
     encodes the response start and the end of the body only, and what the client gets
     is a well-framed chunked body carrying every token, the usage and ``[DONE]``."""
-    events: list[str] = []
-    plain_send = h11.Connection.send
-
-    def recording_send(self: h11.Connection, event: Any) -> bytes | None:
-        events.append(type(event).__name__)
-        return plain_send(self, event)
-
-    monkeypatch.setattr(h11.Connection, "send", recording_send)
+    events = record_h11_sends(monkeypatch)
     stream = _post_closing(
         {
             "model": GPT,
@@ -435,13 +431,8 @@ async def test_a_streams_frames_reach_the_socket_without_passing_through_h11(
     [writes] = await _writes_of([stream], monkeypatch, interval=0.0, slowdown=100.0)
     assert events == ["Response", "EndOfMessage"]
     assert len(writes) >= 3  # the start, mid-stream frames, the last ones
-    client = h11.Connection(h11.CLIENT)
-    client.send(h11.Request(method="POST", target="/", headers=[("host", "x")]))
-    client.receive_data(b"".join(writes))
-    body = b""
-    while not isinstance(event := client.next_event(), h11.EndOfMessage):
-        if isinstance(event, h11.Data):
-            body += bytes(event.data)
+    [(status, _, body)] = h11_answers(b"".join(writes), 1)
+    assert status == 200
     frames = [f for f in body.split(b"\n\n") if f]
     texts = [f for f in frames if b'"text":"' in f and b"finish_reason" not in f]
     assert len(texts) == 5 and b'"finish_reason":"length"' in frames[-3]
