@@ -36,9 +36,10 @@ Rule 6: a request can be told synchronously that its client has gone
         hypercorn's ``http.disconnect`` message (a task, a nursery and a cancellation per
         request).
 Rule 7: a streamed response's mid-body chunks can be written pre-framed, straight to the
-        connection (:func:`chunk_writer`): hypercorn's request stream and h11 cost ~20 µs
-        a chunk and keep no state for one; the response start and the end of the body
-        still pass through them, so their state machines see the whole exchange.
+        connection (:func:`chunk_writer`): hypercorn's request stream and h11 keep no
+        state for one and cost ~half of a chunk's write (~8 of ~16 µs in
+        ``scripts/bench_stack.py``); the response start and the end of the body still
+        pass through them, so their state machines see the whole exchange.
 """
 
 from __future__ import annotations
