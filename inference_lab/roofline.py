@@ -202,10 +202,6 @@ class Roofline:
             sums[0] += n * att
             sums[1] += att
 
-    def batch_cost(self, ns: list[int], cs: list[int]) -> StepCost:
-        """:meth:`step_cost` of a batch given as lists (the engine's)."""
-        return self.price(self.batch_terms(ns, cs))
-
     def price(self, terms: BatchTerms) -> StepCost:
         """The cost of the batch ``terms`` sums up."""
         return self._price(terms.tokens, terms.seqs, terms.sums)

@@ -577,7 +577,7 @@ def test_gpt_oss_blocks_for_saturates_past_the_window(gpt_oss_roofline: Roofline
 
 @pytest.mark.parametrize("config", sorted(p.name for p in Path("configs").glob("*.toml")))
 @pytest.mark.parametrize("hardware", ["b200", "h200"])
-def test_batch_cost_prices_a_list_batch_exactly_as_step_cost(config: str, hardware: str) -> None:
+def test_batch_terms_price_a_list_batch_exactly_as_step_cost(config: str, hardware: str) -> None:
     """The engine's list form gives the very same StepCost (==, not approximately) as the
     array form, for batches below, at and above SMALL_BATCH, decodes and prefill chunks
     mixed, on every shipped model; asking again for a token count already seen too."""
@@ -588,7 +588,8 @@ def test_batch_cost_prices_a_list_batch_exactly_as_step_cost(config: str, hardwa
             ns = [int(x) for x in rng.choice([1, 1, 1, 16, 512], size)]
             cs = [int(x) for x in rng.integers(0, 20_000, size)]
             arrays = rf.step_cost(np.array(ns, dtype=np.int64), np.array(cs, dtype=np.int64))
-            assert rf.batch_cost(ns, cs) == arrays == rf.batch_cost(ns, cs)
+            listed = rf.price(rf.batch_terms(ns, cs))
+            assert listed == arrays == rf.price(rf.batch_terms(ns, cs))
 
 
 @pytest.mark.parametrize("config", sorted(p.name for p in Path("configs").glob("*.toml")))
@@ -607,4 +608,4 @@ def test_a_sequence_added_to_a_batchs_terms_prices_it_as_the_batch_with_it(confi
             ns.append(n)
             cs.append(c)
             assert terms == rf.batch_terms(ns, cs)
-            assert rf.price(terms) == rf.batch_cost(ns, cs)
+            assert rf.price(terms) == rf.price(rf.batch_terms(ns, cs))
