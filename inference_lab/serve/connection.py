@@ -468,12 +468,22 @@ def received_at(send: Any) -> float:
     return parsed
 
 
+def _hooked_chain(send: Any) -> tuple[Any, Any, LabTCPServer] | None:
+    """hypercorn's request stream, HTTP/1.1 protocol and hooked connection server behind
+    a request's ``send`` (see the module docstring), or None."""
+    request_stream = getattr(send, "__self__", None)
+    protocol = getattr(getattr(request_stream, "send", None), "__self__", None)
+    server = getattr(getattr(protocol, "send", None), "__self__", None)
+    if not isinstance(server, LabTCPServer):
+        return None
+    return request_stream, protocol, server
+
+
 def connection_server(send: Any) -> LabTCPServer | None:
     """The hooked connection server behind hypercorn's ``send`` for a request, or None
     (another server, a test client, or the hook not installed)."""
-    protocol = getattr(getattr(getattr(send, "__self__", None), "send", None), "__self__", None)
-    server = getattr(getattr(protocol, "send", None), "__self__", None)
-    return server if isinstance(server, LabTCPServer) else None
+    chain = _hooked_chain(send)
+    return None if chain is None else chain[2]
 
 
 #: Response headers that fix a body's framing themselves (then it is not chunked).
@@ -491,11 +501,11 @@ def chunk_writer(send: Any) -> Callable[[bytes], Awaitable[None]] | None:
     None where that does not hold: not a hooked connection, a response not yet started,
     not chunked (an HTTP/1.0 client, a start that declares its length or framing), or a
     HEAD request."""
-    server = connection_server(send)
-    if server is None:
+    chain = _hooked_chain(send)
+    if chain is None:
         return None
-    request_stream = send.__self__
-    connection = getattr(request_stream.send.__self__, "connection", None)
+    request_stream, protocol, server = chain
+    connection = getattr(protocol, "connection", None)
     response = getattr(request_stream, "response", None)
     scope = getattr(request_stream, "scope", None)
     if (
