@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from hypercorn.config import Config as HyperConfig
 from hypercorn.trio import serve as hypercorn_serve
 
 from inference_lab.errors import ConfigError
@@ -48,7 +47,11 @@ from inference_lab.serve import (
     load_settings,
     parse_int_setting,
 )
-from inference_lab.serve.connection import enable_receive_timestamps
+from inference_lab.serve.connection import (
+    LabConfig,
+    enable_receive_timestamps,
+    receives_timestamps,
+)
 from inference_lab.serve.settings import DEFAULT_BODY_TIMEOUT
 
 __all__ = ["add_parser", "bind_socket", "run", "serve_app"]
@@ -290,8 +293,10 @@ def _banner(settings: ServeSettings, hardware: str, url: str) -> str:
 
 def _hypercorn_config(
     sock: socket.socket, graceful_timeout: float, keep_alive_timeout: float, backlog: int
-) -> HyperConfig:
-    config = HyperConfig()
+) -> LabConfig:
+    config = LabConfig()
+    # the connections accepted inherit the listener's arrival stamps (connection Rule 8)
+    config.listener_stamps = receives_timestamps(sock)
     # hypercorn adopts the socket by file descriptor; it owns (and closes) it from here.
     config.bind = [f"fd://{sock.detach()}"]
     # ... and calls listen() on it again, with this (Rule 4; its default is 100).

@@ -33,16 +33,20 @@ from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
 from quart_trio.asgi import TrioASGIHTTPConnection
 
-from inference_lab.serve import create_app
+from inference_lab import serve_cli
+from inference_lab.serve import connection, create_app
 from inference_lab.serve.asgi import LabHTTPConnection, get_state
 from inference_lab.serve.completions import _receive_nowait, read_body
 from inference_lab.serve.connection import (
     SO_TIMESTAMPNS,
+    LabConfig,
     LabTCPServer,
     ReceiptStream,
     enable_receive_timestamps,
     install_receipt_hook,
+    local_connection,
     received_at,
+    receives_timestamps,
 )
 from inference_lab.serve_cli import bind_socket, serve_app
 from tests.conftest import GPT, ServeFactory, make_settings
@@ -488,3 +492,102 @@ def test_a_bad_environment_under_plain_hypercorn_is_one_line_and_exit_1(
     assert info.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "INFERENCE_LAB_MAX_WAITING" in err[0]
+
+
+@pytest.mark.skipif(SO_TIMESTAMPNS is None, reason="no kernel receive timestamps here")
+async def test_a_connection_of_a_stamping_listener_asks_nothing_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Connection Rule 8: where the configuration says the listener stamps arrivals
+    (``LabConfig.listener_stamps``, set by ``inference-lab serve``), a connection neither
+    asks for stamping again nor notes waiting bytes -- and its reads still carry the
+    kernel's stamp, inherited from the listener (here 50 ms before the read). With the
+    default configuration (a plain hypercorn launch) it asks for both."""
+    listener = trio.socket.socket()
+    assert not receives_timestamps(listener)
+    assert enable_receive_timestamps(listener) and receives_timestamps(listener)
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    await trio.sleep(0.2)  # the kernel turns its packet stamping on a moment later
+    asked: list[str] = []
+    monkeypatch.setattr(
+        connection, "enable_receive_timestamps", lambda sock: asked.append("stamping") or True
+    )
+    monkeypatch.setattr(ReceiptStream, "note_waiting", lambda self: asked.append("waiting"))
+
+    async def take_one(config: Any) -> tuple[LabTCPServer, trio.SocketStream, float]:
+        client = trio.socket.socket()
+        await client.connect(listener.getsockname())
+        sent = trio.current_time()
+        await client.send(b"GET / HTTP/1.1\r\n\r\n")
+        await trio.sleep(0.05)
+        accepted, _ = await listener.accept()
+        server = LabTCPServer(None, config, None, None, trio.SocketStream(accepted))
+        return server, trio.SocketStream(client), sent
+
+    stamped = LabConfig()
+    stamped.listener_stamps = True
+    server, client, sent = await take_one(stamped)
+    assert asked == [] and server._receipt.stamped
+    assert await server._receipt.receive_some(100) == b"GET / HTTP/1.1\r\n\r\n"
+    assert sent - 0.005 <= server._receipt.received <= sent + 0.02
+    await client.aclose()
+    await server._receipt.aclose()
+
+    server, client, _ = await take_one(LabConfig())
+    assert asked == ["stamping", "waiting"]
+    await client.aclose()
+    await server._receipt.aclose()
+    listener.close()
+
+
+def test_the_cli_tells_its_connections_that_the_listener_stamps() -> None:
+    sock = bind_socket("127.0.0.1", 0)
+    config = serve_cli._hypercorn_config(sock, 1.0, 5.0, 16)
+    assert isinstance(config, LabConfig)
+    assert config.listener_stamps is (SO_TIMESTAMPNS is not None)
+    socket.socket(fileno=int(config.bind[0].removeprefix("fd://"))).close()
+
+
+async def test_a_plain_connection_skips_hypercorns_handshake_and_read_scopes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Connection Rule 8: a plain socket connection is served without hypercorn's own
+    ``run`` (its TLS handshake attempt) and, with no read timeout configured, without its
+    ``_read_data`` (a cancel scope per read): here both would fail the request. A
+    configured read timeout takes hypercorn's reads, and still closes a silent
+    connection once it passes."""
+
+    async def refused(self: Any) -> None:
+        raise AssertionError("hypercorn's own path was taken")
+
+    monkeypatch.setattr(TCPServer, "run", refused)
+    plain_read_data = TCPServer._read_data
+    monkeypatch.setattr(TCPServer, "_read_data", refused)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    answer = await answer_on_local_connection(app, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 204")
+
+    timed: list[float] = []
+
+    async def timed_read_data(self: Any) -> None:
+        timed.append(self.config.read_timeout)
+        await plain_read_data(self)
+
+    monkeypatch.setattr(TCPServer, "_read_data", timed_read_data)
+    config = Config()
+    config.accesslog = None
+    config.read_timeout = 0.2
+    server, client = local_connection(app, config)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            started = trio.current_time()
+            assert await client.receive_some(100) == b""  # closed by the server: no request
+            assert trio.current_time() - started >= 0.2
+    assert timed == [0.2]
+    await client.aclose()

@@ -40,6 +40,11 @@ Rule 7: a streamed response's mid-body chunks can be written pre-framed, straigh
         state for one and cost ~half of a chunk's write (~8 of ~16 µs in
         ``scripts/bench_stack.py``); the response start and the end of the body still
         pass through them, so their state machines see the whole exchange.
+Rule 8: per connection, nothing is done that cannot matter to it: no TLS handshake is
+        attempted on a plain socket stream, no cancel scope is put around a read when no
+        read timeout is configured (hypercorn's default), and where the configuration
+        (:class:`LabConfig`) says the listening sockets stamp arrivals, a connection
+        neither asks for stamping again nor notes when its first bytes were waiting.
 """
 
 from __future__ import annotations
@@ -63,13 +68,17 @@ import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HyperConfig
 from hypercorn.events import Closed, Event, RawData
+from hypercorn.protocol import ProtocolWrapper
 from hypercorn.trio import run as hypercorn_run
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.task_group import TaskGroup
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
+from hypercorn.utils import parse_socket_addr
 
 __all__ = [
     "IdleTimer",
+    "LabConfig",
     "LabTCPServer",
     "MAX_RECEIPT_AGE",
     "ReceiptStream",
@@ -80,6 +89,7 @@ __all__ = [
     "install_receipt_hook",
     "one_write",
     "received_at",
+    "receives_timestamps",
 ]
 
 logger = logging.getLogger("inference_lab.serve")
@@ -115,6 +125,25 @@ def enable_receive_timestamps(sock: Any) -> bool:
     return True
 
 
+def receives_timestamps(sock: Any) -> bool:
+    """Whether the kernel stamps the packets ``sock`` receives (see
+    :func:`enable_receive_timestamps`); False where it cannot be asked."""
+    if SO_TIMESTAMPNS is None:
+        return False
+    try:
+        return bool(sock.getsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS))
+    except (AttributeError, OSError):
+        return False
+
+
+class LabConfig(HyperConfig):
+    """hypercorn's configuration, plus what the hooked connection server may rely on."""
+
+    #: Every listening socket stamps what it receives (:func:`enable_receive_timestamps`):
+    #: the connections accepted on them inherit that, so none asks again (Rule 8).
+    listener_stamps = False
+
+
 def _kernel_receipt(ancillary: list[tuple[int, int, bytes]]) -> float | None:
     """The trio time of the receive timestamp in ``recvmsg``'s ancillary data, or None
     (no stamp, or one not within MAX_RECEIPT_AGE before now: a clock step)."""
@@ -140,14 +169,17 @@ class ReceiptStream:
     the connection. Everything else is the wrapped stream's.
     """
 
-    __slots__ = ("_stream", "received", "_waiting_since", "_stamped", "_plain")
+    __slots__ = ("_stream", "received", "_waiting_since", "stamped", "plain")
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, *, stamped: bool = False) -> None:
         self._stream = stream
         self.received = -math.inf
         self._waiting_since: float | None = None
-        self._plain = type(stream) is trio.SocketStream
-        self._stamped = self._plain and enable_receive_timestamps(stream.socket)
+        #: Whether the stream is a plain trio socket stream (its socket is ``socket``).
+        self.plain = type(stream) is trio.SocketStream
+        #: Whether its socket stamps what it receives: asked here, unless ``stamped``
+        #: says its listening socket does already (the connection inherited that).
+        self.stamped = self.plain and (stamped or enable_receive_timestamps(stream.socket))
 
     def note_waiting(self) -> None:
         """If bytes are waiting on the connection now, the first read's bytes were there
@@ -162,7 +194,7 @@ class ReceiptStream:
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         stamp: float | None = None
-        if self._stamped:
+        if self.stamped:
             data, stamp = await self._receive_stamped(max_bytes)
         else:
             data = await self._stream.receive_some(max_bytes)
@@ -196,7 +228,7 @@ class ReceiptStream:
         plain socket stream and the caller must use ``send_all``). A closed socket raises
         ClosedResourceError, a broken connection BrokenResourceError, as ``send_all``
         does. The caller must hold off any other writer (hypercorn's send lock)."""
-        if not self._plain:
+        if not self.plain:
             return 0
         fd = self._stream.socket.fileno()
         if fd < 0:
@@ -286,8 +318,10 @@ class LabTCPServer(TCPServer):
     able to gather the writes of several protocol events into one (:meth:`one_write`)."""
 
     def __init__(self, app: Any, config: Any, context: Any, state: Any, stream: Any) -> None:
-        receipt = ReceiptStream(stream)
-        receipt.note_waiting()
+        listener_stamps = bool(getattr(config, "listener_stamps", False))
+        receipt = ReceiptStream(stream, stamped=listener_stamps)
+        if not listener_stamps:  # (stamping asked only now may miss the first bytes)
+            receipt.note_waiting()
         super().__init__(app, config, context, state, receipt)  # type: ignore[arg-type]
         self._receipt = receipt
         self._gathered: list[bytes] | None = None
@@ -298,9 +332,42 @@ class LabTCPServer(TCPServer):
 
     async def run(self) -> None:
         try:
-            await super().run()
+            if self._receipt.plain:
+                await self._run_plain()
+            else:
+                await super().run()
         finally:
             self._unlink()
+
+    async def _run_plain(self) -> None:
+        """hypercorn's ``run`` for a connection that is a plain socket stream (Rule 8):
+        the same set-up, protocol and teardown, without the TLS handshake attempt (a
+        cancel scope and an AttributeError per connection in hypercorn's own)."""
+        sock = self._receipt.socket
+        try:
+            client = parse_socket_addr(sock.family, sock.getpeername())
+            server = parse_socket_addr(sock.family, sock.getsockname())
+            async with TaskGroup() as task_group:
+                self._task_group = task_group
+                self.protocol = ProtocolWrapper(
+                    self.app,
+                    self.config,
+                    self.context,
+                    task_group,
+                    ConnectionState(self.state),
+                    False,
+                    client,
+                    server,
+                    self.protocol_send,
+                    "http/1.1",
+                )
+                await self.protocol.initiate()
+                await self.idle_task.restart(self._task_group, self._idle_timeout)
+                await self._read_data()
+        except OSError:
+            pass
+        finally:
+            await self._close()
 
     def _unlink(self) -> None:
         """Drop the links by which the connection's objects refer back to this server
@@ -313,7 +380,10 @@ class LabTCPServer(TCPServer):
 
     async def _read_data(self) -> None:
         try:
-            await super()._read_data()
+            if self.config.read_timeout:
+                await super()._read_data()
+            else:
+                await self._read_untimed()
         finally:
             self._reading = False
             callback, self._on_close = self._on_close, None
@@ -323,6 +393,22 @@ class LabTCPServer(TCPServer):
                 except Exception:  # noqa: BLE001 - the connection's teardown goes on
                     logger.exception("a connection's close callback failed")
             self._idle_timer.finish()
+
+    async def _read_untimed(self) -> None:
+        """hypercorn's ``_read_data`` where no read timeout is configured (its default):
+        the same reads and protocol events, without a cancel scope with an infinite
+        deadline around every read (Rule 8)."""
+        receive_some = self.stream.receive_some
+        handle = self.protocol.handle
+        while True:
+            try:
+                data = await receive_some(MAX_RECV)
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                break
+            await handle(RawData(bytes(data)))
+            if data == b"":
+                break
+        await handle(Closed())
 
     def watch_close(self, callback: Callable[[], None]) -> bool:
         """Have ``callback`` called once, synchronously, when this connection's reading
