@@ -13,7 +13,8 @@ back does; every one is refused with 529 by the same admission path any model us
 the same server process and on the same core as the 24 streams. Per rate it prints:
 
 - refusals/s achieved, how many answers were not 529 (or never came), and the 529
-  latency p50 / p99 (connect -> complete response);
+  latency p50 / p99 (connect -> complete response), and the p99 of the connect alone
+  (the kernel's handshake and accept queue, before the server's process is involved);
 - the streams' median E2E and its shift against the rate-0 baseline;
 - the server's CPU and pacing lag over the level, and the CPU each refusal cost (the
   CPU above the rate-0 baseline over the refusals answered).
@@ -71,6 +72,7 @@ class Refusal:
     start: float
     latency: float
     status: int  # 0: no answer (refused connection, reset, timeout)
+    connect: float = math.nan  # seconds until the connection was established
 
 
 def _refused_request(host: str) -> bytes:
@@ -87,9 +89,11 @@ async def refuse_once(host: str, port: int, request: bytes, out: list[Refusal]) 
     """One refused client: a new connection, one request, its answer, close."""
     start = time.perf_counter()
     status = 0
+    connect = math.nan
     with trio.move_on_after(REFUSAL_TIMEOUT):
         try:
             stream = await trio.open_tcp_stream(host, port)
+            connect = time.perf_counter() - start
             try:
                 await stream.send_all(request)
                 status, _ = await read_response(stream, bytearray())
@@ -97,7 +101,7 @@ async def refuse_once(host: str, port: int, request: bytes, out: list[Refusal]) 
                 await stream.aclose()
         except (OSError, ConnectionError, trio.BrokenResourceError):
             status = 0
-    out.append(Refusal(start, time.perf_counter() - start, status))
+    out.append(Refusal(start, time.perf_counter() - start, status, connect))
 
 
 async def fire(
@@ -156,6 +160,7 @@ class Row:
     not_refused: int
     refusal_p50_ms: float
     refusal_p99_ms: float
+    connect_p99_ms: float
     streams: int
     e2e_p50_ms: float
     server_cpu_pct: float
@@ -203,12 +208,14 @@ async def run_level(url: str, model: str, rate: float, duration: float) -> Row:
     measured_from = start + warmup
     e2e = [r.e2e for r in results if r.start >= measured_from and r.status == 200]
     refused = [r.latency for r in refusals if r.status == 529]
+    connects = [r.connect for r in refusals if r.status == 529]
     return Row(
         rate=rate,
         refusals_per_s=len(refused) / duration if rate else 0.0,
         not_refused=sum(1 for r in refusals if r.status != 529) + dropped[0],
         refusal_p50_ms=float(np.percentile(refused, 50)) * 1000 if refused else math.nan,
         refusal_p99_ms=float(np.percentile(refused, 99)) * 1000 if refused else math.nan,
+        connect_p99_ms=float(np.percentile(connects, 99)) * 1000 if connects else math.nan,
         streams=len(e2e),
         e2e_p50_ms=statistics.median(e2e) * 1000 if e2e else math.nan,
         server_cpu_pct=cpu / cpu_wall * 100 if cpu_wall > 0 else math.nan,
@@ -218,7 +225,8 @@ async def run_level(url: str, model: str, rate: float, duration: float) -> Row:
 
 
 HEADER = (
-    f"{'rate':>6} {'529/s':>7} {'not 529':>8} {'529 p50':>8} {'529 p99':>8} {'streams':>7} "
+    f"{'rate':>6} {'529/s':>7} {'not 529':>8} {'529 p50':>8} {'529 p99':>8} {'conn p99':>8} "
+    f"{'streams':>7} "
     f"{'E2E p50':>9} {'shift':>7} {'CPU %':>6} {'CPU/529':>8} {'lag mean':>9} {'lag p99':>8}"
 )
 
@@ -236,7 +244,8 @@ def format_row(row: Row, baseline: Row) -> str:
     per_refusal = extra / row.refusals_per_s * 1000 if row.refusals_per_s else math.nan
     return (
         f"{row.rate:>6.0f} {row.refusals_per_s:>7.1f} {row.not_refused:>8} "
-        f"{_ms(row.refusal_p50_ms)} {_ms(row.refusal_p99_ms)} {row.streams:>7} "
+        f"{_ms(row.refusal_p50_ms)} {_ms(row.refusal_p99_ms)} {_ms(row.connect_p99_ms)} "
+        f"{row.streams:>7} "
         f"{row.e2e_p50_ms:>7.1f}ms {shift:>+6.2f}% {row.server_cpu_pct:>6.0f} "
         f"{_ms(per_refusal)} {row.lag_mean_ms:>7.3f}ms {row.lag_p99_ms:>6.2f}ms"
     )
