@@ -43,13 +43,20 @@ from typing import Any
 KINDS = ("trio", "hypercorn", "hooked", "serve")
 PINNED = "Llama-3-70B"
 ANSWER = b'{"error":{"message":"full","type":"overloaded_error","code":529}}'
-BODY = json.dumps(
-    {"model": PINNED, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
-).encode()
-REQUEST = (
-    b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-    b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(BODY)
-) + BODY
+
+
+def chat_request(max_tokens: int) -> bytes:
+    """A chat completion for the pinned model, as bytes on the wire."""
+    body = json.dumps(
+        {"model": PINNED, "messages": [{"role": "user", "content": "x"}], "max_tokens": max_tokens}
+    ).encode()
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+    ) + body
+
+
+REQUEST = chat_request(1)
 _CONTENT_LENGTH = re.compile(rb"(?i)\r\ncontent-length: *(\d+)")
 WARM_UP = 200
 TIMEOUT = 10.0
@@ -192,13 +199,7 @@ class Server:
         return self
 
     def _hold_full(self) -> None:
-        body = json.dumps(
-            {"model": PINNED, "messages": [{"role": "user", "content": "x"}], "max_tokens": 8000}
-        ).encode()
-        request = (
-            b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
-        ) + body
+        request = chat_request(8000)
         for _ in range(2):  # one runs, one waits
             holder = socket.create_connection(("127.0.0.1", self.port), timeout=TIMEOUT)
             holder.sendall(request)

@@ -291,6 +291,18 @@ async def test_bytes_waiting_when_the_connection_is_taken_up_are_stamped_then() 
     await later.aclose()
 
 
+async def _send_then_accept(listener: Any) -> tuple[Any, Any, float]:
+    """A client connects to ``listener`` and sends a request head; 50 ms later the
+    server accepts. (accepted socket, client socket, when the client sent)."""
+    client = trio.socket.socket()
+    await client.connect(listener.getsockname())
+    sent = trio.current_time()
+    await client.send(b"GET / HTTP/1.1\r\n\r\n")
+    await trio.sleep(0.05)
+    accepted, _ = await listener.accept()
+    return accepted, client, sent
+
+
 @pytest.mark.skipif(SO_TIMESTAMPNS is None, reason="no kernel receive timestamps here")
 async def test_a_read_is_stamped_when_the_kernel_received_its_bytes() -> None:
     """On a listener that has the kernel stamp what it receives (as ``inference-lab
@@ -303,12 +315,7 @@ async def test_a_read_is_stamped_when_the_kernel_received_its_bytes() -> None:
     await listener.bind(("127.0.0.1", 0))
     listener.listen()
     await trio.sleep(0.2)  # the kernel turns its packet stamping on a moment later
-    client = trio.socket.socket()
-    await client.connect(listener.getsockname())
-    sent = trio.current_time()
-    await client.send(b"GET / HTTP/1.1\r\n\r\n")
-    await trio.sleep(0.05)
-    accepted, _ = await listener.accept()
+    accepted, client, sent = await _send_then_accept(listener)
     receipt = ReceiptStream(trio.SocketStream(accepted))
     receipt.note_waiting()
     assert await receipt.receive_some(100) == b"GET / HTTP/1.1\r\n\r\n"
@@ -516,12 +523,7 @@ async def test_a_connection_of_a_stamping_listener_asks_nothing_again(
     monkeypatch.setattr(ReceiptStream, "note_waiting", lambda self: asked.append("waiting"))
 
     async def take_one(config: Any) -> tuple[LabTCPServer, trio.SocketStream, float]:
-        client = trio.socket.socket()
-        await client.connect(listener.getsockname())
-        sent = trio.current_time()
-        await client.send(b"GET / HTTP/1.1\r\n\r\n")
-        await trio.sleep(0.05)
-        accepted, _ = await listener.accept()
+        accepted, client, sent = await _send_then_accept(listener)
         server = LabTCPServer(None, config, None, None, trio.SocketStream(accepted))
         return server, trio.SocketStream(client), sent
 
