@@ -80,8 +80,11 @@ MAX_EARLY = 0.00025
 EARLY_GAIN = 0.05
 #: Seconds of wall-clock over which the pacing lag's p99 is checked.
 LAG_WINDOW = 1.0
-#: A window whose pacing-lag p99 exceeds this many seconds logs a warning ...
-LAG_WARN_P99 = 0.002
+#: A window whose pacing-lag p99 exceeds this many seconds logs a warning ... On a
+#: 2-core VM the levels held within the benchmarks' targets (docs/benchmarks.md) show
+#: windows with a p99 of up to ~3.5 ms (the machine's own jitter); where the server
+#: process is saturated (256 streams, 500 refusals a second) they show 7-70 ms.
+LAG_WARN_P99 = 0.005
 #: ... at most once per this many seconds.
 LAG_WARN_EVERY = 10.0
 

@@ -7,6 +7,9 @@ requests share steps priced for their batch; a stalled reader delays nobody else
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import numpy as np
 import pytest
 import trio
@@ -15,6 +18,7 @@ import trio.testing
 from inference_lab.config import Deployment
 from inference_lab.engine import Engine, RequestSpec
 from inference_lab.roofline import Roofline
+from inference_lab.runtime import LAG_WARN_EVERY, LAG_WARN_P99, LAG_WINDOW, ModelRuntime
 from tests.conftest import ServeFactory, Stream, chat_body, make_settings
 
 P = 5  # "user: hello world" counts 5 prompt tokens
@@ -325,3 +329,102 @@ async def test_a_request_handed_over_after_the_boundary_it_arrived_before_joins_
     expected = engine_oracle(dep, [(a_at, 40, 30), (stamp, 25, 5)])
     assert [t - rt.epoch for t in late.times] == [approx(t) for t in expected[1]]
     assert [t - rt.epoch for t in first.times] == [approx(t) for t in expected[0]]
+
+
+class _LagLog(logging.Handler):
+    """The runtime's pacing-lag warnings, each with the virtual time it was logged at."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[tuple[float, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "pacing lag" in message:
+            self.records.append((trio.current_time(), message))
+
+
+async def _make_late(
+    runtime: ModelRuntime, clock: trio.testing.MockClock, lag: float, done: trio.Event
+) -> None:
+    """Until ``done``: whenever the engine has an event ahead, jump the virtual clock to
+    ``lag`` past it, as a stalled CPU would; the engine then handles it exactly ``lag``
+    late (and what else fell due meanwhile, less late)."""
+    while not done.is_set():
+        t = runtime.engine.next_event_time()
+        if t is not None:
+            ahead = runtime.epoch + t + lag - trio.current_time()
+            if ahead > 0:
+                clock.jump(ahead)
+        await trio.sleep(1e-6)
+
+
+async def _run_late(s: Any, lag: float, max_tokens: int) -> None:
+    """One Llama-3-70B request (17.5 ms decode steps) whose events are all ``lag`` late."""
+    done = trio.Event()
+    clock = trio.lowlevel.current_clock()
+    assert isinstance(clock, trio.testing.MockClock)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_make_late, s.runtime("Llama-3-70B"), clock, lag, done)
+        body = chat_body(max_tokens=max_tokens, model="Llama-3-70B")
+        response = await s.post("/v1/chat/completions", body)
+        assert response.status_code == 200
+        done.set()
+
+
+def _lag_entry(stats: dict[str, Any]) -> dict[str, Any]:
+    (entry,) = [m for m in stats["models"] if m["model"] == "Llama-3-70B"]
+    lag: dict[str, Any] = entry["pacing_lag_ms"]
+    return lag
+
+
+async def test_late_events_are_measured_and_warned_about_once_per_ten_seconds(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Events handled 20 ms late (a CPU that stalls before each one) show as pacing lag in
+    the runtime and in ``/control/stats``, and the log says so: a warning naming the
+    model and the last second's p99, at most once per LAG_WARN_EVERY."""
+    log = _LagLog()
+    logging.getLogger("inference_lab.serve").addHandler(log)
+    try:
+        async with serve(make_settings("Llama-3-70B")) as s:
+            start = trio.current_time()
+            await _run_late(s, 0.020, max_tokens=1400)  # ~24.5 s of decode steps
+            elapsed = trio.current_time() - start
+            snap = s.runtime("Llama-3-70B").snapshot()
+            status, stats = await s.get_json("/control/stats")
+    finally:
+        logging.getLogger("inference_lab.serve").removeHandler(log)
+    assert status == 200
+    assert 21.0 < elapsed < 31.0  # three warnings' worth of windows, not four
+    assert snap.lag_max == pytest.approx(0.020, rel=1e-9)
+    assert 0.0 < snap.lag_mean < 0.020
+    lag = _lag_entry(stats)
+    assert lag["max"] == pytest.approx(20.0, abs=1e-3)
+    assert lag["last_second_p99"] == pytest.approx(20.0, abs=1e-3)
+    assert lag["window_p99"] == pytest.approx(20.0, abs=1e-3)
+    times = [t for t, _ in log.records]
+    assert len(times) == 3, log.records
+    assert all(b - a >= LAG_WARN_EVERY for a, b in zip(times, times[1:], strict=False))
+    assert times[0] - start <= LAG_WINDOW + 0.1  # the first late second already warns
+    for _, message in log.records:
+        assert message.startswith("Llama-3-70B: pacing lag p99 20.00 ms (max 20.00 ms)")
+
+
+async def test_lag_under_the_warning_threshold_is_measured_but_not_warned_about(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    lag_s = LAG_WARN_P99 * 0.8
+    log = _LagLog()
+    logging.getLogger("inference_lab.serve").addHandler(log)
+    try:
+        async with serve(make_settings("Llama-3-70B")) as s:
+            await _run_late(s, lag_s, max_tokens=200)  # ~3.5 s: three windows closed
+            status, stats = await s.get_json("/control/stats")
+    finally:
+        logging.getLogger("inference_lab.serve").removeHandler(log)
+    assert status == 200
+    lag = _lag_entry(stats)
+    assert lag["last_second_p99"] == pytest.approx(lag_s * 1e3, abs=1e-3)
+    assert lag["max"] == pytest.approx(lag_s * 1e3, abs=1e-3)
+    assert log.records == []
