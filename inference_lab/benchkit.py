@@ -17,6 +17,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -42,6 +43,7 @@ from inference_lab.roofline import Roofline
 __all__ = [
     "Result",
     "ServerProcess",
+    "blocking_stream",
     "client_loop",
     "completion_request",
     "one_stream",
@@ -69,6 +71,7 @@ _URL = re.compile(r"listening on (http://\S+)")
 PROMPT_BYTES = 200
 _TERMINATOR = b"0\r\n\r\n"
 _TOKEN = b'"text":"'
+_CONTENT_LENGTH = re.compile(rb"(?i)\r\ncontent-length: *(\d+)")
 
 
 class ServerProcess:
@@ -310,34 +313,73 @@ def completion_request(host: str, model: str, max_tokens: int, stream: bool = Tr
     ).encode() + body
 
 
+class _StreamReader:
+    """One streaming completion's answer, fed as its bytes arrive: when its first token
+    and its ``[DONE]`` arrived, which writes carried tokens, and when the answer is whole
+    (a chunked body's terminator after ``[DONE]``, or, for an answer that is not a
+    stream such as a refusal, its ``content-length``)."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.buf = bytearray()
+        self.writes: list[tuple[float, int]] = []
+        self.ttft = 0.0
+        self.done_at = 0.0
+        self._body_end: int | None = None  # an answer with a content-length: where it ends
+
+    def feed(self, chunk: bytes, now: float) -> bool:
+        """Take ``chunk``, read at ``now``; True once the answer is whole."""
+        buf = self.buf
+        buf += chunk
+        tokens = chunk.count(_TOKEN)
+        if tokens:
+            self.writes.append((now, tokens))
+            if not self.ttft:
+                self.ttft = now - self.start
+        if not self.done_at and b"[DONE]" in chunk:
+            self.done_at = now  # the last token arrives with [DONE]
+        if self._body_end is None and not buf.startswith(b"HTTP/1.1 200"):
+            head_end = buf.find(b"\r\n\r\n")
+            match = _CONTENT_LENGTH.search(buf, 0, head_end) if head_end >= 0 else None
+            if match is not None:
+                self._body_end = head_end + 4 + int(match.group(1))
+        if self._body_end is not None:
+            return len(buf) >= self._body_end
+        return buf.endswith(_TERMINATOR) and b"[DONE]" in buf[-200:]
+
+    def result(self, now: float) -> Result:
+        status = int(self.buf[9:12])
+        # the finish frame has "text":"" too
+        count = self.buf.count(_TOKEN) - 1 if status == 200 else 0
+        end = self.done_at or now
+        return Result(self.start, self.ttft, end - self.start, count, status, self.writes)
+
+
 async def one_stream(stream: trio.SocketStream, request: bytes, result_start: float) -> Result:
-    """Send one streaming request on ``stream`` and read its whole chunked answer."""
+    """Send one streaming request on ``stream`` and read its whole chunked answer (or a
+    refusal's whole answer)."""
     await stream.send_all(request)
-    buf = bytearray()
-    writes: list[tuple[float, int]] = []
-    ttft = 0.0
-    done_at = 0.0
+    reader = _StreamReader(result_start)
     while True:
         chunk = await stream.receive_some(65536)
         if not chunk:
             raise ConnectionError("server closed the connection")
-        now = time.perf_counter()
-        buf += chunk
-        tokens = chunk.count(_TOKEN)
-        if tokens:
-            writes.append((now, tokens))
-            if not ttft:
-                ttft = now - result_start
-        if not done_at and b"[DONE]" in chunk:
-            done_at = now  # the last token arrives with [DONE]
-        if buf.endswith(_TERMINATOR) and b"[DONE]" in buf[-200:]:
-            break
-        if buf.startswith(b"HTTP/1.1 5") and buf.endswith(b"}"):
-            break
-    end = done_at or time.perf_counter()
-    status = int(buf[9:12])
-    count = buf.count(_TOKEN) - 1 if status == 200 else 0  # the finish frame has "text":""
-    return Result(result_start, ttft, end - result_start, count, status, writes)
+        if reader.feed(chunk, time.perf_counter()):
+            return reader.result(time.perf_counter())
+
+
+def blocking_stream(sock: socket.socket, request: bytes) -> Result:
+    """:func:`one_stream` from a plain blocking socket (no trio: a client outside any
+    event loop); times run from just before the request is sent. The caller sets the
+    socket's timeout."""
+    reader = _StreamReader(time.perf_counter())
+    sock.sendall(request)
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("server closed the connection")
+        if reader.feed(chunk, time.perf_counter()):
+            return reader.result(time.perf_counter())
 
 
 async def client_loop(

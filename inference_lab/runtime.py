@@ -12,10 +12,13 @@ Rule 2: the engine does not run ahead of wall-clock: ``engine.step()`` is called
         event whose simulated time has come (``event time <= now - epoch``) — under trio's
         real clock, up to ``MAX_EARLY`` (0.25 ms) before it: the pacer's timer and its
         hand-over to the engine task land a fairly constant ~0.1-0.3 ms late on this stack,
-        so the pacer wakes that much early, learning by how much from each wake-up
-        (``EARLY_GAIN``) so that steps run on time at the median, neither early nor late
-        on average. An arrival stamped before a boundary that reaches the engine after it
-        still joins the step in flight (engine Rule 2), so waking early loses no arrival.
+        so the pacer wakes that much early, learning by how much from each of its timer's
+        wake-ups (``EARLY_GAIN``; the first ones averaged evenly) so that steps run on
+        time, neither early nor late on average. A runtime can start from what another
+        learned on the same machine (:meth:`ModelRuntime.adopt_calibration`: the serve
+        app's warm-up hands its calibration on). An arrival stamped before a boundary that
+        reaches the engine after it still joins the step in flight (engine Rule 2), so
+        waking early loses no arrival.
         Tokens of a step become visible when the ``step()`` that handles its end returns
         them, i.e. at ``epoch + end time`` (or, if the CPU is late, as soon as computed;
         the lateness is recorded as pacing lag).
@@ -59,6 +62,7 @@ __all__ = [
     "EngineUnavailable",
     "LengthSampler",
     "ModelRuntime",
+    "PacingCalibration",
     "QueueFull",
     "RequestHandle",
     "RequestSink",
@@ -76,7 +80,9 @@ MAX_EVENTS_PER_WAKE = 64
 LAG_SAMPLES = 65536
 #: The pacer wakes the engine up to this many seconds before a step's end is due ...
 MAX_EARLY = 0.00025
-#: ... by an amount it learns from each wake-up's lateness (an exponential average).
+#: ... by an amount it learns from each timer wake-up's lateness: an exponential average
+#: of this gain, whose first samples are averaged evenly (gain 1/k for the k-th) so that a
+#: fresh runtime is calibrated after a few wake-ups.
 EARLY_GAIN = 0.05
 #: Seconds of wall-clock over which the pacing lag's p99 is checked.
 LAG_WINDOW = 1.0
@@ -161,6 +167,15 @@ class RuntimeSnapshot:
         return self.waiting + self.pending
 
 
+@attrs.frozen
+class PacingCalibration:
+    """How early the pacer wakes the engine task (Rule 2), and from how many timer
+    wake-ups that was learned (0: not yet: ``early`` is 0)."""
+
+    early: float = 0.0
+    samples: int = 0
+
+
 @attrs.frozen(kw_only=True)
 class RuntimeStatistics:
     """A fuller, costlier picture for ``/control/stats`` and benchmarks."""
@@ -184,6 +199,9 @@ class RuntimeStatistics:
     lag_window_max: float
     #: Whether the pacer sleeps on a timerfd (sub-millisecond) rather than trio's timer.
     precise_timer: bool
+    #: How early the pacer wakes the engine (seconds) and from how many wake-ups that
+    #: was learned (Rule 2).
+    calibration: PacingCalibration
     #: How many completions the simulated E2E median is over, and that median (seconds).
     e2e_count: int
     e2e_p50: float
@@ -266,6 +284,8 @@ class ModelRuntime:
         self._sleep_scope: trio.CancelScope | None = None
         self._precise = False
         self._early = 0.0  # seconds the pacer wakes the engine early (Rule 2)
+        self._early_samples = 0  # timer wake-ups it was learned from
+        self._ticked = False  # the pacer's tick is among the messages being handled
         self._taken = trio.lowlevel.ParkingLot()  # RequestHandle.wait_taken
         self._alive = False
         self._started = False
@@ -312,6 +332,17 @@ class ModelRuntime:
         """The latest published snapshot (no work: a field read)."""
         return self._snapshot
 
+    def calibration(self) -> PacingCalibration:
+        """What the pacer has learned of this machine's timer lateness (Rule 2)."""
+        return PacingCalibration(self._early, self._early_samples)
+
+    def adopt_calibration(self, calibration: PacingCalibration) -> None:
+        """Start from ``calibration`` (another runtime's on the same machine, e.g. a
+        warm-up's) instead of from nothing: a fresh runtime's first wake-ups are then
+        on time as well. Learning goes on from there; nothing else changes."""
+        self._early = min(MAX_EARLY, max(0.0, calibration.early))
+        self._early_samples = max(0, calibration.samples)
+
     def statistics(self, last: int | None = None, finished: int | None = None) -> RuntimeStatistics:
         """A fuller picture (costlier than :meth:`snapshot`). Pacing-lag percentiles are
         over the ``last`` recorded events, the median simulated E2E (arrival to finish, in
@@ -343,6 +374,7 @@ class ModelRuntime:
             lag_window_p99=self._window_p99,
             lag_window_max=self._window_max,
             precise_timer=self._precise,
+            calibration=self.calibration(),
             e2e_count=int(e2e.size),
             e2e_p50=float(np.median(e2e)) if e2e.size else 0.0,
         )
@@ -546,6 +578,7 @@ class ModelRuntime:
     def _handle(self, message: _Arrival | _Tick) -> None:
         if isinstance(message, _Tick):
             self._sent_deadline = _UNSENT  # the pacer dropped its deadline: send anew
+            self._ticked = True
             return
         handle = message.handle
         if handle.done:
@@ -575,19 +608,24 @@ class ModelRuntime:
         # floating point, now - epoch < t can hold although epoch + t <= now.
         now = trio.current_time()
         horizon = now + self._early
-        first = True
+        # Only a wake-up by the pacer's timer says how late the timer lands: an arrival
+        # into an idle engine also finds its (back-dated) first step due.
+        first = self._ticked and self._precise
+        self._ticked = False
         for _ in range(MAX_EVENTS_PER_WAKE):
             t = engine.next_event_time()
             if t is None or epoch + t > horizon:
                 break
             events = engine.step()
             signed = now - (epoch + t)
-            if first and self._precise:
+            if first:
                 # Calibrate the early wake: the pacer's timer plus its hand-over to this
-                # task land this much after the due time at the median (Rule 2).
-                early = self._early + EARLY_GAIN * signed
+                # task land this much after the due time on average (Rule 2).
+                self._early_samples += 1
+                gain = max(EARLY_GAIN, 1.0 / self._early_samples)
+                early = self._early + gain * signed
                 self._early = min(MAX_EARLY, early) if early > 0.0 else 0.0
-            first = False
+                first = False
             lag = signed if signed > 0.0 else 0.0
             self._lag_count += 1
             self._lag_sum += lag

@@ -25,6 +25,14 @@ server. Only 127.0.0.1 (or the given URL) is contacted; every level is bounded i
     python scripts/bench_serve.py                       # 1, 24, 64, 256, 24>8
     python scripts/bench_serve.py --levels 24 --duration 20
     python scripts/bench_serve.py --levels 24 --scrape-every 0.1   # does /metrics disturb?
+
+With ``--fresh-servers N`` it runs no levels: it starts N servers in turn and times each
+one's first request after start (``--idle`` seconds after it is healthy, on a new
+connection, from a blocking socket: a client outside any event loop), then prints how many
+were within the targets (TTFT within 1 ms of the model's, E2E within 1 ms + 1 % of the
+roofline's).
+
+    python scripts/bench_serve.py --fresh-servers 10
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import socket
 import statistics
 import sys
 import time
@@ -47,6 +57,7 @@ from inference_lab.benchkit import (
     PROMPT_BYTES,
     Result,
     ServerProcess,
+    blocking_stream,
     client_loop,
     completion_request,
     get_stats,
@@ -153,6 +164,52 @@ async def first_request(url: str, model: str, dep: Deployment, max_tokens: int) 
         f"(model {ttft * 1000:.2f}), E2E {result.e2e * 1000:.1f} ms (roofline "
         f"{e2e * 1000:.1f}, {(result.e2e - e2e) / e2e * 100:+.2f} %)"
     )
+
+
+def first_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--fresh-servers``: the first request after start of that many servers, each
+    started, idle for ``args.idle`` seconds, asked once and stopped in turn."""
+    dep = load_deployment(shipped_dir("configs") / f"{args.model}.toml", args.hardware)
+    ttft_model = _step(Roofline(dep), [PROMPT], [0])
+    e2e_model = roofline_lockstep_e2e(dep, 1, PROMPT, args.max_tokens)
+    config = ["--config", str(shipped_dir("configs") / f"{args.model}.toml")]
+    print(
+        f"bench_serve: the first request after start of {args.fresh_servers} fresh servers "
+        f"({args.model} on {args.hardware}, {PROMPT}-token prompt, {args.max_tokens} tokens "
+        f"streamed; {args.idle:g} s idle after start; a new connection from a blocking socket)",
+        flush=True,
+    )
+    rows: list[dict[str, Any]] = []
+    for i in range(args.fresh_servers):
+        with ServerProcess([*config, "--hardware", args.hardware], log=Path(os.devnull)) as server:
+            parsed = urllib.parse.urlsplit(server.url)
+            host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
+            time.sleep(args.idle)  # an idle server: what a first client meets
+            with socket.create_connection((host, port), timeout=30) as sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                result = blocking_stream(
+                    sock, completion_request(host, args.model, args.max_tokens)
+                )
+        if result.status != 200:
+            raise RuntimeError(f"server {i + 1}: the first request got HTTP {result.status}")
+        row = {"server": i + 1, "ttft_ms": result.ttft * 1e3, "e2e_ms": result.e2e * 1e3}
+        rows.append(row)
+        print(
+            f"  server {i + 1:>2}: TTFT {row['ttft_ms']:.2f} ms, E2E {row['e2e_ms']:.1f} ms "
+            f"({(result.e2e - e2e_model) / e2e_model * 100:+.2f} %)",
+            flush=True,
+        )
+    ttfts = sorted(r["ttft_ms"] for r in rows)
+    ttft_ok = sum(t <= (ttft_model + 0.001) * 1e3 for t in ttfts)
+    e2e_ok = sum(r["e2e_ms"] <= (e2e_model * 1.01 + 0.001) * 1e3 for r in rows)
+    n = len(rows)
+    print(
+        f"TTFT min {ttfts[0]:.2f} / median {statistics.median(ttfts):.2f} / max {ttfts[-1]:.2f} "
+        f"ms (model {ttft_model * 1e3:.2f}): within 1 ms of the model in {ttft_ok} of {n}; "
+        f"E2E within 1 ms + 1 % of the roofline's {e2e_model * 1e3:.1f} ms in {e2e_ok} of {n}",
+        flush=True,
+    )
+    return rows
 
 
 # ---------------------------------------------------------------------------------------
@@ -357,8 +414,31 @@ def main() -> int:
         help="also run each level with GET /metrics every S seconds beside it (level 'C+m') "
         "and print the E2E shift (0: no; the scrape benchmark uses 0.1)",
     )
+    parser.add_argument(
+        "--fresh-servers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of the levels: time the first request after start of N servers",
+    )
+    parser.add_argument(
+        "--idle", type=float, default=0.5, help="seconds a fresh server idles before it"
+    )
     parser.add_argument("-o", "--output", help="write the rows as JSON here")
     args = parser.parse_args()
+    if args.fresh_servers < 0 or args.idle < 0:
+        parser.error("--fresh-servers and --idle must not be negative")
+    if args.fresh_servers:
+        if args.url is not None:
+            parser.error("--fresh-servers starts its own servers: it takes no --url")
+        try:
+            firsts = first_requests(args)
+        except (OSError, RuntimeError) as exc:
+            print(f"bench_serve: {exc}", file=sys.stderr)
+            return 1
+        if args.output:
+            Path(args.output).write_text(json.dumps(firsts, indent=2))
+        return 0
     server = None
     url = args.url
     if url is None:

@@ -4,17 +4,23 @@ endpoint accessors, the closed-loop prediction and the JSON helpers."""
 from __future__ import annotations
 
 import math
+import socket
+import time
 from pathlib import Path
 
 import pytest
 import trio
 
 from inference_lab.benchkit import (
+    Result,
     ServerProcess,
+    blocking_stream,
     columns,
+    completion_request,
     get_capacity,
     get_stats,
     model_entry,
+    one_stream,
     post_capacity,
     predict_closed_loop,
     request_json,
@@ -98,3 +104,33 @@ def test_json_helpers() -> None:
     rows = [{"t": 0.0, "n": 1}, {"t": 0.5, "n": 2}]
     assert columns(rows, ("t", "n")) == {"t": [0.0, 0.5], "n": [1, 2]}
     assert rounded({"a": [math.pi, (2.0 / 3.0, 7)]}, 3) == {"a": [3.14, [0.667, 7]]}
+
+
+def test_the_raw_stream_clients_read_a_stream_and_a_refusal_to_their_end(tmp_path: Path) -> None:
+    """``blocking_stream`` (a plain socket) and ``one_stream`` (trio) read a streamed
+    completion to its chunked terminator, counting its tokens and timing its first one,
+    and a refusal (a ``content-length`` answer) to the end of its body: neither waits for
+    a connection the server keeps open."""
+    args = ["--config", str(GPT_OSS)]
+    with ServerProcess(args, log=tmp_path / "server.log", cwd=tmp_path) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        results = []
+        for model in (MODEL, "no-such-model"):
+            request = completion_request(host, model, 12)
+            with socket.create_connection((host, int(port)), timeout=30) as sock:
+                results.append(blocking_stream(sock, request))
+                results.append(blocking_stream(sock, request))  # the same connection again
+
+            async def with_trio(request: bytes = request) -> Result:
+                stream = await trio.open_tcp_stream(host, int(port))
+                async with stream:
+                    with trio.fail_after(30):
+                        return await one_stream(stream, request, time.perf_counter())
+
+            results.append(trio.run(with_trio))
+    for result in results[:3]:
+        assert (result.status, result.tokens) == (200, 12)
+        assert 0 < result.ttft <= result.e2e
+        assert sum(count for _, count in result.writes) == 13  # 12 tokens + the finish frame
+    for result in results[3:]:
+        assert (result.status, result.tokens, result.ttft, result.writes) == (404, 0, 0.0, [])

@@ -15,11 +15,19 @@ import pytest
 import trio
 import trio.testing
 
+from inference_lab import runtime as runtime_module
 from inference_lab.config import Deployment
 from inference_lab.engine import Engine, RequestSpec
 from inference_lab.roofline import Roofline
-from inference_lab.runtime import LAG_WARN_EVERY, LAG_WARN_P99, LAG_WINDOW, ModelRuntime
-from tests.conftest import ServeFactory, Stream, chat_body, make_settings
+from inference_lab.runtime import (
+    LAG_WARN_EVERY,
+    LAG_WARN_P99,
+    LAG_WINDOW,
+    MAX_EARLY,
+    ModelRuntime,
+    PacingCalibration,
+)
+from tests.conftest import GPT, ServeFactory, Stream, chat_body, make_settings
 
 P = 5  # "user: hello world" counts 5 prompt tokens
 
@@ -428,3 +436,122 @@ async def test_lag_under_the_warning_threshold_is_measured_but_not_warned_about(
     assert lag["last_second_p99"] == pytest.approx(lag_s * 1e3, abs=1e-3)
     assert lag["max"] == pytest.approx(lag_s * 1e3, abs=1e-3)
     assert log.records == []
+
+
+#: How late the fake pacer timer lands: 2**-12 s (0.24 ms, under MAX_EARLY) is exact in
+#: binary, so deadlines moved by it stay exact and the virtual times compare exactly.
+TIMER_LATE = 2.0**-12
+#: How long before it reaches the runtime a request was stamped (less than a prefill).
+BACKDATED = 0.0001
+
+
+class _LateTimer:
+    """The pacer's timer as this stack's real one behaves, on the MockClock: precise (so
+    the runtime calibrates its early wake) and landing TIMER_LATE after each deadline."""
+
+    made: list[_LateTimer] = []
+
+    def __init__(self) -> None:
+        self.precise = True
+        self.wakes = 0
+        _LateTimer.made.append(self)
+
+    async def sleep_until(self, deadline: float) -> None:
+        await trio.sleep_until(deadline + TIMER_LATE)
+        self.wakes += 1  # a wake-up (a sleep the engine cancelled is none)
+
+    def close(self) -> None:
+        pass
+
+
+class _Finish:
+    """A sink that only waits for its request's end."""
+
+    def __init__(self) -> None:
+        self.ended = trio.Event()
+
+    def on_tokens(self, count: int) -> None:
+        pass
+
+    def on_finished(self, finished: Any) -> None:
+        self.ended.set()
+
+    def on_failed(self, message: str) -> None:
+        self.ended.set()
+
+
+async def _lone_request(
+    monkeypatch: pytest.MonkeyPatch, adopt: PacingCalibration | None
+) -> tuple[ModelRuntime, int]:
+    """A 20-token request into an idle runtime whose pacer timer lands TIMER_LATE late,
+    stamped BACKDATED before it reaches the runtime (as a server stamps it on receipt);
+    the runtime (stopped) and its timer's wake-ups."""
+    _LateTimer.made.clear()
+    monkeypatch.setattr(runtime_module, "Timer", _LateTimer)
+    rt = ModelRuntime(make_settings().deployments[0])
+    if adopt is not None:
+        rt.adopt_calibration(adopt)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rt.run)
+        await trio.sleep(1.0)
+        sink = _Finish()
+        arrival = trio.current_time() - BACKDATED
+        rt.admit_nowait(prompt_tokens=P, max_tokens=20, priority=0, sink=sink, arrival=arrival)
+        await sink.ended.wait()
+        rt.stop()
+    (timer,) = _LateTimer.made
+    return rt, timer.wakes
+
+
+async def test_the_early_wake_is_learned_from_the_timers_wake_ups_only(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A fresh runtime learns how late its timer lands from its first wake-up on (the
+    first samples are averaged evenly), and only from timer wake-ups: the back-dated
+    arrival's first step, due when the arrival reaches the engine, is not a sample. Only
+    the first token, before anything was learned, is released late."""
+    rt, wakes = await _lone_request(monkeypatch, adopt=None)
+    calibration = rt.calibration()
+    assert wakes >= 10
+    assert calibration == PacingCalibration(TIMER_LATE, wakes)
+    assert rt.statistics().calibration == calibration
+    snap = rt.snapshot()
+    assert snap.lag_max == TIMER_LATE
+    # and the arrival and its first step, both due when the arrival reached the engine
+    assert snap.lag_mean * snap.events == pytest.approx(TIMER_LATE + 2 * BACKDATED)
+
+
+async def test_a_runtime_that_adopts_a_calibration_is_on_time_from_its_first_token(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Started from what another runtime learned on the same machine (the server's
+    warm-up), the pacer wakes early enough from its first wake-up: every step's tokens
+    are released on time (lag 0, but for the back-dated arrival and its first step)."""
+    learned = PacingCalibration(TIMER_LATE, 8)
+    rt, wakes = await _lone_request(monkeypatch, adopt=learned)
+    assert rt.calibration() == PacingCalibration(TIMER_LATE, 8 + wakes)
+    snap = rt.snapshot()
+    assert snap.lag_max == pytest.approx(BACKDATED)  # the arrival and its first step
+    assert snap.lag_mean * snap.events == pytest.approx(2 * BACKDATED)
+
+
+def test_an_adopted_calibration_is_kept_within_bounds() -> None:
+    rt = ModelRuntime(make_settings().deployments[0])
+    rt.adopt_calibration(PacingCalibration(1.0, 3))
+    assert rt.calibration() == PacingCalibration(MAX_EARLY, 3)
+    rt.adopt_calibration(PacingCalibration(-1.0, -2))
+    assert rt.calibration() == PacingCalibration(0.0, 0)
+
+
+async def test_a_restarted_engine_keeps_the_calibration_and_stats_show_it(
+    serve: ServeFactory,
+) -> None:
+    async with serve() as s:
+        s.runtime().adopt_calibration(PacingCalibration(TIMER_LATE, 12))
+        fresh = await s.state.restart_runtime(GPT)
+        assert fresh.calibration() == PacingCalibration(TIMER_LATE, 12)
+        status, stats = await s.get_json("/control/stats")
+    assert status == 200
+    (entry,) = stats["models"]
+    assert entry["pacing_lag_ms"]["early_wake"] == round(TIMER_LATE * 1e3, 4)
+    assert entry["pacing_lag_ms"]["early_wake_samples"] == 12

@@ -3,6 +3,7 @@
 Rule 1: it runs on a throwaway state, so the served runtimes start untouched.
 Rule 2: every warm-up request is served in memory and then through hypercorn's own
 connection server over a socket pair.
+Rule 3: the served runtimes' pacers start from the warm-up's pacing calibration.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from typing import Any
 import pytest
 import trio
 
+from inference_lab.runtime import PacingCalibration
 from inference_lab.serve import create_app, warmup
 from inference_lab.serve.asgi import get_state
 from inference_lab.serve.state import ServeState
+from inference_lab.timer import timerfd_available
 from tests.conftest import GPT, make_settings
 
 
@@ -100,3 +103,31 @@ async def test_a_failing_hypercorn_leg_is_logged_and_serving_starts(
     assert response.status_code == 200
     [record] = [r for r in caplog.records if "warm-up through hypercorn" in r.getMessage()]
     assert record.levelname == "WARNING" and "TypeError" in record.getMessage()
+
+
+async def test_the_served_runtimes_start_from_the_warm_ups_pacing_calibration(
+    monkeypatch: pytest.MonkeyPatch, restore_gc: None
+) -> None:
+    """Rule 3: what the warm-up's pacers learned of this machine's timer (where the
+    timer is precise: a Linux timerfd under the real clock) is where the served
+    runtimes' pacers start; nothing else of theirs is touched."""
+    learned: list[dict[str, PacingCalibration]] = []
+    real = warmup.warm_up
+
+    async def recording(settings: Any) -> dict[str, PacingCalibration]:
+        learned.append(result := await real(settings))
+        return result
+
+    monkeypatch.setattr(warmup, "warm_up", recording)
+    app = create_app(make_settings(), server_process=True)
+    with trio.fail_after(20):
+        async with app.test_app():
+            runtime = get_state(app).runtimes[GPT]
+            calibration, snap = runtime.calibration(), runtime.snapshot()
+    [found] = learned
+    if timerfd_available():
+        assert found[GPT].samples > 0  # its streams' steps woke the pacer
+        assert calibration == found[GPT]
+    else:
+        assert found == {} and calibration == PacingCalibration()
+    assert snap.admitted == 0 and snap.events == 0

@@ -100,6 +100,8 @@ def stats_entry(runtime: ModelRuntime, last: int | None, finished: int | None) -
             "last_second_p99": _ms(st.lag_window_p99),
             "last_second_max": _ms(st.lag_window_max),
             "precise_timer": st.precise_timer,
+            "early_wake": _ms(st.calibration.early),
+            "early_wake_samples": st.calibration.samples,
         },
     }
 

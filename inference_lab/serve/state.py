@@ -104,7 +104,9 @@ class ServeState:
             from inference_lab.serve.warmup import warm_up  # it builds ServeStates itself
 
             # (without [fault] tables: a warm-up stream must not stall or be cut)
-            await warm_up(attrs.evolve(self.settings, faults=()))
+            learned = await warm_up(attrs.evolve(self.settings, faults=()))
+            for name, calibration in learned.items():
+                self.runtimes[name].adopt_calibration(calibration)
             # Everything loaded so far (modules, configs, engines) lives as long as the
             # process: freezing it keeps the rare full garbage collections short (they
             # otherwise stall the pacer for ~40 ms on this stack).
@@ -129,6 +131,7 @@ class ServeState:
         old.stop()
         await old.wait_stopped()
         fresh = self._new_runtime(self.settings, old.deployment)
+        fresh.adopt_calibration(old.calibration())  # the machine did not change
         metrics = self.metrics.models.get(name)
         if metrics is not None:  # the model's counters go on across restarts
             metrics.runtime = fresh
