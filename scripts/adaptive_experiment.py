@@ -58,6 +58,7 @@ from inference_lab.cli_args import CliParser, fail, integer, number
 from inference_lab.client.load import LoadConfig, LoadResult, run_load
 from inference_lab.client.wire import build_prompt, chat_prompt_tokens
 from inference_lab.config import load_deployment
+from inference_lab.errors import ConfigError
 from inference_lab.resources import shipped_dir
 
 BIN = 1.0  # seconds per throughput bin
@@ -418,9 +419,13 @@ def main(argv: list[str] | None = None) -> int:
         plot(args.out / "adaptive_experiment.png", out)
         print(report(out))
         return 0
-    args.out.mkdir(parents=True, exist_ok=True)
     config = args.config.resolve()
-    args.deployment = load_deployment(config, args.hardware)
+    try:
+        args.deployment = load_deployment(config, args.hardware)
+    except ConfigError as exc:
+        print(f"adaptive_experiment: {exc}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
     args.model = args.model or args.deployment.model.name
     args.p = chat_prompt_tokens(len(build_prompt(args.prompt_tokens, "chat")))
 

@@ -53,6 +53,9 @@ from inference_lab.benchkit import (
     read_response,
     request_json,
 )
+from inference_lab.config import load_deployment
+from inference_lab.errors import ConfigError
+from inference_lab.resources import shipped_dir
 
 STREAMS = 24
 #: The model whose queue is held full: its one running request decodes in 17.5 ms steps on
@@ -299,6 +302,17 @@ async def main_async(args: argparse.Namespace, url: str) -> list[Row]:
     return rows
 
 
+def _rates(text: str) -> list[float]:
+    """``--rates``: comma-separated refusal rates per second, each finite and >= 0."""
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if not all(math.isfinite(rate) and rate >= 0 for rate in rates):
+        raise argparse.ArgumentTypeError(f"each rate must be a number >= 0: {text!r}")
+    return rates
+
+
 def main() -> int:
     if sys.argv[1:2] == ["--fire"]:
         return fire_main(sys.argv[2])
@@ -309,17 +323,29 @@ def main() -> int:
     parser.add_argument("--model", default="gpt-oss-20b")
     parser.add_argument(
         "--rates",
-        type=lambda s: [float(x) for x in s.split(",")],
+        type=_rates,
         default=[0.0, 100.0, 200.0, 500.0],
         help="refusal rates per second; the first is the baseline (default 0,100,200,500)",
     )
     parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per rate")
     parser.add_argument("-o", "--output", help="write the rows as JSON here")
     args = parser.parse_args()
+    if not args.duration > 0:
+        parser.error("--duration must be positive")
+    try:
+        load_deployment(shipped_dir("configs") / f"{args.model}.toml", "b200")
+    except ConfigError as exc:
+        print(f"bench_overload: --model: {exc}", file=sys.stderr)
+        return 2
     server = None
     url = args.url
     if url is None:
-        server = ServerProcess(["--hardware", "b200"]).__enter__()
+        server = ServerProcess(["--hardware", "b200"])
+        try:
+            server.__enter__()
+        except RuntimeError as exc:
+            print(f"bench_overload: {exc}", file=sys.stderr)
+            return 1
         url = server.url
     print(
         f"bench_overload: {STREAMS} closed-loop streams on {args.model}, 529s fired at the full "
@@ -329,6 +355,9 @@ def main() -> int:
     )
     try:
         rows = trio.run(main_async, args, url)
+    except (OSError, RuntimeError) as exc:  # e.g. a --url server that lacks a model
+        print(f"bench_overload: {exc}", file=sys.stderr)
+        return 1
     finally:
         if server is not None:
             server.stop()

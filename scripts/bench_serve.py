@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import re
 import socket
 import statistics
 import sys
@@ -68,6 +69,7 @@ from inference_lab.benchkit import (
     scrape_loop,
 )
 from inference_lab.config import Deployment, load_deployment
+from inference_lab.errors import ConfigError
 from inference_lab.resources import shipped_dir
 from inference_lab.roofline import Roofline
 
@@ -428,6 +430,16 @@ def main() -> int:
     args = parser.parse_args()
     if args.fresh_servers < 0 or args.idle < 0:
         parser.error("--fresh-servers and --idle must not be negative")
+    if not args.duration > 0 or args.max_tokens < 1 or args.probe_every < 0:
+        parser.error("--duration and --max-tokens must be positive, --probe-every not negative")
+    for level in args.levels:
+        if not re.fullmatch(r"[1-9][0-9]*(>[1-9][0-9]*)?", level):
+            parser.error(f"--levels: {level!r} is neither C nor C>S (positive integers)")
+    try:
+        load_deployment(shipped_dir("configs") / f"{args.model}.toml", args.hardware)
+    except ConfigError as exc:
+        print(f"bench_serve: {exc}", file=sys.stderr)
+        return 2
     if args.fresh_servers:
         if args.url is not None:
             parser.error("--fresh-servers starts its own servers: it takes no --url")
@@ -452,7 +464,12 @@ def main() -> int:
                 "--max-num-seqs",
                 str(max(256, clients)),
             ]
-        ).__enter__()
+        )
+        try:
+            server.__enter__()
+        except RuntimeError as exc:
+            print(f"bench_serve: {exc}", file=sys.stderr)
+            return 1
         url = server.url
     print(
         f"bench_serve: {args.model} on {args.hardware}, {PROMPT}-token prompts, "

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from inference_lab.cli_args import CliParser, integer
 from inference_lab.config import load_deployment, load_workload
+from inference_lab.errors import ConfigError
 from inference_lab.resources import shipped_dir
 from inference_lab.sim import run_simulation
 
@@ -37,8 +38,12 @@ def main() -> int:
     worst = 0.0
     for i in range(args.repeat):
         start = time.perf_counter()
-        deployment = load_deployment(args.config, args.hardware)
-        workload = load_workload(args.workload)
+        try:
+            deployment = load_deployment(args.config, args.hardware)
+            workload = load_workload(args.workload)
+        except ConfigError as exc:
+            print(f"bench_sim: {exc}", file=sys.stderr)
+            return 2
         result = run_simulation(deployment, workload)
         wall = time.perf_counter() - start
         worst = max(worst, wall)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import base64
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from inference_lab.errors import ConfigError
 from inference_lab.openai_api import parse_chat_request, parse_completion_request
 from inference_lab.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -118,6 +120,14 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=8000, help="trained BPE vocabulary")
     parser.add_argument("--tokenizer", type=Path, action="append", default=[])
     args = parser.parse_args()
+    if args.tokens < 1 or args.repeat < 1 or args.vocab < 256:
+        parser.error("--tokens and --repeat must be at least 1, --vocab at least 256")
+    for path in args.tokenizer:
+        try:
+            load_tokenizer(path)
+        except ConfigError as exc:
+            print(f"bench_tokenize: --tokenizer: {exc}", file=sys.stderr)
+            return 2
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         paths = build_tokenizers(Path(tmp), args.vocab)

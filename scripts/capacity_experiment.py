@@ -57,6 +57,7 @@ from inference_lab.cli_args import CliParser, fail, integer, number
 from inference_lab.client.load import LoadConfig, LoadResult, run_load
 from inference_lab.client.wire import build_prompt, chat_prompt_tokens
 from inference_lab.config import Deployment, load_deployment
+from inference_lab.errors import ConfigError
 from inference_lab.resources import shipped_dir
 
 BIN = 0.5  # seconds per time-series bin
@@ -376,9 +377,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.warmup >= args.before:
         ap.error("--warmup must be shorter than --before")
-    args.out.mkdir(parents=True, exist_ok=True)
     config = args.config.resolve()
-    dep = load_deployment(config, args.hardware)
+    try:
+        dep = load_deployment(config, args.hardware)
+    except ConfigError as exc:
+        print(f"capacity_experiment: {exc}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
     args.model = args.model or dep.model.name
     # The server's count of the chat prompt the client sends (exact: same rule as serve).
     args.p = chat_prompt_tokens(len(build_prompt(args.prompt_tokens, "chat")))

@@ -1,0 +1,49 @@
+"""The benchmark and experiment scripts refuse bad input with one line, never a traceback,
+and before they start a server or write anything."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+
+CASES = [
+    ("bench_serve.py", ["--model", "no-such-model"], "no-such-model.toml: no such file"),
+    ("bench_serve.py", ["--hardware", "zz", "--levels", "1"], "hardware.zz: no such entry"),
+    ("bench_serve.py", ["--levels", "24,x"], "--levels: 'x' is neither C nor C>S"),
+    ("bench_serve.py", ["--fresh-servers", "2", "--url", "http://127.0.0.1:9"], "takes no --url"),
+    ("bench_serve.py", ["--duration", "0"], "--duration and --max-tokens must be positive"),
+    ("bench_overload.py", ["--rates", "0,-5"], "each rate must be a number >= 0"),
+    ("bench_overload.py", ["--rates", "0,x"], "not a list of numbers"),
+    ("bench_overload.py", ["--model", "no-such-model"], "--model: "),
+    ("bench_sim.py", ["--config", "no-such.toml"], "bench_sim: no-such.toml: no such file"),
+    ("bench_tokenize.py", ["--tokenizer", "no-such.json"], "no such tokenizer file"),
+    ("capacity_experiment.py", ["--config", "no-such.toml", "--out", "OUT"], "no such file"),
+    ("adaptive_experiment.py", ["--hardware", "zz", "--out", "OUT"], "hardware.zz: no such"),
+]
+
+
+@pytest.mark.parametrize(("script", "args", "message"), CASES)
+def test_bad_input_is_one_line(script: str, args: list[str], message: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = [str(out) if arg == "OUT" else arg for arg in args]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / script), *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert message in lines[-1], done.stderr
+    # the message alone, or after argparse's usage
+    assert len(lines) == 1 or lines[0].startswith("usage:"), done.stderr
+    assert "listening on" not in done.stdout + done.stderr  # no server was started
+    assert not out.exists()  # nothing was written
