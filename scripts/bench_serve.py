@@ -144,6 +144,11 @@ async def probe_loop(
 # the first request after start
 
 
+def lone_request_model(dep: Deployment, max_tokens: int) -> tuple[float, float]:
+    """The model's TTFT and the roofline's E2E for a lone request (seconds)."""
+    return _step(Roofline(dep), [PROMPT], [0]), roofline_lockstep_e2e(dep, 1, PROMPT, max_tokens)
+
+
 async def first_request(url: str, model: str, dep: Deployment, max_tokens: int) -> str:
     """One streaming request on a fresh connection to a server that has served no
     completion yet: its TTFT and E2E against the model's for a lone request."""
@@ -159,8 +164,7 @@ async def first_request(url: str, model: str, dep: Deployment, max_tokens: int) 
         await stream.aclose()
     if result.status != 200:
         return f"first request after start: HTTP {result.status}"
-    ttft = _step(Roofline(dep), [PROMPT], [0])
-    e2e = roofline_lockstep_e2e(dep, 1, PROMPT, max_tokens)
+    ttft, e2e = lone_request_model(dep, max_tokens)
     return (
         f"first request after start (new connection): TTFT {result.ttft * 1000:.2f} ms "
         f"(model {ttft * 1000:.2f}), E2E {result.e2e * 1000:.1f} ms (roofline "
@@ -168,12 +172,10 @@ async def first_request(url: str, model: str, dep: Deployment, max_tokens: int) 
     )
 
 
-def first_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
+def first_requests(args: argparse.Namespace, dep: Deployment) -> list[dict[str, Any]]:
     """``--fresh-servers``: the first request after start of that many servers, each
     started, idle for ``args.idle`` seconds, asked once and stopped in turn."""
-    dep = load_deployment(shipped_dir("configs") / f"{args.model}.toml", args.hardware)
-    ttft_model = _step(Roofline(dep), [PROMPT], [0])
-    e2e_model = roofline_lockstep_e2e(dep, 1, PROMPT, args.max_tokens)
+    ttft_model, e2e_model = lone_request_model(dep, args.max_tokens)
     config = ["--config", str(shipped_dir("configs") / f"{args.model}.toml")]
     print(
         f"bench_serve: the first request after start of {args.fresh_servers} fresh servers "
@@ -367,8 +369,9 @@ def format_row(r: LevelReport) -> str:
     )
 
 
-async def main_async(args: argparse.Namespace, url: str, fresh: bool) -> list[LevelReport]:
-    dep = load_deployment(shipped_dir("configs") / f"{args.model}.toml", args.hardware)
+async def main_async(
+    args: argparse.Namespace, dep: Deployment, url: str, fresh: bool
+) -> list[LevelReport]:
     if fresh:
         print(await first_request(url, args.model, dep, args.max_tokens), flush=True)
     print("times in ms; ITL = gap between successive writes a client receives")
@@ -436,7 +439,7 @@ def main() -> int:
         if not re.fullmatch(r"[1-9][0-9]*(>[1-9][0-9]*)?", level):
             parser.error(f"--levels: {level!r} is neither C nor C>S (positive integers)")
     try:
-        load_deployment(shipped_dir("configs") / f"{args.model}.toml", args.hardware)
+        dep = load_deployment(shipped_dir("configs") / f"{args.model}.toml", args.hardware)
     except ConfigError as exc:
         print(f"bench_serve: {exc}", file=sys.stderr)
         return 2
@@ -444,7 +447,7 @@ def main() -> int:
         if args.url is not None:
             parser.error("--fresh-servers starts its own servers: it takes no --url")
         try:
-            firsts = first_requests(args)
+            firsts = first_requests(args, dep)
         except (OSError, RuntimeError) as exc:
             print(f"bench_serve: {exc}", file=sys.stderr)
             return 1
@@ -478,7 +481,7 @@ def main() -> int:
         flush=True,
     )
     try:
-        rows = trio.run(main_async, args, url, server is not None)
+        rows = trio.run(main_async, args, dep, url, server is not None)
     finally:
         if server is not None:
             server.stop()
