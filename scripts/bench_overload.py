@@ -332,11 +332,12 @@ def main() -> int:
     args = parser.parse_args()
     if not args.duration > 0:
         parser.error("--duration must be positive")
-    try:
-        load_deployment(shipped_dir("configs") / f"{args.model}.toml", "b200")
-    except ConfigError as exc:
-        print(f"bench_overload: --model: {exc}", file=sys.stderr)
-        return 2
+    if args.url is None:  # the server started here serves the shipped configs
+        try:
+            load_deployment(shipped_dir("configs") / f"{args.model}.toml", "b200")
+        except ConfigError as exc:
+            print(f"bench_overload: --model: {exc}", file=sys.stderr)
+            return 2
     server = None
     url = args.url
     if url is None:
