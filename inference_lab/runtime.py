@@ -235,6 +235,13 @@ class RequestHandle:
             await lot.park()
 
     @property
+    def length(self) -> int:
+        """How many tokens each of its sequences produces if it runs to its end (the
+        length drawn for it, else ``max_tokens``); an abort or a failure ends it sooner."""
+        spec = self.spec
+        return spec.max_tokens if spec.target is None else spec.target
+
+    @property
     def done(self) -> bool:
         return self.state in ("finished", "aborted", "failed")
 

@@ -11,10 +11,16 @@ trio loop, and prints the CPU time (``time.process_time``) per unit:
   lock and the ``send`` system call, plus the reader's share;
 - **per request**: N requests on one keep-alive connection, each answered by a response
   start and one body message (the path of a one-token answer) — h11 parsing, the request
-  stream's set-up, the app task, the response start, the body and its end, the idle timer.
+  stream's set-up, the app task, the response start, the body and its end, the idle timer;
+- **per token handed over**: S streams (``--streams``, 24) served by the serve app's
+  stream writer (``write_stream``), each parked for frames, and a loop that hands every
+  stream one mid-stream token per round the way the engine task does
+  (``StreamSink.on_tokens``) — with the hand-over writing the token itself (streaming
+  Rule 7, as served) and, as the baseline of the same run, with it waking each stream's
+  writer to write it (``Delivery.direct`` off).
 
     python scripts/bench_stack.py
-    python scripts/bench_stack.py --writes 50000 --requests 5000
+    python scripts/bench_stack.py --writes 50000 --requests 5000 --rounds 5000
 
 Nothing listens; no traffic leaves the process.
 """
@@ -22,6 +28,7 @@ Nothing listens; no traffic leaves the process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from typing import Any
@@ -29,7 +36,9 @@ from typing import Any
 import trio
 from hypercorn.config import Config as HyperConfig
 
+from inference_lab.openai_api import StreamEncoder, parse_completion_request
 from inference_lab.serve.connection import chunk_writer, local_connection
+from inference_lab.serve.streaming import Delivery, StreamSink, write_stream
 
 FRAME = (
     b'data: {"id":"cmpl-0123456789abcdef","object":"text_completion","created":1764500000,'
@@ -111,17 +120,71 @@ async def per_request(requests: int) -> float:
     return spent / requests
 
 
+async def per_token(streams: int, rounds: int, direct: bool) -> float:
+    """CPU seconds per mid-stream token handed to a parked stream writer (``direct``:
+    written by the hand-over itself; else by the writer it wakes)."""
+    delivery = Delivery()
+    delivery.direct = direct
+    request = {"model": "m", "prompt": "x", "max_tokens": 1 << 30, "stream": True}
+    parsed = parse_completion_request(request, 16)
+    sinks: list[StreamSink] = []
+    parked = trio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        sink = StreamSink(StreamEncoder(parsed, request_id="cmpl-bench", created=0))
+        sink.last = 1 << 30  # every token is mid-stream
+        sinks.append(sink)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if len(sinks) == streams:
+            parked.set()
+        await write_stream(send, sink, delivery)
+
+    async def drain(client: trio.SocketStream) -> None:
+        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+            while await client.receive_some(1 << 20):
+                pass
+
+    config = HyperConfig()
+    config.accesslog = None
+    spent = 0.0
+    async with trio.open_nursery() as nursery:
+        for _ in range(streams):
+            server, client = local_connection(app, config)
+            nursery.start_soon(server.run)
+            await client.send_all(REQUEST)
+            nursery.start_soon(drain, client)
+        await parked.wait()
+        await trio.sleep(0.01)  # every writer parked for frames
+        start = time.process_time()
+        for _ in range(rounds):
+            for sink in sinks:
+                sink.on_tokens(1)
+            for _ in range(3):  # the writers (woken ones) and the readers run
+                await trio.lowlevel.checkpoint()
+        spent = time.process_time() - start
+        nursery.cancel_scope.cancel()
+    return spent / (rounds * streams)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--writes", type=int, default=20_000)
     parser.add_argument("--requests", type=int, default=2_000)
+    parser.add_argument("--streams", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=2_000)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    if args.writes < 1 or args.requests < 1 or args.repeats < 1:
-        parser.error("--writes, --requests and --repeats must be at least 1")
+    if min(args.writes, args.requests, args.streams, args.rounds, args.repeats) < 1:
+        parser.error("--writes, --requests, --streams, --rounds and --repeats must be at least 1")
     writes = [trio.run(per_write, args.writes) for _ in range(args.repeats)]
     sends = [trio.run(per_write, args.writes, True) for _ in range(args.repeats)]
     requests = [trio.run(per_request, args.requests) for _ in range(args.repeats)]
+    handed: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(args.repeats):  # interleaved, so both see the same machine
+        for direct in (False, True):
+            handed[direct].append(trio.run(per_token, args.streams, args.rounds, direct))
     print(
         f"per mid-stream write: {min(writes) * 1e6:.1f} us of CPU (best of {args.repeats}; "
         f"all {', '.join(f'{w * 1e6:.1f}' for w in writes)})"
@@ -133,6 +196,13 @@ def main() -> int:
     print(
         f"per request (start + one body, keep-alive): {min(requests) * 1e6:.1f} us of CPU "
         f"(best of {args.repeats}; all {', '.join(f'{r * 1e6:.1f}' for r in requests)})"
+    )
+    woken, written = min(handed[False]), min(handed[True])
+    print(
+        f"per token handed to {args.streams} parked streams: {written * 1e6:.1f} us of CPU "
+        f"written by the hand-over (all {', '.join(f'{t * 1e6:.1f}' for t in handed[True])}); "
+        f"{woken * 1e6:.1f} us waking the writer (all "
+        f"{', '.join(f'{t * 1e6:.1f}' for t in handed[False])}): x{written / woken:.2f}"
     )
     return 0
 

@@ -252,6 +252,8 @@ async def complete(
                 n=parsed.n,
                 limit=parsed.output_cap,
             )
+            if isinstance(sink, StreamSink):
+                sink.last = handle.length  # below it, tokens are mid-stream (streaming Rule 7)
         except (ApiError, QueueFull, EngineUnavailable) as exc:
             reply = error_reply(exc, retry_after=state.metrics.retry_after(exc))
             await send_reply(send, reply, exchange.headers)

@@ -39,7 +39,10 @@ Rule 7: a streamed response's mid-body chunks can be written pre-framed, straigh
         connection (:func:`chunk_writer`): hypercorn's request stream and h11 keep no
         state for one and cost ~half of a chunk's write (~8 of ~16 µs in
         ``scripts/bench_stack.py``); the response start and the end of the body still
-        pass through them, so their state machines see the whole exchange.
+        pass through them, so their state machines see the whole exchange. Such a chunk
+        can also be written synchronously, as far as the socket's buffer takes it, by
+        code that cannot await (:meth:`ChunkWriter.write_nowait`, under Rule 4's
+        conditions and outside a gathered write): the engine's hand-over of tokens.
 Rule 8: per connection, nothing is done that cannot matter to it: no TLS handshake is
         attempted on a plain socket stream, no cancel scope is put around a read when no
         read timeout is configured (hypercorn's default), and where the configuration
@@ -60,7 +63,7 @@ import struct
 import sys
 import termios
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -77,6 +80,7 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
 __all__ = [
+    "ChunkWriter",
     "IdleTimer",
     "LabConfig",
     "LabTCPServer",
@@ -576,7 +580,7 @@ def connection_server(send: Any) -> LabTCPServer | None:
 _FRAMING_HEADERS = frozenset((b"content-length", b"transfer-encoding"))
 
 
-def chunk_writer(send: Any) -> Callable[[bytes], Awaitable[None]] | None:
+def chunk_writer(send: Any) -> ChunkWriter | None:
     """For a response whose start has been sent on ``send``: a function that writes one
     mid-body chunk straight to the connection, framed as h11 frames it (HTTP/1.1 chunked:
     the size in hex, CRLF, the data, CRLF), without passing through hypercorn's request
@@ -604,13 +608,48 @@ def chunk_writer(send: Any) -> Callable[[bytes], Awaitable[None]] | None:
         or any(name.lower() in _FRAMING_HEADERS for name, _ in response.get("headers", ()))
     ):
         return None
-    protocol_send = server.protocol_send
+    return ChunkWriter(request_stream, server)
 
-    async def write_chunk(data: bytes) -> None:
-        if data and not request_stream.closed:
-            await protocol_send(RawData(data=b"%x\r\n%b\r\n" % (len(data), data)))
 
-    return write_chunk
+class ChunkWriter:
+    """Writes the mid-body chunks of one started, chunked HTTP/1.1 response straight to
+    its connection (:func:`chunk_writer`)."""
+
+    __slots__ = ("_request_stream", "_server")
+
+    def __init__(self, request_stream: Any, server: LabTCPServer) -> None:
+        self._request_stream = request_stream
+        self._server = server
+
+    async def __call__(self, data: bytes) -> None:
+        """Write ``data`` as one chunk (nothing for empty data, or once hypercorn has seen
+        the stream close)."""
+        if data and not self._request_stream.closed:
+            await self._server.protocol_send(RawData(data=b"%x\r\n%b\r\n" % (len(data), data)))
+
+    async def write_framed(self, framed: bytes) -> None:
+        """Write what :meth:`write_nowait` left of its chunk."""
+        if framed and not self._request_stream.closed:
+            await self._server.protocol_send(RawData(data=framed))
+
+    def ready(self) -> bool:
+        """Whether :meth:`write_nowait` may write now: the connection is a plain socket
+        stream, nobody holds its send lock and no gathered write is open on it (Rule 2)."""
+        server = self._server
+        return server._gathered is None and not server.send_lock.locked() and server._receipt.plain
+
+    def write_nowait(self, data: bytes) -> bytes:
+        """Write ``data`` as one chunk without a scheduling point, as far as the socket's
+        buffer takes it: what is left of the framed chunk (b"" when all of it was
+        written), for :meth:`write_framed`. Call only when :meth:`ready`."""
+        if not data or self._request_stream.closed:
+            return b""
+        framed = b"%x\r\n%b\r\n" % (len(data), data)
+        try:
+            sent = self._server._receipt.send_nowait(framed)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return framed  # the writer's own write reports the close, hypercorn's way
+        return framed[sent:] if sent else framed
 
 
 def one_write(send: Any) -> OneWrite:

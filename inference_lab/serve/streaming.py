@@ -1,8 +1,8 @@
 """Per-request sinks and the delivery of stream frames to the wire.
 
 The engine task hands each request's output to its sink by synchronous calls (a counter
-update per step); the request's own task writes what is pending when it runs. How often a
-stream writes mid-stream is decided by :class:`Delivery` from the measured load of the
+update per step); the request's own task writes what is pending when it runs, unless the
+hand-over could write it at once (Rule 7). How often a stream writes mid-stream is decided by :class:`Delivery` from the measured load of the
 event loop, not from the number of open streams.
 
 Rule 1: everything pending for a stream goes out in one write; the last token, the finish
@@ -25,6 +25,16 @@ Rule 6: on a connection that takes them (:func:`~inference_lab.serve.connection.
         hypercorn's, HTTP/1.1, chunked), frames are written as pre-framed chunks straight
         to the connection; only the response start and the end of the body go through
         hypercorn's request stream and h11.
+Rule 7: a mid-stream token handed to a stream whose writer is parked for frames is
+        written by the hand-over itself (:meth:`StreamSink.on_tokens`, synchronously, on
+        the engine task) when the response has started on a connection that takes
+        pre-framed chunks (Rule 6), nobody holds that connection's send lock or gathers a
+        write on it, and delivery is not spacing writes (:attr:`Delivery.interval` 0): the
+        writer is not woken and scheduled for each token (~40 % of a token's delivery
+        CPU in ``scripts/bench_stack.py``), and the token leaves one scheduler pass
+        sooner. A stream's last token never goes this way (it leaves with the end, Rule
+        1); what the socket's buffer did not take is left to the writer, which sends it
+        before anything newer, so the engine still never waits for a client (Rule 3).
 """
 
 from __future__ import annotations
@@ -40,13 +50,12 @@ import trio
 
 from inference_lab.engine import Finished
 from inference_lab.openai_api import StreamEncoder
-from inference_lab.serve.connection import chunk_writer, one_write
+from inference_lab.serve.connection import ChunkWriter, chunk_writer, one_write
 from inference_lab.serve.responses import stream_failure_frames
 
 __all__ = ["CollectSink", "Delivery", "LoopMonitor", "StreamSink", "write_stream"]
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
-WriteChunk = Callable[[bytes], Awaitable[None]]
 
 
 class StreamSink:
@@ -71,6 +80,10 @@ class StreamSink:
         "hold",
         "hold_until",
         "waiting",
+        "last",
+        "direct",
+        "delivery",
+        "unsent",
     )
 
     def __init__(self, encoder: StreamEncoder) -> None:
@@ -86,9 +99,18 @@ class StreamSink:
         self.hold_until = 0.0
         self.waiting = False
         self.lot = trio.lowlevel.ParkingLot()
+        #: The stream's token count when it runs to its end (0: unknown); below it, a
+        #: token is mid-stream (set by the caller once the engine admitted the request).
+        self.last = 0
+        #: Where the engine's hand-over may write mid-stream tokens itself (Rule 7), set
+        #: by the writer once the response has started: the connection and the delivery.
+        self.direct: ChunkWriter | None = None
+        self.delivery: Delivery | None = None
+        #: What such a write left over (a framed chunk's tail): the writer sends it first.
+        self.unsent = b""
 
     def pending(self) -> bool:
-        return bool(self.opening or self.emitted > self.written or self.closing)
+        return bool(self.opening or self.emitted > self.written or self.closing or self.unsent)
 
     def take(self) -> bytes:
         """Everything pending, in order (opening, tokens, end), marked written. Once the
@@ -108,8 +130,25 @@ class StreamSink:
         # Wake the writer if it is parked for frames (a busy writer finds the frames when
         # it comes back; a holding one when its hold-back ends).
         if self.waiting:
+            if self.emitted < self.last and self._write_direct():
+                return  # written (Rule 7): the writer stays parked
             self.waiting = False
             self.lot.unpark_all()
+
+    def _write_direct(self) -> bool:
+        """Write the pending mid-stream tokens now, from the engine's hand-over, if nothing
+        stands in the way (Rule 7); True when all of them left."""
+        direct, delivery = self.direct, self.delivery
+        if (
+            direct is None
+            or delivery is None
+            or delivery.interval > 0
+            or not delivery.direct
+            or not direct.ready()
+        ):
+            return False
+        self.unsent = direct.write_nowait(self.take())
+        return not self.unsent
 
     def on_finished(self, finished: Finished) -> None:
         self.closing = self.encoder.closing(finished.finish_reason, finished.output_tokens)
@@ -210,8 +249,10 @@ class Delivery:
     the loop's busy share over a control period (:attr:`PERIOD`) passes :attr:`HIGH`, a
     writer that has just written mid-stream waits :attr:`interval` before writing the
     tokens that arrived meanwhile (all in one write); the interval grows by :attr:`GROW`
-    while the loop stays busy and shrinks back to zero once it is below :attr:`LOW`.
-    First tokens and stream ends are never held (module Rule 2).
+    while the loop stays busy and shrinks back to zero once it is below :attr:`LOW` --
+    or, from the smallest interval, once it is below :attr:`HIGH` :attr:`RETRY_ZERO`
+    seconds after the interval left zero. First tokens and stream ends are never held
+    (module Rule 2).
 
     The hold-backs are timed by one **releaser** task (:meth:`run`, started with the
     runtimes) rather than a timeout per writer: a held writer parks, and the releaser
@@ -232,6 +273,11 @@ class Delivery:
     MAX_INTERVAL = 0.25
     #: Factor of each change of the interval.
     GROW = 1.5
+    #: Seconds after the interval left zero before the smallest interval, held while the
+    #: loop is below :attr:`HIGH`, goes back to zero: it barely coalesces (a decode step
+    #: lasts about as long) yet it stops the hand-over's own writes (module Rule 7), the
+    #: cheapest delivery there is, so it can hold the loop busier than no spacing at all.
+    RETRY_ZERO = 1.0
 
     def __init__(self) -> None:
         self.open = 0
@@ -239,7 +285,11 @@ class Delivery:
         self.running = False
         self.busy = 0.0
         self.holds = 0
+        #: Whether a parked writer's mid-stream tokens may be written by the engine's
+        #: hand-over itself (module Rule 7); benchmarks turn it off for a baseline.
+        self.direct = True
         self._forced: float | None = None
+        self._left_zero = -math.inf
         self._monitor: LoopMonitor | None = None
         self._held: list[tuple[float, int, StreamSink]] = []  # heap of (until, seq, sink)
         self._seq = 0
@@ -257,15 +307,18 @@ class Delivery:
             open_streams=self.open, interval=self.interval, loop_busy=self.busy, holds=self.holds
         )
 
-    def decide(self, busy: float) -> float:
-        """The next interval given the loop's busy share over the last period (pure
-        arithmetic on the current interval; the control loop applies it)."""
+    def decide(self, busy: float, now: float) -> float:
+        """The next interval given the loop's busy share over the last period, at trio
+        time ``now`` (arithmetic on the current interval and on when it last left zero;
+        the control loop applies it)."""
         interval = self.interval
         if busy > self.HIGH:
             return min(self.MAX_INTERVAL, max(self.MIN_INTERVAL, interval * self.GROW))
         if busy < self.LOW and interval > 0:
             interval /= self.GROW
             return interval if interval >= self.MIN_INTERVAL else 0.0
+        if 0 < interval <= self.MIN_INTERVAL and now - self._left_zero >= self.RETRY_ZERO:
+            return 0.0
         return interval
 
     def hold(self, sink: StreamSink, until: float) -> None:
@@ -313,7 +366,10 @@ class Delivery:
         if monitor is None or self._forced is not None:
             return math.inf
         self.busy = monitor.busy()
-        self.interval = self.decide(self.busy)
+        interval = self.decide(self.busy, now)
+        if interval > 0 and self.interval == 0:
+            self._left_zero = now
+        self.interval = interval
         return now + self.PERIOD
 
     async def _release(self, held: list[tuple[float, int, StreamSink]]) -> None:
@@ -353,13 +409,14 @@ async def write_stream(
     lot = sink.lot
     delivery.open += 1
     chunks = None if start is not None else chunk_writer(send)
+    sink.direct, sink.delivery = chunks, delivery  # (None until the response has started)
     try:
         while True:
             if start is not None:
                 async with one_write(send):
                     await send(start)
                     start = None
-                    chunks = chunk_writer(send)
+                    chunks = sink.direct = chunk_writer(send)
                     ended = await _write_next(send, sink, chunks)
             else:
                 ended = await _write_next(send, sink, chunks)
@@ -378,10 +435,11 @@ async def write_stream(
                 finally:
                     sink.hold = False
     finally:
+        sink.direct = None
         delivery.open -= 1
 
 
-async def _write_next(send: Send, sink: StreamSink, chunks: WriteChunk | None) -> bool:
+async def _write_next(send: Send, sink: StreamSink, chunks: ChunkWriter | None) -> bool:
     """Wait for frames and write everything pending in one message (one pre-framed chunk
     through ``chunks`` where the connection takes them, Rule 6); True when the stream has
     ended (its last message written, or the client gone)."""
@@ -395,16 +453,19 @@ async def _write_next(send: Send, sink: StreamSink, chunks: WriteChunk | None) -
             sink.waiting = False
     if sink.gone:
         return True
+    unsent, sink.unsent = sink.unsent, b""
     data = sink.take()
     if sink.done:
         with trio.CancelScope(shield=True):
             async with one_write(send):  # the last frames and the body's end
                 if chunks is not None:
+                    await chunks.write_framed(unsent)
                     await chunks(data)
                     data = b""
                 await send({"type": "http.response.body", "body": data, "more_body": False})
         return True
     if chunks is not None:
+        await chunks.write_framed(unsent)
         await chunks(data)
     else:
         await send({"type": "http.response.body", "body": data, "more_body": True})

@@ -1,0 +1,313 @@
+"""Mid-stream tokens written by the engine's hand-over itself (streaming Rule 7).
+
+A stream's writer parked for frames is not woken for mid-stream tokens when the engine's
+synchronous hand-over (``StreamSink.on_tokens``) can write them to the connection at once;
+everything else -- the start, a gathered first write, the last token with the end of the
+stream, a spaced-out delivery, what the socket did not take -- stays the writer's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from inference_lab.engine import Finished
+from inference_lab.openai_api import StreamEncoder, parse_completion_request
+from inference_lab.serve.connection import ReceiptStream, local_connection
+from inference_lab.serve.streaming import Delivery, StreamSink, write_stream
+from tests.conftest import GPT
+from tests.test_serve_connection import h11_answers
+from tests.test_serve_stack import _post_closing, _writes_of
+
+REQUEST = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+LAST = 5
+
+
+@attrs.define
+class Served:
+    """One stream's writer on a hooked connection over a socket pair."""
+
+    sink: StreamSink
+    delivery: Delivery
+    client: trio.SocketStream
+    raw: bytearray = attrs.Factory(bytearray)
+
+    def on_socket(self) -> bytes:
+        """What the server has written that the client has not read yet, read without a
+        scheduling point (so nothing else ran since the caller's last step)."""
+        fd = self.client.socket.fileno()  # non-blocking (trio's)
+        got = b""
+        while True:
+            try:
+                chunk = os.read(fd, 1 << 20)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            got += chunk
+        self.raw += got
+        return got
+
+    async def read_to_end(self) -> None:
+        while not self.raw.endswith(b"0\r\n\r\n"):
+            self.raw += await self.client.receive_some(1 << 20)
+
+
+def _finished(tokens: int) -> Finished:
+    return Finished(
+        request_id=0,
+        prompt_tokens=1,
+        output_tokens=tokens,
+        finish_reason="length",
+        arrival_time=0.0,
+        first_scheduled_time=0.0,
+        first_token_time=0.0,
+        finish_time=0.0,
+        preemptions=0,
+    )
+
+
+@asynccontextmanager
+async def served_stream(
+    *, gather_start: bool = False, interval: float | None = None, sndbuf: int | None = None
+) -> AsyncIterator[Served]:
+    """A completions stream of :data:`LAST` tokens served by ``write_stream`` on a hooked
+    connection, its writer parked for its first token. ``gather_start``: the response's
+    start is handed to the writer to leave with the first frames (as a saturated loop
+    does); else it has left already. ``sndbuf``: the server socket's send buffer."""
+    parsed = parse_completion_request(
+        {"model": GPT, "prompt": "x", "max_tokens": LAST, "stream": True}, 16
+    )
+    sink = StreamSink(StreamEncoder(parsed, request_id="cmpl-test", created=0))
+    sink.last = LAST
+    delivery = Delivery()
+    if interval is not None:
+        delivery.force_interval(interval)
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        start = {"type": "http.response.start", "status": 200, "headers": []}
+        if gather_start:
+            await write_stream(send, sink, delivery, start)
+        else:
+            await send(start)
+            await write_stream(send, sink, delivery)
+
+    server, client = local_connection(app)
+    if sndbuf is not None:
+        server.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    served = Served(sink, delivery, client)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            await client.send_all(REQUEST)
+            while not sink.waiting:  # the writer is parked for frames
+                await trio.lowlevel.checkpoint()
+            if not gather_start:
+                while b"\r\n\r\n" not in served.raw:
+                    served.raw += await client.receive_some(65536)
+            yield served
+            await client.aclose()
+
+
+def _texts(raw: bytes) -> list[str]:
+    [(status, _, body)] = h11_answers(raw, 1)
+    assert status == 200
+    texts = []
+    for frame in body.split(b"\n\n"):
+        if frame.startswith(b"data: {"):
+            texts.append(json.loads(frame[6:])["choices"][0]["text"])
+    return texts
+
+
+async def test_a_parked_writers_mid_stream_token_leaves_within_the_hand_over() -> None:
+    """The token is on the socket when ``on_tokens`` returns, before any other task ran,
+    and the writer was not woken for it."""
+    async with served_stream() as s:
+        for i in range(1, LAST):
+            s.sink.on_tokens(1)
+            frame = s.on_socket()
+            assert frame.count(b"data: ") == 1, i
+            assert s.sink.waiting  # still parked: nobody woke it
+            assert s.sink.written == i
+        s.sink.on_tokens(1)
+        s.sink.on_finished(_finished(LAST))
+        await s.read_to_end()
+    texts = _texts(bytes(s.raw))
+    assert len(texts) == LAST + 1 and texts[-1] == ""  # the tokens, then the finish frame
+
+
+async def test_the_last_token_waits_for_the_end_of_the_stream() -> None:
+    """The last token is not written by the hand-over: it leaves with the finish frame,
+    ``[DONE]`` and the chunked terminator (streaming Rule 1), its word without the
+    trailing space (the streamed text equals the non-streamed one)."""
+    async with served_stream() as s:
+        s.sink.on_tokens(LAST - 1)
+        assert s.on_socket().count(b"data: ") == LAST - 1
+        s.sink.on_tokens(1)
+        assert s.on_socket() == b""
+        assert not s.sink.waiting  # the writer was woken instead
+        s.sink.on_finished(_finished(LAST))
+        before = len(s.raw)
+        await s.read_to_end()
+        tail = bytes(s.raw[before:])
+    assert tail.count(b'"text":"') == 2 and tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    texts = _texts(bytes(s.raw))
+    assert texts[LAST - 1] and not texts[LAST - 1].endswith(" ")
+    assert all(t.endswith(" ") for t in texts[: LAST - 1])
+
+
+async def test_no_hand_over_write_while_delivery_spaces_writes() -> None:
+    """A saturated loop's delivery (a non-zero interval) keeps its spacing: the writer
+    is woken and writes, then holds."""
+    async with served_stream(interval=0.001) as s:
+        s.sink.on_tokens(1)
+        assert s.on_socket() == b""
+        assert not s.sink.waiting
+        while s.sink.written < 1:
+            await trio.lowlevel.checkpoint()
+        s.sink.on_tokens(LAST - 1)
+        s.sink.on_finished(_finished(LAST))
+        await s.read_to_end()
+    assert len(_texts(bytes(s.raw))) == LAST + 1
+
+
+async def test_delivery_can_turn_the_hand_over_writes_off() -> None:
+    async with served_stream() as s:
+        s.delivery.direct = False
+        s.sink.on_tokens(1)
+        assert s.on_socket() == b"" and not s.sink.waiting
+        s.sink.on_tokens(LAST - 1)
+        s.sink.on_finished(_finished(LAST))
+        await s.read_to_end()
+    assert len(_texts(bytes(s.raw))) == LAST + 1
+
+
+async def test_no_hand_over_write_into_a_gathered_first_write() -> None:
+    """While the start waits to leave with the first frames (one socket write), a token
+    is not written ahead of it: the writer is woken and the start and the token leave
+    together."""
+    async with served_stream(gather_start=True) as s:
+        assert s.on_socket() == b""  # the start is held for the first frames
+        s.sink.on_tokens(1)
+        assert s.on_socket() == b""
+        assert not s.sink.waiting
+        while not s.raw:
+            s.raw += await s.client.receive_some(65536)
+        first = bytes(s.raw)
+        assert first.startswith(b"HTTP/1.1 200") and first.count(b"data: ") == 1
+        s.sink.on_tokens(LAST - 1)
+        s.sink.on_finished(_finished(LAST))
+        await s.read_to_end()
+    assert len(_texts(bytes(s.raw))) == LAST + 1
+
+
+async def test_what_the_socket_did_not_take_is_finished_by_the_writer_in_order() -> None:
+    """A hand-over write larger than the socket's free buffer leaves a framed tail; the
+    writer is woken and sends it before anything newer, so the chunked body stays
+    well-framed and every token arrives once, in order."""
+    many = 4000
+    async with served_stream(sndbuf=4096) as s:
+        s.sink.last = many + 2
+        s.sink.on_tokens(many)  # ~600 KB of frames: far more than the buffer takes
+        assert s.sink.unsent and not s.sink.waiting
+        s.sink.on_tokens(1)  # pending behind the tail
+        while s.sink.unsent or s.sink.pending():
+            s.on_socket()
+            await trio.lowlevel.checkpoint()
+        s.sink.on_tokens(1)
+        s.sink.on_finished(_finished(many + 2))
+        await s.read_to_end()
+    texts = _texts(bytes(s.raw))
+    assert len(texts) == many + 3
+    sink = StreamSink(s.sink.encoder)
+    sink.emitted = many + 2
+    sink.finished = True
+    expected = [json.loads(f[6:])["choices"][0]["text"] for f in sink.take().split(b"\n\n") if f]
+    assert texts[:-1] == expected
+
+
+async def test_no_hand_over_write_once_the_client_left() -> None:
+    async with served_stream() as s:
+        s.sink.on_gone()
+        s.sink.on_tokens(1)
+        assert s.on_socket() == b""
+
+
+async def test_served_streams_write_mid_stream_tokens_from_the_engine_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under ``inference-lab serve``'s set-up, a stream's mid-stream tokens are written
+    by the engine task, one write each; its start and its last write (the last token and
+    the end) by the request's own task."""
+    writers: list[tuple[str, bytes]] = []
+    plain = ReceiptStream.send_nowait
+
+    def recording(self: ReceiptStream, data: bytes) -> int:
+        sent = plain(self, data)
+        if sent:
+            task = trio.lowlevel.current_task().name.rsplit(".", 1)[-1]
+            writers.append((task, bytes(data[:sent])))
+        return sent
+
+    monkeypatch.setattr(ReceiptStream, "send_nowait", recording)
+    stream = _post_closing({"model": GPT, "prompt": "x", "max_tokens": LAST, "stream": True})
+    [writes] = await _writes_of([stream], monkeypatch, interval=0.0, slowdown=100.0)
+    assert len(writes) == LAST + 1  # the start, LAST - 1 tokens, the last token with the end
+    ours = [(task, data) for task, data in writers if data in writes]
+    assert [task for task, _ in ours[1:-1]] == ["_engine_task"] * (LAST - 1)
+    assert ours[0][0] != "_engine_task" and ours[-1][0] != "_engine_task"
+    assert ours[-1][1].endswith(b"0\r\n\r\n")
+
+
+def test_delivery_spaces_writes_out_while_the_loop_is_busy_and_back_when_it_is_not() -> None:
+    """The control decision: above HIGH the interval starts at MIN_INTERVAL and grows by
+    GROW up to MAX_INTERVAL; below LOW it shrinks by GROW, to zero under MIN_INTERVAL;
+    in between it stays."""
+    d = Delivery()
+    high, low, now = d.HIGH + 0.01, d.LOW - 0.01, 100.0
+    assert d.decide(high, now) == d.MIN_INTERVAL
+    d.interval = d.MIN_INTERVAL
+    assert d.decide(high, now) == pytest.approx(d.MIN_INTERVAL * d.GROW)
+    d.interval = d.MAX_INTERVAL
+    assert d.decide(high, now) == d.MAX_INTERVAL
+    d.interval = 0.004
+    assert d.decide((d.HIGH + d.LOW) / 2, now) == 0.004
+    assert d.decide(low, now) == pytest.approx(0.004 / d.GROW)
+    d.interval = d.MIN_INTERVAL * 1.2
+    assert d.decide(low, now) == 0.0
+    d.interval = 0.0
+    assert d.decide(low, now) == 0.0 and d.decide((d.HIGH + d.LOW) / 2, now) == 0.0
+
+
+def test_the_smallest_interval_goes_back_to_none_below_high_after_a_while() -> None:
+    """A transient that pushed the interval off zero does not leave the smallest one in
+    place while the loop sits between LOW and HIGH (that spacing barely coalesces and
+    stops the hand-over's writes): RETRY_ZERO seconds after it left zero, it is zero."""
+    d = Delivery()
+    busy = [d.HIGH + 0.01]
+
+    class Monitor:
+        def busy(self) -> float:
+            return busy[0]
+
+    d._monitor = Monitor()  # type: ignore[assignment]
+    d._control(10.0)
+    assert d.interval == d.MIN_INTERVAL
+    busy[0] = (d.HIGH + d.LOW) / 2
+    d._control(10.0 + d.RETRY_ZERO / 2)
+    assert d.interval == d.MIN_INTERVAL  # not yet: a loop busy at zero is not re-tried at once
+    d._control(10.0 + d.RETRY_ZERO)
+    assert d.interval == 0.0
+    d.interval = 0.003  # a larger spacing stays while the loop is in the band
+    d._control(20.0)
+    assert d.interval == 0.003
