@@ -272,27 +272,30 @@ async def test_served_streams_write_mid_stream_tokens_from_the_engine_task(
 def test_delivery_spaces_writes_out_while_the_loop_is_busy_and_back_when_it_is_not() -> None:
     """The control decision: above HIGH the interval starts at MIN_INTERVAL and grows by
     GROW up to MAX_INTERVAL; below LOW it shrinks by GROW, to zero under MIN_INTERVAL;
-    in between it stays."""
+    in between it stays for PROBE_EVERY seconds after its last change."""
     d = Delivery()
-    high, low, now = d.HIGH + 0.01, d.LOW - 0.01, 100.0
+    high, low, band, now = d.HIGH + 0.01, d.LOW - 0.01, (d.HIGH + d.LOW) / 2, 100.0
+    d._changed = now
     assert d.decide(high, now) == d.MIN_INTERVAL
     d.interval = d.MIN_INTERVAL
     assert d.decide(high, now) == pytest.approx(d.MIN_INTERVAL * d.GROW)
     d.interval = d.MAX_INTERVAL
     assert d.decide(high, now) == d.MAX_INTERVAL
     d.interval = 0.004
-    assert d.decide((d.HIGH + d.LOW) / 2, now) == 0.004
+    assert d.decide(band, now) == 0.004
+    assert d.decide(band, now + d.PROBE_EVERY * 0.9) == 0.004
     assert d.decide(low, now) == pytest.approx(0.004 / d.GROW)
     d.interval = d.MIN_INTERVAL * 1.2
     assert d.decide(low, now) == 0.0
     d.interval = 0.0
-    assert d.decide(low, now) == 0.0 and d.decide((d.HIGH + d.LOW) / 2, now) == 0.0
+    assert d.decide(low, now) == 0.0 and d.decide(band, now + 10) == 0.0
 
 
-def test_the_smallest_interval_goes_back_to_none_below_high_after_a_while() -> None:
-    """A transient that pushed the interval off zero does not leave the smallest one in
-    place while the loop sits between LOW and HIGH (that spacing barely coalesces and
-    stops the hand-over's writes): RETRY_ZERO seconds after it left zero, it is zero."""
+def test_a_spaced_out_loop_in_the_band_tries_one_step_less_now_and_then() -> None:
+    """Spacing writes out costs wake-ups of its own and stops the hand-over's writes, so
+    a loop spaced out by a transient can sit between LOW and HIGH where it would be below
+    HIGH unspaced: every PROBE_EVERY seconds there the interval tries one step smaller,
+    down to zero, and a loop that then passes HIGH takes the step back."""
     d = Delivery()
     busy = [d.HIGH + 0.01]
 
@@ -301,13 +304,57 @@ def test_the_smallest_interval_goes_back_to_none_below_high_after_a_while() -> N
             return busy[0]
 
     d._monitor = Monitor()  # type: ignore[assignment]
-    d._control(10.0)
-    assert d.interval == d.MIN_INTERVAL
-    busy[0] = (d.HIGH + d.LOW) / 2
-    d._control(10.0 + d.RETRY_ZERO / 2)
-    assert d.interval == d.MIN_INTERVAL  # not yet: a loop busy at zero is not re-tried at once
-    d._control(10.0 + d.RETRY_ZERO)
-    assert d.interval == 0.0
-    d.interval = 0.003  # a larger spacing stays while the loop is in the band
-    d._control(20.0)
-    assert d.interval == 0.003
+    d.busy = busy[0]
+    t = 10.0
+    for _ in range(3):  # a transient: 1 ms, 1.5 ms, 2.25 ms
+        d._control(t)
+        t += d.PERIOD
+    assert d.interval == pytest.approx(d.MIN_INTERVAL * d.GROW**2)
+    busy[0] = d.busy = (d.HIGH + d.LOW) / 2
+    seen = []
+    while d.interval > 0 and t < 20.0:
+        d._control(t)
+        seen.append((round(t - 10.0, 2), d.interval))
+        t += d.PERIOD
+    steps = [
+        (at, interval)
+        for (at, interval), (_, before) in zip(seen[1:], seen, strict=False)
+        if interval != before
+    ]
+    expected = [d.MIN_INTERVAL * d.GROW, d.MIN_INTERVAL, 0.0]
+    assert [interval for _, interval in steps] == pytest.approx(expected)
+    assert steps[0][0] == pytest.approx(0.1 + d.PROBE_EVERY, abs=d.PERIOD)  # after the last
+    for (before, _), (after, _) in zip(steps, steps[1:], strict=False):
+        assert after - before == pytest.approx(d.PROBE_EVERY, abs=d.PERIOD)
+    busy[0] = 1.0  # unspaced, the loop passes HIGH again: spaced out after a few periods
+    for _ in range(4):
+        d._control(t)
+        t += d.PERIOD
+    assert d.interval > 0
+
+
+def test_one_busy_period_does_not_space_writes_out_a_busy_loop_does() -> None:
+    """The decisions see the busy share smoothed over a few periods: one period at 100 %
+    amid 60 % (another process, a burst) leaves delivery unspaced; 100 % held for a few
+    periods spaces it out."""
+    d = Delivery()
+    busy = [0.6]
+
+    class Monitor:
+        def busy(self) -> float:
+            return busy[0]
+
+    d._monitor = Monitor()  # type: ignore[assignment]
+    t = 10.0
+    for value in [0.6] * 10 + [1.0] + [0.6] * 10:
+        busy[0] = value
+        d._control(t)
+        t += d.PERIOD
+        assert d.interval == 0.0, t
+    busy[0] = 1.0
+    periods = 0
+    while d.interval == 0.0:
+        d._control(t)
+        t += d.PERIOD
+        periods += 1
+    assert 2 <= periods <= 5

@@ -234,7 +234,8 @@ class DeliveryStatistics:
     open_streams: int
     #: Seconds a stream waits after a mid-stream write before the next one (0 = none).
     interval: float
-    #: The event loop's busy share over the last control period (0..1; 0 when unmeasured).
+    #: The event loop's busy share, smoothed over the last few control periods (0..1; 0
+    #: when unmeasured).
     loop_busy: float
     #: Mid-stream writes held back so far.
     holds: int
@@ -246,13 +247,13 @@ class Delivery:
     Every SSE write costs the HTTP stack tens of microseconds of CPU (most of it the send
     system call on loopback), and the pacer's wake-ups queue behind every runnable writer.
     While the loop is idle enough, every token is written when the engine emits it. When
-    the loop's busy share over a control period (:attr:`PERIOD`) passes :attr:`HIGH`, a
+    the loop's busy share, measured every control period (:attr:`PERIOD`) and smoothed over
+    a few (:attr:`SMOOTHING`), passes :attr:`HIGH`, a
     writer that has just written mid-stream waits :attr:`interval` before writing the
     tokens that arrived meanwhile (all in one write); the interval grows by :attr:`GROW`
-    while the loop stays busy and shrinks back to zero once it is below :attr:`LOW` --
-    or, from the smallest interval, once it is below :attr:`HIGH` :attr:`RETRY_ZERO`
-    seconds after the interval left zero. First tokens and stream ends are never held
-    (module Rule 2).
+    while the loop stays busy and shrinks back to zero while it is below :attr:`LOW`, or
+    by one step every :attr:`PROBE_EVERY` seconds while it is below HIGH. First tokens and
+    stream ends are never held (module Rule 2).
 
     The hold-backs are timed by one **releaser** task (:meth:`run`, started with the
     runtimes) rather than a timeout per writer: a held writer parks, and the releaser
@@ -264,20 +265,25 @@ class Delivery:
 
     #: Seconds between control decisions.
     PERIOD = 0.05
+    #: Weight of each period's measured busy share in the smoothed one the decisions use
+    #: (an exponential average: a single busy period -- another process, a burst of
+    #: arrivals -- does not space writes out; a loop busy for a few periods does).
+    SMOOTHING = 0.3
     #: Busy share above which writes are spaced further apart ...
-    HIGH = 0.75
+    HIGH = 0.85
     #: ... and below which they are brought closer again.
-    LOW = 0.55
+    LOW = 0.65
     #: Smallest non-zero interval (seconds) and the largest.
     MIN_INTERVAL = 0.001
     MAX_INTERVAL = 0.25
     #: Factor of each change of the interval.
     GROW = 1.5
-    #: Seconds after the interval left zero before the smallest interval, held while the
-    #: loop is below :attr:`HIGH`, goes back to zero: it barely coalesces (a decode step
-    #: lasts about as long) yet it stops the hand-over's own writes (module Rule 7), the
-    #: cheapest delivery there is, so it can hold the loop busier than no spacing at all.
-    RETRY_ZERO = 1.0
+    #: Seconds an interval stays unchanged while the loop's busy share lies between
+    #: :attr:`LOW` and :attr:`HIGH` before one smaller step is tried (undone if the loop
+    #: then passes HIGH): spacing writes out costs the holds' wake-ups and stops the
+    #: hand-over's own writes (module Rule 7), the cheapest delivery there is, so a
+    #: spaced-out loop can sit in that band where an unspaced one would be below HIGH.
+    PROBE_EVERY = 1.0
 
     def __init__(self) -> None:
         self.open = 0
@@ -289,7 +295,7 @@ class Delivery:
         #: hand-over itself (module Rule 7); benchmarks turn it off for a baseline.
         self.direct = True
         self._forced: float | None = None
-        self._left_zero = -math.inf
+        self._changed = -math.inf
         self._monitor: LoopMonitor | None = None
         self._held: list[tuple[float, int, StreamSink]] = []  # heap of (until, seq, sink)
         self._seq = 0
@@ -309,16 +315,14 @@ class Delivery:
 
     def decide(self, busy: float, now: float) -> float:
         """The next interval given the loop's busy share over the last period, at trio
-        time ``now`` (arithmetic on the current interval and on when it last left zero;
-        the control loop applies it)."""
+        time ``now`` (arithmetic on the current interval and on when it last changed; the
+        control loop applies it)."""
         interval = self.interval
         if busy > self.HIGH:
             return min(self.MAX_INTERVAL, max(self.MIN_INTERVAL, interval * self.GROW))
-        if busy < self.LOW and interval > 0:
+        if interval > 0 and (busy < self.LOW or now - self._changed >= self.PROBE_EVERY):
             interval /= self.GROW
             return interval if interval >= self.MIN_INTERVAL else 0.0
-        if 0 < interval <= self.MIN_INTERVAL and now - self._left_zero >= self.RETRY_ZERO:
-            return 0.0
         return interval
 
     def hold(self, sink: StreamSink, until: float) -> None:
@@ -365,11 +369,10 @@ class Delivery:
         monitor = self._monitor
         if monitor is None or self._forced is not None:
             return math.inf
-        self.busy = monitor.busy()
+        self.busy += self.SMOOTHING * (monitor.busy() - self.busy)
         interval = self.decide(self.busy, now)
-        if interval > 0 and self.interval == 0:
-            self._left_zero = now
-        self.interval = interval
+        if interval != self.interval:
+            self.interval, self._changed = interval, now
         return now + self.PERIOD
 
     async def _release(self, held: list[tuple[float, int, StreamSink]]) -> None:
