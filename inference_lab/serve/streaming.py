@@ -270,9 +270,9 @@ class Delivery:
     #: arrivals -- does not space writes out; a loop busy for a few periods does).
     SMOOTHING = 0.3
     #: Busy share above which writes are spaced further apart ...
-    HIGH = 0.85
+    HIGH = 0.75
     #: ... and below which they are brought closer again.
-    LOW = 0.65
+    LOW = 0.55
     #: Smallest non-zero interval (seconds) and the largest.
     MIN_INTERVAL = 0.001
     MAX_INTERVAL = 0.25
