@@ -2,8 +2,9 @@
 
 The engine task hands each request's output to its sink by synchronous calls (a counter
 update per step); the request's own task writes what is pending when it runs, unless the
-hand-over could write it at once (Rule 7). How often a stream writes mid-stream is decided by :class:`Delivery` from the measured load of the
-event loop, not from the number of open streams.
+hand-over could write it at once (Rule 7). How often a stream writes mid-stream is
+decided by :class:`Delivery` from the measured load of the event loop, not from the
+number of open streams.
 
 Rule 1: everything pending for a stream goes out in one write; the last token, the finish
         frame, the usage frame and ``[DONE]`` are one ``http.response.body`` message, the
@@ -247,10 +248,10 @@ class Delivery:
     Every SSE write costs the HTTP stack tens of microseconds of CPU (most of it the send
     system call on loopback), and the pacer's wake-ups queue behind every runnable writer.
     While the loop is idle enough, every token is written when the engine emits it. When
-    the loop's busy share, measured every control period (:attr:`PERIOD`) and smoothed over
-    a few (:attr:`SMOOTHING`), passes :attr:`HIGH`, a
-    writer that has just written mid-stream waits :attr:`interval` before writing the
-    tokens that arrived meanwhile (all in one write); the interval grows by :attr:`GROW`
+    the loop's busy share, measured every control period (:attr:`PERIOD`) and smoothed
+    over a few (:attr:`SMOOTHING`), passes :attr:`HIGH`, a writer that has just written
+    mid-stream waits :attr:`interval` before writing the tokens that arrived meanwhile
+    (all in one write); the interval grows by :attr:`GROW`
     while the loop stays busy and shrinks back to zero while it is below :attr:`LOW`, or
     by one step every :attr:`PROBE_EVERY` seconds while it is below HIGH. First tokens and
     stream ends are never held (module Rule 2).
@@ -314,9 +315,9 @@ class Delivery:
         )
 
     def decide(self, busy: float, now: float) -> float:
-        """The next interval given the loop's busy share over the last period, at trio
-        time ``now`` (arithmetic on the current interval and on when it last changed; the
-        control loop applies it)."""
+        """The next interval given the loop's (smoothed) busy share, at trio time ``now``
+        (arithmetic on the current interval and on when it last changed; the control loop
+        applies it)."""
         interval = self.interval
         if busy > self.HIGH:
             return min(self.MAX_INTERVAL, max(self.MIN_INTERVAL, interval * self.GROW))
