@@ -611,6 +611,12 @@ def chunk_writer(send: Any) -> ChunkWriter | None:
     return ChunkWriter(request_stream, server)
 
 
+def _chunk(data: bytes) -> bytes:
+    """``data`` framed as one HTTP/1.1 chunk, as h11 frames it: the size in hex, CRLF, the
+    data, CRLF."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
 class ChunkWriter:
     """Writes the mid-body chunks of one started, chunked HTTP/1.1 response straight to
     its connection (:func:`chunk_writer`)."""
@@ -625,7 +631,7 @@ class ChunkWriter:
         """Write ``data`` as one chunk (nothing for empty data, or once hypercorn has seen
         the stream close)."""
         if data and not self._request_stream.closed:
-            await self._server.protocol_send(RawData(data=b"%x\r\n%b\r\n" % (len(data), data)))
+            await self._server.protocol_send(RawData(data=_chunk(data)))
 
     async def write_framed(self, framed: bytes) -> None:
         """Write what :meth:`write_nowait` left of its chunk."""
@@ -644,7 +650,7 @@ class ChunkWriter:
         written), for :meth:`write_framed`. Call only when :meth:`ready`."""
         if not data or self._request_stream.closed:
             return b""
-        framed = b"%x\r\n%b\r\n" % (len(data), data)
+        framed = _chunk(data)
         try:
             sent = self._server._receipt.send_nowait(framed)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
