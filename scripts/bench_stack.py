@@ -17,10 +17,15 @@ trio loop, and prints the CPU time (``time.process_time``) per unit:
   stream one mid-stream token per round the way the engine task does
   (``StreamSink.on_tokens``) — with the hand-over writing the token itself (streaming
   Rule 7, as served) and, as the baseline of the same run, with it waking each stream's
-  writer to write it (``Delivery.direct`` off).
+  writer to write it (``Delivery.direct`` off);
+- **per request after a pause**: the same keep-alive request, each timed on its own
+  (median), sent back to back and after a pause of 0.1, 2 and 10 ms spent asleep (the
+  loop idle in its I/O wait, as a server between requests) or spinning (the process on
+  the CPU all along): how much dearer the same code runs when it has not run for a
+  while, on this machine (its caches, shared with other work, have been refilled).
 
     python scripts/bench_stack.py
-    python scripts/bench_stack.py --writes 50000 --requests 5000 --rounds 5000
+    python scripts/bench_stack.py --writes 50000 --requests 5000 --rounds 5000 --paused 1000
 
 Nothing listens; no traffic leaves the process.
 """
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
 import time
 from typing import Any
@@ -45,6 +51,8 @@ FRAME = (
     b'"model":"gpt-oss-20b","choices":[{"text":"word ","index":0}]}\n\n'
 )
 REQUEST = b"GET /x HTTP/1.1\r\nhost: localhost\r\n\r\n"
+#: Seconds between requests for ``per_request_after``.
+PAUSES = (0.0001, 0.002, 0.01)
 
 
 async def _serve(app: Any, work: Any) -> None:
@@ -89,35 +97,61 @@ async def per_write(writes: int, through_send: bool = False) -> float:
     return spent / writes
 
 
+async def _one_body_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Answers every request with a start and one body message."""
+    if scope["type"] != "http":
+        return
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-length", b"%d" % len(FRAME))],
+        }
+    )
+    await send({"type": "http.response.body", "body": FRAME, "more_body": False})
+
+
+async def _request(client: trio.SocketStream) -> None:
+    await client.send_all(REQUEST)
+    data = bytearray()
+    while not data.endswith(FRAME):
+        data += await client.receive_some(65536)
+
+
 async def per_request(requests: int) -> float:
     """CPU seconds per request answered with a start and one body message."""
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-length", b"%d" % len(FRAME))],
-            }
-        )
-        await send({"type": "http.response.body", "body": FRAME, "more_body": False})
-
     spent = 0.0
 
     async def work(client: trio.SocketStream) -> None:
         nonlocal spent
         start = time.process_time()
         for _ in range(requests):
-            await client.send_all(REQUEST)
-            data = bytearray()
-            while not data.endswith(FRAME):
-                data += await client.receive_some(65536)
+            await _request(client)
         spent = time.process_time() - start
 
-    await _serve(app, work)
+    await _serve(_one_body_app, work)
     return spent / requests
+
+
+async def per_request_after(requests: int, pause: float, spin: bool) -> float:
+    """Median CPU seconds of one such request, each timed on its own, sent ``pause``
+    seconds after the previous one ended: asleep (trio's I/O wait) or spinning."""
+    spent: list[float] = []
+
+    async def work(client: trio.SocketStream) -> None:
+        for _ in range(requests):
+            if spin:
+                end = time.perf_counter() + pause
+                while time.perf_counter() < end:
+                    pass
+            elif pause:
+                await trio.sleep(pause)
+            start = time.process_time()
+            await _request(client)
+            spent.append(time.process_time() - start)
+
+    await _serve(_one_body_app, work)
+    return statistics.median(spent)
 
 
 async def per_token(streams: int, rounds: int, direct: bool) -> float:
@@ -174,10 +208,14 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2_000)
     parser.add_argument("--streams", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=2_000)
+    parser.add_argument("--paused", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    if min(args.writes, args.requests, args.streams, args.rounds, args.repeats) < 1:
-        parser.error("--writes, --requests, --streams, --rounds and --repeats must be at least 1")
+    counts = (args.writes, args.requests, args.streams, args.rounds, args.paused, args.repeats)
+    if min(counts) < 1:
+        parser.error(
+            "--writes, --requests, --streams, --rounds, --paused and --repeats must be at least 1"
+        )
     writes = [trio.run(per_write, args.writes) for _ in range(args.repeats)]
     sends = [trio.run(per_write, args.writes, True) for _ in range(args.repeats)]
     requests = [trio.run(per_request, args.requests) for _ in range(args.repeats)]
@@ -185,6 +223,12 @@ def main() -> int:
     for _ in range(args.repeats):  # interleaved, so both see the same machine
         for direct in (False, True):
             handed[direct].append(trio.run(per_token, args.streams, args.rounds, direct))
+    back_to_back = trio.run(per_request_after, args.paused, 0.0, False)
+    paused = {
+        (pause, spin): trio.run(per_request_after, args.paused, pause, spin)
+        for spin in (False, True)
+        for pause in PAUSES
+    }
     print(
         f"per mid-stream write: {min(writes) * 1e6:.1f} us of CPU (best of {args.repeats}; "
         f"all {', '.join(f'{w * 1e6:.1f}' for w in writes)})"
@@ -204,6 +248,20 @@ def main() -> int:
         f"{woken * 1e6:.1f} us waking the writer (all "
         f"{', '.join(f'{t * 1e6:.1f}' for t in handed[False])}): x{written / woken:.2f}"
     )
+    print(
+        f"per request timed on its own (median of {args.paused}): "
+        f"{back_to_back * 1e6:.0f} us of CPU back to back"
+    )
+    for spin, how in ((False, "asleep"), (True, "spinning")):
+        after = [paused[pause, spin] for pause in PAUSES]
+        print(
+            f"  after a pause {how}: "
+            + " / ".join(f"{a * 1e6:.0f}" for a in after)
+            + f" us after {' / '.join(f'{p * 1e3:g}' for p in PAUSES)} ms "
+            + "("
+            + " / ".join(f"x{a / back_to_back:.1f}" for a in after)
+            + ")"
+        )
     return 0
 
 

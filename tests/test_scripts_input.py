@@ -24,6 +24,7 @@ CASES = [
     ("bench_sim.py", ["--config", "no-such.toml"], "bench_sim: no-such.toml: no such file"),
     ("bench_tokenize.py", ["--tokenizer", "no-such.json"], "no such tokenizer file"),
     ("bench_stack.py", ["--streams", "0"], "must be at least 1"),
+    ("bench_stack.py", ["--paused", "0"], "--paused and --repeats must be at least 1"),
     ("capacity_experiment.py", ["--config", "no-such.toml", "--out", "OUT"], "no such file"),
     ("adaptive_experiment.py", ["--hardware", "zz", "--out", "OUT"], "hardware.zz: no such"),
 ]
@@ -48,3 +49,29 @@ def test_bad_input_is_one_line(script: str, args: list[str], message: str, tmp_p
     assert len(lines) == 1 or lines[0].startswith("usage:"), done.stderr
     assert "listening on" not in done.stdout + done.stderr  # no server was started
     assert not out.exists()  # nothing was written
+
+
+def test_bench_stack_prints_every_figure(tmp_path: Path) -> None:
+    """A tiny run of the stack benchmark prints each of its figures (the numbers
+    themselves are the machine's: only their presence and form are checked)."""
+    args = ["--writes", "5", "--requests", "5", "--streams", "2", "--rounds", "5"]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_stack.py"), *args, "--paused", "3", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    for figure in (
+        "per mid-stream write: ",
+        "the same as body messages through hypercorn and h11: ",
+        "per request (start + one body, keep-alive): ",
+        "per token handed to 2 parked streams: ",
+        "per request timed on its own (median of 3): ",
+    ):
+        assert figure in out, out
+    for how in ("asleep", "spinning"):
+        line = next(line for line in out.splitlines() if f"after a pause {how}: " in line)
+        assert " us after 0.1 / 2 / 10 ms (x" in line, line
