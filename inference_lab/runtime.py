@@ -235,6 +235,14 @@ class RequestHandle:
             await lot.park()
 
     @property
+    def alone(self) -> bool:
+        """Whether this is the only request its runtime holds (nothing else admitted and
+        not yet done): the engine is idle but for it, so when the engine takes it does
+        not move its steps (an idle engine's clock starts at the arrival, Rule 3)."""
+        live = self.runtime._live
+        return len(live) == 1 and self in live
+
+    @property
     def length(self) -> int:
         """How many tokens each of its sequences produces if it runs to its end (the
         length drawn for it, else ``max_tokens``); an abort or a failure ends it sooner."""

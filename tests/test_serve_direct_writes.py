@@ -19,11 +19,15 @@ import attrs
 import pytest
 import trio
 
+from inference_lab import runtime as runtime_module
 from inference_lab.engine import Finished
 from inference_lab.openai_api import StreamEncoder, parse_completion_request
+from inference_lab.serve import create_app
+from inference_lab.serve.asgi import get_state
 from inference_lab.serve.connection import ReceiptStream, local_connection
 from inference_lab.serve.streaming import Delivery, StreamSink, write_stream
-from tests.conftest import GPT
+from inference_lab.serve_cli import bind_socket, serve_app
+from tests.conftest import GPT, make_settings
 from tests.test_serve_connection import h11_answers
 from tests.test_serve_stack import _post_closing, _writes_of
 
@@ -267,6 +271,89 @@ async def test_served_streams_write_mid_stream_tokens_from_the_engine_task(
     assert [task for task, _ in ours[1:-1]] == ["_engine_task"] * (LAST - 1)
     assert ours[0][0] != "_engine_task" and ours[-1][0] != "_engine_task"
     assert ours[-1][1].endswith(b"0\r\n\r\n")
+
+
+async def _start_and_take(
+    monkeypatch: pytest.MonkeyPatch, *, others: int
+) -> tuple[list[str], list[str]]:
+    """Under ``inference-lab serve``'s set-up (engine steps priced at 100x, delivery not
+    spacing writes), with ``others`` long streams already running, send
+    one more stream: the order in which the engine task took it (``taken``) and its
+    response start was written (``start``), and which task wrote its first token."""
+    events: list[str] = []
+    first_token: list[str] = []
+    handle_message = runtime_module.ModelRuntime._handle
+    plain = ReceiptStream.send_nowait
+
+    def taking(self: Any, message: Any) -> None:
+        if isinstance(message, runtime_module._Arrival):
+            events.append("taken")
+        handle_message(self, message)
+
+    def recording(self: ReceiptStream, data: bytes) -> int:
+        sent = plain(self, data)
+        if sent and bytes(data).startswith(b"HTTP/1.1 200"):
+            events.append("start")
+        elif sent and b'"text"' in bytes(data) and "start" in events and not first_token:
+            first_token.append(trio.lowlevel.current_task().name.rsplit(".", 1)[-1])
+        return sent
+
+    app = create_app(make_settings())
+    state = get_state(app)
+    stop = trio.Event()
+    body = {"model": GPT, "prompt": "x", "max_tokens": 40, "stream": True}
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            sock = bind_socket("127.0.0.1", 0, 128)
+            port = sock.getsockname()[1]
+            await nursery.start(
+                lambda task_status: serve_app(
+                    app, sock, shutdown_trigger=stop.wait, task_status=task_status
+                )
+            )
+            state.delivery.force_interval(0.0)
+            [runtime] = state.runtimes.values()
+            runtime.set_step_time_factor(100.0)
+            clients = []
+            for _ in range(others + 1):
+                clients.append(await trio.open_tcp_stream("127.0.0.1", port))
+            for client in clients[:others]:
+                await client.send_all(_post_closing(body))
+                received = b""
+                while b'"text"' not in received:  # its first token: it is in the engine
+                    received += await client.receive_some(65536)
+            assert runtime.snapshot().running == others
+            monkeypatch.setattr(runtime_module.ModelRuntime, "_handle", taking)
+            monkeypatch.setattr(ReceiptStream, "send_nowait", recording)
+            await clients[-1].send_all(_post_closing(body))
+            while not first_token:
+                await clients[-1].receive_some(65536)
+            monkeypatch.undo()
+            for client in clients:
+                await client.aclose()
+            stop.set()
+    return events, first_token
+
+
+async def test_the_only_request_of_an_idle_engine_starts_before_the_engine_takes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream into an idle engine has its response start written first (when the
+    engine takes it moves none of its steps), and its first token is written by the
+    engine task's hand-over (streaming Rules 5 and 7)."""
+    events, first_token = await _start_and_take(monkeypatch, others=0)
+    assert events == ["start", "taken"]
+    assert first_token == ["_engine_task"]
+
+
+async def test_with_other_requests_in_the_engine_a_streams_start_waits_for_the_take(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With another request in the engine, the engine takes a new stream before its
+    response start is written (the engine sees the arrival as early as it can)."""
+    events, first_token = await _start_and_take(monkeypatch, others=1)
+    assert events == ["taken", "start"]
+    assert first_token == ["_engine_task"]
 
 
 def test_delivery_spaces_writes_out_while_the_loop_is_busy_and_back_when_it_is_not() -> None:

@@ -406,3 +406,27 @@ def test_pending_slots_are_given_back_exactly_once(autojump_clock: Any) -> None:
             rt.stop()
 
     trio.run(main, clock=autojump_clock)
+
+
+def test_a_handle_is_alone_while_its_runtime_holds_nothing_else(autojump_clock: Any) -> None:
+    """``RequestHandle.alone`` (the completion route's test for an idle engine): true for
+    the only admitted request, queued or running, false beside another, true again once
+    the other is done, and false once it is done itself."""
+
+    async def main() -> None:
+        rt = ModelRuntime(make_settings().deployments[0])
+        async with trio.open_nursery() as nursery:
+            await nursery.start(rt.run)
+            a = rt.admit_nowait(prompt_tokens=5, max_tokens=50, priority=0, sink=NullSink())
+            assert a.alone  # queued, not yet taken
+            await trio.testing.wait_all_tasks_blocked()
+            assert a.state == "submitted" and a.alone
+            b = rt.admit_nowait(prompt_tokens=5, max_tokens=50, priority=0, sink=NullSink())
+            assert not a.alone and not b.alone
+            a.close()
+            assert b.alone
+            b.close()
+            assert not b.alone
+            rt.stop()
+
+    trio.run(main, clock=autojump_clock)

@@ -21,7 +21,12 @@ Rule 5: a stream's response start shares the socket write of its first frames wh
         (:attr:`Delivery.interval` > 0: one write less per request where the CPU is the
         limit, the headers then arriving with the first token); otherwise the start is
         written at once, while the prefill runs. Either way the HTTP stack encodes the
-        start when the engine has taken the request, not on the first token's path.
+        start when the engine has taken the request (which then sees the arrival as
+        early as the server can hand it over), not on the first token's path -- except
+        for the only request of an idle engine (``RequestHandle.alone``): when the engine
+        takes that one moves none of its steps, so its start is sent first, and its first
+        token can then be written by the hand-over (Rule 7) instead of by a writer woken
+        to send it with the start.
 Rule 6: on a connection that takes them (:func:`~inference_lab.serve.connection.chunk_writer`:
         hypercorn's, HTTP/1.1, chunked), frames are written as pre-framed chunks straight
         to the connection; only the response start and the end of the body go through
