@@ -26,10 +26,9 @@ from inference_lab.serve import create_app
 from inference_lab.serve.asgi import get_state
 from inference_lab.serve.connection import ReceiptStream, local_connection
 from inference_lab.serve.streaming import Delivery, StreamSink, write_stream
-from inference_lab.serve_cli import bind_socket, serve_app
 from tests.conftest import GPT, make_settings
 from tests.test_serve_connection import h11_answers
-from tests.test_serve_stack import _post_closing, _writes_of
+from tests.test_serve_stack import _post_closing, _writes_of, serving
 
 REQUEST = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
 LAST = 5
@@ -300,17 +299,9 @@ async def _start_and_take(
 
     app = create_app(make_settings())
     state = get_state(app)
-    stop = trio.Event()
     body = {"model": GPT, "prompt": "x", "max_tokens": 40, "stream": True}
     with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            sock = bind_socket("127.0.0.1", 0, 128)
-            port = sock.getsockname()[1]
-            await nursery.start(
-                lambda task_status: serve_app(
-                    app, sock, shutdown_trigger=stop.wait, task_status=task_status
-                )
-            )
+        async with serving(app) as port:
             state.delivery.force_interval(0.0)
             [runtime] = state.runtimes.values()
             runtime.set_step_time_factor(100.0)
@@ -331,7 +322,6 @@ async def _start_and_take(
             monkeypatch.undo()
             for client in clients:
                 await client.aclose()
-            stop.set()
     return events, first_token
 
 

@@ -22,6 +22,8 @@ import math
 import socket
 import struct
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -337,6 +339,25 @@ async def test_a_read_is_stamped_when_the_kernel_received_its_bytes() -> None:
     listener.close()
 
 
+@asynccontextmanager
+async def serving(app: Any) -> AsyncIterator[int]:
+    """``app`` served under ``inference-lab serve``'s hypercorn set-up on 127.0.0.1: its
+    port; the server is shut down on the way out."""
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        sock = bind_socket("127.0.0.1", 0, 128)
+        port = sock.getsockname()[1]  # (the server takes the socket over)
+        await nursery.start(
+            lambda task_status: serve_app(
+                app, sock, shutdown_trigger=stop.wait, task_status=task_status
+            )
+        )
+        try:
+            yield port
+        finally:
+            stop.set()
+
+
 async def _writes_of(
     requests: list[bytes],
     monkeypatch: pytest.MonkeyPatch,
@@ -364,17 +385,9 @@ async def _writes_of(
 
     app = create_app(make_settings(max_num_seqs=1, max_waiting=1))
     state = get_state(app)
-    stop = trio.Event()
     per_request: list[list[bytes]] = []
     with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            sock = bind_socket("127.0.0.1", 0, 128)
-            port = sock.getsockname()[1]
-            await nursery.start(
-                lambda task_status: serve_app(
-                    app, sock, shutdown_trigger=stop.wait, task_status=task_status
-                )
-            )
+        async with serving(app) as port:
             if interval is not None:
                 state.delivery.force_interval(interval)
             for runtime in state.runtimes.values():
@@ -392,7 +405,6 @@ async def _writes_of(
             monkeypatch.setattr(trio.SocketStream, "send_all", plain_send_all)
             monkeypatch.setattr(ReceiptStream, "send_nowait", plain_send_nowait)
             assert state.runtimes
-            stop.set()
     return per_request
 
 
