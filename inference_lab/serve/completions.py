@@ -290,7 +290,7 @@ async def _respond(
 ) -> None:
     """Answer an admitted request: write its stream, or its whole reply once it ended."""
     if isinstance(sink, StreamSink):
-        if not handle.alone:  # (an idle engine's: when it is taken moves none of its steps)
+        if not handle.alone:  # (an idle engine: when it takes this one moves none of its steps)
             await handle.wait_taken()  # the engine first, then the response's start
         headers = [*_STREAM_HEADERS, *exchange.headers]
         start = {"type": "http.response.start", "status": 200, "headers": headers}
