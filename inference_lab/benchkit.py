@@ -1,6 +1,6 @@
 """What the benchmarks and experiments in ``scripts/`` share: a server subprocess, JSON over
 the load client's own HTTP connection, the control endpoints, the roofline's prediction of
-a closed loop, and JSON-output helpers.
+a closed loop, the hypervisor's steal time, and JSON-output helpers.
 
 Rule 1: the server is reached only over HTTP: ``ServerProcess`` starts ``inference-lab
         serve`` as another process and learns its URL from the banner. The only server-side
@@ -57,6 +57,9 @@ __all__ = [
     "predict_closed_loop",
     "request_json",
     "rounded",
+    "machine_steal",
+    "parse_steal",
+    "steal_pct",
 ]
 
 #: Seconds the server gets to print its URL, and then to answer ``GET /health``.
@@ -72,6 +75,43 @@ PROMPT_BYTES = 200
 _TERMINATOR = b"0\r\n\r\n"
 _TOKEN = b'"text":"'
 _CONTENT_LENGTH = re.compile(rb"(?i)\r\ncontent-length: *(\d+)")
+#: Where Linux counts the machine's CPU time (its first line: all processors together).
+PROC_STAT = Path("/proc/stat")
+
+
+def parse_steal(proc_stat: str) -> tuple[int, int] | None:
+    """``(stolen, total)`` clock ticks from the text of ``/proc/stat``: its ``cpu`` line's
+    ``steal`` (the 8th number: time the hypervisor ran something else while this
+    machine's processors had work) and the sum of the first eight (user, nice, system,
+    idle, iowait, irq, softirq, steal; the guest times are inside user). None when the
+    line is missing or has no steal column."""
+    for line in proc_stat.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            try:
+                ticks = [int(f) for f in fields[1:9]]
+            except ValueError:
+                return None
+            return (ticks[7], sum(ticks)) if len(ticks) == 8 else None
+    return None
+
+
+def machine_steal() -> tuple[int, int] | None:
+    """This machine's steal and total CPU time so far (:func:`parse_steal` of
+    ``/proc/stat``), or None where there is none (not Linux) or it cannot be read."""
+    try:
+        return parse_steal(PROC_STAT.read_text())
+    except OSError:
+        return None
+
+
+def steal_pct(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float:
+    """The share (%) of the machine's CPU time between two :func:`machine_steal` readings
+    that the hypervisor took for other work: a figure above a few per cent says the
+    machine was slowed from outside while it was measured. NaN when unknown."""
+    if before is None or after is None or after[1] <= before[1]:
+        return float("nan")
+    return (after[0] - before[0]) / (after[1] - before[1]) * 100
 
 
 class ServerProcess:

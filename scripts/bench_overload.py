@@ -17,7 +17,10 @@ the same server process and on the same core as the 24 streams. Per rate it prin
   (the kernel's handshake and accept queue, before the server's process is involved);
 - the streams' median E2E and its shift against the rate-0 baseline;
 - the server's CPU and pacing lag over the level, and the CPU each refusal cost (the
-  CPU above the rate-0 baseline over the refusals answered).
+  CPU above the rate-0 baseline over the refusals answered);
+- the share of this machine's CPU time the hypervisor took for other work meanwhile
+  (``steal`` in ``/proc/stat``; "-" where there is none): above a few per cent the
+  machine was slowed from outside while the level ran.
 
     python scripts/bench_overload.py
     python scripts/bench_overload.py --rates 0,1000 --duration 15
@@ -48,10 +51,12 @@ from inference_lab.benchkit import (
     completion_request,
     get_capacity,
     get_stats,
+    machine_steal,
     model_entry,
     post_capacity,
     read_response,
     request_json,
+    steal_pct,
 )
 from inference_lab.config import load_deployment
 from inference_lab.errors import ConfigError
@@ -167,6 +172,7 @@ class Row:
     streams: int
     e2e_p50_ms: float
     server_cpu_pct: float
+    steal_pct: float
     lag_mean_ms: float
     lag_p99_ms: float
 
@@ -182,6 +188,7 @@ async def run_level(url: str, model: str, rate: float, duration: float) -> Row:
     stop_at = start + warmup + duration
     delays = np.random.default_rng(1).uniform(0.0, 0.3, STREAMS)
     before: dict[str, Any] = {}
+    steal_before: list[tuple[int, int] | None] = [None]
     dropped = [0]
 
     async def measured() -> None:
@@ -190,6 +197,7 @@ async def run_level(url: str, model: str, rate: float, duration: float) -> Row:
 
     async def baseline() -> None:
         await trio.sleep(warmup)
+        steal_before[0] = machine_steal()
         before.update(await get_stats(url))
 
     with trio.fail_after(warmup + duration + 60):
@@ -201,6 +209,7 @@ async def run_level(url: str, model: str, rate: float, duration: float) -> Row:
             nursery.start_soon(baseline)
             nursery.start_soon(measured)
     after = await get_stats(url)
+    stolen = steal_pct(steal_before[0], machine_steal())
     m_before, m_after = model_entry(before, model), model_entry(after, model)
     events = m_after["pacing_lag_ms"]["events"] - m_before["pacing_lag_ms"]["events"]
     status, window = await request_json(url, "GET", f"/control/stats?last={max(0, events)}")
@@ -222,6 +231,7 @@ async def run_level(url: str, model: str, rate: float, duration: float) -> Row:
         streams=len(e2e),
         e2e_p50_ms=statistics.median(e2e) * 1000 if e2e else math.nan,
         server_cpu_pct=cpu / cpu_wall * 100 if cpu_wall > 0 else math.nan,
+        steal_pct=stolen,
         lag_mean_ms=lag_total / events if events else 0.0,
         lag_p99_ms=lag_p99,
     )
@@ -230,13 +240,19 @@ async def run_level(url: str, model: str, rate: float, duration: float) -> Row:
 HEADER = (
     f"{'rate':>6} {'529/s':>7} {'not 529':>8} {'529 p50':>8} {'529 p99':>8} {'conn p99':>8} "
     f"{'streams':>7} "
-    f"{'E2E p50':>9} {'shift':>7} {'CPU %':>6} {'CPU/529':>8} {'lag mean':>9} {'lag p99':>8}"
+    f"{'E2E p50':>9} {'shift':>7} {'CPU %':>6} {'CPU/529':>8} {'steal %':>7} {'lag mean':>9} "
+    f"{'lag p99':>8}"
 )
 
 
 def _ms(value: float) -> str:
     """A latency column: '-' where there was nothing to measure (the rate-0 baseline)."""
     return f"{'-':>8}" if math.isnan(value) else f"{value:>6.2f}ms"
+
+
+def _pct(value: float) -> str:
+    """A share in per cent: '-' where it is unknown."""
+    return f"{'-':>7}" if math.isnan(value) else f"{value:>7.1f}"
 
 
 def format_row(row: Row, baseline: Row) -> str:
@@ -250,7 +266,8 @@ def format_row(row: Row, baseline: Row) -> str:
         f"{_ms(row.refusal_p50_ms)} {_ms(row.refusal_p99_ms)} {_ms(row.connect_p99_ms)} "
         f"{row.streams:>7} "
         f"{row.e2e_p50_ms:>7.1f}ms {shift:>+6.2f}% {row.server_cpu_pct:>6.0f} "
-        f"{_ms(per_refusal)} {row.lag_mean_ms:>7.3f}ms {row.lag_p99_ms:>6.2f}ms"
+        f"{_ms(per_refusal)} {_pct(row.steal_pct)} {row.lag_mean_ms:>7.3f}ms "
+        f"{row.lag_p99_ms:>6.2f}ms"
     )
 
 

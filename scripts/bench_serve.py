@@ -17,7 +17,10 @@ connection, timed as "the first request after start". Per level it prints, after
   next step boundary, then the step that carries its prefill beside the batch's decodes);
 - ITL as the client sees it: the gap between successive writes (p50 / p90) and the tokens
   per write, against the model's decode step — how much delivery was coalesced;
-- the server's CPU (process time over wall time) and its pacing lag (mean, p99).
+- the server's CPU (process time over wall time) and its pacing lag (mean, p99);
+- the share of this machine's CPU time the hypervisor took for other work meanwhile
+  (``steal`` in ``/proc/stat``; "-" where there is none): above a few per cent the
+  machine was slowed from outside while the level ran.
 
 The client is deliberately raw (trio sockets, no HTTP parser) so it stays cheap next to the
 server. Only 127.0.0.1 (or the given URL) is contacted; every level is bounded in time.
@@ -62,11 +65,13 @@ from inference_lab.benchkit import (
     client_loop,
     completion_request,
     get_stats,
+    machine_steal,
     model_entry,
     one_stream,
     post_capacity,
     request_json,
     scrape_loop,
+    steal_pct,
 )
 from inference_lab.config import Deployment, load_deployment
 from inference_lab.errors import ConfigError
@@ -238,6 +243,7 @@ class LevelReport:
     step_ms: float
     tokens_per_s: float
     server_cpu_pct: float
+    steal_pct: float
     lag_mean_ms: float
     lag_p99_ms: float
     errors: int
@@ -272,9 +278,11 @@ async def run_level(
     stop_at = start + warmup + args.duration
     measured_from = start + warmup
     before: dict[str, Any] = {}
+    steal_before: list[tuple[int, int] | None] = [None]
 
     async def measure_window() -> None:
         await trio.sleep(warmup)
+        steal_before[0] = machine_steal()
         before.update(await get_stats(url))
 
     with trio.fail_after(warmup + args.duration + 120):
@@ -289,6 +297,7 @@ async def run_level(
             if scrape_every > 0:
                 nursery.start_soon(scrape_until, url, scrape_every, stop_at, scrapes)
     after_total = await get_stats(url)
+    stolen = steal_pct(steal_before[0], machine_steal())
     if limited:
         await post_capacity(url, model=model, max_num_seqs=original_seqs)
     wall = time.perf_counter() - measured_from
@@ -324,6 +333,7 @@ async def run_level(
         step_ms=model_fig["step"] * 1000,
         tokens_per_s=sum(r.tokens for r in ok) / wall,
         server_cpu_pct=cpu / cpu_wall * 100 if cpu_wall > 0 else float("nan"),
+        steal_pct=stolen,
         lag_mean_ms=lag_total / events if events else 0.0,
         lag_p99_ms=window["window_p99"],
         errors=len(bad),
@@ -351,7 +361,7 @@ async def get_stats_last(url: str, events: int) -> dict[str, Any]:
 HEADER = (
     f"{'level':>6} {'reqs':>5} {'TTFT p50':>9} {'E2E p50':>9} {'roofline':>9} {'err %':>6} "
     f"{'probe TTFT':>10} {'model':>7} {'ITL p50':>8} {'ITL p90':>8} {'tok/wr':>6} "
-    f"{'step':>6} {'CPU %':>6} {'lag mean':>8} {'lag p99':>8}"
+    f"{'step':>6} {'CPU %':>6} {'steal %':>7} {'lag mean':>8} {'lag p99':>8}"
 )
 
 
@@ -364,7 +374,7 @@ def format_row(r: LevelReport) -> str:
         f"{ms(r.roofline_ms, 9, 1)} {r.error_pct:>+6.2f} {ms(r.probe_ttft_p50_ms, 10)} "
         f"{ms(r.probe_model_ms, 7)} {ms(r.itl_p50_ms, 8)} {ms(r.itl_p90_ms, 8)} "
         f"{ms(r.tokens_per_write, 6, 1)} {ms(r.step_ms, 6)} {ms(r.server_cpu_pct, 6, 0)} "
-        f"{ms(r.lag_mean_ms, 8, 3)} {ms(r.lag_p99_ms, 8)}"
+        f"{ms(r.steal_pct, 7, 1)} {ms(r.lag_mean_ms, 8, 3)} {ms(r.lag_p99_ms, 8)}"
         + (f"  ({r.errors} errors)" if r.errors else "")
     )
 

@@ -1,5 +1,5 @@
 """``inference_lab.benchkit``, what the scripts share: the server subprocess, the control
-endpoint accessors, the closed-loop prediction and the JSON helpers."""
+endpoint accessors, the closed-loop prediction, the steal time and the JSON helpers."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from inference_lab import benchkit
 from inference_lab.benchkit import (
     Result,
     ServerProcess,
@@ -19,12 +20,15 @@ from inference_lab.benchkit import (
     completion_request,
     get_capacity,
     get_stats,
+    machine_steal,
     model_entry,
     one_stream,
+    parse_steal,
     post_capacity,
     predict_closed_loop,
     request_json,
     rounded,
+    steal_pct,
 )
 from inference_lab.config import load_deployment
 from inference_lab.resources import shipped_dir
@@ -134,3 +138,24 @@ def test_the_raw_stream_clients_read_a_stream_and_a_refusal_to_their_end(tmp_pat
         assert sum(count for _, count in result.writes) == 13  # 12 tokens + the finish frame
     for result in results[3:]:
         assert (result.status, result.tokens, result.ttft, result.writes) == (404, 0, 0.0, [])
+
+
+def test_the_hypervisors_share_of_the_machine_is_read_from_proc_stat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``steal`` is the cpu line's 8th number, the total the sum of the first eight; the
+    share between two readings is in per cent, NaN when either is unknown."""
+    text = "cpu  100 2 50 800 10 0 3 35 7 0\ncpu0 50 1 25 400 5 0 1 20 3 0\nintr 1\n"
+    assert parse_steal(text) == (35, 1000)
+    assert parse_steal("cpu  1 2 3 4\n") is None  # no steal column (an old kernel)
+    assert parse_steal("cpu  1 2 3 x 5 6 7 8\n") is None
+    assert parse_steal("intr 1\n") is None
+    assert steal_pct((35, 1000), (85, 2000)) == 5.0
+    assert math.isnan(steal_pct(None, (85, 2000)))
+    assert math.isnan(steal_pct((35, 1000), (35, 1000)))  # no time passed
+    stat = tmp_path / "stat"
+    stat.write_text(text)
+    monkeypatch.setattr(benchkit, "PROC_STAT", stat)
+    assert machine_steal() == (35, 1000)
+    monkeypatch.setattr(benchkit, "PROC_STAT", tmp_path / "missing")
+    assert machine_steal() is None
