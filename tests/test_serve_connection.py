@@ -408,16 +408,18 @@ async def answer_on_local_connection(app: Any, request: bytes) -> bytes:
 
 
 def record_h11_sends(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """From now on, the names of the events every h11 connection is asked to send, in
-    order (the server's; a test's own h11 client adds its own)."""
+    """From now on, the names of the events every server-side h11 connection records as
+    its own (its state machine's ``_process_event``: what ``send`` records, and what the
+    protocol's short path for a response start records without ``send``), in order."""
     sent: list[str] = []
-    plain_send = h11.Connection.send
+    plain_process = h11.Connection._process_event
 
-    def recording_send(self: h11.Connection, event: Any) -> bytes | None:
-        sent.append(type(event).__name__)
-        return plain_send(self, event)
+    def recording_process(self: h11.Connection, role: Any, event: Any) -> None:
+        if self.our_role is h11.SERVER and role is h11.SERVER:
+            sent.append(type(event).__name__)
+        plain_process(self, role, event)
 
-    monkeypatch.setattr(h11.Connection, "send", recording_send)
+    monkeypatch.setattr(h11.Connection, "_process_event", recording_process)
     return sent
 
 

@@ -28,7 +28,7 @@ from werkzeug.exceptions import NotFound
 
 from inference_lab.errors import ConfigError
 from inference_lab.serve import create_app, get_state, settings_from_env
-from inference_lab.serve.completions import MAX_BODY_PIECES
+from inference_lab.serve.completions import MAX_BODY_PIECES, BodyTimeout, read_body
 from inference_lab.serve_cli import DEFAULT_BACKLOG, add_parser, bind_socket, serve_app
 from tests.conftest import CONFIG_FILES, GPT, ROOT, ServeFactory, chat_body, make_settings
 
@@ -828,3 +828,41 @@ async def _receive_nowait(stream: trio.SocketStream) -> bytes:
     with trio.move_on_after(0.001):
         return await stream.receive_some(65536)
     return b""
+
+
+async def test_only_a_wait_for_a_body_piece_is_bounded_by_the_deadline(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``read_body`` enters a cancel scope (the body's deadline) only when it has to wait
+    for a piece: none for a body that came whole, one per wait otherwise, and the wait
+    that passes the deadline raises ``BodyTimeout`` at the deadline."""
+    scopes: list[float] = []
+    plain_move_on_at = trio.move_on_at
+
+    def recording(deadline: float) -> trio.CancelScope:
+        scopes.append(deadline)
+        return plain_move_on_at(deadline)
+
+    monkeypatch.setattr(trio, "move_on_at", recording)
+    scope: dict[str, Any] = {"headers": []}
+    send, receive = trio.open_memory_channel[dict[str, Any]](8)
+    whole = {"type": "http.request", "body": b"{}", "more_body": False}
+    send.send_nowait(whole)
+    deadline = trio.current_time() + 2.5
+    assert await read_body(receive.receive, scope, deadline=deadline) == b"{}"
+    assert scopes == []
+
+    async def second_piece() -> None:
+        await trio.sleep(1)
+        send.send_nowait({"type": "http.request", "body": b"}", "more_body": False})
+
+    send.send_nowait({"type": "http.request", "body": b"{", "more_body": True})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(second_piece)
+        assert await read_body(receive.receive, scope, deadline=deadline) == b"{}"
+    assert scopes == [deadline]
+
+    send.send_nowait({"type": "http.request", "body": b"{", "more_body": True})
+    with pytest.raises(BodyTimeout):
+        await read_body(receive.receive, scope, deadline=deadline)
+    assert trio.current_time() == pytest.approx(deadline)

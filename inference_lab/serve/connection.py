@@ -48,6 +48,9 @@ Rule 8: per connection, nothing is done that cannot matter to it: no TLS handsha
         read timeout is configured (hypercorn's default), and where the configuration
         (:class:`LabConfig`) says the listening sockets stamp arrivals, a connection
         neither asks for stamping again nor notes when its first bytes were waiting.
+Rule 9: a plain connection's HTTP/1.1 protocol is :class:`~inference_lab.serve.protocol.
+        LabH11Protocol`, whose plain response starts have their headers validated once
+        rather than by h11 three or four times (its module's Rules).
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
+
+from inference_lab.serve.protocol import adopt
 
 __all__ = [
     "ChunkWriter",
@@ -365,6 +370,7 @@ class LabTCPServer(TCPServer):
                     self.protocol_send,
                     "http/1.1",
                 )
+                adopt(self.protocol.protocol)
                 await self.protocol.initiate()
                 await self.idle_task.restart(self._task_group, self._idle_timeout)
                 await self._read_data()
