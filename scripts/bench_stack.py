@@ -55,6 +55,7 @@ from hypercorn.typing import ConnectionState
 from inference_lab.openai_api import StreamEncoder, parse_completion_request
 from inference_lab.serve.connection import chunk_writer, local_connection
 from inference_lab.serve.protocol import LabH11Protocol
+from inference_lab.serve.responses import STREAM_HEADERS
 from inference_lab.serve.streaming import Delivery, StreamSink, write_stream
 
 FRAME = (
@@ -63,11 +64,7 @@ FRAME = (
 )
 REQUEST = b"GET /x HTTP/1.1\r\nhost: localhost\r\n\r\n"
 #: A stream's response start (``per_start``): what the completion routes send.
-START_HEADERS = [
-    (b"content-type", b"text/event-stream"),
-    (b"cache-control", b"no-cache"),
-    (b"x-request-id", b"cmpl-0123456789abcdef0123456789abcdef"),
-]
+START_HEADERS = [*STREAM_HEADERS, (b"x-request-id", b"cmpl-0123456789abcdef0123456789abcdef")]
 #: Seconds between requests for ``per_request_after``.
 PAUSES = (0.0001, 0.002, 0.01)
 

@@ -19,17 +19,14 @@ from hypercorn.typing import ConnectionState
 
 from inference_lab.serve.connection import local_connection
 from inference_lab.serve.protocol import LabH11Protocol, adopt, server_headers
+from inference_lab.serve.responses import STREAM_HEADERS as SERVED_STREAM_HEADERS
 
 POST = (
     b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
     b"content-length: 2\r\n\r\n{}"
 )
 GET = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
-STREAM_HEADERS = [
-    (b"content-type", b"text/event-stream"),
-    (b"cache-control", b"no-cache"),
-    (b"x-request-id", b"cmpl-0123456789abcdef"),
-]
+STREAM_HEADERS = [*SERVED_STREAM_HEADERS, (b"x-request-id", b"cmpl-0123456789abcdef")]
 JSON_HEADERS = [(b"content-type", b"application/json"), (b"content-length", b"5")]
 
 

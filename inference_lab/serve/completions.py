@@ -49,6 +49,7 @@ from inference_lab.runtime import RequestHandle
 from inference_lab.serve.connection import connection_server
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.responses import (
+    STREAM_HEADERS,
     Reply,
     body_timeout_reply,
     body_too_fragmented_reply,
@@ -76,7 +77,6 @@ COMPLETION_ROUTES: dict[str, Kind] = {
 #: ~0.4 s. A real client's body comes in a few pieces (hypercorn reads 64 KiB at a time;
 #: 2 MiB in 1,460-byte TCP segments is 1,437).
 MAX_BODY_PIECES = 16_384
-_STREAM_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 
 class ServedStreamSink(StreamSink):
@@ -311,7 +311,7 @@ async def _respond(
     if isinstance(sink, StreamSink):
         if not handle.alone:  # (an idle engine: when it takes this one moves none of its steps)
             await handle.wait_taken()  # the engine first, then the response's start
-        headers = [*_STREAM_HEADERS, *exchange.headers]
+        headers = [*STREAM_HEADERS, *exchange.headers]
         start = {"type": "http.response.start", "status": 200, "headers": headers}
         sink.encoder.prepare()  # while the prefill runs, not at its first token
         if sink.pending() or state.delivery.interval > 0:

@@ -64,6 +64,7 @@ from inference_lab.openai_api import (
 from inference_lab.runtime import ModelRuntime, RequestHandle
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.responses import (
+    STREAM_HEADERS,
     Reply,
     error_reply,
     json_reply,
@@ -141,7 +142,6 @@ COMPLETION_TOOL_CALL_OPEN = (
     '{"name":"get_current_weather","arguments":{"location":"San Francisco, CA","notes":"'
 )
 
-_STREAM_HEADERS = ((b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"))
 _WORDS = tuple(f"{w} " for w in VOCABULARY)
 _FINISH_REASONS = ("stop", "length", "tool_calls")
 _DECODER = json.JSONDecoder()
@@ -489,7 +489,7 @@ async def _serve_stream(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_until_gone, receive, nursery.cancel_scope, on_gone)
         try:
-            headers = [*_STREAM_HEADERS, *exchange.headers]
+            headers = [*STREAM_HEADERS, *exchange.headers]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await write()
         finally:
@@ -739,7 +739,7 @@ class _Scripted:
         tail = b',"finish_reason":' + dumps(script.reason)
         finish = frames.chat({}, tail)
         data += finish[: -len(b"}\n\n")] + b',"usage":' + dumps(use) + b"}\n\n" + DONE_FRAME
-        headers = [*_STREAM_HEADERS, *exchange.headers]
+        headers = [*STREAM_HEADERS, *exchange.headers]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await _send_last(send, data)
 

@@ -36,6 +36,7 @@ __all__ = [
     "JSON",
     "RETRY_AFTER_UNAVAILABLE",
     "SHUTDOWN_MESSAGE",
+    "STREAM_HEADERS",
     "Reply",
     "api_key_reply",
     "body_timeout_reply",
@@ -57,6 +58,8 @@ __all__ = [
 ]
 
 JSON = b"application/json"
+#: The headers of every event-stream response's start (before the exchange's own).
+STREAM_HEADERS = ((b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"))
 _CLOSE = ((b"connection", b"close"),)
 Headers = tuple[tuple[bytes, bytes], ...]
 
