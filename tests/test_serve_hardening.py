@@ -830,12 +830,8 @@ async def _receive_nowait(stream: trio.SocketStream) -> bytes:
     return b""
 
 
-async def test_only_a_wait_for_a_body_piece_is_bounded_by_the_deadline(
-    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``read_body`` enters a cancel scope (the body's deadline) only when it has to wait
-    for a piece: none for a body that came whole, one per wait otherwise, and the wait
-    that passes the deadline raises ``BodyTimeout`` at the deadline."""
+def record_body_deadlines(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """From now on, the deadline of every ``trio.move_on_at`` scope entered, in order."""
     scopes: list[float] = []
     plain_move_on_at = trio.move_on_at
 
@@ -844,6 +840,16 @@ async def test_only_a_wait_for_a_body_piece_is_bounded_by_the_deadline(
         return plain_move_on_at(deadline)
 
     monkeypatch.setattr(trio, "move_on_at", recording)
+    return scopes
+
+
+async def test_only_a_wait_for_a_body_piece_is_bounded_by_the_deadline(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``read_body`` enters a cancel scope (the body's deadline) only when it has to wait
+    for a piece: none for a body that came whole, one per wait otherwise, and the wait
+    that passes the deadline raises ``BodyTimeout`` at the deadline."""
+    scopes = record_body_deadlines(monkeypatch)
     scope: dict[str, Any] = {"headers": []}
     send, receive = trio.open_memory_channel[dict[str, Any]](8)
     whole = {"type": "http.request", "body": b"{}", "more_body": False}
@@ -866,3 +872,25 @@ async def test_only_a_wait_for_a_body_piece_is_bounded_by_the_deadline(
     with pytest.raises(BodyTimeout):
         await read_body(receive.receive, scope, deadline=deadline)
     assert trio.current_time() == pytest.approx(deadline)
+
+
+async def test_a_body_whose_declared_length_arrived_is_whole(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hypercorn queues a body's bytes (``more_body`` true) and then, after a trip through
+    the scheduler, an empty end-of-body message: once the declared length has arrived,
+    ``read_body`` returns without waiting for that message; short of it, or with no
+    declared length, it waits."""
+    scopes = record_body_deadlines(monkeypatch)
+    send, receive = trio.open_memory_channel[dict[str, Any]](8)
+    start = trio.current_time()
+    deadline = start + 2.5
+    declared = {"headers": [(b"content-length", b"4")]}
+    send.send_nowait({"type": "http.request", "body": b"{}  ", "more_body": True})
+    assert await read_body(receive.receive, declared, deadline=deadline) == b"{}  "
+    assert (trio.current_time(), scopes) == (start, [])
+    for scope in (declared, {"headers": []}):
+        send.send_nowait({"type": "http.request", "body": b"{}", "more_body": True})
+        with pytest.raises(BodyTimeout):
+            await read_body(receive.receive, scope, deadline=deadline)
+    assert scopes == [deadline, deadline]

@@ -151,8 +151,11 @@ async def read_body(
     A piece the server already holds is taken without a trip through the scheduler
     (hypercorn's channel, :func:`_receive_nowait`): under load each such trip waits for
     every other runnable task, and a body that came with its headers (the usual case)
-    would otherwise pay one before admission. Only a wait for a piece is bounded by the
-    deadline (a cancel scope, ~14 µs of CPU): a body at hand needs none."""
+    would otherwise pay one before admission. A body whose declared length has arrived
+    is whole: hypercorn's separate end-of-body message, which its reading task queues
+    only after a trip through the scheduler, is not waited for. Only a wait for a piece
+    is bounded by the deadline (a cancel scope, ~14 µs of CPU): a body at hand needs
+    none."""
     declared = _content_length(scope)
     if declared is not None and declared > limit:
         raise BodyTooLarge
@@ -186,8 +189,8 @@ async def read_body(
             if size > limit:
                 raise BodyTooLarge
             chunks.append(body)
-        if not message.get("more_body", False):
-            break
+        if not message.get("more_body", False) or (declared is not None and size >= declared):
+            break  # (hypercorn's end-of-body message after the declared length is not awaited)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
