@@ -105,7 +105,7 @@ class LabH11Protocol(H11Protocol):
         if not names.isdisjoint(_H11_DECIDES):
             return None
         if b"content-length" not in names:
-            items = [*items, _CHUNKED]
+            items.append(_CHUNKED)  # (a list of this call's own: the sum above)
         response = h11.Response(
             headers=Headers(items),
             status_code=status,
