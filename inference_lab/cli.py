@@ -36,11 +36,11 @@ __all__ = ["SUBCOMMANDS", "main"]
 #: name -> (the module with ``add_parser`` and ``run``, the one-line summary for ``--help``)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sim": (
-        "inference_lab.sim_cli",
+        "inference_lab.sim.cli",
         "simulate a workload offline and report latency / throughput",
     ),
     "serve": (
-        "inference_lab.serve_cli",
+        "inference_lab.serve.cli",
         "serve the OpenAI HTTP API over simulated, roofline-paced engines",
     ),
     "load": (

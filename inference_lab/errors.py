@@ -34,7 +34,7 @@ class InferenceLabError(Exception):
 
 
 class ConfigError(InferenceLabError):
-    """Raised by :mod:`inference_lab.config` for a file that cannot be used.
+    """Raised by :mod:`inference_lab.core.config` for a file that cannot be used.
 
     ``str(error)`` is one line naming the file and the key path, e.g.
     ``configs/gpt-oss-20b.toml: scheduler.max_num_seqs: must be >= 1, got 0``.
@@ -43,7 +43,7 @@ class ConfigError(InferenceLabError):
 
 
 class SimError(InferenceLabError):
-    """Raised by :func:`inference_lab.sim.run_simulation` for a workload that cannot make
+    """Raised by :func:`inference_lab.sim.run.run_simulation` for a workload that cannot make
     progress on the deployment (every request refused in a duration-bounded closed loop).
     The ``sim`` command prints it on one line and exits 1."""
 
@@ -66,7 +66,7 @@ class RequestRefused(InferenceLabError):
 class ApiError(InferenceLabError):
     """A request the HTTP layer refuses before any response starts.
 
-    Raised by the ``parse_*`` functions of :mod:`inference_lab.openai_api` (and by the serve
+    Raised by the ``parse_*`` functions of :mod:`inference_lab.api.openai` (and by the serve
     app for unknown models and fit failures); the serve app turns it into ``status`` +
     :meth:`body`.
     """

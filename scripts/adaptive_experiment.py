@@ -20,7 +20,7 @@ server holds) through three phases of ``--phase`` seconds each, changed live:
 For each phase it reports the limit at every AIMD cut (the "peak": how many requests were
 in flight when a 529 came back), the limit the client settled at (time-weighted median
 over the phase's last two thirds), the measured output throughput and the roofline's
-(``inference_lab.benchkit.predict_closed_loop``: ``max_num_seqs / t_step``), and writes
+(``benchkit.predict_closed_loop``: ``max_num_seqs / t_step``), and writes
 ``adaptive_experiment.png`` and ``adaptive_experiment.json`` to ``--out``.
 
 Why ``W >= S`` by default: AIMD halves its limit on a 529, from ``S + W + 1`` to about
@@ -43,8 +43,7 @@ from typing import Any
 
 import numpy as np
 import trio
-
-from inference_lab.benchkit import (
+from benchkit import (
     ServerProcess,
     columns,
     get_capacity,
@@ -54,10 +53,11 @@ from inference_lab.benchkit import (
     predict_closed_loop,
     rounded,
 )
+
 from inference_lab.cli_args import CliParser, fail, integer, number
 from inference_lab.client.load import LoadConfig, LoadResult, run_load
 from inference_lab.client.wire import build_prompt, chat_prompt_tokens
-from inference_lab.config import load_deployment
+from inference_lab.core.config import load_deployment
 from inference_lab.errors import ConfigError
 from inference_lab.resources import shipped_dir
 

@@ -122,7 +122,7 @@ def _child(kind: str) -> int:
     from hypercorn.trio import serve
 
     if kind == "hooked":
-        from inference_lab.serve.connection import install_receipt_hook
+        from inference_lab.serve.transport.connection import install_receipt_hook
 
         install_receipt_hook()
     config = Config()
@@ -175,8 +175,7 @@ class Server:
     def __enter__(self) -> Server:
         if self.kind == "serve":
             import trio
-
-            from inference_lab.benchkit import ServerProcess, post_capacity
+            from benchkit import ServerProcess, post_capacity
 
             self.serve = ServerProcess(["--hardware", "b200"], log=Path(os.devnull))
             self.serve.__enter__()

@@ -43,8 +43,7 @@ from typing import Any
 import attrs
 import numpy as np
 import trio
-
-from inference_lab.benchkit import (
+from benchkit import (
     Result,
     ServerProcess,
     client_loop,
@@ -58,7 +57,8 @@ from inference_lab.benchkit import (
     request_json,
     steal_pct,
 )
-from inference_lab.config import load_deployment
+
+from inference_lab.core.config import load_deployment
 from inference_lab.errors import ConfigError
 from inference_lab.resources import shipped_dir
 

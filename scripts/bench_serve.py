@@ -56,8 +56,7 @@ from typing import Any
 import attrs
 import numpy as np
 import trio
-
-from inference_lab.benchkit import (
+from benchkit import (
     PROMPT_BYTES,
     Result,
     ServerProcess,
@@ -73,10 +72,11 @@ from inference_lab.benchkit import (
     scrape_loop,
     steal_pct,
 )
-from inference_lab.config import Deployment, load_deployment
+
+from inference_lab.core.config import Deployment, load_deployment
+from inference_lab.core.roofline import Roofline
 from inference_lab.errors import ConfigError
 from inference_lab.resources import shipped_dir
-from inference_lab.roofline import Roofline
 
 PROMPT = PROMPT_BYTES // 4
 

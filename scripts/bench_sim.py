@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 
 from inference_lab.cli_args import CliParser, integer
-from inference_lab.config import load_deployment, load_workload
+from inference_lab.core.config import load_deployment, load_workload
 from inference_lab.errors import ConfigError
 from inference_lab.resources import shipped_dir
-from inference_lab.sim import run_simulation
+from inference_lab.sim.run import run_simulation
 
 TARGET_S = 5.5
 

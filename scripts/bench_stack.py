@@ -52,11 +52,11 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 
-from inference_lab.openai_api import StreamEncoder, parse_completion_request
-from inference_lab.serve.connection import chunk_writer, local_connection
-from inference_lab.serve.protocol import LabH11Protocol
+from inference_lab.api.openai import StreamEncoder, parse_completion_request
 from inference_lab.serve.responses import STREAM_HEADERS
 from inference_lab.serve.streaming import Delivery, StreamSink, write_stream
+from inference_lab.serve.transport.connection import chunk_writer, local_connection
+from inference_lab.serve.transport.protocol import LabH11Protocol
 
 FRAME = (
     b'data: {"id":"cmpl-0123456789abcdef","object":"text_completion","created":1764500000,'

@@ -3,7 +3,7 @@
 Builds its tokenizers in-process (nothing is downloaded): a byte-level BPE trained with
 ``tokenizers`` on a synthetic corpus (saved as ``tokenizer.json`` in a temporary
 directory) and a tiktoken encoding built from that BPE's ranks (saved as a ``.tiktoken``
-rank file), each loaded through ``inference_lab.tokenizer.load_tokenizer`` exactly as the
+rank file), each loaded through ``inference_lab.api.tokenizer.load_tokenizer`` exactly as the
 server loads one. Each ``--tokenizer PATH`` adds a tokenizer file of your own. For each it
 times ``parse_completion_request`` and ``parse_chat_request`` on a body whose prompt is
 about 1,000 tokens, against the byte rule, and prints the median microseconds per request.
@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from inference_lab.api.openai import parse_chat_request, parse_completion_request
+from inference_lab.api.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from inference_lab.errors import ConfigError
-from inference_lab.openai_api import parse_chat_request, parse_completion_request
-from inference_lab.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 WORDS = (
     "the model serves requests in batches while the scheduler admits new work and the "

@@ -13,7 +13,7 @@ stays on for ``--after`` seconds more. It prints latency and throughput of both 
 their ratio, and the roofline's prediction of both, and writes ``capacity_experiment.png``
 and ``capacity_experiment.json`` to ``--out``.
 
-The prediction is ``inference_lab.benchkit.predict_closed_loop`` (P prompt tokens, L output
+The prediction is ``benchkit.predict_closed_loop`` (P prompt tokens, L output
 tokens, C clients, batch cap S, all from the same deployment the server runs; its docstring
 has the formula).
 
@@ -42,8 +42,7 @@ from typing import Any
 
 import numpy as np
 import trio
-
-from inference_lab.benchkit import (
+from benchkit import (
     ServerProcess,
     columns,
     get_capacity,
@@ -53,10 +52,11 @@ from inference_lab.benchkit import (
     predict_closed_loop,
     rounded,
 )
+
 from inference_lab.cli_args import CliParser, fail, integer, number
 from inference_lab.client.load import LoadConfig, LoadResult, run_load
 from inference_lab.client.wire import build_prompt, chat_prompt_tokens
-from inference_lab.config import Deployment, load_deployment
+from inference_lab.core.config import Deployment, load_deployment
 from inference_lab.errors import ConfigError
 from inference_lab.resources import shipped_dir
 

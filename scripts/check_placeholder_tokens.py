@@ -4,7 +4,7 @@ Every response is made of the 50 placeholder words, one token each; a benchmark 
 (aiperf, guidellm) that tokenizes the text it received with its own tokenizer should get
 the server's ``usage.completion_tokens``. This script loads each tokenizer file given
 (a ``tokenizer.json``, a directory holding one, or a ``.tiktoken`` rank file — read with
-``inference_lab.tokenizer.load_tokenizer``, nothing is downloaded) and prints, for
+``inference_lab.api.tokenizer.load_tokenizer``, nothing is downloaded) and prints, for
 responses of 1, 50, 200 and 1,000 tokens, the count of the text exactly as the server
 returns it (streamed and non-streamed text are the same) and which words are not a
 single token in the form the text carries them (" word" after the first).
@@ -19,9 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from inference_lab.api.openai import VOCABULARY, placeholder_text
+from inference_lab.api.tokenizer import Tokenizer, load_tokenizer
 from inference_lab.errors import ConfigError
-from inference_lab.openai_api import VOCABULARY, placeholder_text
-from inference_lab.tokenizer import Tokenizer, load_tokenizer
 
 LENGTHS = (1, 50, 200, 1000)
 

@@ -18,7 +18,7 @@ leading space is one token and a client counting the streamed text gets the serv
 
     python scripts/make_demo_tokenizer.py /tmp/demo-tokenizer [--corpus FILE ...]
 
-The script checks the result with ``inference_lab.tokenizer.load_tokenizer`` and exits
+The script checks the result with ``inference_lab.api.tokenizer.load_tokenizer`` and exits
 with status 1 if a placeholder word is not a single token.
 """
 
@@ -31,8 +31,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from inference_lab.openai_api import VOCABULARY, placeholder_text
-from inference_lab.tokenizer import load_tokenizer
+from inference_lab.api.openai import VOCABULARY, placeholder_text
+from inference_lab.api.tokenizer import load_tokenizer
 
 END_OF_TEXT = "<|endoftext|>"
 ROLES = ("user", "assistant", "system", "tool")

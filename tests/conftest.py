@@ -20,8 +20,8 @@ import attrs
 import pytest
 import trio
 
-from inference_lab.config import load_deployment, load_workload
-from inference_lab.runtime import ModelRuntime
+from inference_lab.core.config import load_deployment, load_workload
+from inference_lab.runtime.model import ModelRuntime
 from inference_lab.serve import ServeSettings, ServeState, create_app, get_state
 
 ROOT = Path(__file__).resolve().parent.parent

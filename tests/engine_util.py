@@ -7,8 +7,8 @@ from typing import Any
 
 import attrs
 
-from inference_lab.config import Deployment, load_deployment
-from inference_lab.engine import Engine, Finished, RequestSpec, StepEvents
+from inference_lab.core.config import Deployment, load_deployment
+from inference_lab.core.engine import Engine, Finished, RequestSpec, StepEvents
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA8B = ROOT / "configs" / "Llama-3.1-8B-Instruct.toml"

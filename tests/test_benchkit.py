@@ -1,4 +1,4 @@
-"""``inference_lab.benchkit``, what the scripts share: the server subprocess, the control
+"""``benchkit``, what the scripts share: the server subprocess, the control
 endpoint accessors, the closed-loop prediction, the steal time and the JSON helpers."""
 
 from __future__ import annotations
@@ -8,11 +8,10 @@ import socket
 import time
 from pathlib import Path
 
+import benchkit
 import pytest
 import trio
-
-from inference_lab import benchkit
-from inference_lab.benchkit import (
+from benchkit import (
     Result,
     ServerProcess,
     blocking_stream,
@@ -30,7 +29,8 @@ from inference_lab.benchkit import (
     rounded,
     steal_pct,
 )
-from inference_lab.config import load_deployment
+
+from inference_lab.core.config import load_deployment
 from inference_lab.resources import shipped_dir
 
 GPT_OSS = shipped_dir("configs") / "gpt-oss-20b.toml"

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from inference_lab import cli, cli_args, sim_cli
+from inference_lab import cli, cli_args
 from inference_lab.cli_args import check_output, integer, number, parse_int
+from inference_lab.sim import cli as sim_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT_OSS = str(ROOT / "configs" / "gpt-oss-20b.toml")
@@ -51,7 +52,7 @@ def test_sim_does_not_import_the_serve_stack() -> None:
     rc, loaded, out = loaded_after(argv)
     assert rc == 0 and "50 completed" in out
     assert not loaded & SERVE_STACK, loaded & SERVE_STACK
-    assert not {"inference_lab.serve_cli", "inference_lab.client"} & loaded
+    assert not {"inference_lab.serve.cli", "inference_lab.client"} & loaded
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["sim", "--help"], ["load", "--help"]])
@@ -61,7 +62,7 @@ def test_parsing_loads_no_machinery(argv: list[str]) -> None:
     rc, loaded, out = loaded_after(argv)
     assert rc == 0 and "usage: inference-lab" in out
     assert not loaded & (SERVE_STACK | {"numpy", "cattrs"}), loaded & (SERVE_STACK | {"numpy"})
-    assert "inference_lab.engine" not in loaded and "inference_lab.sim" not in loaded
+    assert "inference_lab.core.engine" not in loaded and "inference_lab.sim.run" not in loaded
 
 
 def test_top_level_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,13 +19,13 @@ from typing import Any
 
 import attrs
 import trio
+from benchkit import post_capacity, request_json
 
-from inference_lab.benchkit import post_capacity, request_json
 from inference_lab.client.load import LoadConfig, LoadResult, RequestRecord, run_load
-from inference_lab.config import Deployment, load_deployment
-from inference_lab.engine import Engine, RequestSpec
+from inference_lab.core.config import Deployment, load_deployment
+from inference_lab.core.engine import Engine, RequestSpec
 from inference_lab.serve import ServeSettings, ServeState, create_app, get_state
-from inference_lab.serve_cli import bind_socket, serve_app
+from inference_lab.serve.cli import bind_socket, serve_app
 from tests.configs_util import GPT_OSS_20B
 
 MODEL = "gpt-oss-20b"

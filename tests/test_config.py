@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from inference_lab.config import (
+from inference_lab.core.config import (
     FixedDist,
     LognormalDist,
     NormalDist,

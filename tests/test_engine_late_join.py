@@ -13,7 +13,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference_lab.engine import Engine, StepEvents
+from inference_lab.core.engine import Engine, StepEvents
 from tests.engine_util import assert_blocks_conserved, deployment, finished, run, spec
 
 

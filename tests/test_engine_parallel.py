@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference_lab.engine import Engine
+from inference_lab.core.engine import Engine
 from tests.engine_util import (
     GPT_OSS_20B,
     assert_blocks_conserved,

@@ -16,12 +16,12 @@ import pytest
 import trio
 import trio.testing
 
-from inference_lab.config import FAULT_MODES, FaultConfig, load_model_config
+from inference_lab.api.openai import VOCABULARY
+from inference_lab.core.config import FAULT_MODES, FaultConfig, load_model_config
 from inference_lab.errors import ApiError, ConfigError
-from inference_lab.openai_api import VOCABULARY
-from inference_lab.runtime import ModelRuntime
+from inference_lab.runtime.model import ModelRuntime
 from inference_lab.serve import ServeSettings, load_settings, settings_from_env
-from inference_lab.serve.harness import (
+from inference_lab.serve.harness.core import (
     CANCELLED_499,
     ERROR_400_IN_SSE,
     ERROR_ENVELOPE_200,

@@ -8,8 +8,8 @@ import attrs
 import numpy as np
 import pytest
 
-from inference_lab.engine import Finished, StepInfo
-from inference_lab.metrics import LATENCY_COLUMNS, LatencyStats, summarize
+from inference_lab.core.engine import Finished, StepInfo
+from inference_lab.sim.summary import LATENCY_COLUMNS, LatencyStats, summarize
 
 
 def finished(

@@ -14,9 +14,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion_choice import Logprobs
 
-from inference_lab.errors import error_body, truncate_echo
-from inference_lab.jsonbytes import dumps
-from inference_lab.openai_api import (
+from inference_lab.api.openai import (
     MAX_CAPACITY,
     VOCABULARY,
     ApiError,
@@ -36,7 +34,9 @@ from inference_lab.openai_api import (
     stop_point,
     tokenize_body,
 )
-from inference_lab.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from inference_lab.api.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from inference_lab.errors import error_body, truncate_echo
+from inference_lab.jsonbytes import dumps
 from tests.tokenizer_util import TEMPLATE, train_bpe, write_template
 
 MSG = [{"role": "user", "content": "hello world"}]

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from inference_lab.config import Deployment, load_deployment, load_model_config
-from inference_lab.roofline import SMALL_BATCH, Roofline, expert_read_fraction
+from inference_lab.core.config import Deployment, load_deployment, load_model_config
+from inference_lab.core.roofline import SMALL_BATCH, Roofline, expert_read_fraction
 from tests.configs_util import (
     GPT_OSS_20B,
     PROFILES,

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from inference_lab.openai_api import (
+from inference_lab.api.openai import (
     VOCABULARY,
     ApiError,
     ParsedRequest,

@@ -9,7 +9,7 @@ import numpy as np
 import trio
 import trio.testing
 
-from inference_lab.roofline import Roofline
+from inference_lab.core.roofline import Roofline
 from tests.conftest import GPT, LLAMA, ServeFactory, chat_body, make_settings
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from inference_lab import serve_cli
 from inference_lab.errors import ConfigError
+from inference_lab.serve import cli as serve_cli
 from inference_lab.serve import load_settings, settings_from_env
 from tests.conftest import CONFIGS, GPT, LLAMA, ROOT, make_settings
 

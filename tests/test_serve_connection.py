@@ -1,4 +1,4 @@
-"""hypercorn's hooked connection server (inference_lab/serve/connection.py): the
+"""hypercorn's hooked connection server (inference_lab/serve/transport/connection.py): the
 keep-alive idle timer (Rule 3) and the writes (Rule 4)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hypercorn.events import RawData
 from hypercorn.protocol import ProtocolWrapper
 from hypercorn.typing import ConnectionState
 
-from inference_lab.serve.connection import (
+from inference_lab.serve.transport.connection import (
     IdleTimer,
     LabTCPServer,
     ReceiptStream,

@@ -19,13 +19,13 @@ import attrs
 import pytest
 import trio
 
-from inference_lab import runtime as runtime_module
-from inference_lab.engine import Finished
-from inference_lab.openai_api import StreamEncoder, parse_completion_request
+from inference_lab.api.openai import StreamEncoder, parse_completion_request
+from inference_lab.core.engine import Finished
+from inference_lab.runtime import model as runtime_module
 from inference_lab.serve import create_app
 from inference_lab.serve.asgi import get_state
-from inference_lab.serve.connection import ReceiptStream, local_connection
 from inference_lab.serve.streaming import Delivery, StreamSink, write_stream
+from inference_lab.serve.transport.connection import ReceiptStream, local_connection
 from tests.conftest import GPT, make_settings
 from tests.test_serve_connection import h11_answers
 from tests.test_serve_stack import _post_closing, _writes_of, serving

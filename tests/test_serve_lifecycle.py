@@ -10,7 +10,7 @@ from typing import Any
 import trio
 import trio.testing
 
-from inference_lab.runtime import ModelRuntime
+from inference_lab.runtime.model import ModelRuntime
 from tests.conftest import GPT, LLAMA, ServeFactory, chat_body, make_settings
 
 

@@ -13,7 +13,7 @@ import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
-from inference_lab.runtime import ModelRuntime
+from inference_lab.runtime.model import ModelRuntime
 from inference_lab.serve import ServeState
 from inference_lab.serve.metrics import (
     E2E_BUCKETS,

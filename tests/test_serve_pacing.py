@@ -15,11 +15,11 @@ import pytest
 import trio
 import trio.testing
 
-from inference_lab import runtime as runtime_module
-from inference_lab.config import Deployment
-from inference_lab.engine import Engine, RequestSpec
-from inference_lab.roofline import Roofline
-from inference_lab.runtime import (
+from inference_lab.core.config import Deployment
+from inference_lab.core.engine import Engine, RequestSpec
+from inference_lab.core.roofline import Roofline
+from inference_lab.runtime import model as runtime_module
+from inference_lab.runtime.model import (
     LAG_WARN_EVERY,
     LAG_WARN_P99,
     LAG_WINDOW,

@@ -1,5 +1,5 @@
 """hypercorn's HTTP/1.1 protocol with the short path for response starts
-(inference_lab/serve/protocol.py): the same bytes and h11 state as h11's own way (Rule 2),
+(inference_lab/serve/transport/protocol.py): the same bytes and h11 state as h11's own way (Rule 2),
 and h11's own way wherever the short path does not apply (Rule 1)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 
-from inference_lab.serve.connection import local_connection
-from inference_lab.serve.protocol import LabH11Protocol, adopt, server_headers
 from inference_lab.serve.responses import STREAM_HEADERS as SERVED_STREAM_HEADERS
+from inference_lab.serve.transport.connection import local_connection
+from inference_lab.serve.transport.protocol import LabH11Protocol, adopt, server_headers
 
 POST = (
     b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"

@@ -11,8 +11,8 @@ import pytest
 import trio
 import trio.testing
 
-from inference_lab.roofline import Roofline
-from inference_lab.runtime import EngineUnavailable, ModelRuntime, QueueFull
+from inference_lab.core.roofline import Roofline
+from inference_lab.runtime.model import EngineUnavailable, ModelRuntime, QueueFull
 from tests.conftest import GPT, LLAMA, ServeFactory, Stream, chat_body, make_settings
 
 P = 5

@@ -35,11 +35,13 @@ from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
 from quart_trio.asgi import TrioASGIHTTPConnection
 
-from inference_lab import serve_cli
-from inference_lab.serve import connection, create_app
+from inference_lab.serve import cli as serve_cli
+from inference_lab.serve import create_app
 from inference_lab.serve.asgi import LabHTTPConnection, get_state
+from inference_lab.serve.cli import bind_socket, serve_app
 from inference_lab.serve.completions import _receive_nowait, read_body
-from inference_lab.serve.connection import (
+from inference_lab.serve.transport import connection
+from inference_lab.serve.transport.connection import (
     SO_TIMESTAMPNS,
     LabConfig,
     LabTCPServer,
@@ -50,7 +52,6 @@ from inference_lab.serve.connection import (
     received_at,
     receives_timestamps,
 )
-from inference_lab.serve_cli import bind_socket, serve_app
 from tests.conftest import GPT, ServeFactory, make_settings
 from tests.test_serve_connection import (
     answer_on_local_connection,

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import trio
 
-from inference_lab.runtime import PacingCalibration
+from inference_lab.runtime.model import PacingCalibration
+from inference_lab.runtime.timer import timerfd_available
 from inference_lab.serve import create_app, warmup
 from inference_lab.serve.asgi import get_state
 from inference_lab.serve.state import ServeState
-from inference_lab.timer import timerfd_available
 from tests.conftest import GPT, make_settings
 
 

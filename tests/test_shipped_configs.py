@@ -15,14 +15,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from inference_lab.config import (
+from inference_lab.core.config import (
     AttentionLayer,
     load_deployment,
     load_hardware_profile,
     load_model_config,
     load_workload,
 )
-from inference_lab.roofline import Roofline
+from inference_lab.core.roofline import Roofline
 from tests.configs_util import CONFIGS, GPT_OSS_20B, PROFILES, WORKLOADS
 
 MODEL_FILES = sorted(CONFIGS.glob("*.toml"))

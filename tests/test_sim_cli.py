@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from inference_lab import cli, sim_cli
-from inference_lab.config import load_deployment, load_workload
-from inference_lab.sim import Progress, run_simulation
+from inference_lab import cli
+from inference_lab.core.config import load_deployment, load_workload
+from inference_lab.sim import cli as sim_cli
+from inference_lab.sim.run import Progress, run_simulation
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"

@@ -10,9 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inference_lab.errors import ConfigError
-from inference_lab.openai_api import VOCABULARY, placeholder_text
-from inference_lab.tokenizer import (
+from inference_lab.api.openai import VOCABULARY, placeholder_text
+from inference_lab.api.tokenizer import (
     CL100K_PATTERN,
     O200K_PATTERN,
     R50K_PATTERN,
@@ -25,6 +24,7 @@ from inference_lab.tokenizer import (
     load_tokenizer,
     tiktoken_pattern,
 )
+from inference_lab.errors import ConfigError
 from tests.tokenizer_util import TEMPLATE, train_bpe, write_ranks, write_template
 
 TIKTOKEN_MERGES = [b"th", b"the", b" t", b" the", b"he", b" o", b" of", b"an", b"and", b" and"]

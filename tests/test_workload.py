@@ -8,9 +8,9 @@ import attrs
 import numpy as np
 import pytest
 
-from inference_lab.config import FixedDist, LognormalDist, NormalDist, UniformDist, Workload
+from inference_lab.core.config import FixedDist, LognormalDist, NormalDist, UniformDist, Workload
 from inference_lab.errors import ConfigError
-from inference_lab.workload import (
+from inference_lab.sim.workload import (
     CHUNK,
     Arrival,
     ArrivalGenerator,

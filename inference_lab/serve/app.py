@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import sys
 
+from inference_lab.api.openai import MAX_BODY_BYTES
 from inference_lab.errors import ConfigError
-from inference_lab.openai_api import MAX_BODY_BYTES
 from inference_lab.serve.asgi import STATE_KEY, InferenceLabApp
-from inference_lab.serve.connection import install_receipt_hook
-from inference_lab.serve.harness import register_harness_routes
+from inference_lab.serve.harness.core import register_harness_routes
 from inference_lab.serve.routes import register_routes
 from inference_lab.serve.settings import ServeSettings, settings_from_env
 from inference_lab.serve.state import ServeState
+from inference_lab.serve.transport.connection import install_receipt_hook
 
 __all__ = ["create_app"]
 

@@ -1,7 +1,7 @@
 """The app's ASGI connection: where every HTTP request enters, and two stack fixes.
 
 Rule 1: a request's arrival is the moment the server received it
-        (:func:`inference_lab.serve.connection.received_at`).
+        (:func:`inference_lab.serve.transport.connection.received_at`).
 Rule 2: every request passes :mod:`inference_lab.serve.gate` first (once a shutdown has
         begun, every request is refused there with a 503); then ``POST`` on a
         completion path goes straight to :func:`inference_lab.serve.completions.complete`,
@@ -27,7 +27,6 @@ from werkzeug.exceptions import HTTPException
 
 from inference_lab.serve import gate
 from inference_lab.serve.completions import COMPLETION_ROUTES, complete
-from inference_lab.serve.connection import received_at
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.responses import (
     error_reply,
@@ -36,6 +35,7 @@ from inference_lab.serve.responses import (
     shutting_down_reply,
 )
 from inference_lab.serve.state import ServeState
+from inference_lab.serve.transport.connection import received_at
 
 __all__ = ["InferenceLabApp", "LabHTTPConnection", "STATE_KEY", "get_state"]
 

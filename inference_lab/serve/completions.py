@@ -9,9 +9,9 @@ Rule 1: checks run in the order body (413/408/400) -> validation (400) -> model 
         (400) -> engine alive (503) -> depth (529); the last two are one synchronous call,
         ``ModelRuntime.admit_nowait``, and every refusal is a whole :class:`Reply` sent
         before any response starts. Between model and fit the test harness may take
-        the request over (:mod:`inference_lab.serve.harness`).
+        the request over (:mod:`inference_lab.serve.harness.core`).
 Rule 2: a request's arrival is the exchange's (``Exchange.arrival``: when the server
-        received it, :func:`inference_lab.serve.connection.received_at`), before its body
+        received it, :func:`inference_lab.serve.transport.connection.received_at`), before its body
         was read and parsed, as a real engine's API server stamps it.
         Its body must be whole by the arrival plus ``body_timeout`` (else 408): only a
         wait for a piece is bounded by that deadline, so a body that came with its
@@ -20,7 +20,7 @@ Rule 3: an admitted request is closed (aborted unless it finished) exactly when 
         exchange ends, whatever ends it: the ``finally`` here is synchronous and
         idempotent, and a client that leaves wakes the writer or collector at once.
 Rule 4: a client that leaves is noticed by its connection when hypercorn's connection is
-        the hooked one (:meth:`inference_lab.serve.connection.LabTCPServer.watch_close`:
+        the hooked one (:meth:`inference_lab.serve.transport.connection.LabTCPServer.watch_close`:
         a synchronous call); otherwise by a task per request waiting for hypercorn's
         ``http.disconnect`` message.
 """
@@ -34,8 +34,7 @@ from typing import Any, Literal
 
 import trio
 
-from inference_lab.errors import ApiError, EngineUnavailable, QueueFull
-from inference_lab.openai_api import (
+from inference_lab.api.openai import (
     MAX_BODY_BYTES,
     ParsedRequest,
     StreamEncoder,
@@ -45,8 +44,8 @@ from inference_lab.openai_api import (
     parse_completion_request,
     parse_json_object,
 )
-from inference_lab.runtime import RequestHandle
-from inference_lab.serve.connection import connection_server
+from inference_lab.errors import ApiError, EngineUnavailable, QueueFull
+from inference_lab.runtime.model import RequestHandle
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.responses import (
     STREAM_HEADERS,
@@ -62,6 +61,7 @@ from inference_lab.serve.responses import (
 )
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.streaming import CollectSink, StreamSink, write_stream
+from inference_lab.serve.transport.connection import connection_server
 
 __all__ = ["COMPLETION_ROUTES", "complete", "read_body"]
 

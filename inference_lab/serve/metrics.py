@@ -42,9 +42,9 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from inference_lab.engine import Finished, StepEvents
+from inference_lab.core.engine import Finished, StepEvents
 from inference_lab.errors import QueueFull
-from inference_lab.runtime import ModelRuntime
+from inference_lab.runtime.model import ModelRuntime
 
 __all__ = [
     "E2E_BUCKETS",

@@ -20,9 +20,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from inference_lab.errors import ApiError
-from inference_lab.jsonbytes import dumps
-from inference_lab.openai_api import (
+from inference_lab.api.openai import (
     BYTE_TOKENIZER,
     detokenize_body,
     parse_capacity_request,
@@ -31,7 +29,9 @@ from inference_lab.openai_api import (
     parse_tokenize_request,
     tokenize_body,
 )
-from inference_lab.runtime import ModelRuntime, RuntimeSnapshot
+from inference_lab.errors import ApiError
+from inference_lab.jsonbytes import dumps
+from inference_lab.runtime.model import ModelRuntime, RuntimeSnapshot
 from inference_lab.serve.responses import (
     RETRY_AFTER_UNAVAILABLE,
     Reply,

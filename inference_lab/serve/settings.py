@@ -18,7 +18,8 @@ from types import MappingProxyType
 
 import attrs
 
-from inference_lab.config import (
+from inference_lab.api.tokenizer import Tokenizer, load_tokenizer
+from inference_lab.core.config import (
     Deployment,
     FaultConfig,
     Workload,
@@ -27,7 +28,6 @@ from inference_lab.config import (
 )
 from inference_lab.errors import ConfigError
 from inference_lab.resources import shipped_dir
-from inference_lab.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "DEFAULT_BODY_TIMEOUT",

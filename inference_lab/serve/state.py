@@ -22,15 +22,15 @@ import time
 import attrs
 import trio
 
-from inference_lab.config import Deployment
+from inference_lab.core.config import Deployment
 from inference_lab.errors import ApiError, truncate_echo
-from inference_lab.runtime import ModelRuntime
-from inference_lab.serve.harness import Harness
+from inference_lab.runtime.model import ModelRuntime
+from inference_lab.serve.harness.core import Harness
 from inference_lab.serve.metrics import ServeMetrics
 from inference_lab.serve.responses import SHUTDOWN_MESSAGE
 from inference_lab.serve.settings import ServeSettings
 from inference_lab.serve.streaming import Delivery
-from inference_lab.workload import make_rng
+from inference_lab.sim.workload import make_rng
 
 __all__ = ["GC_THRESHOLDS", "ServeState"]
 

@@ -27,7 +27,7 @@ Rule 5: a stream's response start shares the socket write of its first frames wh
         takes that one moves none of its steps, so its start is sent first, and its first
         token can then be written by the hand-over (Rule 7) instead of by a writer woken
         to send it with the start.
-Rule 6: on a connection that takes them (:func:`~inference_lab.serve.connection.chunk_writer`:
+Rule 6: on a connection that takes them (:func:`~inference_lab.serve.transport.connection.chunk_writer`:
         hypercorn's, HTTP/1.1, chunked), frames are written as pre-framed chunks straight
         to the connection; only the response start and the end of the body go through
         hypercorn's request stream and h11.
@@ -54,10 +54,10 @@ from typing import Any
 import attrs
 import trio
 
-from inference_lab.engine import Finished
-from inference_lab.openai_api import StreamEncoder
-from inference_lab.serve.connection import ChunkWriter, chunk_writer, one_write
+from inference_lab.api.openai import StreamEncoder
+from inference_lab.core.engine import Finished
 from inference_lab.serve.responses import stream_failure_frames
+from inference_lab.serve.transport.connection import ChunkWriter, chunk_writer, one_write
 
 __all__ = ["CollectSink", "Delivery", "LoopMonitor", "StreamSink", "write_stream"]
 

@@ -11,7 +11,7 @@ Rule 1: the warm-up runs on a throwaway :class:`ServeState` built from the same 
 Rule 2: it drives :func:`inference_lab.serve.completions.complete` exactly as the app's
         ASGI connection does, first with in-memory ``receive``/``send`` callables, then
         through hypercorn's own HTTP/1.1 connection server (the hooked
-        :class:`~inference_lab.serve.connection.LabTCPServer`) over a local socket pair,
+        :class:`~inference_lab.serve.transport.connection.LabTCPServer`) over a local socket pair,
         so that hypercorn's request path, the arrival stamp and the single writes do not
         run cold either. Nothing listens and nothing leaves the process.
 Rule 3: what the warm-up's runtimes learned of this machine's timer lateness (their
@@ -28,12 +28,12 @@ from typing import Any
 
 import trio
 
-from inference_lab.runtime import PacingCalibration
+from inference_lab.runtime.model import PacingCalibration
 from inference_lab.serve.completions import COMPLETION_ROUTES, Kind, complete
-from inference_lab.serve.connection import local_connection, received_at
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.settings import ServeSettings
 from inference_lab.serve.state import ServeState
+from inference_lab.serve.transport.connection import local_connection, received_at
 
 __all__ = ["warm_up"]
 

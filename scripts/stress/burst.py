@@ -25,6 +25,7 @@ from typing import Any
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # benchkit
 
 from common import (  # noqa: E402
     MODEL,

@@ -3,7 +3,7 @@ sockets, the server's resource figures (RSS, open files, slots and KV blocks) an
 one-line figure every script prints.
 
 Rule 1: only 127.0.0.1 is contacted, on the port of a server this process started
-        (``inference_lab.benchkit.ServerProcess``: ``inference-lab serve --host 127.0.0.1
+        (``benchkit.ServerProcess``: ``inference-lab serve --host 127.0.0.1
         --port 0``); every exchange runs under a deadline and every script is bounded in
         time and in count.
 Rule 2: the server is judged from outside only: HTTP answers, ``/control/stats``, its log
@@ -25,8 +25,7 @@ from typing import Any
 
 import attrs
 import trio
-
-from inference_lab.benchkit import ServerProcess, get_stats
+from benchkit import ServerProcess, get_stats
 
 __all__ = [
     "CHAT",

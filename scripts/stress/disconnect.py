@@ -30,7 +30,9 @@ from typing import Any
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # benchkit
 
+from benchkit import get_stats, model_entry  # noqa: E402
 from common import (  # noqa: E402
     MODEL,
     chat_request,
@@ -42,8 +44,6 @@ from common import (  # noqa: E402
     server,
     settle,
 )
-
-from inference_lab.benchkit import get_stats, model_entry  # noqa: E402
 
 WAYS = ("mid_body", "after_send", "after_head", "mid_stream", "reset")
 

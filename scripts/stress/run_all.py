@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # benchkit
 
 import burst  # noqa: E402
 import disconnect  # noqa: E402

@@ -38,7 +38,9 @@ from typing import Any
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # benchkit
 
+from benchkit import get_stats  # noqa: E402
 from common import (  # noqa: E402
     CHAT,
     MODEL,
@@ -54,8 +56,6 @@ from common import (  # noqa: E402
     server,
     settle,
 )
-
-from inference_lab.benchkit import get_stats  # noqa: E402
 
 BODY_TIMEOUT = 2.0
 

@@ -37,8 +37,8 @@ from inference_lab.client.http import (
     connect_tcp,
     parse_base_url,
 )
-from inference_lab.config import Deployment
-from inference_lab.roofline import Roofline
+from inference_lab.core.config import Deployment
+from inference_lab.core.roofline import Roofline
 
 __all__ = [
     "Result",

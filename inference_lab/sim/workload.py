@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from inference_lab.config import Workload
+from inference_lab.core.config import Workload
 from inference_lab.errors import ConfigError
 
 __all__ = [

@@ -47,11 +47,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from inference_lab.config import FAULT_MODES, FaultConfig
-from inference_lab.engine import Finished
-from inference_lab.errors import ApiError, truncate_echo
-from inference_lab.jsonbytes import dumps
-from inference_lab.openai_api import (
+from inference_lab.api.openai import (
     DONE_FRAME,
     VOCABULARY,
     ParsedRequest,
@@ -61,7 +57,11 @@ from inference_lab.openai_api import (
     parse_json_object,
     usage,
 )
-from inference_lab.runtime import ModelRuntime, RequestHandle
+from inference_lab.core.config import FAULT_MODES, FaultConfig
+from inference_lab.core.engine import Finished
+from inference_lab.errors import ApiError, truncate_echo
+from inference_lab.jsonbytes import dumps
+from inference_lab.runtime.model import ModelRuntime, RequestHandle
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.responses import (
     STREAM_HEADERS,

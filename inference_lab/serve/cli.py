@@ -47,12 +47,12 @@ from inference_lab.serve import (
     load_settings,
     parse_int_setting,
 )
-from inference_lab.serve.connection import (
+from inference_lab.serve.settings import DEFAULT_BODY_TIMEOUT
+from inference_lab.serve.transport.connection import (
     LabConfig,
     enable_receive_timestamps,
     receives_timestamps,
 )
-from inference_lab.serve.settings import DEFAULT_BODY_TIMEOUT
 
 __all__ = ["add_parser", "bind_socket", "run", "serve_app"]
 

@@ -326,7 +326,7 @@ MAX_FAULT_DELAY_MS = 600_000
 @attrs.frozen(kw_only=True)
 class FaultConfig:
     """A fault directive: a model config's ``[fault]`` table, or one request's
-    ``x-inference-lab-fault`` header (parsed by :mod:`inference_lab.serve.harness`).
+    ``x-inference-lab-fault`` header (parsed by :mod:`inference_lab.serve.harness.core`).
 
     ``after_chunks`` content frames (``delay_ms`` apart; with ``paced``, the engine's
     tokens as the model paces them) come before the ``mode``'s ending; ``utf8`` (only for
@@ -495,7 +495,7 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 def _resolve_tokenizer(file: Path, written: str) -> Path:
     """``[model].tokenizer`` resolved against the config file's directory; it must exist
-    (the tokenizer itself is read by :func:`inference_lab.tokenizer.load_tokenizer`)."""
+    (the tokenizer itself is read by :func:`inference_lab.api.tokenizer.load_tokenizer`)."""
     path = Path(written).expanduser()
     if not path.is_absolute():
         path = file.parent / path

@@ -27,11 +27,11 @@ from typing import IO, Any
 
 import attrs
 
-from inference_lab.config import Deployment, Workload
-from inference_lab.engine import Engine, Finished, RequestSpec, StepInfo
+from inference_lab.core.config import Deployment, Workload
+from inference_lab.core.engine import Engine, Finished, RequestSpec, StepInfo
 from inference_lab.errors import RequestRefused, SimError
-from inference_lab.metrics import LATENCY_COLUMNS, SimSummary, summarize
-from inference_lab.workload import Arrival, make_generator
+from inference_lab.sim.summary import LATENCY_COLUMNS, SimSummary, summarize
+from inference_lab.sim.workload import Arrival, make_generator
 
 __all__ = [
     "Progress",

@@ -55,9 +55,9 @@ from typing import Any
 
 import attrs
 
-from inference_lab.config import Deployment
+from inference_lab.core.config import Deployment
+from inference_lab.core.roofline import BatchTerms, Roofline
 from inference_lab.errors import RequestRefused
-from inference_lab.roofline import BatchTerms, Roofline
 
 _PENDING, _WAITING, _RUNNING, _DONE = 0, 1, 2, 3
 _ARRIVAL, _BOUNDARY = 0, 1

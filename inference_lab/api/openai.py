@@ -10,7 +10,7 @@ Rule 1: HTTP bodies go through one strict cattrs converter (:mod:`inference_lab.
         string with a lone surrogate is refused, and every error names the field path
         (``param``). Validation raises :class:`ApiError`, which carries the full envelope;
         no client input makes a parse function raise anything else.
-Rule 2: prompt tokens are counted by the model's :class:`~inference_lab.tokenizer.Tokenizer`
+Rule 2: prompt tokens are counted by the model's :class:`~inference_lab.api.tokenizer.Tokenizer`
         (a real tokenizer: exactly, chat over the rendered messages) or, without one, by
         the byte rule ``ceil(utf8_bytes / 4)`` with 5 % chat template overhead; token-id
         prompts count exactly.
@@ -41,15 +41,15 @@ import attrs
 import cattrs
 from cattrs.errors import ForbiddenExtraKeysError
 
-from inference_lab.errors import ApiError, error_body, truncate_echo
-from inference_lab.jsonbytes import dumps, dumps_str
-from inference_lab.tokenizer import (
+from inference_lab.api.tokenizer import (
     ByteTokenizer,
     ChatMessage,
     ChatTemplateError,
     Tokenizer,
     default_chat_text,
 )
+from inference_lab.errors import ApiError, error_body, truncate_echo
+from inference_lab.jsonbytes import dumps, dumps_str
 from inference_lab.validation import (
     FieldError,
     Invalid,
@@ -369,7 +369,7 @@ def count_text_tokens(text: str) -> int:
 
 def chat_prompt_text(messages: Sequence[Sequence[Any]], tools: Sequence[Any] | None = None) -> str:
     """The default chat rendering a chat prompt is counted on (see
-    :func:`inference_lab.tokenizer.default_chat_text`)."""
+    :func:`inference_lab.api.tokenizer.default_chat_text`)."""
     return default_chat_text(messages, tools)
 
 

@@ -52,10 +52,10 @@ import attrs
 import numpy as np
 import trio
 
-from inference_lab.config import Deployment
-from inference_lab.engine import Engine, EngineStatistics, Finished, RequestSpec, StepEvents
+from inference_lab.core.config import Deployment
+from inference_lab.core.engine import Engine, EngineStatistics, Finished, RequestSpec, StepEvents
 from inference_lab.errors import EngineUnavailable, QueueFull, RequestRefused
-from inference_lab.timer import Timer
+from inference_lab.runtime.timer import Timer
 
 __all__ = [
     "EngineKilled",

@@ -1,7 +1,7 @@
 """``inference-lab sim``: flags, the configuration print, the progress bar, the output files.
 
 ``cli.py`` calls :func:`add_parser` and then :func:`run`. The simulation itself is
-:func:`inference_lab.sim.run_simulation`.
+:func:`inference_lab.sim.run.run_simulation`.
 
 Rule 1: this module's top level imports only the standard library and the flag toolkit, so
         parsing (``--help``, a bad flag) costs no numpy; ``run`` imports the engine.
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from inference_lab.cli_args import EXIT_OK, check_output, fail, integer
 
 if TYPE_CHECKING:
-    from inference_lab.sim import Progress
+    from inference_lab.sim.run import Progress
 
 __all__ = ["add_parser", "run"]
 
@@ -98,9 +98,9 @@ def _progress_bar(total: int | None) -> tuple[Callable[[Progress], None], Callab
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``sim`` command; returns the exit code (Rule 2)."""
-    from inference_lab.config import load_deployment, load_workload
+    from inference_lab.core.config import load_deployment, load_workload
     from inference_lab.errors import InferenceLabError
-    from inference_lab.sim import (
+    from inference_lab.sim.run import (
         config_dict,
         format_config,
         format_summary,

@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from inference_lab.config import BYTES_PER_VALUE, AttentionLayer, Deployment, LinearLayer
+from inference_lab.core.config import BYTES_PER_VALUE, AttentionLayer, Deployment, LinearLayer
 
 IntArray = np.ndarray[Any, np.dtype[np.int64]]
 

@@ -48,7 +48,7 @@ Rule 8: per connection, nothing is done that cannot matter to it: no TLS handsha
         read timeout is configured (hypercorn's default), and where the configuration
         (:class:`LabConfig`) says the listening sockets stamp arrivals, a connection
         neither asks for stamping again nor notes when its first bytes were waiting.
-Rule 9: a plain connection's HTTP/1.1 protocol is :class:`~inference_lab.serve.protocol.
+Rule 9: a plain connection's HTTP/1.1 protocol is :class:`~inference_lab.serve.transport.protocol.
         LabH11Protocol`, whose plain response starts have their headers validated once
         rather than by h11 three or four times (its module's Rules).
 """
@@ -82,7 +82,7 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
-from inference_lab.serve.protocol import adopt
+from inference_lab.serve.transport.protocol import adopt
 
 __all__ = [
     "ChunkWriter",

@@ -13,7 +13,7 @@ Rule 3: TPOT is defined only for requests with more than one output token; refus
 Rule 4: throughput is measured over the simulated span, from the first arrival to the last
         completion (the idle time before the first arrival is not the server's).
 
-Who calls this: `inference_lab.sim` after a run; tests with hand-made records.
+Who calls this: `inference_lab.sim.run` after a run; tests with hand-made records.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""The test harness: fault injection, scripted responses, engine commands."""

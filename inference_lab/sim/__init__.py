@@ -1,0 +1,1 @@
+"""The offline simulator: workloads, the simulation loop, its summaries and its CLI."""
