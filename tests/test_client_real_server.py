@@ -1,5 +1,5 @@
 """The load client against the real server: ``create_app`` served by hypercorn's trio worker
-on ``127.0.0.1:0`` in this process (``serve_cli.serve_app`` on ``serve_cli.bind_socket``).
+on ``127.0.0.1:0`` in this process (``server.serve_app`` on ``bind_socket``).
 
 What the client reports must agree with what the server did: its outcome counts match the
 server's admission counters, a lone request is never faster than the engine's own timeline
@@ -25,7 +25,7 @@ from inference_lab.client.load import LoadConfig, LoadResult, RequestRecord, run
 from inference_lab.core.config import Deployment, load_deployment
 from inference_lab.core.engine import Engine, RequestSpec
 from inference_lab.serve import ServeSettings, ServeState, create_app, get_state
-from inference_lab.serve.cli import bind_socket, serve_app
+from inference_lab.serve.server import bind_socket, serve_app
 from tests.configs_util import GPT_OSS_20B
 
 MODEL = "gpt-oss-20b"

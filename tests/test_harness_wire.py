@@ -26,8 +26,8 @@ import trio
 
 from inference_lab.core.config import FAULT_MODES
 from inference_lab.serve import ServeState, create_app, get_state
-from inference_lab.serve.cli import bind_socket, serve_app
 from inference_lab.serve.harness.core import CANCELLED_499, ERROR_400_IN_SSE, ERROR_ENVELOPE_200
+from inference_lab.serve.server import bind_socket, serve_app
 from tests.conftest import GPT, ROOT, make_settings
 from tests.test_harness import assert_idle, chat_frame, content_frames, head_of
 

@@ -11,7 +11,7 @@ import pytest
 
 from inference_lab.errors import ConfigError
 from inference_lab.serve import cli as serve_cli
-from inference_lab.serve import load_settings, settings_from_env
+from inference_lab.serve import load_settings, server, settings_from_env
 from tests.conftest import CONFIGS, GPT, LLAMA, ROOT, make_settings
 
 
@@ -158,7 +158,7 @@ def test_startup_errors_print_one_line_and_return_1(
 
 
 def test_a_port_in_use_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
-    sock = serve_cli.bind_socket("127.0.0.1", 0)
+    sock = server.bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     try:
         args = _args("--config", str(CONFIGS / "gpt-oss-20b.toml"), "--port", str(port))
@@ -182,12 +182,12 @@ def test_banner_names_models_hardware_bounds_and_address() -> None:
 def test_listening_socket_sets_tcp_user_timeout() -> None:
     import socket
 
-    sock = serve_cli.bind_socket("127.0.0.1", 0)
+    sock = server.bind_socket("127.0.0.1", 0)
     try:
         timeout = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
     finally:
         sock.close()
-    assert timeout == serve_cli.TCP_USER_TIMEOUT_MS
+    assert timeout == server.TCP_USER_TIMEOUT_MS
 
 
 async def test_the_banner_is_printed_once_the_server_answers(
@@ -221,15 +221,17 @@ async def test_the_banner_is_printed_once_the_server_answers(
             printed.append(time.monotonic())
             shown.set()
 
-    monkeypatch.setattr(serve_cli, "print", recording_print, raising=False)
+    monkeypatch.setattr(server, "print", recording_print, raising=False)
 
     async def stop_after_banner() -> None:
         await shown.wait()
         os.kill(os.getpid(), signal.SIGINT)
 
-    sock = serve_cli.bind_socket("127.0.0.1", 0)
+    sock = server.bind_socket("127.0.0.1", 0)
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop_after_banner)
-            await serve_cli._serve_until_signalled(app, sock, grace=1.0, backlog=16, banner=banner)
+            await server.serve_until_signalled(
+                app, sock, grace=1.0, backlog=16, banner=banner, prog="inference-lab serve"
+            )
     assert started and printed and printed[0] >= started[0]

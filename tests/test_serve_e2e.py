@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from inference_lab.serve import ServeSettings, ServeState, create_app, get_state
-from inference_lab.serve.cli import bind_socket, serve_app
+from inference_lab.serve.server import bind_socket, serve_app
 from tests.conftest import GPT, ROOT, make_settings
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux sockets and signals")

@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from inference_lab.errors import ConfigError
 from inference_lab.serve import ServeSettings, create_app, load_settings, settings_from_env
 from inference_lab.serve import cli as serve_cli
-from inference_lab.serve.cli import bind_socket, serve_app
 from inference_lab.serve.gate import MAX_REQUEST_ID
+from inference_lab.serve.server import bind_socket, serve_app
 from tests.conftest import CONFIGS, GPT, LLAMA, ServeFactory, Stream, chat_body, make_settings
 
 KEY = "sk-lab-test-key"

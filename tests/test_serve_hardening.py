@@ -28,8 +28,9 @@ from werkzeug.exceptions import NotFound
 
 from inference_lab.errors import ConfigError
 from inference_lab.serve import create_app, get_state, settings_from_env
-from inference_lab.serve.cli import DEFAULT_BACKLOG, add_parser, bind_socket, serve_app
+from inference_lab.serve.cli import add_parser
 from inference_lab.serve.completions import MAX_BODY_PIECES, BodyTimeout, read_body
+from inference_lab.serve.server import DEFAULT_BACKLOG, bind_socket, serve_app
 from tests.conftest import CONFIG_FILES, GPT, ROOT, ServeFactory, chat_body, make_settings
 
 JSON_HEADERS = {"content-type": "application/json"}

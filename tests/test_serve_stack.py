@@ -35,12 +35,11 @@ from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
 from quart_trio.asgi import TrioASGIHTTPConnection
 
-from inference_lab.serve import cli as serve_cli
 from inference_lab.serve import create_app
 from inference_lab.serve.asgi import LabHTTPConnection, get_state
-from inference_lab.serve.cli import bind_socket, serve_app
 from inference_lab.serve.completions import _receive_nowait, read_body
-from inference_lab.serve.transport import connection
+from inference_lab.serve.server import bind_socket, serve_app
+from inference_lab.serve.transport import connection, launch
 from inference_lab.serve.transport.connection import (
     SO_TIMESTAMPNS,
     LabConfig,
@@ -558,7 +557,7 @@ async def test_a_connection_of_a_stamping_listener_asks_nothing_again(
 
 def test_the_cli_tells_its_connections_that_the_listener_stamps() -> None:
     sock = bind_socket("127.0.0.1", 0)
-    config = serve_cli._hypercorn_config(sock, 1.0, 5.0, 16)
+    config = launch._config(sock, 1.0, 5.0, 16)
     assert isinstance(config, LabConfig)
     assert config.listener_stamps is (SO_TIMESTAMPNS is not None)
     socket.socket(fileno=int(config.bind[0].removeprefix("fd://"))).close()

@@ -17,6 +17,7 @@ import trio
 
 from inference_lab.runtime.model import PacingCalibration
 from inference_lab.runtime.timer import timerfd_available
+from inference_lab.serve import app as app_module
 from inference_lab.serve import create_app, warmup
 from inference_lab.serve.asgi import get_state
 from inference_lab.serve.state import ServeState
@@ -118,7 +119,7 @@ async def test_the_served_runtimes_start_from_the_warm_ups_pacing_calibration(
         learned.append(result := await real(settings))
         return result
 
-    monkeypatch.setattr(warmup, "warm_up", recording)
+    monkeypatch.setattr(app_module, "warm_up", recording)
     app = create_app(make_settings(), server_process=True)
     with trio.fail_after(20):
         async with app.test_app():

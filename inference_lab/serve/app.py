@@ -7,11 +7,17 @@ app's own serving lifespan, so both launches serve the same API.
 
 Rule 1: one app object serves once (its runtimes run once); create a fresh app per server,
         tests included.
+Rule 2: this is the composition root: in a whole server process, serving starts with the
+        warm-up (:mod:`inference_lab.serve.warmup`, on a throwaway state) and the garbage
+        collector's tuning, then the runtimes; tests' apps share their process and skip both.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
+
+import attrs
 
 from inference_lab.api.openai import MAX_BODY_BYTES
 from inference_lab.errors import ConfigError
@@ -21,8 +27,28 @@ from inference_lab.serve.routes import register_routes
 from inference_lab.serve.settings import ServeSettings, settings_from_env
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.transport.connection import install_receipt_hook
+from inference_lab.serve.warmup import warm_up
 
-__all__ = ["create_app"]
+__all__ = ["GC_THRESHOLDS", "create_app"]
+
+#: The garbage collector's thresholds in a server process (``gc.set_threshold``). A young
+#: collection walks what is alive of the young objects -- with hundreds of streams, tens of
+#: thousands (suspended coroutines of the stream tasks, their cancel scopes, tuples) -- so
+#: its cost is per collection, and a stall of the loop each; what a request allocates dies
+#: by reference counting, so collections are made rare.
+GC_THRESHOLDS = (50_000, 20, 20)
+
+
+async def _prepare_process(state: ServeState) -> None:
+    """Warm the completion path on a throwaway state (its runtimes' pacing calibration is
+    handed to the served ones), then freeze everything loaded so far (it lives as long as
+    the process: the rare full collections stay short) and raise the thresholds."""
+    # (without [fault] tables: a warm-up stream must not stall or be cut)
+    learned = await warm_up(attrs.evolve(state.settings, faults=()))
+    for name, calibration in learned.items():
+        state.runtimes[name].adopt_calibration(calibration)
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def create_app(
@@ -34,7 +60,7 @@ def create_app(
     ``server_process`` (default: only for an environment-configured app, i.e. a whole
     server process) warms the completion path when serving starts
     (:mod:`inference_lab.serve.warmup`), then freezes the objects loaded so far and raises
-    the collector's thresholds (:data:`inference_lab.serve.state.GC_THRESHOLDS`).
+    the collector's thresholds (:data:`GC_THRESHOLDS`) (Rule 2).
     """
     if server_process is None:
         server_process = settings is None
@@ -51,11 +77,13 @@ def create_app(
     # not Quart's automatic 200 (set before any route is registered).
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
-    state = ServeState.build(settings, server_process=server_process)
+    state = ServeState.build(settings)
     app.extensions[STATE_KEY] = state
 
     @app.before_serving
     async def _start_runtimes() -> None:
+        if server_process:
+            await _prepare_process(state)
         await state.start(app.nursery)
 
     @app.after_serving

@@ -1,4 +1,4 @@
-"""``inference-lab serve``: flags, startup banner, the socket, hypercorn, signals.
+"""``inference-lab serve``: flags, the startup banner, then the server (:mod:`.server`).
 
 The top-level CLI (:mod:`inference_lab.cli`) calls :func:`add_parser` to build the
 command line and :func:`run` once it has been parsed; ``docs/serve.md`` documents the flags.
@@ -6,35 +6,19 @@ command line and :func:`run` once it has been parsed; ``docs/serve.md`` document
 Rule 1: every startup failure is one line on stderr: exit code 2 for a bad command line
         (a flag's value out of range: argparse), 1 for one that cannot be served
         (unreadable or invalid config, duplicate model names, no model left, the port).
-Rule 2: the command binds the listening socket itself, so it can set ``TCP_USER_TIMEOUT``:
-        a client that stops reading can then pin neither a connection nor a graceful
-        shutdown for longer than that (hypercorn shields its socket writes).
-Rule 3: SIGINT / SIGTERM start a graceful shutdown (``ServeState.drain``): new requests
-        get 503 with ``Connection: close``, live ones get ``--shutdown-grace`` seconds,
-        then each still live ends with an answer naming the shutdown (a stream: its error
-        frame, ``[DONE]`` and a complete chunked body) before hypercorn is told to stop,
-        and the process exits 0. A second signal ends the grace period at once; a third
-        stops without waiting. No traceback.
-Rule 4: the backlog asked for is the one in force: :func:`bind_socket` listens with it
-        and hypercorn, which calls ``listen`` again on the socket it adopts, is given the
-        same value.
+Rule 2: a signalled shutdown (the server module's Rule 2) exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import socket
 import sys
-from collections.abc import Awaitable, Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import trio
-from hypercorn.trio import serve as hypercorn_serve
 
 from inference_lab.errors import ConfigError
 from inference_lab.serve import (
@@ -43,27 +27,22 @@ from inference_lab.serve import (
     DEFAULT_MAX_TOKENS,
     ServeSettings,
     create_app,
-    get_state,
     load_settings,
     parse_int_setting,
 )
-from inference_lab.serve.settings import DEFAULT_BODY_TIMEOUT
-from inference_lab.serve.transport.connection import (
-    LabConfig,
-    enable_receive_timestamps,
-    receives_timestamps,
+from inference_lab.serve.server import (
+    DEFAULT_BACKLOG,
+    GRACEFUL_TIMEOUT,
+    bind_socket,
+    raise_fd_limit,
+    serve_until_signalled,
+    somaxconn,
 )
+from inference_lab.serve.settings import DEFAULT_BODY_TIMEOUT
 
-__all__ = ["add_parser", "bind_socket", "run", "serve_app"]
+__all__ = ["add_parser", "run"]
 
 PROG = "inference-lab serve"
-#: Seconds in-flight requests get to finish after SIGINT / SIGTERM (``--shutdown-grace``).
-GRACEFUL_TIMEOUT = 3.0
-#: Seconds the last frames of requests ended by a shutdown get to reach their clients
-#: before hypercorn cancels the connections (hypercorn's own ``graceful_timeout``).
-FLUSH_TIMEOUT = 2.0
-#: The listen backlog (``--backlog``); hypercorn's own default is 100.
-DEFAULT_BACKLOG = 2048
 #: The environment variable ``--control-token`` falls back to (a secret on a command line
 #: is visible to every local user in the process list).
 CONTROL_TOKEN_ENV = "INFERENCE_LAB_CONTROL_TOKEN"
@@ -71,11 +50,6 @@ CONTROL_TOKEN_ENV = "INFERENCE_LAB_CONTROL_TOKEN"
 #: back to.
 API_KEY_ENV = "INFERENCE_LAB_API_KEY"
 ORIGINS_ENV = "INFERENCE_LAB_ALLOWED_ORIGINS"
-#: Milliseconds sent data may stay unacknowledged (or unsent behind a zero window) before
-#: the kernel drops the connection. Accepted sockets inherit it from the listener.
-TCP_USER_TIMEOUT_MS = 10_000
-#: Seconds an idle keep-alive connection is kept.
-KEEP_ALIVE_TIMEOUT = 5.0
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -225,50 +199,6 @@ def _fail(message: str) -> int:
     return fail(PROG, message)
 
 
-def bind_socket(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
-    """A TCP socket on ``host:port`` listening with ``backlog``, with ``TCP_USER_TIMEOUT``
-    set and the kernel stamping what it receives (both inherited by accepted connections on
-    Linux). Raises OSError. Serve it with the
-    same ``backlog`` (:func:`serve_app`), which hypercorn applies again (Rule 4)."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, type_, proto, _, address = infos[0]
-    sock = socket.socket(family, type_, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if hasattr(socket, "TCP_USER_TIMEOUT"):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, TCP_USER_TIMEOUT_MS)
-        enable_receive_timestamps(sock)  # arrivals stamped by the kernel (connection Rule 1)
-        sock.bind(address)
-        sock.listen(backlog)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _somaxconn() -> int | None:
-    """The kernel's cap on listen backlogs (Linux), or None where it cannot be read."""
-    try:
-        return int(Path("/proc/sys/net/core/somaxconn").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _raise_fd_limit() -> None:
-    """Raise this process's soft limit on open files to its hard limit: every connection
-    is a file descriptor, and a 1,000-connection burst passes the common soft limit of
-    1024 (trio's accept loop would then stall until descriptors are freed)."""
-    try:
-        import resource
-    except ImportError:  # not on this platform
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
 def _url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
@@ -289,106 +219,6 @@ def _banner(settings: ServeSettings, hardware: str, url: str) -> str:
         lines.append("  response lengths: min(workload output_len_dist sample, max_tokens)")
     lines.append(f"listening on {url}  (Ctrl-C to stop)")
     return "\n".join(lines)
-
-
-def _hypercorn_config(
-    sock: socket.socket, graceful_timeout: float, keep_alive_timeout: float, backlog: int
-) -> LabConfig:
-    config = LabConfig()
-    # the connections accepted inherit the listener's arrival stamps (connection Rule 8)
-    config.listener_stamps = receives_timestamps(sock)
-    # hypercorn adopts the socket by file descriptor; it owns (and closes) it from here.
-    config.bind = [f"fd://{sock.detach()}"]
-    # ... and calls listen() on it again, with this (Rule 4; its default is 100).
-    config.backlog = backlog
-    config.graceful_timeout = graceful_timeout
-    config.keep_alive_timeout = keep_alive_timeout
-    config.accesslog = None
-    config.loglevel = "WARNING"
-    return config
-
-
-async def serve_app(
-    app: Any,
-    sock: socket.socket,
-    *,
-    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
-    graceful_timeout: float = GRACEFUL_TIMEOUT,
-    keep_alive_timeout: float = KEEP_ALIVE_TIMEOUT,
-    backlog: int = DEFAULT_BACKLOG,
-    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Serve ``app`` (made by ``create_app``) with hypercorn's trio worker on an
-    already-bound ``sock`` (which it takes over, listening with ``backlog``) until
-    ``shutdown_trigger`` returns; then the app drains (Rule 3: new requests 503, live ones
-    get ``graceful_timeout`` seconds, then end with an answer naming the shutdown) and
-    only then is hypercorn told to stop, giving the last frames :data:`FLUSH_TIMEOUT`
-    seconds. ``task_status.started`` gets hypercorn's bound URLs. Tests use it with
-    ``await nursery.start(serve_app, app, bind_socket("127.0.0.1", 0))``.
-    """
-    config = _hypercorn_config(sock, FLUSH_TIMEOUT, keep_alive_timeout, backlog)
-    trigger = shutdown_trigger
-    if shutdown_trigger is not None:
-        state = get_state(app)
-
-        async def drain_then_stop() -> None:
-            await shutdown_trigger()
-            # hypercorn cancels every connection FLUSH_TIMEOUT s after this returns: the
-            # runtimes stop first, so no stream is cut mid-message.
-            await state.drain(graceful_timeout)
-
-        trigger = drain_then_stop
-    await hypercorn_serve(app, config, shutdown_trigger=trigger, task_status=task_status)
-
-
-async def _serve_until_signalled(
-    app: Any, sock: socket.socket, *, grace: float, backlog: int, banner: str
-) -> None:
-    """Serve until signalled (the first signal drains, the second hurries live requests,
-    the third stops at once). ``banner`` is printed once hypercorn serves -- after the
-    app's start-up and warm-up -- so a client that waits for it is answered at once: one
-    that connected earlier waited in the kernel's accept queue, and the kernel's receive
-    time, the request's arrival stamp, counted that wait in its latency."""
-    stop = trio.Event()
-    state = get_state(app)
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-
-            async def watch() -> None:
-                signalled = 0
-                async for signum in signals:
-                    signalled += 1
-                    if signalled == 1:
-                        name = signal.Signals(signum).name
-                        print(
-                            f"{PROG}: {name}: shutting down (new requests get 503; live "
-                            f"requests get {grace:g} s)",
-                            file=sys.stderr,
-                        )
-                        stop.set()
-                    elif signalled == 2:
-                        print(f"{PROG}: second signal: ending live requests now", file=sys.stderr)
-                        state.hurry()
-                    else:
-                        print(f"{PROG}: third signal: stopping now", file=sys.stderr)
-                        nursery.cancel_scope.cancel()
-                        return
-
-            nursery.start_soon(watch)
-
-            async def serve(task_status: trio.TaskStatus[list[str]]) -> None:
-                await serve_app(
-                    app,
-                    sock,
-                    shutdown_trigger=stop.wait,
-                    graceful_timeout=grace,
-                    backlog=backlog,
-                    task_status=task_status,
-                )
-                nursery.cancel_scope.cancel()
-
-            await nursery.start(serve)
-            print(banner, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -432,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         sock = bind_socket(args.host, port or 0, args.backlog)
     except OSError as exc:
         return _fail(f"cannot listen on {args.host}:{port}: {exc.strerror or exc}")
-    _raise_fd_limit()
+    raise_fd_limit()
     app = create_app(settings, server_process=True)
     banner = _banner(settings, args.hardware, _url(sock))
     if settings.enable_test_harness:
@@ -441,15 +271,19 @@ def run(args: argparse.Namespace) -> int:
             "POST /control/engine can kill, restart and slow down models",
             file=sys.stderr,
         )
-    somaxconn = _somaxconn()
-    if somaxconn is not None and somaxconn < args.backlog:
+    cap = somaxconn()
+    if cap is not None and cap < args.backlog:
         print(
             f"{PROG}: warning: --backlog {args.backlog} is capped at net.core.somaxconn "
-            f"({somaxconn}) by the kernel",
+            f"({cap}) by the kernel",
             file=sys.stderr,
         )
     serve = partial(
-        _serve_until_signalled, grace=args.shutdown_grace, backlog=args.backlog, banner=banner
+        serve_until_signalled,
+        grace=args.shutdown_grace,
+        backlog=args.backlog,
+        banner=banner,
+        prog=PROG,
     )
     try:
         trio.run(serve, app, sock)

@@ -16,10 +16,10 @@ Rule 4: a restart (the test harness: :meth:`ServeState.restart_runtime`) stops o
 
 from __future__ import annotations
 
-import gc
 import time
 
 import attrs
+import numpy as np
 import trio
 
 from inference_lab.core.config import Deployment
@@ -30,18 +30,9 @@ from inference_lab.serve.metrics import ServeMetrics
 from inference_lab.serve.responses import SHUTDOWN_MESSAGE
 from inference_lab.serve.settings import ServeSettings
 from inference_lab.serve.streaming import Delivery
-from inference_lab.sim.workload import make_rng
 
-__all__ = ["GC_THRESHOLDS", "ServeState"]
+__all__ = ["ServeState"]
 
-#: The garbage collector's thresholds in a server process (``gc.set_threshold``). At 256
-#: streams the defaults (700, 10, 10) ran ~1600 young, 150 middle and 13 full collections
-#: in 9 s, 0.9 s of CPU. A young collection walks what is alive of the young objects --
-#: at 256 streams ~25,000 (suspended coroutines of the stream tasks, their cancel scopes,
-#: tuples), 8-10 ms whatever the threshold -- so its cost is per collection: at 10,000
-#: there were ~12 a second (~4 % of the CPU and a stall of the loop each), at 50,000 one
-#: every few seconds (~0.4 %). What a request allocates dies by reference counting.
-GC_THRESHOLDS = (50_000, 20, 20)
 #: Seconds between two looks at the live requests while a shutdown drains.
 DRAIN_POLL = 0.02
 
@@ -56,9 +47,6 @@ class ServeState:
     #: The runtimes' observers and the registry of ``GET /metrics``.
     metrics: ServeMetrics
     delivery: Delivery = attrs.field(factory=Delivery)
-    #: This app is a whole server process: warm the code paths and tune the garbage
-    #: collector when serving starts (tests' apps share their process and skip both).
-    server_process: bool = False
     #: A shutdown has begun: new requests are refused (503, ``Connection: close``).
     draining: bool = False
     #: Set when a shutdown stopped the runtimes: the message live requests end with.
@@ -71,7 +59,7 @@ class ServeState:
     _nursery: trio.Nursery | None = attrs.field(default=None, init=False)
 
     @classmethod
-    def build(cls, settings: ServeSettings, *, server_process: bool = False) -> ServeState:
+    def build(cls, settings: ServeSettings) -> ServeState:
         runtimes: dict[str, ModelRuntime] = {}
         for dep in settings.deployments:
             runtimes[dep.model.name] = cls._new_runtime(settings, dep)
@@ -80,7 +68,6 @@ class ServeState:
             runtimes=runtimes,
             created=int(time.time()),
             metrics=ServeMetrics(runtimes),
-            server_process=server_process,
             harness=Harness(
                 enabled=settings.enable_test_harness,
                 faults=settings.faults,
@@ -94,27 +81,13 @@ class ServeState:
         return ModelRuntime(
             dep,
             output_lengths=workload.output_len_dist if workload is not None else None,
-            rng=make_rng(workload, settings.seed) if workload is not None else None,
+            rng=np.random.default_rng(workload.seed if settings.seed is None else settings.seed)
+            if workload is not None
+            else None,
         )
 
     async def start(self, nursery: trio.Nursery) -> None:
-        """Start the delivery task and every model's runtime in ``nursery`` (after a
-        warm-up, in a server process)."""
-        if self.server_process:
-            from inference_lab.serve.warmup import warm_up  # it builds ServeStates itself
-
-            # (without [fault] tables: a warm-up stream must not stall or be cut)
-            learned = await warm_up(attrs.evolve(self.settings, faults=()))
-            for name, calibration in learned.items():
-                self.runtimes[name].adopt_calibration(calibration)
-            # Everything loaded so far (modules, configs, engines) lives as long as the
-            # process: freezing it keeps the rare full garbage collections short (they
-            # otherwise stall the pacer for ~40 ms on this stack).
-            gc.freeze()
-            # Almost everything a request allocates dies by reference counting; with the
-            # default threshold (700) the young-generation collections that keep finding
-            # nothing cost ~10 % of the CPU at 256 streams (see GC_THRESHOLDS).
-            gc.set_threshold(*GC_THRESHOLDS)
+        """Start the delivery task and every model's runtime in ``nursery``."""
         self._nursery = nursery
         await nursery.start(self.delivery.run)
         for runtime in self.runtimes.values():

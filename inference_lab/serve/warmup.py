@@ -1,9 +1,9 @@
 """Warm every code path of the completion routes before the first request.
 
-The first request into a fresh process used to run 5-13 ms slow: cattrs generates its
-structuring code on first use, numpy and the roofline build their caches on their first
-step, and the request, sink, stream and error code paths run for the first time. A real
-engine's first request is no slower than its second, so neither should this one be.
+A fresh process's first request would otherwise pay for first use: cattrs generates its
+structuring code, numpy and the roofline build their caches on their first step, and the
+request, sink, stream and error code paths run for the first time. A real engine's first
+request is no slower than its second, so neither should this one be.
 
 Rule 1: the warm-up runs on a throwaway :class:`ServeState` built from the same settings:
         the served runtimes never see it (their counters, clocks and statistics start
@@ -114,7 +114,7 @@ async def _through_hypercorn(state: ServeState, kind: Kind, body: dict[str, Any]
 
 async def warm_up(settings: ServeSettings) -> dict[str, PacingCalibration]:
     """Serve a handful of requests per model on a throwaway state (see the module rules).
-    Called by :meth:`ServeState.start` in a server process, before the real runtimes
+    Called by the app's start-up (``create_app``) in a server process, before the real runtimes
     start. Returns each model's pacing calibration, where its pacer learned one."""
     state = ServeState.build(settings)
     with trio.move_on_after(WARM_UP_TIMEOUT):

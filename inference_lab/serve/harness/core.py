@@ -39,7 +39,7 @@ import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import attrs
 import trio
@@ -74,11 +74,36 @@ from inference_lab.serve.responses import (
 )
 from inference_lab.validation import FieldError
 
-if TYPE_CHECKING:
-    from inference_lab.serve.state import ServeState
+
+class HarnessHost(Protocol):
+    """What the harness needs of the app's serving state (``ServeState`` is one)."""
+
+    @property
+    def runtimes(self) -> Mapping[str, ModelRuntime]:
+        """The served models' runtimes by name."""
+
+    @property
+    def draining(self) -> bool:
+        """A shutdown has begun: new requests are refused."""
+
+    @property
+    def shutdown_message(self) -> str | None:
+        """Set when a shutdown stopped the runtimes: the message live requests end with."""
+
+    @property
+    def harness(self) -> Harness:
+        """The app's harness."""
+
+    async def restart_runtime(self, name: str) -> ModelRuntime:
+        """Replace model ``name``'s runtime by a fresh one; the new runtime."""
+
+    def model_not_found(self, model: str) -> ApiError:
+        """The 404 for a model the app does not serve."""
+
 
 __all__ = [
     "ACTIONS",
+    "HarnessHost",
     "CANCELLED_499",
     "ERROR_400_IN_SSE",
     "ERROR_ENVELOPE_200",
@@ -532,7 +557,7 @@ class Intercepted(Protocol):
 
     async def serve(
         self,
-        state: ServeState,
+        state: HarnessHost,
         runtime: ModelRuntime,
         exchange: Exchange,
         receive: Receive,
@@ -548,7 +573,7 @@ class _PacedSink:
 
     __slots__ = ("emitted", "finished", "failure", "lot", "state")
 
-    def __init__(self, state: ServeState) -> None:
+    def __init__(self, state: HarnessHost) -> None:
         self.emitted = 0
         self.finished: Finished | None = None
         self.failure: str | None = None
@@ -577,7 +602,7 @@ class _Fault:
 
     async def serve(
         self,
-        state: ServeState,
+        state: HarnessHost,
         runtime: ModelRuntime,
         exchange: Exchange,
         receive: Receive,
@@ -607,7 +632,7 @@ class _Fault:
 
     async def _serve_paced(
         self,
-        state: ServeState,
+        state: HarnessHost,
         runtime: ModelRuntime,
         exchange: Exchange,
         receive: Receive,
@@ -686,7 +711,7 @@ class _Scripted:
 
     async def serve(
         self,
-        state: ServeState,
+        state: HarnessHost,
         runtime: ModelRuntime,
         exchange: Exchange,
         receive: Receive,
@@ -854,7 +879,7 @@ def parse_engine_command(raw: Mapping[str, Any]) -> EngineCommand:
     return EngineCommand(model=model, action="slowdown", factor=float(number))
 
 
-async def apply_engine_command(state: ServeState, command: EngineCommand) -> ModelRuntime:
+async def apply_engine_command(state: HarnessHost, command: EngineCommand) -> ModelRuntime:
     """Carry out ``command`` on its (existing) model; the model's runtime afterwards."""
     runtime = state.runtimes[command.model]
     if command.action == "kill":
@@ -874,7 +899,7 @@ def _response(reply: Reply) -> Response:
     return response
 
 
-def register_harness_routes(app: QuartTrio, state: ServeState) -> None:
+def register_harness_routes(app: QuartTrio, state: HarnessHost) -> None:
     """Add ``POST /control/engine`` to ``app`` when the harness is on (off, nothing is
     added: the path answers 404 as any unknown path does). The gate's control-token rule
     covers it like every ``/control/*`` path."""

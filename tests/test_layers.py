@@ -1,0 +1,96 @@
+"""The package's layers, checked by walking its imports (``tests/import_graph.py``).
+
+Dependencies point one way: ``core`` (pure) <- ``sim`` / ``runtime`` / ``api`` <- ``serve``
+<- the CLI; the load client talks to a server only over HTTP; hypercorn and h11 are
+touched only by ``serve/transport``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.import_graph import PACKAGE, cycles, graph, modules, reachable
+
+GRAPH = graph()
+IO_OR_CLOCK = {"trio", "quart", "quart_trio", "hypercorn", "h11", "time", "random", "asyncio"}
+
+
+def _top(name: str) -> str:
+    return name.split(".")[0]
+
+
+CORE = sorted(m for m in modules() if m.startswith("inference_lab.core"))
+
+
+def test_the_core_folder_is_walked() -> None:
+    """The purity test below covers the engine, the roofline and the config loader."""
+    assert {
+        "inference_lab.core.engine",
+        "inference_lab.core.roofline",
+        "inference_lab.core.config",
+    } <= set(CORE)
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_core_imports_no_io_or_clock(module: str) -> None:
+    """Every module of ``core/``, and every package module it reaches, imports no trio,
+    quart, hypercorn, h11, ``time``, global ``random`` or asyncio: time and randomness are
+    arguments."""
+    for mod in reachable(GRAPH, module):
+        bad = {d for d in GRAPH[mod] if _top(d) in IO_OR_CLOCK}
+        assert not bad, f"{mod} (reached from {module}) imports {sorted(bad)}"
+
+
+def test_no_import_cycles() -> None:
+    """No two package modules import each other, directly or around a circle (lazy
+    imports inside functions and ``TYPE_CHECKING`` imports count)."""
+    assert cycles(GRAPH) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    """The check above can fail: a circle made by hand is reported."""
+    fake = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(fake) == [["a", "b", "c"]]
+
+
+def test_only_the_transport_touches_hypercorn_and_h11() -> None:
+    """hypercorn and h11 are imported only under ``serve/transport/``; the load client's
+    own HTTP/1.1 client uses h11 as a client and is not the server's transport."""
+    allowed = ("inference_lab.serve.transport", "inference_lab.client")
+    for mod, deps in GRAPH.items():
+        if mod.startswith(allowed):
+            continue
+        bad = sorted(d for d in deps if _top(d) == "h11" or d.startswith("hypercorn"))
+        assert not bad, f"{mod} imports {bad}"
+
+
+def test_client_depends_only_on_the_http_api() -> None:
+    """Nothing in ``client/`` imports the server side of the package: the load client
+    talks to a server only over HTTP. Its only package import from outside ``client/`` is
+    the command-line toolkit (standard library only)."""
+    for mod, deps in GRAPH.items():
+        if not mod.startswith("inference_lab.client"):
+            continue
+        for dep in deps:
+            if dep.startswith("inference_lab"):
+                assert dep.startswith(("inference_lab.client", "inference_lab.cli_args")), (
+                    f"{mod} imports {dep}"
+                )
+
+
+def test_sim_never_reaches_the_serve_stack() -> None:
+    """The offline simulator reaches neither the HTTP app nor the trio runtime."""
+    for mod in modules():
+        if mod.startswith("inference_lab.sim"):
+            reached = reachable(GRAPH, mod)
+            bad = sorted(
+                m for m in reached if m.startswith(("inference_lab.serve", "inference_lab.runtime"))
+            )
+            assert not bad, f"{mod} reaches {bad}"
+
+
+def test_the_package_is_where_the_walk_looks() -> None:
+    """The walk reads the package's own files (a moved package would make every test
+    above pass vacuously)."""
+    assert (PACKAGE / "core" / "engine.py").is_file()
+    assert len(GRAPH) > 30
