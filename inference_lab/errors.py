@@ -101,10 +101,12 @@ class EngineUnavailable(InferenceLabError):
 
 
 class QueueFull(InferenceLabError):
-    """Raised by :meth:`ModelRuntime.admit_nowait` when ``depth >= max_waiting``. The HTTP
-    app answers 529 ``queue_saturated`` before any response starts; nothing was queued."""
+    """Raised by :meth:`ModelRuntime.admit_nowait` when a request has neither a seat in the
+    running batch nor a waiting place (``depth >= max_waiting``). The HTTP app answers 529
+    ``queue_saturated`` with ``Retry-After: retry_after`` before any response starts;
+    nothing was queued."""
 
-    def __init__(self, model: str, depth: int, max_waiting: int) -> None:
+    def __init__(self, model: str, depth: int, max_waiting: int, retry_after: int = 1) -> None:
         super().__init__(
             f"Server is at capacity: {depth} requests waiting (max_waiting = {max_waiting}). "
             "Retry with reduced concurrency."
@@ -112,3 +114,4 @@ class QueueFull(InferenceLabError):
         self.model = model
         self.depth = depth
         self.max_waiting = max_waiting
+        self.retry_after = retry_after

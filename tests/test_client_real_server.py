@@ -94,7 +94,14 @@ async def test_outcome_counts_match_the_servers_admissions(nursery: trio.Nursery
         status, capacity = await request_json(server.url, "GET", "/control/capacity")
         assert status == 200
         assert capacity == [
-            {"model": MODEL, "max_waiting": 4, "max_num_seqs": 4, "waiting": 0, "running": 0}
+            {
+                "model": MODEL,
+                "max_waiting": 4,
+                "max_num_seqs": 4,
+                "waiting": 0,
+                "queued": 0,
+                "running": 0,
+            }
         ]
 
 

@@ -207,12 +207,23 @@ async def test_engine_crash_fails_its_model_only(
 async def test_dead_engine_answers_503_before_the_depth_check(
     serve: ServeFactory, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """A stopped engine with its queue bound reached still answers 503, never 529."""
-    async with serve(make_settings(max_waiting=1)) as s:
+    """A stopped engine whose batch and queue were full answers 503, never 529, and
+    reports nothing running or waiting (its gauges are not left stale)."""
+    async with serve(make_settings(max_num_seqs=1, max_waiting=1)) as s:
         rt = s.runtime()
-        rt.stop()
-        rt._pending = 5  # as if the bound were reached
+        async with (
+            s.stream(chat_body(max_tokens=50, stream=True)) as running,
+            s.stream(chat_body(max_tokens=50, stream=True)) as waiting,
+        ):
+            await running.next_chunk()
+            await trio.testing.wait_all_tasks_blocked()
+            assert (rt.snapshot().running, rt.snapshot().depth) == (1, 1)
+            response = await s.post("/v1/chat/completions", chat_body())
+            assert response.status_code == 529
+            rt.stop()
+            await running.read_all()
+            await waiting.read_all()
         response = await s.post("/v1/chat/completions", chat_body())
         assert response.status_code == 503
         status, body = await s.get_json("/control/capacity")
-        assert body[0]["waiting"] == 5
+        assert (body[0]["waiting"], body[0]["queued"], body[0]["running"]) == (0, 0, 0)

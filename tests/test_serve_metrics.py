@@ -1,28 +1,22 @@
 """``GET /metrics`` (:mod:`inference_lab.serve.metrics`): vLLM's names, types and buckets,
-values that match the traffic exactly, and the ``Retry-After`` estimate. Every scrape is
+values that match the traffic exactly, and the ``Retry-After`` header. Every scrape is
 parsed with ``prometheus_client``'s own parser."""
 
 from __future__ import annotations
 
 import json
-import math
-from collections import deque
 
 import pytest
 import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
-from inference_lab.runtime.model import ModelRuntime
 from inference_lab.serve import ServeState
 from inference_lab.serve.metrics import (
     E2E_BUCKETS,
     ITL_BUCKETS,
-    RATE_WINDOW,
-    RETRY_AFTER_MAX,
     TTFT_BUCKETS,
     Histogram,
-    ModelMetrics,
     token_buckets,
 )
 from inference_lab.serve.responses import RETRY_AFTER_UNAVAILABLE
@@ -90,6 +84,7 @@ async def test_every_family_has_vllms_name_and_type_per_model(serve: ServeFactor
         "vllm:request_generation_tokens": "histogram",
         "vllm:iteration_tokens_total": "histogram",
         "inference_lab:requests_rejected": "counter",
+        "inference_lab:waiting_places": "gauge",
         "inference_lab:max_waiting": "gauge",
         "inference_lab:max_num_seqs": "gauge",
         "inference_lab:engine_alive": "gauge",
@@ -101,6 +96,7 @@ async def test_every_family_has_vllms_name_and_type_per_model(serve: ServeFactor
         assert value(samples, "vllm:prompt_tokens_total", model) == 0
         assert value(samples, "vllm:request_success_total", model, finished_reason="stop") == 0
         assert value(samples, "vllm:request_success_total", model, finished_reason="length") == 0
+        assert value(samples, "vllm:request_success_total", model, finished_reason="abort") == 0
         for reason in ("queue_saturated", "engine_unavailable"):
             assert (
                 value(samples, "inference_lab:requests_rejected_total", model, reason=reason) == 0
@@ -330,46 +326,12 @@ async def test_scrape_is_text_0_0_4_whatever_the_scraper_accepts(serve: ServeFac
 # -- Retry-After ---------------------------------------------------------------------------
 
 
-async def test_retry_after_is_time_to_fall_below_the_bound_at_the_recent_rate(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """``ceil((depth - bound + 1) / rate)`` with the rate of the last RATE_WINDOW s, at
-    least 1 and at most RETRY_AFTER_MAX; RATE_WINDOW when nothing finished recently;
-    finishes older than the window are dropped."""
-    metrics = ModelMetrics(ModelRuntime(make_settings().deployments[0]))
-    start = trio.current_time()
-
-    def estimate(now: float, finishes: list[float], depth: int, bound: int) -> int:
-        """The estimate ``now`` seconds after the runtime started, with requests finished
-        at ``finishes`` (seconds after the start)."""
-        metrics.runtime.epoch = start - now
-        metrics.recent = deque(start - now + t for t in finishes)
-        return metrics.retry_after(depth, bound)
-
-    twenty = [90.5 + i * 0.5 for i in range(20)]  # 2 per second over the last 10 s
-    assert estimate(100.0, twenty, 8, 8) == 1  # one completion needed: 0.5 s -> 1
-    assert estimate(100.0, twenty, 12, 8) == 3  # five completions: 2.5 s -> 3
-    five = [91.0, 93.0, 95.0, 97.0, 99.0]  # 0.5 per second
-    assert estimate(100.0, five, 8, 8) == 2
-    assert estimate(100.0, five, 10, 8) == 6
-    assert estimate(100.0, [50.0, 60.0], 8, 8) == math.ceil(RATE_WINDOW)  # all too old
-    assert estimate(100.0, [], 8, 8) == math.ceil(RATE_WINDOW)
-    assert estimate(100.0, [99.0], 200, 8) == RETRY_AFTER_MAX
-    # a model younger than the window measures its rate since it started
-    assert estimate(4.0, [1.0, 2.0, 3.0, 3.5], 4, 4) == 1
-    assert estimate(4.0, [3.5], 4, 4) == 4
-
-
 async def test_529_and_503_carry_retry_after(
     serve: ServeFactory, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """A 529 carries the estimate (an integer >= 1) with x-should-retry: false; a 503 and
-    an unhealthy /health carry RETRY_AFTER_UNAVAILABLE."""
+    """A 529 carries the runtime's estimate (an integer >= 1) with x-should-retry: false;
+    a 503 and an unhealthy /health carry RETRY_AFTER_UNAVAILABLE."""
     async with serve(make_settings(max_num_seqs=1, max_waiting=1)) as s:
-        for _ in range(3):  # some completions, so the rate is measured
-            assert (
-                await s.post("/v1/chat/completions", chat_body(max_tokens=4))
-            ).status_code == 200
         async with s.stream(chat_body(max_tokens=40, stream=True)) as running:
             while not running.token_times():
                 assert await running.next_chunk() is not None
@@ -380,8 +342,7 @@ async def test_529_and_503_carry_retry_after(
                 assert response.headers["x-should-retry"] == "false"
                 retry = response.headers["retry-after"]
                 assert retry.isdigit() and int(retry) >= 1
-                expected = s.state.metrics.models[GPT].retry_after(1, 1)
-                assert int(retry) == expected
+                assert int(retry) == s.runtime().retry_after()
                 await queued.read_all()
             await running.read_all()
         s.runtime().stop()

@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 from inference_lab.core.roofline import Roofline
-from inference_lab.runtime.model import EngineUnavailable, ModelRuntime, QueueFull
+from inference_lab.runtime.model import EngineUnavailable, ModelRuntime
 from tests.conftest import GPT, LLAMA, ServeFactory, Stream, chat_body, make_settings
 
 P = 5
@@ -112,31 +112,6 @@ async def test_burst_admits_exactly_max_waiting_and_refuses_the_rest(
         assert rt.snapshot().refused == burst - bound
 
 
-def test_pending_counts_a_burst_before_the_engine_steps(autojump_clock: Any) -> None:
-    """A burst that lands before the engine's next step is refused past max_waiting even
-    with free batch slots: pending counts arrivals not yet stepped."""
-
-    async def main() -> None:
-        rt = ModelRuntime(make_settings(max_waiting=3).deployments[0])
-        async with trio.open_nursery() as nursery:
-            await nursery.start(rt.run)
-            outcomes = []
-            for _ in range(5):
-                try:
-                    rt.admit_nowait(prompt_tokens=5, max_tokens=2, priority=0, sink=NullSink())
-                    outcomes.append("ok")
-                except QueueFull as exc:
-                    outcomes.append(f"529 {exc.depth}/{exc.max_waiting}")
-            assert outcomes == ["ok", "ok", "ok", "529 3/3", "529 3/3"]
-            assert (rt.snapshot().pending, rt.snapshot().waiting) == (3, 0)
-            await trio.testing.wait_all_tasks_blocked()
-            # stepped into the engine: pending slots released, running now (free slots)
-            assert (rt.snapshot().pending, rt.snapshot().running) == (0, 3)
-            rt.stop()
-
-    trio.run(main, clock=autojump_clock)
-
-
 async def test_depth_never_breathes_while_arrivals_move_into_the_queue(
     serve: ServeFactory, autojump_clock: trio.testing.MockClock
 ) -> None:
@@ -185,7 +160,14 @@ async def test_unbounded_queue_never_refuses_and_reports_true_depth(
                 await settle()
                 status, body = await s.get_json("/control/capacity")
                 assert body == [
-                    {"model": GPT, "max_waiting": 0, "max_num_seqs": 1, "waiting": 25, "running": 1}
+                    {
+                        "model": GPT,
+                        "max_waiting": 0,
+                        "max_num_seqs": 1,
+                        "waiting": 25,
+                        "queued": 25,
+                        "running": 1,
+                    }
                 ]
                 await running.read_all()
         assert [st.status for st in streams] == [200] * 25
@@ -255,7 +237,14 @@ async def test_lowering_max_num_seqs_drains_without_evicting(
             response = await s.post("/control/capacity", {"max_num_seqs": 2})
             body = json.loads(await response.get_data())
             assert body == [
-                {"model": GPT, "max_waiting": 0, "max_num_seqs": 2, "waiting": 2, "running": 4}
+                {
+                    "model": GPT,
+                    "max_waiting": 0,
+                    "max_num_seqs": 2,
+                    "waiting": 2,
+                    "queued": 2,
+                    "running": 4,
+                }
             ]
             trio.lowlevel.add_instrument(watch)
         trio.lowlevel.remove_instrument(watch)
@@ -302,7 +291,14 @@ async def test_capacity_changes_show_at_once_on_an_idle_server(
         response = await s.post("/control/capacity", {"max_num_seqs": 7, "max_waiting": 3})
         assert response.status_code == 200
         expected = [
-            {"model": name, "max_waiting": 3, "max_num_seqs": 7, "waiting": 0, "running": 0}
+            {
+                "model": name,
+                "max_waiting": 3,
+                "max_num_seqs": 7,
+                "waiting": 0,
+                "queued": 0,
+                "running": 0,
+            }
             for name in (GPT, LLAMA)
         ]
         assert json.loads(await response.get_data()) == expected
@@ -310,7 +306,14 @@ async def test_capacity_changes_show_at_once_on_an_idle_server(
         assert s.runtime(LLAMA).engine.max_num_seqs == 7
         response = await s.post("/control/capacity", {"model": LLAMA, "max_num_seqs": 2})
         assert json.loads(await response.get_data()) == [
-            {"model": LLAMA, "max_waiting": 3, "max_num_seqs": 2, "waiting": 0, "running": 0}
+            {
+                "model": LLAMA,
+                "max_waiting": 3,
+                "max_num_seqs": 2,
+                "waiting": 0,
+                "queued": 0,
+                "running": 0,
+            }
         ]
         response = await s.post("/control/capacity", {})
         assert [e["max_num_seqs"] for e in json.loads(await response.get_data())] == [7, 2]
@@ -321,9 +324,16 @@ async def test_capacity_get_shape(serve: ServeFactory) -> None:
         status, body = await s.get_json("/control/capacity")
     assert status == 200
     assert body == [
-        {"model": GPT, "max_waiting": 64, "max_num_seqs": 256, "waiting": 0, "running": 0}
+        {
+            "model": GPT,
+            "max_waiting": 64,
+            "max_num_seqs": 256,
+            "waiting": 0,
+            "queued": 0,
+            "running": 0,
+        }
     ]
-    assert list(body[0]) == ["model", "max_waiting", "max_num_seqs", "waiting", "running"]
+    assert list(body[0]) == ["model", "max_waiting", "max_num_seqs", "waiting", "queued", "running"]
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -67,7 +68,8 @@ _ARRIVAL, _BOUNDARY = 0, 1
 class RequestSpec:
     """What the caller asks for. ``target`` is where each sequence really stops (hidden
     from the scheduler); None means it runs to ``max_tokens``. ``n`` is the number of
-    sequences (choices) sharing the prompt."""
+    sequences (choices) sharing the prompt. ``worker`` is the replica the caller already
+    routed it to (:meth:`Engine.route`); None lets the router choose when it arrives."""
 
     prompt_tokens: int
     max_tokens: int
@@ -75,6 +77,7 @@ class RequestSpec:
     priority: int = 0
     arrival_time: float = 0.0
     n: int = 1
+    worker: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -155,6 +158,24 @@ class WorkerStatistics:
 
 
 @attrs.frozen(kw_only=True)
+class QueueView:
+    """One worker as its admission sees it, from :meth:`Engine.queue_views`.
+
+    Attributes:
+      running_seqs: running sequences.
+      max_num_seqs: the cap on running sequences in force.
+      free_blocks: free KV blocks.
+      queued: per queued request, in the order the scheduler admits them: its sequences
+        and the blocks its first prefill chunk takes when admitted.
+    """
+
+    running_seqs: int
+    max_num_seqs: int
+    free_blocks: int
+    queued: tuple[tuple[int, int], ...]
+
+
+@attrs.frozen(kw_only=True)
 class EngineStatistics:
     """A snapshot of the whole engine, from :meth:`Engine.statistics`.
 
@@ -213,6 +234,7 @@ class _Request:
         "queue_key",
         "stamp",
         "n",
+        "hint",
     )
 
     def __init__(self, rid: int, spec: RequestSpec, arrival: float, target: int) -> None:
@@ -224,6 +246,7 @@ class _Request:
         self.priority = spec.priority
         self.arrival = arrival
         self.stamp = spec.arrival_time  # the caller's arrival time (may precede ``arrival``)
+        self.hint = spec.worker  # the worker the caller routed it to, if it did
         self.computed = 0
         self.output = 0
         self.first_token_time = -1.0
@@ -296,6 +319,13 @@ class _WaitQueue:
         r: _Request = heapq.heappop(self.heap)[-1]
         return r
 
+    def in_order(self) -> list[_Request]:
+        """The queued requests in the order the scheduler admits them."""
+        if self.policy == "fcfs":
+            return [*self.front, *self.fifo]
+        live = sorted(e for e in self.heap if e[-1].id not in self.removed)
+        return [*self.front, *(e[-1] for e in live)]
+
     def remove(self, r: _Request) -> None:
         if r in self.front:
             self.front.remove(r)
@@ -334,6 +364,7 @@ class _Worker:
         # The step in flight (when ``batch``): its start, its price's terms, the token
         # budget it left unused and its pass mark, so a late arrival can join it.
         self.step_start = 0.0
+        self.step_end = 0.0
         self.step_terms: BatchTerms | None = None
         self.step_budget = 0
         self.step_mark = 0
@@ -342,6 +373,12 @@ class _Worker:
         if self.private:
             return self.roofline.blocks_for(positions)
         return -(-positions // self.block_size)
+
+    def first_chunk_blocks(self, r: _Request | None, prompt_tokens: int) -> int:
+        """Blocks the first prefill chunk of a request takes when it is admitted (``r``
+        queued, or a new request of ``prompt_tokens``)."""
+        left = self._stage(r, 0)[0] if r is not None else prompt_tokens
+        return self.blocks_for(min(left, self.budget, self.chunk_cap))
 
     def group_blocks(self, r: _Request, positions: int) -> int:
         """Blocks a request holding ``positions`` positions per sequence needs (Rule 4)."""
@@ -605,6 +642,8 @@ class Engine:
         target = spec.max_tokens if spec.target is None else spec.target
         if not 1 <= target <= spec.max_tokens:
             raise ValueError(f"target must be in 1..max_tokens, got {target}")
+        if spec.worker is not None and not 0 <= spec.worker < len(self.workers):
+            raise ValueError(f"worker must be in 0..{len(self.workers) - 1}, got {spec.worker}")
         refused = self.check_fits(spec.prompt_tokens, spec.max_tokens, spec.n)
         if refused is not None:
             raise refused
@@ -662,15 +701,77 @@ class Engine:
             not w.running and not w.waiting.count for w in self.workers
         )
 
-    def _route(self) -> _Worker:
+    def _route(self, extra: Sequence[int] | None = None) -> _Worker:
+        """The router's choice; ``extra`` counts requests routed to each worker that have
+        not arrived yet (the serving layer routes at admission: :meth:`route`)."""
         workers = self.workers
         if len(workers) == 1:
             return workers[0]
         if self._router == "least_loaded":
-            return min(workers, key=lambda w: (len(w.running) + w.waiting.count, w.index))
+            if extra is None:
+                return min(workers, key=lambda w: (len(w.running) + w.waiting.count, w.index))
+            return min(
+                workers,
+                key=lambda w: (len(w.running) + w.waiting.count + extra[w.index], w.index),
+            )
         w = workers[self._rr % len(workers)]
         self._rr += 1
         return w
+
+    # ------------------------------------------------------------------ admission ledger
+    def route(self, extra: Sequence[int], *, advance: bool = True) -> int:
+        """Route a request now, before it is submitted (its :class:`RequestSpec` then
+        carries the worker): the router's choice with ``extra[i]`` requests already routed
+        to worker ``i`` and not yet arrived. A round robin advances unless ``advance`` is
+        False (a look at the choice). For the serving layer, whose admission must know the
+        worker a request will wait on."""
+        rr = self._rr
+        index = self._route(extra).index
+        if not advance:
+            self._rr = rr
+        return index
+
+    def first_chunk_blocks(self, prompt_tokens: int) -> int:
+        """Blocks a new request's first prefill chunk takes when it is admitted."""
+        return self.workers[0].first_chunk_blocks(None, prompt_tokens)
+
+    def queue_views(self) -> tuple[QueueView, ...]:
+        """Each worker's running sequences, cap, free blocks and waiting queue in admission
+        order (:class:`QueueView`), for the serving layer's admission ledger. Pure;
+        O(queued requests)."""
+        return tuple(
+            QueueView(
+                running_seqs=w.running_seqs,
+                max_num_seqs=w.max_num_seqs,
+                free_blocks=w.free_blocks,
+                queued=tuple(
+                    (r.n, w.first_chunk_blocks(r, r.prompt)) for r in w.waiting.in_order()
+                ),
+            )
+            for w in self.workers
+        )
+
+    def time_to_next_finish(self, now: float) -> float | None:
+        """Seconds from ``now`` (simulated time, at or after the last event handled) until
+        the first running request is expected to finish, at each worker's current step
+        time: the rest of the step in flight, then one step per prefill chunk and per
+        token it has left (its hidden length, as the simulation knows it). None when
+        nothing runs."""
+        best: float | None = None
+        for w in self.workers:
+            if not w.running or not w.batch:
+                continue
+            step = w.step_end - w.step_start
+            chunk = min(w.budget, w.chunk_cap)
+            for r in w.running:
+                out = r.output
+                prefill_len = r.prompt + (out - 1 if out > 1 else 0)
+                left = max(0, prefill_len - r.computed)
+                steps = -(-left // chunk) + r.target - max(out, 1)
+                eta = max(0.0, w.step_end - now) + max(0, steps - 1) * step
+                if best is None or eta < best:
+                    best = eta
+        return best
 
     def step(self) -> StepEvents:
         """Handle the earliest event and return what became visible at its time."""
@@ -683,7 +784,8 @@ class Engine:
         if kind == _ARRIVAL:
             r: _Request = payload
             self._pending -= 1
-            w = self._route()
+            hint = r.hint
+            w = self._route() if hint is None else self.workers[hint]
             r.worker = w.index
             r.state = _WAITING
             w.waiting.push(r)
@@ -715,6 +817,7 @@ class Engine:
         cost = self.roofline.price(terms)
         w.boundary_seq = next(self._seq)
         end = w.step_start + cost.seconds * self.step_time_factor
+        w.step_end = end
         heapq.heappush(self._heap, (end, w.boundary_seq, _BOUNDARY, w))
 
     def _boundary(self, w: _Worker, now: float) -> StepEvents:
@@ -772,6 +875,7 @@ class Engine:
             duration = cost.seconds * self.step_time_factor
             w.batch = batch
             w.step_start, w.step_terms = now, terms
+            w.step_end = now + duration
             w.boundary_seq = next(self._seq)
             heapq.heappush(self._heap, (now + duration, w.boundary_seq, _BOUNDARY, w))
             self._steps += 1

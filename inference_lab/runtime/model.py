@@ -24,13 +24,11 @@ Rule 2: the engine does not run ahead of wall-clock: ``engine.step()`` is called
         the lateness is recorded as pacing lag).
 Rule 3: an arrival is stamped with wall-clock time; an idle engine's clock is first moved
         up to it, so a request into a long-idle server is paced like one under load.
-Rule 4: admission is one synchronous function with no checkpoint: engine alive, then
-        ``depth = waiting + pending`` against ``max_waiting``, then ``pending += 1`` and a
-        ``send_nowait`` into the engine task. Each handle holds at most one pending slot
-        and gives it back exactly once (stepped into a waiting queue, aborted, failed
-        send, engine stopped), so ``pending`` never goes below zero. When the engine
-        steps arrivals into a waiting queue the new waiting count is published first and
-        their slots are released second: a reader can over-count, never under-count.
+Rule 4: admission is one synchronous function with no checkpoint: engine alive, then a
+        seat or a waiting place from the admission ledger (:mod:`.admission`: refused
+        only when there is neither), then a ``send_nowait`` into the engine task. Each
+        handle is pending in the ledger at most once and leaves it exactly once (stepped
+        into a waiting queue, aborted, failed send, engine stopped).
 Rule 5: the engine never awaits a client: it hands tokens to a per-request
         :class:`RequestSink` by synchronous calls; a slow reader's frames wait in its own
         buffer. Aborts are synchronous too (they run from cleanup code that cannot await).
@@ -55,6 +53,7 @@ import trio
 from inference_lab.core.config import Deployment
 from inference_lab.core.engine import Engine, EngineStatistics, Finished, RequestSpec, StepEvents
 from inference_lab.errors import EngineUnavailable, QueueFull, RequestRefused
+from inference_lab.runtime.admission import Admission
 from inference_lab.runtime.timer import Timer
 
 __all__ = [
@@ -84,6 +83,8 @@ MAX_EARLY = 0.00025
 #: of this gain, whose first samples are averaged evenly (gain 1/k for the k-th) so that a
 #: fresh runtime is calibrated after a few wake-ups.
 EARLY_GAIN = 0.05
+#: The largest ``Retry-After`` of a refusal, in seconds.
+RETRY_AFTER_MAX = 60
 #: Seconds of wall-clock over which the pacing lag's p99 is checked.
 LAG_WINDOW = 1.0
 #: A window whose pacing-lag p99 exceeds this many seconds logs a warning ... On a
@@ -126,14 +127,18 @@ class RuntimeObserver(Protocol):
 
     def on_refused(self, reason: Literal["queue_saturated", "engine_unavailable"]) -> None: ...
 
+    def on_aborted(self) -> None: ...
+
 
 @attrs.frozen(kw_only=True)
 class RuntimeSnapshot:
     """What the HTTP layer may know about a model, published after every change.
 
     ``waiting`` counts requests in the engine's waiting queues; ``pending`` the arrivals
-    admitted but not yet stepped into one; ``depth`` (their sum) is what ``max_waiting``
-    bounds. Pacing lag (seconds) is how late engine events were handled.
+    admitted but not yet stepped into one (``queued`` is their sum); ``depth`` those of
+    them holding waiting places, not seats (what ``max_waiting`` bounds). Pacing lag
+    (seconds) is how late engine events were handled. A stopped engine reports nothing
+    running, waiting or pending.
     """
 
     #: The model's name.
@@ -144,6 +149,9 @@ class RuntimeSnapshot:
     waiting: int
     #: Arrivals admitted by the HTTP layer that the engine has not yet queued.
     pending: int
+    #: Queued requests holding waiting places (:mod:`.admission`). With no bound, an
+    #: estimate: those queued beyond the free seats.
+    depth: int
     #: Requests running (summed over workers).
     running: int
     #: The per-worker cap on running sequences in force.
@@ -154,6 +162,9 @@ class RuntimeSnapshot:
     admitted: int
     #: Requests refused with 529 since the runtime was built.
     refused: int
+    #: Admitted requests ended before they finished (their client left, or a fault
+    #: ended them) since the runtime was built.
+    aborted: int
     #: Engine events handled (each one's pacing lag is recorded).
     events: int
     #: The largest pacing lag so far (seconds).
@@ -162,8 +173,8 @@ class RuntimeSnapshot:
     lag_mean: float
 
     @property
-    def depth(self) -> int:
-        """What ``max_waiting`` bounds: ``waiting + pending``."""
+    def queued(self) -> int:
+        """Requests admitted and not running: ``waiting + pending``."""
         return self.waiting + self.pending
 
 
@@ -266,6 +277,7 @@ class _Tick:
 
 _TICK = _Tick()
 _UNSENT = object()
+_NO_SPEC = RequestSpec(prompt_tokens=1, max_tokens=1)  # a handle's until admission sets it
 
 
 class ModelRuntime:
@@ -289,8 +301,7 @@ class ModelRuntime:
         self.epoch = 0.0
         self._output_lengths = output_lengths
         self._rng = rng if rng is not None else np.random.default_rng(0)
-        self._max_waiting = deployment.scheduler.max_waiting
-        self._pending = 0
+        self._admission = Admission(self.engine, deployment.scheduler.max_waiting)
         self._live: dict[RequestHandle, None] = {}  # admitted, not done (insertion order)
         self._by_id: dict[int, RequestHandle] = {}  # submitted to the engine, not done
         self._inbox_send, self._inbox_recv = trio.open_memory_channel[_Arrival | _Tick](math.inf)
@@ -308,6 +319,7 @@ class ModelRuntime:
         self._cancel_scope: trio.CancelScope | None = None
         self._admitted = 0
         self._refused = 0
+        self._aborted = 0
         self._lag_count = 0
         self._lag_sum = 0.0
         self._lag_max = 0.0
@@ -325,16 +337,27 @@ class ModelRuntime:
     # ------------------------------------------------------------------ snapshots
     def _make_snapshot(self) -> RuntimeSnapshot:
         engine = self.engine
+        admission = self._admission
+        admission.changed()
+        alive = self._alive
+        waiting = engine.num_waiting() if alive else 0
+        pending = admission.pending
+        if admission.max_waiting:
+            depth = admission.depth()
+        else:
+            depth = max(0, waiting + pending - admission.free_seats())
         return RuntimeSnapshot(
             model=self.name,
-            alive=self._alive,
-            waiting=engine.num_waiting(),
-            pending=self._pending,
-            running=engine.num_running(),
+            alive=alive,
+            waiting=waiting,
+            pending=pending,
+            depth=depth if alive else 0,
+            running=engine.num_running() if alive else 0,
             max_num_seqs=engine.max_num_seqs,
-            max_waiting=self._max_waiting,
+            max_waiting=admission.max_waiting,
             admitted=self._admitted,
             refused=self._refused,
+            aborted=self._aborted,
             events=self._lag_count,
             lag_max=self._lag_max,
             lag_mean=self._lag_sum / self._lag_count if self._lag_count else 0.0,
@@ -414,9 +437,9 @@ class ModelRuntime:
         """The single entry into the engine. Synchronous, no checkpoint.
 
         Raises :class:`EngineUnavailable` when the engine task is not running, then
-        :class:`QueueFull` when ``max_waiting`` is set and the depth has reached it.
-        Otherwise takes a pending slot, stamps the arrival (``arrival``, the trio time at
-        which the server received the request, or now), draws the response length
+        :class:`QueueFull` when the request has neither a seat nor a waiting place
+        (:mod:`.admission`). Otherwise routes it, stamps the arrival (``arrival``, the trio
+        time at which the server received the request, or now), draws the response length
         (``--workload``; at most ``limit``, where a stop string ends the output, and
         ``max_tokens``) and queues the arrival of its ``n`` sequences for the engine task.
         """
@@ -424,28 +447,30 @@ class ModelRuntime:
             if self.observer is not None:
                 self.observer.on_refused("engine_unavailable")
             raise EngineUnavailable(self.name)
-        depth = self._snapshot.waiting + self._pending
-        if self._max_waiting and depth >= self._max_waiting:
+        handle = RequestHandle(runtime=self, spec=_NO_SPEC, sink=sink)
+        claim = self._admission.admit(handle, prompt_tokens, n)
+        if claim is None:
             self._refused += 1
             self._publish()
             if self.observer is not None:
                 self.observer.on_refused("queue_saturated")
-            raise QueueFull(self.name, depth, self._max_waiting)
+            raise QueueFull(
+                self.name, self._snapshot.depth, self._admission.max_waiting, self.retry_after()
+            )
         cap = max_tokens if limit is None else min(limit, max_tokens)
         target = cap if cap < max_tokens else None
         if self._output_lengths is not None:
             sample = int(self._output_lengths.sample(self._rng, 1)[0])
             target = max(1, min(sample, cap))
-        spec = RequestSpec(
+        handle.spec = RequestSpec(
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             target=target,
             priority=priority,
             n=n,
             arrival_time=(trio.current_time() if arrival is None else arrival) - self.epoch,
+            worker=claim.worker,
         )
-        handle = RequestHandle(runtime=self, spec=spec, sink=sink)
-        self._pending += 1
         try:
             self._inbox_send.send_nowait(_Arrival(handle))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -469,14 +494,24 @@ class ModelRuntime:
         if max_num_seqs is not None:
             self.engine.set_max_num_seqs(max_num_seqs)
         if max_waiting is not None:
-            self._max_waiting = max_waiting
+            self._admission.set_max_waiting(max_waiting)
         self._publish()
+
+    def retry_after(self) -> int:
+        """A refusal's ``Retry-After``: whole seconds, 1 to :data:`RETRY_AFTER_MAX`, until
+        one waiting place is expected to free -- when the first running request finishes
+        (a seat frees, the head of the queue takes it), at the engine's current step
+        times (:meth:`Engine.time_to_next_finish`)."""
+        now = trio.current_time() - self.epoch if self._started else self.engine.now
+        eta = self.engine.time_to_next_finish(now)
+        if eta is None:
+            return 1
+        return max(1, min(RETRY_AFTER_MAX, math.ceil(eta)))
 
     def _release_slot(self, handle: RequestHandle) -> None:
         if handle.holds_slot:
             handle.holds_slot = False
-            if self._pending > 0:
-                self._pending -= 1
+            self._admission.release(handle)
 
     def _close(self, handle: RequestHandle) -> None:
         """Abort ``handle`` if it is still live (idempotent; called by RequestHandle)."""
@@ -485,6 +520,9 @@ class ModelRuntime:
         handle.state = "aborted"
         self._live.pop(handle, None)
         self._release_slot(handle)
+        self._aborted += 1
+        if self.observer is not None:
+            self.observer.on_aborted()
         rid = handle.request_id
         if rid is not None:
             self._by_id.pop(rid, None)
@@ -554,6 +592,7 @@ class ModelRuntime:
         for handle in live:
             handle.state = "failed"
             self._release_slot(handle)
+        self._admission.clear()
         self._publish()
         self._taken.unpark_all()
         for handle in live:

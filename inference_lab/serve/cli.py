@@ -138,6 +138,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="comma-separated browser origins (scheme://host[:port], or *) answered with "
         "CORS headers and preflights (default: $INFERENCE_LAB_ALLOWED_ORIGINS; none)",
     )
+    parser.add_argument(
+        "--no-should-retry-header",
+        action="store_true",
+        help="leave 'x-should-retry: false' off 529 answers, so the OpenAI SDK retries them "
+        "under its max_retries (default: sent; see docs/saturation.md)",
+    )
     _add_hardening_flags(parser)
     return parser
 
@@ -248,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
             default_max_tokens=default_max_tokens or DEFAULT_MAX_TOKENS,
             tokenizer=args.tokenizer,
             enable_test_harness=bool(args.enable_test_harness),
+            should_retry_header=not getattr(args, "no_should_retry_header", False),
             control_token=args.control_token or os.environ.get(CONTROL_TOKEN_ENV) or None,
             body_timeout=args.body_timeout,
             api_key=getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None,

@@ -277,7 +277,7 @@ async def complete(
             if isinstance(sink, StreamSink):
                 sink.last = handle.length  # below it, tokens are mid-stream (streaming Rule 7)
         except (ApiError, QueueFull, EngineUnavailable) as exc:
-            reply = error_reply(exc, retry_after=state.metrics.retry_after(exc))
+            reply = error_reply(exc, should_retry_header=state.settings.should_retry_header)
             await send_reply(send, reply, exchange.headers)
             return
         server = connection_server(send)

@@ -1,4 +1,4 @@
-"""``GET /metrics``: the Prometheus side of the serve app, and the ``Retry-After`` estimate.
+"""``GET /metrics``: the Prometheus side of the serve app.
 
 Each served model gets a :class:`ModelMetrics`, the :class:`RuntimeObserver` of its runtime;
 :class:`ServeMetrics` holds them and the app's own ``prometheus_client`` registry (never the
@@ -17,16 +17,13 @@ Rule 3: names, types and histogram buckets are vLLM's (``vllm:*``, label ``model
         the latency histograms carry the engine's simulated times (``Finished``), i.e. the
         model's prediction, not times measured at the socket. Our own series are
         ``inference_lab:*``.
-Rule 4: a refusal's ``Retry-After`` is :meth:`ModelMetrics.retry_after`: the seconds until
-        the admission depth is expected to fall below ``max_waiting`` at the completion
-        rate of the last ``RATE_WINDOW`` seconds, an integer in ``[1, RETRY_AFTER_MAX]``.
+Rule 4: a model whose engine stopped reports nothing running, waiting or cached (its
+        gauges are 0, ``inference_lab:engine_alive`` is 0); its counters keep their values.
 """
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_left
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal
 
@@ -42,16 +39,13 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_late
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from inference_lab.core.engine import Finished, StepEvents
-from inference_lab.errors import QueueFull
+from inference_lab.core.engine import EngineStatistics, Finished, StepEvents
 from inference_lab.runtime.model import ModelRuntime
 
 __all__ = [
     "E2E_BUCKETS",
     "ITL_BUCKETS",
     "LAG_BUCKETS",
-    "RATE_WINDOW",
-    "RETRY_AFTER_MAX",
     "TTFT_BUCKETS",
     "ModelMetrics",
     "ServeMetrics",
@@ -80,16 +74,11 @@ LAG_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 )  # fmt: skip
 
-#: Seconds of recent completions the ``Retry-After`` estimate's rate is measured over; with
-#: none in that window the estimate is the window itself.
-RATE_WINDOW = 10.0
-#: The largest ``Retry-After`` sent, in seconds.
-RETRY_AFTER_MAX = 60
-
 Reason = Literal["queue_saturated", "engine_unavailable"]
 REJECT_REASONS: tuple[Reason, ...] = ("queue_saturated", "engine_unavailable")
-#: Finish reasons exported (at 0) before any request finished with them.
-FINISH_REASONS = ("stop", "length")
+#: Finish reasons exported (at 0) before any request finished with them: vLLM's, with
+#: ``abort`` for a request whose client left (or that was cancelled) before it finished.
+FINISH_REASONS = ("stop", "length", "abort")
 _LABEL = ["model_name"]
 
 
@@ -155,8 +144,6 @@ class ModelMetrics:
         self.generation_hist = Histogram(token_buckets(max_len))
         self.iteration = Histogram(ITERATION_BUCKETS)
         self.lag = Histogram(LAG_BUCKETS)
-        #: When requests finished (trio time) in the last RATE_WINDOW seconds, oldest first.
-        self.recent: deque[float] = deque()
 
     # -- the engine task (RuntimeObserver) ---------------------------------------------
     def on_step(self, events: StepEvents, lag: float) -> None:
@@ -165,13 +152,10 @@ class ModelMetrics:
         if step is not None:
             self.iteration.observe(step.num_tokens)
             self.preemptions += step.preempted
-        if events.finished:
-            # wall-clock (trio) time, not the engine's: the rate survives an engine restart
-            now = trio.current_time()
-            for finished in events.finished:
-                self._finished(finished, now)
+        for finished in events.finished:
+            self._finished(finished)
 
-    def _finished(self, f: Finished, now: float) -> None:
+    def _finished(self, f: Finished) -> None:
         generated = f.output_tokens * f.n
         self.prompt_tokens += f.prompt_tokens
         self.generation_tokens += generated
@@ -186,31 +170,13 @@ class ModelMetrics:
             # its output_tokens - 1 gaps are observed at their mean (sum and count exact).
             gaps = f.output_tokens - 1
             self.itl.observe((f.finish_time - f.first_token_time) / gaps, gaps * f.n)
-        recent = self.recent
-        recent.append(now)
-        horizon = now - RATE_WINDOW
-        while recent[0] < horizon:
-            recent.popleft()
+
+    def on_aborted(self) -> None:
+        self.success["abort"] += 1
 
     # -- the HTTP side -------------------------------------------------------------------
     def on_refused(self, reason: Reason) -> None:
         self.rejected[reason] += 1
-
-    def retry_after(self, depth: int, bound: int) -> int:
-        """Seconds until ``depth`` is expected below ``bound`` (Rule 4): each completion
-        lets one waiting request into the batch, so ``depth - bound + 1`` completions
-        must happen, at the rate of the last RATE_WINDOW seconds (or since the model's
-        runtime started, if that is shorter)."""
-        now = trio.current_time()
-        recent = self.recent
-        while recent and recent[0] < now - RATE_WINDOW:
-            recent.popleft()
-        elapsed = min(RATE_WINDOW, now - self.runtime.epoch)
-        if not recent or elapsed <= 0.0:
-            seconds = RATE_WINDOW
-        else:
-            seconds = max(1, depth - bound + 1) * elapsed / len(recent)
-        return max(1, min(RETRY_AFTER_MAX, math.ceil(seconds)))
 
 
 def _histogram(
@@ -232,7 +198,11 @@ class _Collector:
         models = self.metrics.models
         rows = []
         for name, m in models.items():
-            rows.append((name, m, m.runtime.snapshot(), m.runtime.engine.statistics()))
+            snap = m.runtime.snapshot()
+            rows.append((name, m, snap, m.runtime.engine.statistics() if snap.alive else None))
+
+        def kv_usage(eng: EngineStatistics | None) -> float:
+            return eng.kv_usage if eng is not None else 0.0
 
         def gauge(name: str, documentation: str, values: list[float]) -> GaugeMetricFamily:
             family = GaugeMetricFamily(name, documentation, labels=_LABEL)
@@ -253,20 +223,25 @@ class _Collector:
         )
         yield gauge(
             "vllm:num_requests_waiting",
-            "Number of requests waiting to be scheduled: the admission depth (waiting plus "
-            "admitted but not yet stepped), which max_waiting bounds.",
+            "Number of requests waiting to be scheduled (admitted, not yet running).",
+            [snap.queued for _, _, snap, _ in rows],
+        )
+        yield gauge(
+            "inference_lab:waiting_places",
+            "Queued requests holding waiting places rather than seats in the batch: what "
+            "max_waiting bounds.",
             [snap.depth for _, _, snap, _ in rows],
         )
         yield gauge(
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",
-            [eng.kv_usage for _, _, _, eng in rows],
+            [kv_usage(eng) for _, _, _, eng in rows],
         )
         yield gauge(
             "vllm:gpu_cache_usage_perc",
             "GPU KV-cache usage. 1 means 100 percent usage. "
             "DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
-            [eng.kv_usage for _, _, _, eng in rows],
+            [kv_usage(eng) for _, _, _, eng in rows],
         )
         yield counter(
             "vllm:prompt_tokens",
@@ -307,7 +282,7 @@ class _Collector:
         yield rejected
         yield gauge(
             "inference_lab:max_waiting",
-            "The admission bound on vllm:num_requests_waiting (0 = unbounded).",
+            "The bound on inference_lab:waiting_places (0 = unbounded).",
             [snap.max_waiting for _, _, snap, _ in rows],
         )
         yield gauge(
@@ -408,12 +383,3 @@ class ServeMetrics:
             parts.append(generate_latest(_Family(family)))
             await trio.lowlevel.checkpoint()
         return b"".join(parts), CONTENT_TYPE_PLAIN_0_0_4
-
-    def retry_after(self, exc: BaseException) -> int | None:
-        """The ``Retry-After`` of a refusal: the estimate of Rule 4 for a 529, None
-        (the default of :func:`inference_lab.serve.responses.error_reply`) otherwise."""
-        if isinstance(exc, QueueFull):
-            metrics = self.models.get(exc.model)
-            if metrics is not None:
-                return metrics.retry_after(exc.depth, exc.max_waiting)
-        return None

@@ -103,21 +103,28 @@ def retry_after_header(seconds: int) -> tuple[bytes, bytes]:
 
 
 def error_reply(
-    exc: BaseException, *, method: str = "", path: str = "", retry_after: int | None = None
+    exc: BaseException,
+    *,
+    method: str = "",
+    path: str = "",
+    retry_after: int | None = None,
+    should_retry_header: bool = True,
 ) -> Reply:
     """The answer to ``exc``, raised while handling ``method path`` before any response
     started. Unknown exceptions are a 500 ``internal_error`` naming only their type.
 
-    A 529 or 503 carries ``Retry-After: retry_after`` (the caller's estimate, see
-    :meth:`inference_lab.serve.metrics.ServeMetrics.retry_after`), by default 1 s for a
-    529 and :data:`RETRY_AFTER_UNAVAILABLE` for a 503."""
+    A 529 carries ``Retry-After`` from the refusal's own estimate
+    (:meth:`ModelRuntime.retry_after`) and, unless ``should_retry_header`` is False,
+    ``x-should-retry: false``; a 503 carries ``Retry-After: retry_after``, by default
+    :data:`RETRY_AFTER_UNAVAILABLE`."""
     if isinstance(exc, ApiError):
         return Reply(exc.status, exc.body())
     if isinstance(exc, QueueFull):
         body = dumps(
             {"error": {"message": str(exc), "type": "overloaded_error", "code": "queue_saturated"}}
         )
-        headers = ((b"x-should-retry", b"false"), retry_after_header(retry_after or 1))
+        retry = retry_after_header(exc.retry_after)
+        headers = ((b"x-should-retry", b"false"), retry) if should_retry_header else (retry,)
         return Reply(529, body, headers)
     if isinstance(exc, EngineUnavailable):
         reply = _envelope(503, str(exc), "service_unavailable_error", "engine_unavailable", None)

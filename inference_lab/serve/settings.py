@@ -73,6 +73,9 @@ class ServeSettings:
     #: (model name, its ``[fault]`` table) for each model config that has one; these
     #: apply with the harness off too (the operator's choice, not a client's).
     faults: tuple[tuple[str, FaultConfig], ...] = ()
+    #: A 529 carries ``x-should-retry: false`` (the OpenAI SDK then does not retry it);
+    #: False omits the header, so the SDK's ``max_retries`` applies to 529s.
+    should_retry_header: bool = True
 
 
 def _default_config_path(config: str | os.PathLike[str]) -> Path:
@@ -100,6 +103,7 @@ def load_settings(
     api_key: str | None = None,
     allowed_origins: str | None = None,
     enable_test_harness: bool = False,
+    should_retry_header: bool = True,
     on_skip: Callable[[str], None] | None = None,
 ) -> ServeSettings:
     """Load the models to serve; raises ConfigError.
@@ -193,6 +197,7 @@ def load_settings(
         allowed_origins=origins,
         enable_test_harness=enable_test_harness,
         faults=tuple(faults),
+        should_retry_header=should_retry_header,
     )
 
 
@@ -277,7 +282,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
     ``INFERENCE_LAB_CONFIG``, ``_HARDWARE``, ``_MAX_WAITING``, ``_MAX_NUM_SEQS``,
     ``_WORKLOAD``, ``_SEED``, ``_DEFAULT_MAX_TOKENS``, ``_TOKENIZER``, ``_CONTROL_TOKEN``,
     ``_BODY_TIMEOUT``,
-    ``_API_KEY``, ``_ALLOWED_ORIGINS``, ``_ENABLE_TEST_HARNESS``."""
+    ``_API_KEY``, ``_ALLOWED_ORIGINS``, ``_ENABLE_TEST_HARNESS``,
+    ``_NO_SHOULD_RETRY_HEADER``."""
     env = os.environ if environ is None else environ
     enable_test_harness = _env_flag(env, "INFERENCE_LAB_ENABLE_TEST_HARNESS")
     default_max_tokens = _env_int(env, "INFERENCE_LAB_DEFAULT_MAX_TOKENS", 1)
@@ -295,5 +301,6 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
         api_key=env.get("INFERENCE_LAB_API_KEY") or None,
         allowed_origins=env.get("INFERENCE_LAB_ALLOWED_ORIGINS") or None,
         enable_test_harness=enable_test_harness,
+        should_retry_header=not _env_flag(env, "INFERENCE_LAB_NO_SHOULD_RETRY_HEADER"),
         on_skip=lambda line: print(f"inference-lab: {line}", file=sys.stderr),
     )

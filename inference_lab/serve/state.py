@@ -127,7 +127,7 @@ class ServeState:
         live = self.delivery.open
         for runtime in self.runtimes.values():
             snap = runtime.snapshot()
-            live += snap.depth + snap.running
+            live += snap.queued + snap.running
         return live
 
     def hurry(self) -> None:
@@ -148,7 +148,7 @@ class ServeState:
             # The runtimes publish no "idle" event: look again every DRAIN_POLL seconds.
             with trio.move_on_at(min(deadline, now + DRAIN_POLL)):
                 await self._hurry.wait()
-        ended = sum(rt.snapshot().depth + rt.snapshot().running for rt in self.runtimes.values())
+        ended = sum(rt.snapshot().queued + rt.snapshot().running for rt in self.runtimes.values())
         self.shutdown_message = SHUTDOWN_MESSAGE
         await self.stop()
         return ended
