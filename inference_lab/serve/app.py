@@ -10,11 +10,18 @@ Rule 1: one app object serves once (its runtimes run once); create a fresh app p
 Rule 2: this is the composition root: in a whole server process, serving starts with the
         warm-up (:mod:`inference_lab.serve.warmup`, on a throwaway state) and the garbage
         collector's tuning, then the runtimes; tests' apps share their process and skip both.
+Rule 3: a worker process of a plain hypercorn launch ends when hypercorn's parent
+        process dies (``PR_SET_PDEATHSIG``, Linux), so a ``kill -9`` of the parent leaves
+        no orphan serving on the port and holding it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import multiprocessing
+import os
+import signal
 import sys
 
 import attrs
@@ -24,7 +31,7 @@ from inference_lab.errors import ConfigError
 from inference_lab.serve.asgi import STATE_KEY, InferenceLabApp
 from inference_lab.serve.harness.core import register_harness_routes
 from inference_lab.serve.routes import register_routes
-from inference_lab.serve.settings import ServeSettings, settings_from_env
+from inference_lab.serve.settings import ServeSettings, settings_from_env, startup_warnings
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.transport.connection import install_receipt_hook
 from inference_lab.serve.warmup import warm_up
@@ -37,6 +44,28 @@ __all__ = ["GC_THRESHOLDS", "create_app"]
 #: its cost is per collection, and a stall of the loop each; what a request allocates dies
 #: by reference counting, so collections are made rare.
 GC_THRESHOLDS = (50_000, 20, 20)
+
+
+#: ``prctl`` option: the signal the kernel sends this process when its parent dies.
+PR_SET_PDEATHSIG = 1
+
+
+def exit_with_parent() -> bool:
+    """In a worker process that a parent spawned (hypercorn's workers: a multiprocessing
+    child), ask the kernel for SIGTERM when the parent dies (Rule 3); if it died already,
+    end now. True when the request was made. Linux only; elsewhere nothing happens."""
+    if sys.platform != "linux" or multiprocessing.parent_process() is None:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # the parent is gone already
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 async def _prepare_process(state: ServeState) -> None:
@@ -65,12 +94,15 @@ def create_app(
     if server_process is None:
         server_process = settings is None
     if settings is None:
+        exit_with_parent()
         try:
             settings = settings_from_env()
         except ConfigError as exc:
             # A plain hypercorn launch: one line, and the server does not start.
             print(f"inference-lab: error: {exc}", file=sys.stderr)
             raise SystemExit(1) from None
+        for line in startup_warnings(settings):
+            print(f"inference-lab: warning: {line}", file=sys.stderr)
     install_receipt_hook()  # serve/connection.py: arrival stamps, single writes
     app = InferenceLabApp(__name__)
     # OPTIONS is answered by the gate (CORS preflights from allowed origins) or is a 405,

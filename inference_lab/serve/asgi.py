@@ -14,6 +14,10 @@ Rule 3: the final ``http.response.body`` of a Quart route is shielded from cance
         unarmed). The completion routes shield their own final sends.
 Rule 4: a request Werkzeug refuses before Quart's error handlers exist (a ``Host`` it
         cannot bind) is answered with its error envelope too, never a bare 500.
+Rule 5: the app has no WebSocket endpoint: a WebSocket upgrade on any path is refused
+        with a 404 in the OpenAI error envelope (the ASGI ``websocket.http.response``
+        extension, which hypercorn offers), or closed where the server cannot answer
+        HTTP to it. Nothing is logged.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from inference_lab.serve.responses import (
     method_not_allowed_reply,
     send_reply,
     shutting_down_reply,
+    websocket_refused_reply,
 )
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.transport.connection import received_at
@@ -91,8 +96,31 @@ class LabHTTPConnection(TrioASGIHTTPConnection):
             nursery.cancel_scope.cancel()
 
 
+class NoWebSockets:
+    """The app's ASGI WebSocket connection: every upgrade is refused (Rule 5)."""
+
+    def __init__(self, app: Any, scope: Any) -> None:
+        self.scope = scope
+
+    async def __call__(self, receive: Any, send: Any) -> None:
+        message = await receive()
+        if message.get("type") != "websocket.connect":
+            return
+        path = str(self.scope.get("path", ""))
+        if "websocket.http.response" not in (self.scope.get("extensions") or {}):
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        reply = websocket_refused_reply(path)
+        headers = [(b"content-type", reply.content_type), *reply.headers]
+        await send(
+            {"type": "websocket.http.response.start", "status": reply.status, "headers": headers}
+        )
+        await send({"type": "websocket.http.response.body", "body": reply.body, "more_body": False})
+
+
 class InferenceLabApp(QuartTrio):
     """The serve app's class: a QuartTrio app whose HTTP connections are
-    :class:`LabHTTPConnection`."""
+    :class:`LabHTTPConnection` and which has no WebSocket endpoint (:class:`NoWebSockets`)."""
 
     asgi_http_class = LabHTTPConnection
+    asgi_websocket_class = NoWebSockets  # type: ignore[assignment]

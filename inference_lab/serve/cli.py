@@ -38,7 +38,7 @@ from inference_lab.serve.server import (
     serve_until_signalled,
     somaxconn,
 )
-from inference_lab.serve.settings import DEFAULT_BODY_TIMEOUT
+from inference_lab.serve.settings import DEFAULT_BODY_TIMEOUT, startup_warnings
 
 __all__ = ["add_parser", "run"]
 
@@ -278,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
             "POST /control/engine can kill, restart and slow down models",
             file=sys.stderr,
         )
+    for line in startup_warnings(settings, args.host):
+        print(f"{PROG}: warning: {line}", file=sys.stderr)
     cap = somaxconn()
     if cap is not None and cap < args.backlog:
         print(

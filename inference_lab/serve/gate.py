@@ -6,12 +6,16 @@ Rule 1: :func:`prepare` runs first for every request and decides the headers eve
 Rule 2: the checks run in a fixed order (path, CORS preflight, control token, API key,
         content type) and the first refusal answers; every refusal is a whole :class:`Reply` from
         :mod:`inference_lab.serve.responses`.
+Rule 3: the control plane (``/control/*``) answers CORS -- headers and preflights -- only
+        when the server has a control token: without one its only guard is that the
+        client is on loopback, which a page in a local browser is.
+Rule 4: the API key guards every path but :data:`OPEN_PATHS` and the control plane (which
+        has its own token).
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from collections.abc import Sequence
 
 from inference_lab.api.openai import new_request_id, random_hex
@@ -26,11 +30,15 @@ from inference_lab.serve.responses import (
     route_not_found_reply,
     unsupported_media_type_reply,
 )
+from inference_lab.serve.settings import is_loopback_host
 from inference_lab.serve.state import ServeState
 
 __all__ = ["check", "prepare"]
 
 
+#: Paths answered without the API key: liveness, version and metrics (scrapers and probes
+#: hold no key).
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 #: The longest client ``x-request-id`` echoed; a longer or unprintable one is replaced.
 MAX_REQUEST_ID = 128
 #: Response headers a browser page may read (``Access-Control-Expose-Headers``).
@@ -49,6 +57,17 @@ def _allowed_origin(allowed: Sequence[str], origin: bytes) -> bytes | None:
     if not origin.isascii():
         return None
     return origin if origin.decode().lower() in allowed else None
+
+
+def _is_control(path: str) -> bool:
+    return path.startswith("/control/") or path == "/control"
+
+
+def _cors_allowed(state: ServeState, exchange: Exchange) -> Sequence[str]:
+    """The origins this request may be answered with CORS for (Rule 3)."""
+    if state.settings.control_token is None and _is_control(exchange.path):
+        return ()
+    return state.settings.allowed_origins
 
 
 def prepare(state: ServeState, exchange: Exchange) -> None:
@@ -72,7 +91,7 @@ def prepare(state: ServeState, exchange: Exchange) -> None:
         headers.append((b"x-request-id", client_id))
     else:
         headers.append((b"x-request-id", generated.encode()))
-    allowed = state.settings.allowed_origins
+    allowed = _cors_allowed(state, exchange)
     if allowed and origin is not None:
         allow = _allowed_origin(allowed, origin)
         if allow is not None:
@@ -97,7 +116,7 @@ def _preflight(state: ServeState, exchange: Exchange) -> Reply | None:
     from an allowed origin is answered here, before the API key (a preflight carries no
     credentials). From any other origin it goes on like any request and its answer has
     no CORS headers, so the browser refuses the real request."""
-    allowed = state.settings.allowed_origins
+    allowed = _cors_allowed(state, exchange)
     if exchange.method != "OPTIONS" or not allowed:
         return None
     origin = exchange.header(b"origin")
@@ -106,15 +125,6 @@ def _preflight(state: ServeState, exchange: Exchange) -> Reply | None:
     if _allowed_origin(allowed, origin) is None:
         return None
     return preflight_reply(exchange.header(b"access-control-request-headers"))
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _host_name(header: bytes) -> str:
@@ -130,15 +140,14 @@ def _control_token(state: ServeState, exchange: Exchange) -> Reply | None:
     missing, 403 when wrong; compared in constant time). Without one: only a loopback
     client that names the server by a loopback host (a DNS-rebinding page names it by the
     attacker's domain) is answered, others get 403."""
-    path = exchange.path
-    if not (path.startswith("/control/") or path == "/control"):
+    if not _is_control(exchange.path):
         return None
     token = state.settings.control_token
     if token is None:
         client = exchange.scope.get("client")
         host = exchange.header(b"host")
-        if (client and not _is_loopback(str(client[0]))) or (
-            host is not None and not _is_loopback(_host_name(host))
+        if (client and not is_loopback_host(str(client[0]))) or (
+            host is not None and not is_loopback_host(_host_name(host))
         ):
             return control_forbidden_reply(
                 "The control endpoints answer only loopback clients addressing a loopback "
@@ -155,11 +164,12 @@ def _control_token(state: ServeState, exchange: Exchange) -> Reply | None:
 
 
 def _api_key(state: ServeState, exchange: Exchange) -> Reply | None:
-    """``/v1/*`` with an API key (``--api-key``): ``Authorization: Bearer <key>``, compared
-    in constant time; 401 ``invalid_api_key`` otherwise. Health, version and metrics stay
-    open."""
+    """With an API key (``--api-key``), every path but :data:`OPEN_PATHS` and the control
+    plane needs ``Authorization: Bearer <key>``, compared in constant time; 401
+    ``invalid_api_key`` otherwise (Rule 4)."""
     key = state.settings.api_key
-    if key is None or not exchange.path.startswith("/v1/"):
+    path = exchange.path
+    if key is None or path in OPEN_PATHS or _is_control(path):
         return None
     scheme, _, credentials = (exchange.header(b"authorization") or b"").strip().partition(b" ")
     credentials = credentials.strip()

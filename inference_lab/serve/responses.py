@@ -21,6 +21,7 @@ from werkzeug.exceptions import BadHost, HTTPException, MethodNotAllowed
 
 from inference_lab.api.openai import MAX_BODY_BYTES, StreamEncoder
 from inference_lab.errors import (
+    MAX_ECHO_CHARS,
     ApiError,
     EngineUnavailable,
     QueueFull,
@@ -55,9 +56,13 @@ __all__ = [
     "stream_failure_frames",
     "stream_shutdown_frames",
     "unsupported_media_type_reply",
+    "websocket_refused_reply",
 ]
 
 JSON = b"application/json"
+#: A preflight's allowed request headers when the list it asked for is too long to echo:
+#: the API's own, and any other (``*``, which never covers ``authorization``).
+ALLOW_HEADERS = b"authorization, content-type, x-request-id, *"
 #: The headers of every event-stream response's start (before the exchange's own).
 STREAM_HEADERS = ((b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"))
 _CLOSE = ((b"connection", b"close"),)
@@ -164,6 +169,12 @@ def route_not_found_reply(method: str, path: str) -> Reply:
     return _envelope(404, message, "invalid_request_error", "not_found", None)
 
 
+def websocket_refused_reply(path: str) -> Reply:
+    """404 ``not_found``: a WebSocket upgrade (the server has no WebSocket endpoint)."""
+    message = f"No WebSocket endpoint at {truncate_echo(path)}: this server speaks HTTP only"
+    return _envelope(404, message, "invalid_request_error", "not_found", None)
+
+
 def method_not_allowed_reply(method: str, path: str, allowed: Iterable[str]) -> Reply:
     message = f"Method {truncate_echo(method, 32)} not allowed on {truncate_echo(path)}"
     reply = _envelope(405, message, "invalid_request_error", "method_not_allowed", None)
@@ -260,13 +271,15 @@ PREFLIGHT_MAX_AGE = b"600"
 def preflight_reply(request_headers: bytes | None) -> Reply:
     """200 to a CORS preflight from an allowed origin (the gate adds the
     ``Access-Control-Allow-Origin`` itself): the methods the API answers, the request
-    headers the browser asked for, and how long to cache that."""
+    headers the browser asked for (a list longer than :data:`MAX_ECHO_CHARS` is not
+    echoed: :data:`ALLOW_HEADERS` instead), and how long to cache that."""
     headers = [
         (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
         (b"access-control-max-age", PREFLIGHT_MAX_AGE),
     ]
     if request_headers:
-        headers.append((b"access-control-allow-headers", request_headers))
+        echo = request_headers if len(request_headers) <= MAX_ECHO_CHARS else ALLOW_HEADERS
+        headers.append((b"access-control-allow-headers", echo))
     return Reply(200, b"", tuple(headers), content_type=b"text/plain")
 
 

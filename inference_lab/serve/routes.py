@@ -29,7 +29,7 @@ from inference_lab.api.openai import (
     parse_tokenize_request,
     tokenize_body,
 )
-from inference_lab.errors import ApiError
+from inference_lab.errors import ApiError, truncate_echo
 from inference_lab.jsonbytes import dumps
 from inference_lab.runtime.model import ModelRuntime, RuntimeSnapshot
 from inference_lab.serve.responses import (
@@ -147,9 +147,24 @@ def package_version() -> str:
         return "unknown"
 
 
+#: The largest ``?last=`` / ``?finished=`` of ``GET /control/stats``.
+MAX_COUNT_ARG = 10_000_000
+
+
 def _count_arg(name: str) -> int | None:
+    """``?name=N``: None when absent or empty; else ASCII digits for an integer in
+    0..MAX_COUNT_ARG, or a 400 ``invalid_value`` naming the parameter."""
     raw = request.args.get(name, "")
-    return int(raw) if raw.isdigit() else None
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 8) or int(raw) > MAX_COUNT_ARG:
+        raise ApiError(
+            400,
+            "invalid_value",
+            f"{name} must be an integer from 0 to {MAX_COUNT_ARG}, got {truncate_echo(raw)!r}",
+            name,
+        )
+    return int(raw)
 
 
 def register_routes(app: QuartTrio, state: ServeState) -> None:
@@ -255,7 +270,10 @@ def register_routes(app: QuartTrio, state: ServeState) -> None:
         """Runtime statistics (not in the OpenAI API). ``?last=N`` computes the lag
         percentiles over the last N engine events, ``?finished=M`` the median simulated
         E2E over the last M completions."""
-        last, finished = _count_arg("last"), _count_arg("finished")
+        try:
+            last, finished = _count_arg("last"), _count_arg("finished")
+        except ApiError as exc:
+            return to_response(error_reply(exc, method=request.method, path=request.path))
         delivery = state.delivery.statistics()
         body = {
             "process": {"cpu_seconds": time.process_time(), "monotonic_seconds": time.monotonic()},

@@ -8,6 +8,7 @@ Rule 2: ``inference-lab serve`` flags and the ``INFERENCE_LAB_*`` variables of a
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -39,6 +40,8 @@ __all__ = [
     "parse_int_setting",
     "parse_origins",
     "settings_from_env",
+    "is_loopback_host",
+    "startup_warnings",
 ]
 
 DEFAULT_CONFIG = "configs/"
@@ -199,6 +202,53 @@ def load_settings(
         faults=tuple(faults),
         should_retry_header=should_retry_header,
     )
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv6 bracketed or not) is loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def startup_warnings(settings: ServeSettings, host: str | None = None) -> list[str]:
+    """What an operator should hear before serving these settings on ``host`` (None: not
+    known, a plain hypercorn launch), one line each: CORS ``*`` with the control plane
+    open to pages (a control token set) or the test harness on, and a non-loopback
+    address without an API key or with the harness on."""
+    out: list[str] = []
+    if "*" in settings.allowed_origins:
+        if settings.control_token is not None:
+            out.append(
+                "--allowed-origins '*' with a control token: every web page may call "
+                "/control/* from a browser that holds the token"
+            )
+        if settings.enable_test_harness:
+            out.append(
+                "--allowed-origins '*' with the test harness on: every web page may inject "
+                "faults and script answers"
+            )
+    if host is not None and not is_loopback_host(host):
+        if settings.enable_test_harness:
+            out.append(
+                f"listening on {host} with the test harness on: every client that reaches "
+                "it may inject faults and script answers"
+            )
+        if settings.api_key is None:
+            out.append(
+                f"listening on {host} without --api-key: every client that reaches it may "
+                "use the API"
+                + (
+                    ""
+                    if settings.control_token is not None
+                    else " (the control plane answers loopback clients only; set "
+                    "--control-token to manage the server remotely)"
+                )
+            )
+    return out
 
 
 def _valid_token(token: str) -> bool:
