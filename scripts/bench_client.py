@@ -4,8 +4,8 @@
 
 Starts a minimal fake server (raw trio + h11) in a separate process on 127.0.0.1:0. It
 answers every chat completion with ``--frames`` token frames in the server's exact wire
-format (``inference_lab.api.openai``) — one HTTP chunk per frame, as a real ASGI server sends them — as fast as
-the socket takes them (the body is framed once and cached, so the server costs next to
+format (``inference_lab.api.encoding``) — one HTTP chunk per frame, as a real ASGI server
+sends them — as fast as the socket takes them (the body is framed once and cached, so the server costs next to
 nothing). Then this process runs the real load generator (``inference_lab.client.load``,
 closed loop) against it and prints the tokens parsed per second and the client's CPU time
 per token (``time.process_time`` of this process only). The goal is >= 20,000 tokens/s on

@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from inference_lab.api.openai import VOCABULARY
+from inference_lab.api.text import VOCABULARY
 from inference_lab.core.config import FAULT_MODES, FaultConfig, load_model_config
 from inference_lab.errors import ApiError, ConfigError
 from inference_lab.runtime.model import ModelRuntime

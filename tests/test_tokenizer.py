@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inference_lab.api.openai import VOCABULARY, placeholder_text
+from inference_lab.api.text import VOCABULARY, placeholder_text
 from inference_lab.api.tokenizer import (
     CL100K_PATTERN,
     O200K_PATTERN,

@@ -19,7 +19,7 @@ import sys
 
 import attrs
 
-from inference_lab.api.openai import MAX_BODY_BYTES
+from inference_lab.api.requests import MAX_BODY_BYTES
 from inference_lab.errors import ConfigError
 from inference_lab.serve.asgi import STATE_KEY, InferenceLabApp
 from inference_lab.serve.harness.core import register_harness_routes

@@ -34,16 +34,14 @@ from typing import Any, Literal
 
 import trio
 
-from inference_lab.api.openai import (
+from inference_lab.api.encoding import StreamEncoder, completion_body, new_request_id
+from inference_lab.api.requests import (
     MAX_BODY_BYTES,
     ParsedRequest,
-    StreamEncoder,
-    completion_body,
-    new_request_id,
     parse_chat_request,
     parse_completion_request,
-    parse_json_object,
 )
+from inference_lab.api.schema import parse_json_object
 from inference_lab.errors import ApiError, EngineUnavailable, QueueFull
 from inference_lab.runtime.model import RequestHandle
 from inference_lab.serve.exchange import Exchange, Receive, Send

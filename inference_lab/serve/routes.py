@@ -20,12 +20,11 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from inference_lab.api.openai import (
-    BYTE_TOKENIZER,
+from inference_lab.api.requests import BYTE_TOKENIZER, parse_capacity_request
+from inference_lab.api.schema import parse_json_object
+from inference_lab.api.tokenize import (
     detokenize_body,
-    parse_capacity_request,
     parse_detokenize_request,
-    parse_json_object,
     parse_tokenize_request,
     tokenize_body,
 )

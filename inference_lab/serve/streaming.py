@@ -54,7 +54,7 @@ from typing import Any
 import attrs
 import trio
 
-from inference_lab.api.openai import StreamEncoder
+from inference_lab.api.encoding import StreamEncoder
 from inference_lab.core.engine import Finished
 from inference_lab.serve.responses import stream_failure_frames
 from inference_lab.serve.transport.connection import ChunkWriter, chunk_writer, one_write

@@ -47,16 +47,10 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from inference_lab.api.openai import (
-    DONE_FRAME,
-    VOCABULARY,
-    ParsedRequest,
-    StreamEncoder,
-    count_text_tokens,
-    new_request_id,
-    parse_json_object,
-    usage,
-)
+from inference_lab.api.encoding import DONE_FRAME, StreamEncoder, new_request_id, usage
+from inference_lab.api.requests import ParsedRequest, count_text_tokens
+from inference_lab.api.schema import parse_json_object
+from inference_lab.api.text import VOCABULARY
 from inference_lab.core.config import FAULT_MODES, FaultConfig
 from inference_lab.core.engine import Finished
 from inference_lab.errors import ApiError, truncate_echo
