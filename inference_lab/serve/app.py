@@ -22,7 +22,7 @@ import attrs
 from inference_lab.api.requests import MAX_BODY_BYTES
 from inference_lab.errors import ConfigError
 from inference_lab.serve.asgi import STATE_KEY, InferenceLabApp
-from inference_lab.serve.harness.core import register_harness_routes
+from inference_lab.serve.harness.control import register_harness_routes
 from inference_lab.serve.routes import register_routes
 from inference_lab.serve.settings import ServeSettings, settings_from_env
 from inference_lab.serve.state import ServeState

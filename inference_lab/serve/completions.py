@@ -9,7 +9,7 @@ Rule 1: checks run in the order body (413/408/400) -> validation (400) -> model 
         (400) -> engine alive (503) -> depth (529); the last two are one synchronous call,
         ``ModelRuntime.admit_nowait``, and every refusal is a whole :class:`Reply` sent
         before any response starts. Between model and fit the test harness may take
-        the request over (:mod:`inference_lab.serve.harness.core`).
+        the request over (:mod:`inference_lab.serve.harness`).
 Rule 2: a request's arrival is the exchange's (``Exchange.arrival``: when the server
         received it, :func:`inference_lab.serve.transport.connection.received_at`), before its body
         was read and parsed, as a real engine's API server stamps it.
