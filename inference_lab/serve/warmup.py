@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from inference_lab.runtime.model import PacingCalibration
+from inference_lab.runtime.calibration import PacingCalibration
 from inference_lab.serve.completions import COMPLETION_ROUTES, Kind, complete
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.settings import ServeSettings
