@@ -188,7 +188,7 @@ def main() -> int:
         default=0.0,
         metavar="TOK_S",
         help="tokens/s per stream (default 0: as fast as possible); try --pace 100 "
-        "--concurrency 256 --frames 500 for one token per socket read at ~25,000 tokens/s",
+        "--concurrency 256 --frames 500 for one token per socket read",
     )
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -284,5 +284,5 @@ def test_a_client_tokenizer_counts_the_served_text_as_completion_tokens(
     tokenizer = load_tokenizer(write_ranks(tmp_path / "words.tiktoken", _word_merges()))
     served = placeholder_text(tokens).rstrip(" ")
     assert tokenizer.count(served, add_special_tokens=False) == tokens
-    # the trailing space a stream's last frame used to carry was one token too many
+    # with the trailing space, the text would count one token too many
     assert tokenizer.count(placeholder_text(tokens), add_special_tokens=False) == tokens + 1

@@ -70,10 +70,11 @@ COMPLETION_ROUTES: dict[str, Kind] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
 }
-#: A body may arrive in at most this many pieces (ASGI messages). Each costs the stack
-#: ~20 us of CPU: a 2 MiB body in 4-byte chunks would cost ~10 s; this bounds it to
-#: ~0.4 s. A real client's body comes in a few pieces (hypercorn reads 64 KiB at a time;
-#: 2 MiB in 1,460-byte TCP segments is 1,437).
+#: A body may arrive in at most this many pieces (ASGI messages). Each piece costs the
+#: stack tens of microseconds of CPU, so a 2 MiB body in 4-byte chunks (half a million
+#: pieces) would hold the server for seconds; this bound refuses it long before. A real
+#: client's body comes in a few pieces (hypercorn reads 64 KiB at a time; 2 MiB in
+#: 1,460-byte TCP segments is 1,437).
 MAX_BODY_PIECES = 16_384
 
 
@@ -152,8 +153,8 @@ async def read_body(
     would otherwise pay one before admission. A body whose declared length has arrived
     is whole: hypercorn's separate end-of-body message, which its reading task queues
     only after a trip through the scheduler, is not waited for. Only a wait for a piece
-    is bounded by the deadline (a cancel scope, ~14 µs of CPU): a body at hand needs
-    none."""
+    is bounded by the deadline (a cancel scope, which costs CPU of its own): a body at
+    hand needs none."""
     declared = _content_length(scope)
     if declared is not None and declared > limit:
         raise BodyTooLarge
