@@ -66,8 +66,8 @@ class RequestRefused(InferenceLabError):
 class ApiError(InferenceLabError):
     """A request the HTTP layer refuses before any response starts.
 
-    Raised by the ``parse_*`` functions of :mod:`inference_lab.api.openai` (and by the serve
-    app for unknown models and fit failures); the serve app turns it into ``status`` +
+    Raised by the ``parse_*`` functions of :mod:`inference_lab.api` (and by the serve app
+    for unknown models and fit failures); the serve app turns it into ``status`` +
     :meth:`body`.
     """
 

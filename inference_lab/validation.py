@@ -1,7 +1,7 @@
 """Edge validation: the one strict cattrs toolkit for config files and HTTP bodies.
 
 Config files (:mod:`inference_lab.core.config`) and request bodies
-(:mod:`inference_lab.api.openai`) are structured by converters built here; each edge only
+(:mod:`inference_lab.api.schema`) are structured by converters built here; each edge only
 chooses whether unknown keys are errors and how a complaint is worded for its readers.
 
 Rule 1: scalars are never coerced: ``7.9`` is not an int, ``true`` is not an int,

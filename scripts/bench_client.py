@@ -4,8 +4,8 @@
 
 Starts a minimal fake server (raw trio + h11) in a separate process on 127.0.0.1:0. It
 answers every chat completion with ``--frames`` token frames in the server's exact wire
-format (``inference_lab.api.openai``) — one HTTP chunk per frame, as a real ASGI server sends them — as fast as
-the socket takes them (the body is framed once and cached, so the server costs next to
+format (``inference_lab.api.encoding``) — one HTTP chunk per frame, as a real ASGI server
+sends them — as fast as the socket takes them (the body is framed once and cached, so the server costs next to
 nothing). Then this process runs the real load generator (``inference_lab.client.load``,
 closed loop) against it and prints the tokens parsed per second and the client's CPU time
 per token (``time.process_time`` of this process only). The goal is >= 20,000 tokens/s on
@@ -188,7 +188,7 @@ def main() -> int:
         default=0.0,
         metavar="TOK_S",
         help="tokens/s per stream (default 0: as fast as possible); try --pace 100 "
-        "--concurrency 256 --frames 500 for one token per socket read at ~25,000 tokens/s",
+        "--concurrency 256 --frames 500 for one token per socket read",
     )
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

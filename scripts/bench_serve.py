@@ -1,8 +1,8 @@
 """Benchmark serve mode against the roofline: closed-loop streams through real HTTP.
 
-Starts ``inference-lab serve`` (gpt-oss-20b on b200 by default) in its own process — on a
-2-core machine the server and this client each get a core — unless ``--url`` points at a
-running server. Each level runs C closed-loop clients, each streaming ``/v1/completions``
+Starts ``inference-lab serve`` (gpt-oss-20b on b200 by default) in its own process, so
+that on a machine of two cores or more the server and this client each get a core,
+unless ``--url`` points at a running server. Each level runs C closed-loop clients, each streaming ``/v1/completions``
 requests (a 200-byte prompt = 50 prompt tokens, ``max_tokens`` 200) back to back on one
 keep-alive connection; the level ``24>8`` runs 24 clients after a live
 ``POST /control/capacity {"max_num_seqs": 8}``. Beside the closed loop, a probe client

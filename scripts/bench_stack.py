@@ -52,7 +52,8 @@ from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 
-from inference_lab.api.openai import StreamEncoder, parse_completion_request
+from inference_lab.api.encoding import StreamEncoder
+from inference_lab.api.requests import parse_completion_request
 from inference_lab.serve.responses import STREAM_HEADERS
 from inference_lab.serve.streaming import Delivery, StreamSink, write_stream
 from inference_lab.serve.transport.connection import chunk_writer, local_connection

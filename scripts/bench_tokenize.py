@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from inference_lab.api.openai import parse_chat_request, parse_completion_request
+from inference_lab.api.requests import parse_chat_request, parse_completion_request
 from inference_lab.api.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from inference_lab.errors import ConfigError
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from inference_lab.api.openai import VOCABULARY, placeholder_text
+from inference_lab.api.text import VOCABULARY, placeholder_text
 from inference_lab.api.tokenizer import Tokenizer, load_tokenizer
 from inference_lab.errors import ConfigError
 

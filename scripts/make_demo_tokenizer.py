@@ -31,7 +31,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from inference_lab.api.openai import VOCABULARY, placeholder_text
+from inference_lab.api.text import VOCABULARY, placeholder_text
 from inference_lab.api.tokenizer import load_tokenizer
 
 END_OF_TEXT = "<|endoftext|>"

@@ -16,23 +16,21 @@ import pytest
 import trio
 import trio.testing
 
-from inference_lab.api.openai import VOCABULARY
+from inference_lab.api.text import VOCABULARY
 from inference_lab.core.config import FAULT_MODES, FaultConfig, load_model_config
 from inference_lab.errors import ApiError, ConfigError
 from inference_lab.runtime.model import ModelRuntime
 from inference_lab.serve import ServeSettings, load_settings, settings_from_env
-from inference_lab.serve.harness.core import (
-    CANCELLED_499,
-    ERROR_400_IN_SSE,
-    ERROR_ENVELOPE_200,
+from inference_lab.serve.harness.answers import FLUSH_GRACE
+from inference_lab.serve.harness.control import parse_engine_command
+from inference_lab.serve.harness.directives import (
     FAULT_HEADER,
-    FLUSH_GRACE,
     Script,
     ScriptedCall,
     find_script,
-    parse_engine_command,
     parse_fault_header,
 )
+from inference_lab.serve.harness.frames import CANCELLED_499, ERROR_400_IN_SSE, ERROR_ENVELOPE_200
 from tests.conftest import (
     CONFIGS,
     GPT,

@@ -26,7 +26,7 @@ import trio
 
 from inference_lab.core.config import FAULT_MODES
 from inference_lab.serve import ServeState, create_app, get_state
-from inference_lab.serve.harness.core import CANCELLED_499, ERROR_400_IN_SSE, ERROR_ENVELOPE_200
+from inference_lab.serve.harness.frames import CANCELLED_499, ERROR_400_IN_SSE, ERROR_ENVELOPE_200
 from inference_lab.serve.server import bind_socket, serve_app
 from tests.conftest import GPT, ROOT, make_settings
 from tests.test_harness import assert_idle, chat_frame, content_frames, head_of
@@ -238,7 +238,7 @@ async def test_every_mode_on_the_wire_byte_for_byte() -> None:
 async def test_reset_is_a_tcp_rst_under_the_real_server() -> None:
     """``reset`` finds the connection's socket under hypercorn's trio worker (the server
     ``inference-lab serve`` runs) and the client sees ECONNRESET, not a FIN. If this fails,
-    :func:`inference_lab.serve.harness.core.connection_stream` no longer finds the socket
+    :func:`inference_lab.serve.harness.wire.connection_stream` no longer finds the socket
     (hypercorn or trio changed how a connection's task holds its stream)."""
     with trio.fail_after(10):
         async with harness_server() as (_, port, _state):

@@ -7,20 +7,18 @@ from typing import Any
 
 import pytest
 
-from inference_lab.api.openai import (
-    VOCABULARY,
-    ApiError,
+from inference_lab.api.encoding import StreamEncoder, completion_body
+from inference_lab.api.requests import (
     ParsedRequest,
-    StreamEncoder,
-    completion_body,
     count_chat_tokens,
     count_text_tokens,
     parse_capacity_request,
     parse_chat_request,
     parse_completion_request,
-    parse_json_object,
-    placeholder_text,
 )
+from inference_lab.api.schema import parse_json_object
+from inference_lab.api.text import VOCABULARY, placeholder_text
+from inference_lab.errors import ApiError
 
 MSG = [{"role": "user", "content": "hello world"}]
 

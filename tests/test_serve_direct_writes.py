@@ -19,7 +19,8 @@ import attrs
 import pytest
 import trio
 
-from inference_lab.api.openai import StreamEncoder, parse_completion_request
+from inference_lab.api.encoding import StreamEncoder
+from inference_lab.api.requests import parse_completion_request
 from inference_lab.core.engine import Finished
 from inference_lab.runtime import model as runtime_module
 from inference_lab.serve import create_app

@@ -94,8 +94,8 @@ async def test_deeply_nested_json_is_a_400_on_every_post_endpoint(
 async def test_lone_surrogates_are_a_400_naming_the_field(
     serve: ServeFactory, path: str, body: bytes, param: str
 ) -> None:
-    """A lone surrogate escape anywhere is refused as a 400 whose body encodes (it used to
-    be a 500: the tokenizer or the 404 body could not encode it); nothing changed."""
+    """A lone surrogate escape anywhere is refused as a 400 whose body encodes (neither
+    the tokenizer nor a 404 body may fail to encode it); nothing changed."""
     async with serve() as s:
         status, _, data = await post_raw(s, path, body)
         assert status == 400, data
@@ -427,8 +427,8 @@ async def test_a_body_is_refused_as_soon_as_it_passes_the_limit(
 async def test_a_body_in_tiny_pieces_is_refused_after_max_body_pieces(
     serve: ServeFactory,
 ) -> None:
-    """A body sent in 4-byte chunks cost ~20 us of CPU per chunk until its 413 (22.8 s for
-    5 MB); now it is refused once it passes MAX_BODY_PIECES pieces, the rest unread."""
+    """A body sent in 4-byte chunks, each a piece the stack pays CPU for, is refused once
+    it passes MAX_BODY_PIECES pieces, the rest unread."""
     async with serve() as s, trio.open_nursery() as nursery:
         feed = BodyFeed(s.app, "/v1/chat/completions", [])
         nursery.start_soon(feed.run)

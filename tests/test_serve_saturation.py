@@ -12,7 +12,8 @@ import trio
 import trio.testing
 
 from inference_lab.core.roofline import Roofline
-from inference_lab.runtime.model import EngineUnavailable, ModelRuntime
+from inference_lab.errors import EngineUnavailable
+from inference_lab.runtime.model import ModelRuntime
 from tests.conftest import GPT, LLAMA, ServeFactory, Stream, chat_body, make_settings
 
 P = 5

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import trio
 
-from inference_lab.runtime.model import PacingCalibration
+from inference_lab.runtime.calibration import PacingCalibration
 from inference_lab.runtime.timer import timerfd_available
 from inference_lab.serve import app as app_module
 from inference_lab.serve import create_app, warmup

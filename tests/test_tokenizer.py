@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inference_lab.api.openai import VOCABULARY, placeholder_text
+from inference_lab.api.text import VOCABULARY, placeholder_text
 from inference_lab.api.tokenizer import (
     CL100K_PATTERN,
     O200K_PATTERN,
@@ -284,5 +284,5 @@ def test_a_client_tokenizer_counts_the_served_text_as_completion_tokens(
     tokenizer = load_tokenizer(write_ranks(tmp_path / "words.tiktoken", _word_merges()))
     served = placeholder_text(tokens).rstrip(" ")
     assert tokenizer.count(served, add_special_tokens=False) == tokens
-    # the trailing space a stream's last frame used to carry was one token too many
+    # with the trailing space, the text would count one token too many
     assert tokenizer.count(placeholder_text(tokens), add_special_tokens=False) == tokens + 1

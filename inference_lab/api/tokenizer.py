@@ -3,33 +3,24 @@
 The serve app counts every prompt with one :class:`Tokenizer` per model; ``POST /tokenize``
 and ``/detokenize`` use the same object. Pure code: no trio, no quart, no network.
 
-Rule 1: nothing is ever downloaded. A tokenizer is read from one local file: a Hugging
-        Face ``tokenizer.json`` (read with ``tokenizers``), a tiktoken rank file
-        (``*.tiktoken``: one ``<base64 token> <rank>`` per line, read with ``tiktoken``), or
-        a directory holding ``tokenizer.json``. A file that cannot be used is a one-line
+Rule 1: nothing is ever downloaded: a tokenizer is read from one local file (a Hugging
+        Face ``tokenizer.json``, a tiktoken rank file, or a directory holding a
+        ``tokenizer.json``); a file that cannot be used is a one-line
         :class:`~inference_lab.errors.ConfigError` naming it.
-Rule 2: every path has the same protocol: ``count``/``encode``/``decode`` for text and
-        ``render_chat``/``encode_chat``/``count_chat`` for chat messages. Without a file the
-        :class:`ByteTokenizer` implements the byte rule: ``ceil(utf8_bytes / 4)`` tokens,
-        each token up to 4 bytes of UTF-8 with a reversible integer id (see its docstring);
-        chat counts add 5 % template overhead (``raw * 105 // 100``), standing in for the
-        template tokens the byte rule cannot see.
-Rule 3: chat prompts are counted over the rendered messages. The rendering is the
-        ``chat_template`` of a ``tokenizer_config.json`` beside the tokenizer file when
-        there is one (run in jinja2's sandbox, as Hugging Face runs it, and tokenized
-        without adding special tokens: the template writes them), else the default
-        template :func:`default_chat_text`: ``tools: <compact JSON, keys sorted>`` (if any
-        tools), then one ``<role>: <content>`` line per message (assistant ``tool_calls``
-        appended as compact sorted JSON, after a newline when the content is not empty),
-        joined with newlines, tokenized with special tokens (a BOS, if the tokenizer adds
-        one).
-Rule 4: text prompts are tokenized as vLLM tokenizes them: with special tokens unless the
-        caller says otherwise. Encoding never fails on client text: a lone surrogate is
-        replaced (U+FFFD) before it reaches the tokenizer library.
-Rule 5: a tiktoken file carries no split pattern, so one is chosen by vocabulary size and
-        documented here: up to 60,000 ranks the GPT-2 pattern (``r50k_base``,
-        ``p50k_base``), from 190,000 ranks ``o200k_base``'s, otherwise ``cl100k_base``'s
-        (also the pattern of most 100k-128k vocabularies derived from it).
+Rule 2: every tokenizer has the same protocol: ``count``/``encode``/``decode`` for text,
+        ``render_chat``/``encode_chat``/``count_chat`` for chat messages.
+Rule 3: without a file, :class:`ByteTokenizer` counts ``ceil(utf8_bytes / 4)`` tokens with
+        reversible ids, and its chat counts add 5 % (``raw * 105 // 100``) for the
+        template tokens it cannot see.
+Rule 4: chat prompts are counted over the rendered messages: the ``chat_template`` of a
+        ``tokenizer_config.json`` beside the tokenizer file (run in jinja2's sandbox, as
+        Hugging Face runs it; tokenized without adding special tokens, which the template
+        writes), else :func:`default_chat_text` (tokenized with them).
+Rule 5: text prompts are tokenized as vLLM tokenizes them, with special tokens unless the
+        caller says otherwise; a lone surrogate in client text becomes U+FFFD, so encoding
+        never fails.
+Rule 6: a tiktoken file carries no split pattern, so one is chosen by vocabulary size
+        (:func:`tiktoken_pattern`).
 """
 
 from __future__ import annotations
@@ -82,7 +73,7 @@ def _sorted_json(value: Any) -> str:
 
 
 def default_chat_text(messages: Sequence[Sequence[Any]], tools: Sequence[Any] | None = None) -> str:
-    """The default chat rendering (Rule 3): ``tools: <JSON>`` (if any tools), then one
+    """The default chat rendering (Rule 4): ``tools: <JSON>`` (if any tools), then one
     ``<role>: <content>`` line per message (tool calls appended as compact sorted JSON,
     after a newline when the content is not empty), joined with newlines.
 
@@ -350,7 +341,7 @@ def _load_chat_template(tokenizer_file: Path) -> _ChatTemplate | None:
 
 
 class _RealTokenizer:
-    """Chat rendering shared by the two file-backed tokenizers (Rule 3)."""
+    """Chat rendering shared by the two file-backed tokenizers (Rule 4)."""
 
     exact = True
     description: str
@@ -456,7 +447,10 @@ O200K_PATTERN = "|".join(
 
 
 def tiktoken_pattern(num_ranks: int) -> str:
-    """The split pattern used for a rank file of ``num_ranks`` tokens (Rule 5)."""
+    """The split pattern used for a rank file of ``num_ranks`` tokens (Rule 6): up to
+    60,000 ranks the GPT-2 pattern (``r50k_base``, ``p50k_base``), from 190,000 ranks
+    ``o200k_base``'s, otherwise ``cl100k_base``'s (also the pattern of most 100k-128k
+    vocabularies derived from it)."""
     if num_ranks <= 60_000:
         return R50K_PATTERN
     if num_ranks >= 190_000:
@@ -491,7 +485,7 @@ def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
 
 
 class TiktokenTokenizer(_RealTokenizer):
-    """A tiktoken BPE built from a local rank file and the pattern of Rule 5. It has no
+    """A tiktoken BPE built from a local rank file and the pattern of Rule 6. It has no
     special tokens (a rank file names none), so ``add_special_tokens`` adds nothing."""
 
     def __init__(self, path: Path) -> None:

@@ -1,7 +1,7 @@
 """The OpenAI wire format as the load generator needs it: prompts, request bodies, stream
 frames, error bodies. Pure functions and one small accumulator; no I/O.
 
-Rule 1: prompts are sized with the server's own counting rule (``inference_lab.api.openai``):
+Rule 1: prompts are sized with the server's own counting rule (``inference_lab.api.requests``):
   ``ceil(utf8_bytes / 4)`` tokens, and for chat the text ``"user: <content>"`` plus 5 %
   template overhead (``raw * 105 // 100``). The server's count is reported back in the
   usage frame, so a mismatch is visible in every record.

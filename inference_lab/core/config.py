@@ -326,7 +326,7 @@ MAX_FAULT_DELAY_MS = 600_000
 @attrs.frozen(kw_only=True)
 class FaultConfig:
     """A fault directive: a model config's ``[fault]`` table, or one request's
-    ``x-inference-lab-fault`` header (parsed by :mod:`inference_lab.serve.harness.core`).
+    ``x-inference-lab-fault`` header (parsed by :mod:`inference_lab.serve.harness.directives`).
 
     ``after_chunks`` content frames (``delay_ms`` apart; with ``paced``, the engine's
     tokens as the model paces them) come before the ``mode``'s ending; ``utf8`` (only for

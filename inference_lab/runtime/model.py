@@ -1,37 +1,28 @@
 """The trio runtime of one served model: an engine task and a pacer task.
 
-``docs/internals.md`` describes the runtime shape, the pacing and the admission rules this
-module implements. The HTTP app talks to it through three synchronous
-calls (:meth:`ModelRuntime.admit_nowait`, :meth:`RequestHandle.close`,
-:meth:`ModelRuntime.set_capacity`) and reads :meth:`ModelRuntime.snapshot`.
+``docs/internals.md`` describes the runtime's shape, its pacing and its admission. The
+HTTP app talks to it through three synchronous calls (:meth:`ModelRuntime.admit_nowait`,
+:meth:`RequestHandle.close`, :meth:`ModelRuntime.set_capacity`) and reads
+:meth:`ModelRuntime.snapshot`.
 
-Rule 1: one nursery per model holds the **engine task**, which owns the :class:`Engine`,
-        and the **pacer task**, which owns wall-clock time; they are linked by memory
-        channels (the inbox into the engine task, the deadlines into the pacer).
-Rule 2: the engine does not run ahead of wall-clock: ``engine.step()`` is called only for an
-        event whose simulated time has come (``event time <= now - epoch``) — under trio's
-        real clock, up to ``MAX_EARLY`` (0.25 ms) before it: the pacer's timer and its
-        hand-over to the engine task land a fairly constant ~0.1-0.3 ms late on this stack,
-        so the pacer wakes that much early, learning by how much from each of its timer's
-        wake-ups (``EARLY_GAIN``; the first ones averaged evenly) so that steps run on
-        time, neither early nor late on average. A runtime can start from what another
-        learned on the same machine (:meth:`ModelRuntime.adopt_calibration`: the serve
-        app's warm-up hands its calibration on). An arrival stamped before a boundary that
-        reaches the engine after it still joins the step in flight (engine Rule 2), so
-        waking early loses no arrival.
-        Tokens of a step become visible when the ``step()`` that handles its end returns
-        them, i.e. at ``epoch + end time`` (or, if the CPU is late, as soon as computed;
-        the lateness is recorded as pacing lag).
-Rule 3: an arrival is stamped with wall-clock time; an idle engine's clock is first moved
-        up to it, so a request into a long-idle server is paced like one under load.
+Rule 1: one nursery per model holds the engine task, which owns the :class:`Engine`, and
+        the pacer task, which owns wall-clock time; memory channels link them.
+Rule 2: the engine does not run ahead of wall-clock: it steps an event once its time has
+        come, less the pacer's learned early wake under trio's real clock
+        (:mod:`inference_lab.runtime.calibration`). A step's tokens are released when the
+        ``step()`` handling its end returns them; how late that was is the pacing lag
+        (:mod:`inference_lab.runtime.lag`).
+Rule 3: an arrival is stamped with wall-clock time, and an idle engine's clock is moved up
+        to it first, so a request into a long-idle server is paced like one under load.
+        An arrival stamped before a boundary still joins the step in flight (engine
+        Rule 2), so waking early loses no arrival.
 Rule 4: admission is one synchronous function with no checkpoint: engine alive, then a
         seat or a waiting place from the admission ledger (:mod:`.admission`: refused
         only when there is neither), then a ``send_nowait`` into the engine task. Each
         handle is pending in the ledger at most once and leaves it exactly once (stepped
         into a waiting queue, aborted, failed send, engine stopped).
-Rule 5: the engine never awaits a client: it hands tokens to a per-request
-        :class:`RequestSink` by synchronous calls; a slow reader's frames wait in its own
-        buffer. Aborts are synchronous too (they run from cleanup code that cannot await).
+Rule 5: the engine never awaits a client: it hands tokens to each request's
+        :class:`RequestSink` by synchronous calls; aborts are synchronous too.
 Rule 6: after every change the runtime publishes a frozen :class:`RuntimeSnapshot`; the
         HTTP layer reads only snapshots.
 Rule 7: an engine failure stops only this model: the inbox is closed (new requests get
@@ -54,15 +45,14 @@ from inference_lab.core.config import Deployment
 from inference_lab.core.engine import Engine, EngineStatistics, Finished, RequestSpec, StepEvents
 from inference_lab.errors import EngineUnavailable, QueueFull, RequestRefused
 from inference_lab.runtime.admission import Admission
+from inference_lab.runtime.calibration import EarlyWake, PacingCalibration
+from inference_lab.runtime.lag import LagMeter, LagStatistics
 from inference_lab.runtime.timer import Timer
 
 __all__ = [
     "EngineKilled",
-    "EngineUnavailable",
     "LengthSampler",
     "ModelRuntime",
-    "PacingCalibration",
-    "QueueFull",
     "RequestHandle",
     "RequestSink",
     "RuntimeObserver",
@@ -75,25 +65,10 @@ logger = logging.getLogger("inference_lab.serve")
 #: At most this many engine events are handled per wake-up before the engine task lets
 #: other tasks (HTTP writers) run; the pacer wakes it again at once if more are due.
 MAX_EVENTS_PER_WAKE = 64
-#: Pacing-lag samples kept for percentiles.
-LAG_SAMPLES = 65536
-#: The pacer wakes the engine up to this many seconds before a step's end is due ...
-MAX_EARLY = 0.00025
-#: ... by an amount it learns from each timer wake-up's lateness: an exponential average
-#: of this gain, whose first samples are averaged evenly (gain 1/k for the k-th) so that a
-#: fresh runtime is calibrated after a few wake-ups.
-EARLY_GAIN = 0.05
+#: Simulated E2E samples kept for the median in :meth:`ModelRuntime.statistics`.
+E2E_SAMPLES = 65536
 #: The largest ``Retry-After`` of a refusal, in seconds.
 RETRY_AFTER_MAX = 60
-#: Seconds of wall-clock over which the pacing lag's p99 is checked.
-LAG_WINDOW = 1.0
-#: A window whose pacing-lag p99 exceeds this many seconds logs a warning ... On a
-#: 2-core VM the levels held within the benchmarks' targets (docs/benchmarks.md) show
-#: windows with a p99 of up to ~3.5 ms (the machine's own jitter); where the server
-#: process is saturated (256 streams, 500 refusals a second) they show 7-70 ms.
-LAG_WARN_P99 = 0.005
-#: ... at most once per this many seconds.
-LAG_WARN_EVERY = 10.0
 
 
 class EngineKilled(Exception):
@@ -178,15 +153,6 @@ class RuntimeSnapshot:
         return self.waiting + self.pending
 
 
-@attrs.frozen
-class PacingCalibration:
-    """How early the pacer wakes the engine task (Rule 2), and from how many timer
-    wake-ups that was learned (0: not yet: ``early`` is 0)."""
-
-    early: float = 0.0
-    samples: int = 0
-
-
 @attrs.frozen(kw_only=True)
 class RuntimeStatistics:
     """A fuller, costlier picture for ``/control/stats`` and benchmarks."""
@@ -199,19 +165,11 @@ class RuntimeStatistics:
     sim_time: float
     #: Wall-clock seconds since the runtime started.
     wall_time: float
-    #: The pacing lag summed over every event (seconds).
-    lag_total: float
-    #: The median, p99 and largest pacing lag over the requested window of events.
-    lag_p50: float
-    lag_p99: float
-    lag_max_recent: float
-    #: The pacing lag's p99 and largest value over the last complete second.
-    lag_window_p99: float
-    lag_window_max: float
+    #: The pacing lag (percentiles over the requested number of recent events).
+    lag: LagStatistics
     #: Whether the pacer sleeps on a timerfd (sub-millisecond) rather than trio's timer.
     precise_timer: bool
-    #: How early the pacer wakes the engine (seconds) and from how many wake-ups that
-    #: was learned (Rule 2).
+    #: How early the pacer wakes the engine and from how many wake-ups that was learned.
     calibration: PacingCalibration
     #: How many completions the simulated E2E median is over, and that median (seconds).
     e2e_count: int
@@ -309,8 +267,7 @@ class ModelRuntime:
         self._sent_deadline: object = _UNSENT
         self._sleep_scope: trio.CancelScope | None = None
         self._precise = False
-        self._early = 0.0  # seconds the pacer wakes the engine early (Rule 2)
-        self._early_samples = 0  # timer wake-ups it was learned from
+        self._wake = EarlyWake()  # how early the pacer wakes the engine (Rule 2)
         self._ticked = False  # the pacer's tick is among the messages being handled
         self._taken = trio.lowlevel.ParkingLot()  # RequestHandle.wait_taken
         self._alive = False
@@ -320,16 +277,8 @@ class ModelRuntime:
         self._admitted = 0
         self._refused = 0
         self._aborted = 0
-        self._lag_count = 0
-        self._lag_sum = 0.0
-        self._lag_max = 0.0
-        self._lag_samples: deque[float] = deque(maxlen=LAG_SAMPLES)
-        self._e2e_samples: deque[float] = deque(maxlen=LAG_SAMPLES)  # simulated E2E
-        self._window: list[float] = []  # lags of the current LAG_WINDOW
-        self._window_start = 0.0
-        self._window_p99 = 0.0  # of the last complete window
-        self._window_max = 0.0
-        self._last_warning = -math.inf
+        self._lag = LagMeter(self.name)
+        self._e2e_samples: deque[float] = deque(maxlen=E2E_SAMPLES)  # simulated E2E
         #: Set by the serve app before :meth:`run` (None: nobody is told).
         self.observer: RuntimeObserver | None = None
         self._snapshot = self._make_snapshot()
@@ -358,9 +307,9 @@ class ModelRuntime:
             admitted=self._admitted,
             refused=self._refused,
             aborted=self._aborted,
-            events=self._lag_count,
-            lag_max=self._lag_max,
-            lag_mean=self._lag_sum / self._lag_count if self._lag_count else 0.0,
+            events=self._lag.count,
+            lag_max=self._lag.max,
+            lag_mean=self._lag.mean,
         )
 
     def _publish(self) -> None:
@@ -372,45 +321,27 @@ class ModelRuntime:
 
     def calibration(self) -> PacingCalibration:
         """What the pacer has learned of this machine's timer lateness (Rule 2)."""
-        return PacingCalibration(self._early, self._early_samples)
+        return self._wake.statistics()
 
     def adopt_calibration(self, calibration: PacingCalibration) -> None:
         """Start from ``calibration`` (another runtime's on the same machine, e.g. a
         warm-up's) instead of from nothing: a fresh runtime's first wake-ups are then
         on time as well. Learning goes on from there; nothing else changes."""
-        self._early = min(MAX_EARLY, max(0.0, calibration.early))
-        self._early_samples = max(0, calibration.samples)
+        self._wake.adopt(calibration)
 
     def statistics(self, last: int | None = None, finished: int | None = None) -> RuntimeStatistics:
         """A fuller picture (costlier than :meth:`snapshot`). Pacing-lag percentiles are
         over the ``last`` recorded events, the median simulated E2E (arrival to finish, in
         engine time) over the ``finished`` last completions (default: whole windows)."""
-        samples = np.fromiter(self._lag_samples, dtype=np.float64)
-        if last is not None:
-            samples = samples[-last:] if last > 0 else samples[:0]
         e2e = np.fromiter(self._e2e_samples, dtype=np.float64)
         if finished is not None:
             e2e = e2e[-finished:] if finished > 0 else e2e[:0]
-        p50, p99, high = (
-            (
-                float(np.percentile(samples, 50)),
-                float(np.percentile(samples, 99)),
-                float(samples.max()),
-            )
-            if samples.size
-            else (0.0, 0.0, 0.0)
-        )
         return RuntimeStatistics(
             snapshot=self._snapshot,
             engine=self.engine.statistics(),
             sim_time=self.engine.now,
             wall_time=trio.current_time() - self.epoch if self._started else 0.0,
-            lag_total=self._lag_sum,
-            lag_p50=p50,
-            lag_p99=p99,
-            lag_max_recent=high,
-            lag_window_p99=self._window_p99,
-            lag_window_max=self._window_max,
+            lag=self._lag.statistics(last),
             precise_timer=self._precise,
             calibration=self.calibration(),
             e2e_count=int(e2e.size),
@@ -544,7 +475,8 @@ class ModelRuntime:
         if self._started:
             raise RuntimeError(f"the runtime of {self.name} has already run")
         self._started = True
-        self.epoch = self._window_start = trio.current_time()
+        self.epoch = trio.current_time()
+        self._lag.start(self.epoch)
         try:
             async with trio.open_nursery() as nursery:
                 self._cancel_scope = nursery.cancel_scope
@@ -661,7 +593,9 @@ class ModelRuntime:
         # Compare in wall-clock terms, exactly as the pacer sleeps (until epoch + t): in
         # floating point, now - epoch < t can hold although epoch + t <= now.
         now = trio.current_time()
-        horizon = now + self._early
+        wake = self._wake
+        lag_meter = self._lag
+        horizon = now + wake.early
         # Only a wake-up by the pacer's timer says how late the timer lands: an arrival
         # into an idle engine also finds its (back-dated) first step due.
         first = self._ticked and self._precise
@@ -673,49 +607,16 @@ class ModelRuntime:
             events = engine.step()
             signed = now - (epoch + t)
             if first:
-                # Calibrate the early wake: the pacer's timer plus its hand-over to this
-                # task land this much after the due time on average (Rule 2).
-                self._early_samples += 1
-                gain = max(EARLY_GAIN, 1.0 / self._early_samples)
-                early = self._early + gain * signed
-                self._early = min(MAX_EARLY, early) if early > 0.0 else 0.0
+                # how late the pacer's timer and its hand-over to this task landed
+                wake.learn(signed)
                 first = False
             lag = signed if signed > 0.0 else 0.0
-            self._lag_count += 1
-            self._lag_sum += lag
-            if lag > self._lag_max:
-                self._lag_max = lag
-            self._lag_samples.append(lag)
-            self._window.append(lag)
+            lag_meter.record(lag)
             self._deliver(events)
             if observer is not None:
                 observer.on_step(events, lag)
-        if now - self._window_start >= LAG_WINDOW:
-            self._close_lag_window(now)
+        lag_meter.tick(now)
         self._publish()
-
-    def _close_lag_window(self, now: float) -> None:
-        """End the current lag window: keep its p99 and max for the statistics and warn
-        (rate-limited) when the p99 says the CPU is not keeping up with the model."""
-        window = sorted(self._window)
-        self._window = []
-        elapsed = now - self._window_start
-        self._window_start = now
-        if not window:
-            self._window_p99 = self._window_max = 0.0
-            return
-        p99 = window[min(len(window) - 1, math.ceil(0.99 * len(window)) - 1)]
-        self._window_p99, self._window_max = p99, window[-1]
-        if p99 > LAG_WARN_P99 and now - self._last_warning >= LAG_WARN_EVERY:
-            self._last_warning = now
-            logger.warning(
-                "%s: pacing lag p99 %.2f ms (max %.2f ms) over the last %.1f s: the CPU is "
-                "not keeping up, so clients see latencies above the model's",
-                self.name,
-                p99 * 1e3,
-                window[-1] * 1e3,
-                elapsed,
-            )
 
     def _deliver(self, events: StepEvents) -> None:
         by_id = self._by_id
@@ -768,7 +669,7 @@ class ModelRuntime:
                     continue
                 with trio.CancelScope() as scope:
                     self._sleep_scope = scope
-                    await timer.sleep_until(self.epoch + deadline - self._early)
+                    await timer.sleep_until(self.epoch + deadline - self._wake.early)
                 self._sleep_scope = None
                 if scope.cancelled_caught:
                     continue

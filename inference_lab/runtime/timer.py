@@ -1,9 +1,9 @@
 """Sub-millisecond sleeps for the pacer.
 
 trio's timed waits end on whole milliseconds: its run loop waits in ``epoll_wait``, whose
-timeout is rounded up to 1 ms, so a ``sleep_until`` 0.3-1.2 ms ahead wakes 0.76 ms late at
-the median. The pacer releases tokens at the end of simulated steps that last ~1.5 ms, so
-that rounding alone would be half a step of lag. A Linux ``timerfd`` has no such rounding:
+timeout is rounded up to a whole millisecond, so a ``sleep_until`` can wake up to 1 ms
+late. The pacer releases tokens at the end of simulated steps that last a millisecond or
+two, so that rounding alone would be up to a step of lag. A Linux ``timerfd`` has no such rounding:
 the kernel makes its descriptor readable at the deadline (hrtimer precision), and trio's
 ``wait_readable`` returns from the same ``epoll_wait`` as soon as it is.
 

@@ -9,7 +9,7 @@ The package, by concern (dependencies run downwards):
 - :mod:`~inference_lab.serve.exchange`: one request as the app sees it;
 - :mod:`~inference_lab.serve.streaming`: per-request sinks and frame delivery;
 - :mod:`~inference_lab.serve.completions`: the two completion routes on raw ASGI;
-- :mod:`~inference_lab.serve.harness.core`: fault injection, scripted answers, engine control
+- :mod:`~inference_lab.serve.harness`: fault injection, scripted answers, engine control
   (``--enable-test-harness``);
 - :mod:`~inference_lab.serve.gate`: what every request passes first (paths, CORS, keys,
   tokens, content type, request ids);

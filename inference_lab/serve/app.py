@@ -26,10 +26,10 @@ import sys
 
 import attrs
 
-from inference_lab.api.openai import MAX_BODY_BYTES
+from inference_lab.api.requests import MAX_BODY_BYTES
 from inference_lab.errors import ConfigError
 from inference_lab.serve.asgi import STATE_KEY, InferenceLabApp
-from inference_lab.serve.harness.core import register_harness_routes
+from inference_lab.serve.harness.control import register_harness_routes
 from inference_lab.serve.routes import register_routes
 from inference_lab.serve.settings import ServeSettings, settings_from_env, startup_warnings
 from inference_lab.serve.state import ServeState

@@ -9,7 +9,7 @@ Rule 1: checks run in the order body (413/408/400) -> validation (400) -> model 
         (400) -> engine alive (503) -> depth (529); the last two are one synchronous call,
         ``ModelRuntime.admit_nowait``, and every refusal is a whole :class:`Reply` sent
         before any response starts. Between model and fit the test harness may take
-        the request over (:mod:`inference_lab.serve.harness.core`).
+        the request over (:mod:`inference_lab.serve.harness`).
 Rule 2: a request's arrival is the exchange's (``Exchange.arrival``: when the server
         received it, :func:`inference_lab.serve.transport.connection.received_at`), before its body
         was read and parsed, as a real engine's API server stamps it.
@@ -34,16 +34,14 @@ from typing import Any, Literal
 
 import trio
 
-from inference_lab.api.openai import (
+from inference_lab.api.encoding import StreamEncoder, completion_body, new_request_id
+from inference_lab.api.requests import (
     MAX_BODY_BYTES,
     ParsedRequest,
-    StreamEncoder,
-    completion_body,
-    new_request_id,
     parse_chat_request,
     parse_completion_request,
-    parse_json_object,
 )
+from inference_lab.api.schema import parse_json_object
 from inference_lab.errors import ApiError, EngineUnavailable, QueueFull
 from inference_lab.runtime.model import RequestHandle
 from inference_lab.serve.exchange import Exchange, Receive, Send
@@ -72,10 +70,11 @@ COMPLETION_ROUTES: dict[str, Kind] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
 }
-#: A body may arrive in at most this many pieces (ASGI messages). Each costs the stack
-#: ~20 us of CPU: a 2 MiB body in 4-byte chunks would cost ~10 s; this bounds it to
-#: ~0.4 s. A real client's body comes in a few pieces (hypercorn reads 64 KiB at a time;
-#: 2 MiB in 1,460-byte TCP segments is 1,437).
+#: A body may arrive in at most this many pieces (ASGI messages). Each piece costs the
+#: stack tens of microseconds of CPU, so a 2 MiB body in 4-byte chunks (half a million
+#: pieces) would hold the server for seconds; this bound refuses it long before. A real
+#: client's body comes in a few pieces (hypercorn reads 64 KiB at a time; 2 MiB in
+#: 1,460-byte TCP segments is 1,437).
 MAX_BODY_PIECES = 16_384
 
 
@@ -154,8 +153,8 @@ async def read_body(
     would otherwise pay one before admission. A body whose declared length has arrived
     is whole: hypercorn's separate end-of-body message, which its reading task queues
     only after a trip through the scheduler, is not waited for. Only a wait for a piece
-    is bounded by the deadline (a cancel scope, ~14 µs of CPU): a body at hand needs
-    none."""
+    is bounded by the deadline (a cancel scope, which costs CPU of its own): a body at
+    hand needs none."""
     declared = _content_length(scope)
     if declared is not None and declared > limit:
         raise BodyTooLarge

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Sequence
 
-from inference_lab.api.openai import new_request_id, random_hex
+from inference_lab.api.encoding import new_request_id, random_hex
 from inference_lab.serve.completions import COMPLETION_ROUTES
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.responses import (

@@ -19,7 +19,8 @@ from typing import Any
 import attrs
 from werkzeug.exceptions import BadHost, HTTPException, MethodNotAllowed
 
-from inference_lab.api.openai import MAX_BODY_BYTES, StreamEncoder
+from inference_lab.api.encoding import StreamEncoder
+from inference_lab.api.requests import MAX_BODY_BYTES
 from inference_lab.errors import (
     MAX_ECHO_CHARS,
     ApiError,

@@ -20,12 +20,11 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from inference_lab.api.openai import (
-    BYTE_TOKENIZER,
+from inference_lab.api.requests import BYTE_TOKENIZER, parse_capacity_request
+from inference_lab.api.schema import parse_json_object
+from inference_lab.api.tokenize import (
     detokenize_body,
-    parse_capacity_request,
     parse_detokenize_request,
-    parse_json_object,
     parse_tokenize_request,
     tokenize_body,
 )
@@ -93,14 +92,14 @@ def stats_entry(runtime: ModelRuntime, last: int | None, finished: int | None) -
         "sim_e2e_ms": {"count": st.e2e_count, "p50": _ms(st.e2e_p50)},
         "pacing_lag_ms": {
             "events": snap.events,
-            "total": _ms(st.lag_total),
+            "total": _ms(st.lag.total),
             "mean": _ms(snap.lag_mean),
             "max": _ms(snap.lag_max),
-            "window_p50": _ms(st.lag_p50),
-            "window_p99": _ms(st.lag_p99),
-            "window_max": _ms(st.lag_max_recent),
-            "last_second_p99": _ms(st.lag_window_p99),
-            "last_second_max": _ms(st.lag_window_max),
+            "window_p50": _ms(st.lag.recent_p50),
+            "window_p99": _ms(st.lag.recent_p99),
+            "window_max": _ms(st.lag.recent_max),
+            "last_second_p99": _ms(st.lag.window_p99),
+            "last_second_max": _ms(st.lag.window_max),
             "precise_timer": st.precise_timer,
             "early_wake": _ms(st.calibration.early),
             "early_wake_samples": st.calibration.samples,

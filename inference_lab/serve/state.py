@@ -25,7 +25,7 @@ import trio
 from inference_lab.core.config import Deployment
 from inference_lab.errors import ApiError, truncate_echo
 from inference_lab.runtime.model import ModelRuntime
-from inference_lab.serve.harness.core import Harness
+from inference_lab.serve.harness.intercept import Harness
 from inference_lab.serve.metrics import ServeMetrics
 from inference_lab.serve.responses import SHUTDOWN_MESSAGE
 from inference_lab.serve.settings import ServeSettings

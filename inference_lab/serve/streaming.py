@@ -36,8 +36,8 @@ Rule 7: a mid-stream token handed to a stream whose writer is parked for frames 
         the engine task) when the response has started on a connection that takes
         pre-framed chunks (Rule 6), nobody holds that connection's send lock or gathers a
         write on it, and delivery is not spacing writes (:attr:`Delivery.interval` 0): the
-        writer is not woken and scheduled for each token (~40 % of a token's delivery
-        CPU in ``scripts/bench_stack.py``), and the token leaves one scheduler pass
+        writer is not woken and scheduled for each token (``scripts/bench_stack.py``
+        measures the CPU this saves), and the token leaves one scheduler pass
         sooner. A stream's last token never goes this way (it leaves with the end, Rule
         1); what the socket's buffer did not take is left to the writer, which sends it
         before anything newer, so the engine still never waits for a client (Rule 3).
@@ -54,7 +54,7 @@ from typing import Any
 import attrs
 import trio
 
-from inference_lab.api.openai import StreamEncoder
+from inference_lab.api.encoding import StreamEncoder
 from inference_lab.core.engine import Finished
 from inference_lab.serve.responses import stream_failure_frames
 from inference_lab.serve.transport.connection import ChunkWriter, chunk_writer, one_write
@@ -264,7 +264,7 @@ class Delivery:
     The hold-backs are timed by one **releaser** task (:meth:`run`, started with the
     runtimes) rather than a timeout per writer: a held writer parks, and the releaser
     wakes every writer whose hold-back has expired in one pass (a trio timeout per write
-    is a cancellation: ~10k of them a second cost several per cent of the CPU). The
+    is a cancellation, and a busy server would make thousands of them a second). The
     releaser also runs the control loop. The loop is only measured under trio's real
     clock; under a MockClock (tests) the interval is whatever :meth:`force_interval` set.
     """

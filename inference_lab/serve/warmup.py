@@ -16,8 +16,8 @@ Rule 2: it drives :func:`inference_lab.serve.completions.complete` exactly as th
         run cold either. Nothing listens and nothing leaves the process.
 Rule 3: what the warm-up's runtimes learned of this machine's timer lateness (their
         pacers' early wake, runtime Rule 2) is handed to the served runtimes, so that the
-        first request's tokens are released on time too, not ~0.1-0.3 ms late while a
-        fresh runtime learns it.
+        first request's tokens are released on time too, not late while a fresh runtime
+        learns it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from inference_lab.runtime.model import PacingCalibration
+from inference_lab.runtime.calibration import PacingCalibration
 from inference_lab.serve.completions import COMPLETION_ROUTES, Kind, complete
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.settings import ServeSettings
@@ -39,7 +39,7 @@ __all__ = ["warm_up"]
 
 logger = logging.getLogger(__name__)
 
-#: Seconds the whole warm-up may take before it is abandoned (it takes ~10-50 ms).
+#: Seconds the whole warm-up may take before it is abandoned (a bound far above its cost).
 WARM_UP_TIMEOUT = 10.0
 
 

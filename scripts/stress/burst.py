@@ -1,15 +1,16 @@
 """Burst: 1,000 clients connect and send a streaming request at the same moment, against
-``--max-num-seqs 4 --max-waiting 64``.
+each of ``--max-num-seqs 4 --max-waiting 64``, ``16 / 8`` and ``2 / 2``.
 
-Every client must get an answer within a few seconds: exactly 68 streams admitted (4
-running + 64 waiting; each asks for 100,000 tokens, so none ends during the burst) and
-932 byte-identical 529s. Then the admitted clients leave, and the server must hold nothing
+Every client must get an answer within a few seconds: exactly ``max_num_seqs +
+max_waiting`` streams admitted in every round (seats in the batch plus waiting places;
+each asks for 100,000 tokens, so none ends during the burst) and the rest byte-identical
+529s. Then the admitted clients leave, and the server must hold nothing
 (``/control/stats``). Per round it prints: answered, 200s, 529s, others, the time to the
 last answer, the kernel's listen-queue overflows during the burst
 (``TcpExtListenOverflows``), and what the server still held.
 
-    python scripts/stress/burst.py                      # 3 rounds of 1,000
-    python scripts/stress/burst.py --clients 500 --rounds 1
+    python scripts/stress/burst.py                      # 3 rounds of 1,000 per size
+    python scripts/stress/burst.py --clients 500 --rounds 1 --sizes 16/8
 
 Only 127.0.0.1; each round is bounded (``--answer-within`` seconds for the answers).
 """
@@ -40,8 +41,8 @@ from common import (  # noqa: E402
     settle,
 )
 
-MAX_NUM_SEQS = 4
-MAX_WAITING = 64
+#: (max_num_seqs, max_waiting) of each server the burst runs against.
+SIZES = ((4, 64), (16, 8), (2, 2))
 
 
 def listen_overflows() -> int:
@@ -115,28 +116,24 @@ async def main_async(url: str, port: int, args: argparse.Namespace) -> list[dict
     return rounds
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--answer-within", type=float, default=30.0, metavar="SECONDS")
-    parser.add_argument(
-        "--last-answer-max",
-        type=float,
-        default=5.0,
-        metavar="SECONDS",
-        help="a round fails if its last answer came later than this (default: 5)",
-    )
-    args = parser.parse_args(argv)
-    raise_fd_limit()
-    flags = ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting", str(MAX_WAITING)]
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    sizes = []
+    for item in text.split(","):
+        seqs, _, waiting = item.partition("/")
+        sizes.append((int(seqs), int(waiting)))
+    return sizes
+
+
+def run_size(args: argparse.Namespace, seqs: int, waiting: int) -> bool:
+    """The rounds against one server; True when every round was exact and clean."""
+    flags = ["--max-num-seqs", str(seqs), "--max-waiting", str(waiting)]
     with server(flags) as srv:
         rss_before = rss_mb(srv.pid)
         rounds = trio.run(main_async, srv.url, srv.port, args)
         rss_after = rss_mb(srv.pid)
         code = srv.stop()
         problems = log_problems(srv.log_text())
-    bound = MAX_NUM_SEQS + MAX_WAITING
+    bound = seqs + waiting
     ok = code == 0 and not problems
     for r in rounds:
         ok = ok and r["answered"] == args.clients and r["admitted"] == min(bound, args.clients)
@@ -144,9 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         ok = ok and r["distinct_529_bodies"] <= 1 and not any(r["held_after"].values())
         ok = ok and r["last_answer_s"] <= args.last_answer_max
     report(
-        "burst",
+        f"burst {seqs}/{waiting}",
         {
             "model": MODEL,
+            "max_num_seqs": seqs,
+            "max_waiting": waiting,
             "clients": args.clients,
             "rounds": len(rounds),
             "admitted": [r["admitted"] for r in rounds],
@@ -161,7 +160,32 @@ def main(argv: list[str] | None = None) -> int:
         },
         ok,
     )
-    return 0 if ok else 1
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--sizes",
+        type=parse_sizes,
+        default=list(SIZES),
+        metavar="SEQS/WAITING,...",
+        help="the servers' max_num_seqs/max_waiting (default: 4/64,16/8,2/2)",
+    )
+    parser.add_argument("--answer-within", type=float, default=30.0, metavar="SECONDS")
+    parser.add_argument(
+        "--last-answer-max",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="a round fails if its last answer came later than this (default: 5)",
+    )
+    args = parser.parse_args(argv)
+    raise_fd_limit()
+    results = [run_size(args, seqs, waiting) for seqs, waiting in args.sizes]
+    return 0 if all(results) else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,247 @@
+"""The completion requests the server parses, counted and decided before they run.
+
+Bodies are validated by :mod:`inference_lab.api.schema`; this module turns them into a
+:class:`ParsedRequest`, the one value the runtime and the response builders use.
+
+Rule 1: prompt tokens are counted by the model's :class:`~inference_lab.api.tokenizer.Tokenizer`
+        (a real tokenizer counts exactly, chat over the rendered messages) or, without
+        one, by the byte rule ``ceil(utf8_bytes / 4)`` with 5 % chat template overhead;
+        token-id prompts count exactly.
+Rule 2: everything about the output is decided at parse time, because the text is known:
+        ``stop`` fixes how many tokens are generated and the text returned
+        (:func:`~inference_lab.api.text.stop_point`); ``n`` choices all carry the same
+        text.
+Rule 3: a parse function raises only :class:`ApiError` (400), which carries the whole
+        envelope.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import attrs
+
+from inference_lab.api.schema import (
+    ChatBody,
+    CompletionBody,
+    StreamOptions,
+    chat_messages,
+    in_range,
+    invalid_value,
+    structure,
+)
+from inference_lab.api.text import WORDS, placeholder_text, stop_point
+from inference_lab.api.tokenizer import ByteTokenizer, ChatTemplateError, Tokenizer
+from inference_lab.errors import ApiError, truncate_echo
+
+__all__ = [
+    "BYTE_TOKENIZER",
+    "MAX_BODY_BYTES",
+    "MAX_CAPACITY",
+    "CapacityRequest",
+    "ParsedRequest",
+    "count_chat_tokens",
+    "count_text_tokens",
+    "parse_capacity_request",
+    "parse_chat_request",
+    "parse_completion_request",
+]
+
+#: The largest request body the server reads.
+MAX_BODY_BYTES = 2 * 1024 * 1024
+#: Upper bound of ``max_num_seqs`` and ``max_waiting`` in a capacity change: far above any
+#: replica's batch (and any queue worth holding), far below what overflows a counter.
+MAX_CAPACITY = 1_000_000
+
+#: Without a tokenizer file prompts are counted by the byte rule.
+BYTE_TOKENIZER: Tokenizer = ByteTokenizer()
+
+
+def count_text_tokens(text: str) -> int:
+    """``ceil(utf8_bytes / 4)``: the prompt-token count of a text without a tokenizer."""
+    return BYTE_TOKENIZER.count(text)
+
+
+def count_chat_tokens(messages: Sequence[Sequence[Any]], tools: Sequence[Any] | None = None) -> int:
+    """Chat prompt tokens by the byte rule: the default rendering's count plus 5 %
+    template overhead (``raw * 105 // 100``)."""
+    return BYTE_TOKENIZER.count_chat(messages, tools)
+
+
+@attrs.frozen(kw_only=True)
+class ParsedRequest:
+    """A validated request, normalised for the runtime and the response builders.
+
+    ``prompt_tokens`` is the count usage reports (the engine gets ``max(1, ...)``);
+    ``echo_text`` is the prompt text a completions ``echo`` prepends ("" otherwise).
+    ``n`` choices share the prompt (usage counts it once) and all carry the same text.
+    ``stop_after`` is the number of tokens each choice generates before a stop string
+    completes (the engine must stop there; None: no stop string completes within
+    ``max_tokens``), and ``stop_chars`` the length of the text then returned (the
+    placeholder text cut before the stop string). ``logprobs`` is None when no logprobs
+    were asked for, else the number of alternatives per token (chat ``top_logprobs``,
+    completions ``logprobs``).
+    """
+
+    kind: Literal["chat", "completions"]
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    priority: int
+    echo_text: str = ""
+    n: int = 1
+    stop_after: int | None = None
+    stop_chars: int | None = None
+    logprobs: int | None = None
+
+    @property
+    def output_cap(self) -> int:
+        """The most tokens a choice can generate: ``stop_after`` or ``max_tokens``. The
+        runtime caps its drawn response length (``target``) with it."""
+        return self.stop_after if self.stop_after is not None else self.max_tokens
+
+    def stopped(self, completion_tokens: int) -> bool:
+        """Whether a choice of ``completion_tokens`` tokens ended on a stop string."""
+        return self.stop_after is not None and completion_tokens >= self.stop_after
+
+    def finish_reason(self, engine_reason: str, completion_tokens: int) -> str:
+        """The reported finish reason: ``stop`` when a stop string completed (even in the
+        last token ``max_tokens`` allows, as vLLM reports it), else the engine's."""
+        return "stop" if self.stopped(completion_tokens) else engine_reason
+
+    def output_text(self, completion_tokens: int) -> str:
+        """The text of one choice of ``completion_tokens`` tokens as a non-streaming body
+        holds it: cut before the stop string when one completed (verbatim, so streamed
+        frames concatenate to it), else the placeholder words with the trailing space
+        stripped."""
+        if self.stop_after is not None and completion_tokens >= self.stop_after:
+            return placeholder_text(self.stop_after)[: self.stop_chars]
+        return placeholder_text(completion_tokens).rstrip(" ")
+
+
+def _check_best_of(best_of: int | None, n: int) -> None:
+    if best_of is not None and best_of != n:
+        raise ApiError(
+            400,
+            "unsupported_value",
+            f"best_of is not supported: each of the n = {n} choices is generated once "
+            f"(best_of must be absent or equal n), got {best_of}",
+            "best_of",
+        )
+
+
+def _stop_fields(stops: Any, max_tokens: int) -> dict[str, Any]:
+    """ParsedRequest's ``stop_after`` and ``stop_chars`` for the structured ``stop``."""
+    point = stop_point(stops, max_tokens) if stops else None
+    if point is None:
+        return {}
+    return {"stop_after": point[0], "stop_chars": point[1]}
+
+
+def _include_usage(stream: bool, options: StreamOptions | None) -> bool:
+    return stream and options is not None and bool(options.include_usage)
+
+
+def parse_chat_request(
+    raw: dict[str, Any], default_max_tokens: int, *, tokenizer: Tokenizer | None = None
+) -> ParsedRequest:
+    """Validate a ``/v1/chat/completions`` body and count its prompt with ``tokenizer``
+    (None: the byte rule); raises :class:`ApiError` (400)."""
+    body: ChatBody = structure(raw, ChatBody)
+    n = body.n or 1
+    _check_best_of(body.best_of, n)
+    if body.top_logprobs and not body.logprobs:
+        raise invalid_value(
+            "top_logprobs", "top_logprobs needs logprobs set to true, got logprobs: false"
+        )
+    messages = chat_messages(body.messages, body.tools)
+    tok = tokenizer if tokenizer is not None else BYTE_TOKENIZER
+    try:
+        prompt_tokens = tok.count_chat(messages, body.tools)
+    except ChatTemplateError as exc:
+        raise invalid_value("messages", truncate_echo(str(exc))) from None
+    max_tokens = body.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = body.max_tokens if body.max_tokens is not None else default_max_tokens
+    stream = bool(body.stream)
+    return ParsedRequest(
+        kind="chat",
+        model=body.model,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=_include_usage(stream, body.stream_options),
+        priority=body.priority or 0,
+        n=n,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        **_stop_fields(body.stop, max_tokens),
+    )
+
+
+def _token_echo(ids: tuple[int, ...]) -> str:
+    return "".join(WORDS[t % len(WORDS)] for t in ids)
+
+
+def parse_completion_request(
+    raw: dict[str, Any], default_max_tokens: int, *, tokenizer: Tokenizer | None = None
+) -> ParsedRequest:
+    """Validate a ``/v1/completions`` body and count its prompt with ``tokenizer`` (None:
+    the byte rule; token ids count exactly); raises :class:`ApiError` (400)."""
+    body: CompletionBody = structure(raw, CompletionBody)
+    n = body.n or 1
+    _check_best_of(body.best_of, n)
+    prompts: tuple[Any, ...] = body.prompt  # type: ignore[assignment]
+    if len(prompts) != 1:
+        raise ApiError(
+            400, "invalid_prompt", f"expected exactly 1 prompt, got {len(prompts)}", "prompt"
+        )
+    prompt = prompts[0]
+    tok = tokenizer if tokenizer is not None else BYTE_TOKENIZER
+    if isinstance(prompt, str):
+        tokens = tok.count(prompt)
+        echo_text = prompt
+    else:
+        tokens = len(prompt)
+        if tok.exact:
+            try:
+                echo_text = tok.decode(prompt)
+            except ValueError as exc:
+                raise invalid_value("prompt", f"prompt: {exc}") from None
+        else:  # the byte rule gives token ids no text: they echo as placeholder words
+            echo_text = _token_echo(prompt)
+    max_tokens = body.max_tokens if body.max_tokens is not None else default_max_tokens
+    stream = bool(body.stream)
+    return ParsedRequest(
+        kind="completions",
+        model=body.model,
+        prompt_tokens=tokens,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=_include_usage(stream, body.stream_options),
+        priority=body.priority or 0,
+        echo_text=echo_text if body.echo else "",
+        n=n,
+        logprobs=body.logprobs,
+        **_stop_fields(body.stop, max_tokens),
+    )
+
+
+@attrs.frozen(kw_only=True)
+class CapacityRequest:
+    """A ``POST /control/capacity`` body: every key optional, no other key allowed;
+    ``model`` None addresses every model. Both limits are at most :data:`MAX_CAPACITY`."""
+
+    model: str | None = None
+    max_num_seqs: int | None = attrs.field(default=None, validator=in_range(1, MAX_CAPACITY))
+    max_waiting: int | None = attrs.field(default=None, validator=in_range(0, MAX_CAPACITY))
+
+
+def parse_capacity_request(raw: dict[str, Any]) -> CapacityRequest:
+    """Validate a capacity change; raises :class:`ApiError` 400 ``invalid_value`` naming
+    the field (a bool is not an integer; unknown keys are errors; bounds as documented on
+    :class:`CapacityRequest`)."""
+    result: CapacityRequest = structure(raw, CapacityRequest, strict=True)
+    return result
