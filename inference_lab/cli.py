@@ -30,6 +30,7 @@ import sys
 from collections.abc import Sequence
 
 from inference_lab.cli_args import EXIT_INTERRUPTED, EXIT_USAGE, CliParser
+from inference_lab.resources import package_version
 
 __all__ = ["SUBCOMMANDS", "main"]
 
@@ -59,6 +60,12 @@ def build_parser(command: str | None) -> tuple[CliParser, CliParser | None]:
         prog="inference-lab",
         description="A simulated OpenAI-compatible LLM inference server and its tools.",
     )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"inference-lab {package_version()}",
+        help="print the installed version and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{sim,serve,load}")
     chosen: CliParser | None = None
     for name, (module, summary) in SUBCOMMANDS.items():
@@ -70,8 +77,8 @@ def build_parser(command: str | None) -> tuple[CliParser, CliParser | None]:
 
 
 def _chosen(argv: Sequence[str]) -> str | None:
-    # The top-level parser has no option that takes a value, so its first positional
-    # argument is the subcommand.
+    # The top-level parser has no option that takes a value (``--version`` and ``--help``
+    # take none), so its first positional argument is the subcommand.
     for arg in argv:
         if not arg.startswith("-"):
             return arg if arg in SUBCOMMANDS else None
