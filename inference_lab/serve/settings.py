@@ -25,6 +25,7 @@ from inference_lab.core.config import (
     Workload,
     load_model_config,
     load_workload,
+    override_scheduler,
 )
 from inference_lab.errors import ConfigError
 from inference_lab.resources import shipped_dir
@@ -161,12 +162,9 @@ def load_settings(
                 "(model names must be unique)"
             )
         seen[name] = file
-        sched = dep.scheduler
-        if max_waiting is not None:
-            sched = attrs.evolve(sched, max_waiting=max_waiting)
-        if max_num_seqs is not None:
-            sched = attrs.evolve(sched, max_num_seqs=max_num_seqs)
-        deployments.append(attrs.evolve(dep, scheduler=sched))
+        deployments.append(
+            override_scheduler(dep, max_num_seqs=max_num_seqs, max_waiting=max_waiting)
+        )
         if model_config.fault is not None:
             faults.append((name, model_config.fault))
     if not deployments:
