@@ -47,7 +47,7 @@ from inference_lab.serve import (
     load_settings,
     parse_int_setting,
 )
-from inference_lab.serve.settings import DEFAULT_BODY_TIMEOUT
+from inference_lab.serve.settings import DEFAULT_BODY_TIMEOUT, ENV_LABELS
 from inference_lab.serve.transport.connection import (
     LabConfig,
     enable_receive_timestamps,
@@ -94,8 +94,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--config",
         default=DEFAULT_CONFIG,
-        metavar="PATH",
-        help="a model config, or a directory of them (*.toml, sorted; default: configs/)",
+        metavar="PATH|NAME",
+        help="a model config, a directory of them (*.toml, sorted; default: configs/), or "
+        "the name of a shipped config (gpt-oss-20b)",
     )
     parser.add_argument(
         "--hardware",
@@ -124,8 +125,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--workload",
-        metavar="PATH",
-        help="a workload TOML: response lengths are min(output_len_dist sample, max_tokens)",
+        metavar="PATH|NAME",
+        help="a workload TOML or the name of a shipped one: response lengths are "
+        "min(output_len_dist sample, max_tokens)",
     )
     parser.add_argument(
         "--seed", type=integer(ge=0), metavar="N", help="seed of the response-length generators"
@@ -407,6 +409,18 @@ def run(args: argparse.Namespace) -> int:
     def skip(line: str) -> None:
         print(f"{PROG}: {line}", file=sys.stderr)
 
+    # An error names the flag, or the variable a secret came from (settings Rule 3).
+    labels = {dest: "--" + dest.replace("_", "-") for dest in ENV_LABELS}
+    from_env: dict[str, str | None] = {}
+    for dest, env in (
+        ("control_token", CONTROL_TOKEN_ENV),
+        ("api_key", API_KEY_ENV),
+        ("allowed_origins", ORIGINS_ENV),
+    ):
+        value = getattr(args, dest, None)
+        if not value and os.environ.get(env):
+            value, labels[dest] = os.environ[env], env
+        from_env[dest] = value or None
     try:
         settings = load_settings(
             config=args.config,
@@ -418,13 +432,12 @@ def run(args: argparse.Namespace) -> int:
             default_max_tokens=default_max_tokens or DEFAULT_MAX_TOKENS,
             tokenizer=args.tokenizer,
             enable_test_harness=bool(args.enable_test_harness),
-            control_token=args.control_token or os.environ.get(CONTROL_TOKEN_ENV) or None,
+            control_token=from_env["control_token"],
             body_timeout=args.body_timeout,
-            api_key=getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None,
-            allowed_origins=getattr(args, "allowed_origins", None)
-            or os.environ.get(ORIGINS_ENV)
-            or None,
+            api_key=from_env["api_key"],
+            allowed_origins=from_env["allowed_origins"],
             on_skip=skip,
+            labels=labels,
         )
     except ConfigError as exc:
         return _fail(str(exc))
