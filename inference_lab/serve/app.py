@@ -11,12 +11,11 @@ Rule 1: one app object serves once (its runtimes run once); create a fresh app p
 
 from __future__ import annotations
 
-import sys
-
 from inference_lab.api.openai import MAX_BODY_BYTES
 from inference_lab.errors import ConfigError
 from inference_lab.serve.asgi import STATE_KEY, InferenceLabApp
 from inference_lab.serve.harness.core import register_harness_routes
+from inference_lab.serve.launch import fail_launch
 from inference_lab.serve.routes import register_routes
 from inference_lab.serve.settings import ServeSettings, settings_from_env
 from inference_lab.serve.state import ServeState
@@ -42,9 +41,8 @@ def create_app(
         try:
             settings = settings_from_env()
         except ConfigError as exc:
-            # A plain hypercorn launch: one line, and the server does not start.
-            print(f"inference-lab: error: {exc}", file=sys.stderr)
-            raise SystemExit(1) from None
+            # A plain hypercorn launch: one line, a non-zero exit (serve/launch.py).
+            fail_launch(str(exc))
     install_receipt_hook()  # serve/connection.py: arrival stamps, single writes
     app = InferenceLabApp(__name__)
     # OPTIONS is answered by the gate (CORS preflights from allowed origins) or is a 405,
