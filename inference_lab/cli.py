@@ -10,12 +10,14 @@ Rule 1: only the chosen subcommand's module is imported, and that module imports
 Rule 2: one exit-code policy for every subcommand, each error one line on stderr,
         ``inference-lab <sub>: error: <message>``, never a traceback:
 
-        - 0: done (``load``: the run completed, whatever the server answered; ``serve``:
-          stopped by SIGINT / SIGTERM, its normal end).
+        - 0: done (``load``: the run completed and at least one request succeeded;
+          ``serve``: stopped by SIGINT / SIGTERM, its normal end).
         - 1: the command line was well formed but the run could not proceed: a file
-          missing, unreadable or invalid, an output directory that does not exist, an
-          unknown or ambiguous hardware entry, a server that cannot be reached, a port in
-          use, a workload that cannot run, ``--plot`` without matplotlib.
+          missing, unreadable or invalid, an unknown shipped name, an output directory
+          that does not exist, an unknown or ambiguous hardware entry, a server that
+          cannot be reached or does not serve the model, a ``load`` run in which every
+          request failed, a port in use, a workload that cannot run, ``--plot`` without
+          matplotlib.
         - 2: the command line is wrong: an unknown or missing flag, a value of the wrong
           type or out of range (``sim --seed -1``), flags that cannot go together.
         - 130: interrupted by Ctrl-C (``load`` still prints and writes its partial report).
