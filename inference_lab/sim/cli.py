@@ -5,8 +5,8 @@
 
 Rule 1: this module's top level imports only the standard library and the flag toolkit, so
         parsing (``--help``, a bad flag) costs no numpy; ``run`` imports the engine.
-Rule 2: bad input (missing file, bad key, unknown or ambiguous hardware entry, unwritable
-        output, a workload that cannot run) is one line on stderr,
+Rule 2: bad input (missing file, unknown shipped name, bad key, unknown or ambiguous
+        hardware entry, unwritable output, a workload that cannot run) is one line on stderr,
         ``inference-lab sim: error: <message>``, and exit code 1; a bad flag value is
         argparse's one line and exit code 2 (``cli.py`` states the policy).
 Rule 3: output files are checked before the run and written after it: a long simulation is
