@@ -10,12 +10,14 @@ Rule 1: only the chosen subcommand's module is imported, and that module imports
 Rule 2: one exit-code policy for every subcommand, each error one line on stderr,
         ``inference-lab <sub>: error: <message>``, never a traceback:
 
-        - 0: done (``load``: the run completed, whatever the server answered; ``serve``:
-          stopped by SIGINT / SIGTERM, its normal end).
+        - 0: done (``load``: the run completed and at least one request succeeded;
+          ``serve``: stopped by SIGINT / SIGTERM, its normal end).
         - 1: the command line was well formed but the run could not proceed: a file
-          missing, unreadable or invalid, an output directory that does not exist, an
-          unknown or ambiguous hardware entry, a server that cannot be reached, a port in
-          use, a workload that cannot run, ``--plot`` without matplotlib.
+          missing, unreadable or invalid, an unknown shipped name, an output directory
+          that does not exist, an unknown or ambiguous hardware entry, a server that
+          cannot be reached or does not serve the model, a ``load`` run in which every
+          request failed, a port in use, a workload that cannot run, ``--plot`` without
+          matplotlib.
         - 2: the command line is wrong: an unknown or missing flag, a value of the wrong
           type or out of range (``sim --seed -1``), flags that cannot go together.
         - 130: interrupted by Ctrl-C (``load`` still prints and writes its partial report).
@@ -30,6 +32,7 @@ import sys
 from collections.abc import Sequence
 
 from inference_lab.cli_args import EXIT_INTERRUPTED, EXIT_USAGE, CliParser
+from inference_lab.resources import package_version
 
 __all__ = ["SUBCOMMANDS", "main"]
 
@@ -59,6 +62,12 @@ def build_parser(command: str | None) -> tuple[CliParser, CliParser | None]:
         prog="inference-lab",
         description="A simulated OpenAI-compatible LLM inference server and its tools.",
     )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"inference-lab {package_version()}",
+        help="print the installed version and exit",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{sim,serve,load}")
     chosen: CliParser | None = None
     for name, (module, summary) in SUBCOMMANDS.items():
@@ -70,8 +79,8 @@ def build_parser(command: str | None) -> tuple[CliParser, CliParser | None]:
 
 
 def _chosen(argv: Sequence[str]) -> str | None:
-    # The top-level parser has no option that takes a value, so its first positional
-    # argument is the subcommand.
+    # The top-level parser has no option that takes a value (``--version`` and ``--help``
+    # take none), so its first positional argument is the subcommand.
     for arg in argv:
         if not arg.startswith("-"):
             return arg if arg in SUBCOMMANDS else None

@@ -37,11 +37,12 @@ __all__ = [
     "parse_int",
 ]
 
-#: The command did what it was asked (``load``: whatever the server answered).
+#: The command did what it was asked (``load``: a run in which some request succeeded).
 EXIT_OK = 0
 #: The command line was well formed but the run could not proceed: a file missing,
 #: unreadable or invalid, an output directory that does not exist, a server that cannot be
-#: reached, a port in use, a workload that cannot run, a missing optional dependency.
+#: reached or does not serve the model, a ``load`` run in which every request failed, a
+#: port in use, a workload that cannot run, a missing optional dependency.
 EXIT_ERROR = 1
 #: The command line itself is wrong: an unknown flag, a missing one, a value of the wrong
 #: type or out of range, flags that cannot go together.

@@ -26,6 +26,10 @@ Behaviour is scripted, not simulated:
   error frame and ``[DONE]``.
 - ``close_connections`` answers with ``connection: close``; ``close_idle`` closes the
   connection after each answer without saying so (a keep-alive time-out on the server).
+- ``retry_after``: the ``Retry-After`` value sent with every 429, 503 and 529 (none when
+  None).
+- ``GET /v1/models`` lists ``models`` (answered ``models_status`` when that is not 200);
+  it is counted apart (``FakeStats.model_lists``), never in the completion counters.
 """
 
 from __future__ import annotations
@@ -72,6 +76,9 @@ class FakeConfig:
     """Answer with ``connection: close`` (no keep-alive)."""
     close_idle: bool = False
     """Close the connection after each answer, without a ``connection: close`` header."""
+    retry_after: str | None = None
+    models: Sequence[str] = ("m",)
+    models_status: int = 200
 
 
 @attrs.define
@@ -86,6 +93,8 @@ class FakeStats:
     hosts: list[str] = attrs.Factory(list)
     origins: list[str] = attrs.Factory(list)
     """In memory: the origin of every connect call."""
+    model_lists: list[str] = attrs.Factory(list)
+    """The target of every ``GET`` (the model list), in order."""
 
 
 @attrs.frozen
@@ -157,6 +166,8 @@ class _Handler:
     ) -> bool:
         stats = self.stats
         cfg = self.config
+        if request.method == b"GET":
+            return await self._list_models(stream, conn, request)
         stats.requests += 1
         stats.targets.append(request.target.decode())
         stats.hosts.append(dict(request.headers).get(b"host", b"").decode())
@@ -173,6 +184,8 @@ class _Handler:
         if cfg.close_connections:
             headers.append(("connection", "close"))
         if status != 200:
+            if cfg.retry_after is not None and status in (429, 503, 529):
+                headers.append(("retry-after", cfg.retry_after))
             if status == 529:
                 out = _OVERLOAD_BODY
                 headers.append(("x-should-retry", "false"))
@@ -205,6 +218,35 @@ class _Handler:
             await self._stream_answer(stream, conn, request, payload, headers)
         finally:
             stats.active -= 1
+        return True
+
+    async def _list_models(
+        self, stream: trio.abc.Stream, conn: h11.Connection, request: h11.Request
+    ) -> bool:
+        cfg = self.config
+        self.stats.model_lists.append(request.target.decode())
+        if cfg.models_status != 200:
+            body: dict[str, Any] = {
+                "error": {
+                    "message": f"fake {cfg.models_status}",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": f"fake_{cfg.models_status}",
+                }
+            }
+        else:
+            data = [{"id": m, "object": "model", "owned_by": "fake"} for m in cfg.models]
+            body = {"object": "list", "data": data}
+        out = json.dumps(body).encode()
+        headers = [("content-type", "application/json"), ("content-length", str(len(out)))]
+        await stream.send_all(
+            _wire(
+                conn,
+                h11.Response(status_code=cfg.models_status, headers=headers),
+                h11.Data(data=out),
+                h11.EndOfMessage(),
+            )
+        )
         return True
 
     async def _stream_answer(

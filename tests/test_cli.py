@@ -5,6 +5,7 @@ subcommand validates with (``cli_args``)."""
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -71,6 +72,18 @@ def test_top_level_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps the summaries
     for name, (_, summary) in cli.SUBCOMMANDS.items():
         assert name in out and summary in out
+
+
+def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """``inference-lab --version`` prints the distribution's version and exits 0, without
+    a subcommand and without loading any subcommand's machinery."""
+    assert cli.main(["--version"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"inference-lab {importlib.metadata.version('inference-lab')}\n"
+    assert captured.err == ""
+    rc, loaded, out = loaded_after(["--version"])
+    assert rc == 0 and out.startswith("inference-lab ")
+    assert not loaded & (SERVE_STACK | {"numpy", "cattrs"})
 
 
 # -- exit codes --------------------------------------------------------------------------

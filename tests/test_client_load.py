@@ -16,6 +16,7 @@ import csv
 import json
 import math
 import queue
+import re
 import socket
 import sys
 import threading
@@ -31,10 +32,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from trio.testing import MockClock
 
-from inference_lab.cli import main
+from inference_lab.cli import build_parser, main
 from inference_lab.client.http import parse_base_url
 from inference_lab.client.load import (
     CONNECTION_ERROR_PAUSE,
+    RETRY_AFTER_CAP,
     LoadConfig,
     LoadError,
     LoadResult,
@@ -68,14 +70,16 @@ async def load_against(
     url_suffix: str = "",
     on_record: Callable[[RequestRecord], None] | None = None,
     stop: trio.Event | None = None,
+    limit: float = TIMEOUT,
     **options: Any,
 ) -> tuple[LoadResult, FakeStats]:
     """Run one load with ``options`` against the fake over memory streams (virtual time
-    under ``autojump_clock``); returns the result and the fake's counters."""
+    under ``autojump_clock``, bounded by ``limit`` virtual seconds); returns the result and the fake's
+    counters."""
     async with trio.open_nursery() as nursery:
         server = MemoryFake(nursery, fake)
         config = LoadConfig(url=URL + url_suffix, model="m", **options)
-        with trio.fail_after(TIMEOUT):
+        with trio.fail_after(limit):
             result = await run_load(config, on_record=on_record, stop=stop, connect=server.connect)
         nursery.cancel_scope.cancel()
     return result, server.stats
@@ -213,10 +217,10 @@ async def test_a_connection_the_server_closed_is_not_reused(autojump_clock: Mock
         FakeConfig(tokens=3, close_idle=True), concurrency=1, requests=4, max_tokens=3
     )
     assert outcome_counts(result) == {"ok": 4}
-    # the first request rides the preflight's connection; each later one finds its
-    # predecessor's closed
-    assert (result.pool.opened, result.pool.stale_dropped, result.pool.reused) == (4, 3, 1)
-    assert stats.requests == 4
+    # the preflight's connection carried the model list and was closed after it, as each
+    # request's is after its answer: every request finds its predecessor's closed
+    assert (result.pool.opened, result.pool.stale_dropped, result.pool.reused) == (5, 4, 0)
+    assert stats.requests == 4 and len(stats.model_lists) == 1
 
 
 async def test_open_loop_sends_the_count_and_respects_the_cap(autojump_clock: MockClock) -> None:
@@ -411,6 +415,159 @@ async def test_adaptive_ignores_503(autojump_clock: MockClock) -> None:
     assert stats.requests == 30
     assert result.limit_changes == ((0.0, 4),)
     assert result.controller is not None and result.controller.overloads == 0
+
+
+# -- the model check, failed runs, Retry-After --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("suffix", "target"), [("", "/v1/models"), ("/v1", "/v1/models"), ("/api", "/api/v1/models")]
+)
+async def test_an_unknown_model_is_one_error_before_any_request(
+    suffix: str, target: str, autojump_clock: MockClock
+) -> None:
+    """The model list is read before the clock starts (under the URL's prefix, ``/v1`` not
+    doubled); a model it does not list is a LoadError naming the model and the ones served,
+    and no completion request is sent."""
+    async with trio.open_nursery() as nursery:
+        fake = MemoryFake(nursery, FakeConfig(models=("gpt-oss-20b", "Llama-3-70B")))
+        config = LoadConfig(url=URL + suffix, model="WRONG", concurrency=8, duration=2.0)
+        with trio.fail_after(TIMEOUT), pytest.raises(LoadError) as info:
+            await run_load(config, connect=fake.connect)
+        nursery.cancel_scope.cancel()
+    assert str(info.value) == (
+        f"model 'WRONG' is not served by {URL}{suffix} (it serves: gpt-oss-20b, Llama-3-70B)"
+    )
+    assert fake.stats.model_lists == [target] and fake.stats.requests == 0
+
+
+async def test_a_served_model_passes_the_check_on_the_first_connection(
+    autojump_clock: MockClock,
+) -> None:
+    """With the model listed the run goes ahead; the list is read once, on the connection
+    the first request then reuses."""
+    result, stats = await load_against(FakeConfig(tokens=2), concurrency=1, requests=3)
+    assert outcome_counts(result) == {"ok": 3}
+    assert stats.model_lists == ["/v1/models"] and stats.connections == 1
+
+
+async def test_an_unreadable_model_list_is_an_error_unless_the_check_is_off(
+    autojump_clock: MockClock,
+) -> None:
+    """A model list answered with an error is a LoadError quoting the status and the error
+    (and naming ``--no-model-check``); with ``check_model=False`` nothing is asked."""
+    async with trio.open_nursery() as nursery:
+        fake = MemoryFake(nursery, FakeConfig(models_status=401))
+        config = LoadConfig(url=URL, model="m", concurrency=1, requests=1)
+        with trio.fail_after(TIMEOUT), pytest.raises(LoadError) as info:
+            await run_load(config, connect=fake.connect)
+        nursery.cancel_scope.cancel()
+    assert str(info.value) == (
+        f"GET {URL}/v1/models answered 401 (fake_401: fake 401) "
+        "(--no-model-check sends the requests anyway)"
+    )
+    result, stats = await load_against(
+        FakeConfig(models_status=404, tokens=2), concurrency=1, requests=2, check_model=False
+    )
+    assert outcome_counts(result) == {"ok": 2} and stats.model_lists == []
+
+
+async def test_the_first_error_is_the_first_failed_attempt(autojump_clock: MockClock) -> None:
+    """The summary's first error is the first attempt, in start order, that failed, with
+    its status, code and message; in an adaptive run a 529 is the controller's signal and
+    not an error; a run without failures has none."""
+    result, _ = await load_against(
+        FakeConfig(script=[200, 529, 500], tokens=2), concurrency=1, requests=4
+    )
+    summary = summarize(result)
+    assert summary.first_error is not None and not summary.all_failed
+    assert (summary.first_error.index, summary.first_error.status) == (1, 529)
+    assert summary.first_error.error_code == "queue_saturated"
+    assert summary.first_error.message is not None
+    assert summary.first_error.message.startswith("Server is at capacity")
+    result, _ = await load_against(
+        FakeConfig(script=[529, 200, 500], tokens=2), adaptive="aimd", requests=3
+    )
+    first = summarize(result).first_error
+    assert first is not None and first.status == 500
+    result, _ = await load_against(FakeConfig(tokens=2), concurrency=1, requests=2)
+    assert summarize(result).first_error is None
+
+
+async def test_a_run_in_which_every_request_failed_is_marked(autojump_clock: MockClock) -> None:
+    """``all_failed``: at least one attempt and no success."""
+    result, _ = await load_against(FakeConfig(default_status=404), concurrency=4, requests=20)
+    summary = summarize(result)
+    assert summary.all_failed and summary.attempts == len(result.records) > 0
+    assert summary.first_error is not None and summary.first_error.error_code == "fake_404"
+
+
+async def test_retry_after_holds_a_closed_loop_worker(autojump_clock: MockClock) -> None:
+    """With ``retry_after`` a worker answered 529 with ``Retry-After: 2`` sends its next
+    request 2 s later; without it, at once. The record keeps the header and the wait, and
+    the summary counts the waits and their total."""
+    fake = FakeConfig(script=[529, 529], tokens=2, retry_after="2")
+    result, _ = await load_against(fake, concurrency=1, requests=3, retry_after=True)
+    starts = [r.start for r in result.records]
+    assert [r.outcome for r in result.records] == ["overloaded", "overloaded", "ok"]
+    assert starts[1] == pytest.approx(2.0) and starts[2] == pytest.approx(4.0)
+    assert [r.retry_after for r in result.records] == [2.0, 2.0, None]
+    assert [r.retry_wait for r in result.records] == [pytest.approx(2.0)] * 2 + [0.0]
+    assert result.records[0].end == pytest.approx(0.0)  # the record ends with its answer
+    summary = summarize(result)
+    assert summary.retry_after is not None
+    assert (summary.retry_after.waits, summary.retry_after.total) == (2, pytest.approx(4.0))
+    result, _ = await load_against(fake, concurrency=1, requests=3)
+    assert result.records[2].start == pytest.approx(0.0)
+    assert summarize(result).retry_after is None
+
+
+async def test_retry_after_is_capped_and_ends_with_dispatching(autojump_clock: MockClock) -> None:
+    """A wait is at most RETRY_AFTER_CAP; a wait still running when the run stops
+    starting requests ends then (nothing would use the slot); a refusal without the
+    header frees its slot at once and is counted."""
+    fake = FakeConfig(script=[529], tokens=2, retry_after="600")
+    result, _ = await load_against(
+        fake, concurrency=1, requests=2, retry_after=True, limit=2 * RETRY_AFTER_CAP
+    )
+    assert result.records[1].start == pytest.approx(RETRY_AFTER_CAP)
+    summary = summarize(result)
+    assert summary.retry_after is not None and summary.retry_after.capped == 1
+    result, _ = await load_against(
+        FakeConfig(default_status=529, retry_after="30"),
+        concurrency=2,
+        duration=1.0,
+        retry_after=True,
+    )
+    assert len(result.records) == 2 and result.end == pytest.approx(1.0)
+    assert [r.retry_wait for r in result.records] == [pytest.approx(1.0)] * 2
+    result, _ = await load_against(
+        FakeConfig(script=[529, 503], tokens=2), concurrency=1, requests=3, retry_after=True
+    )
+    summary = summarize(result)
+    assert summary.retry_after is not None
+    assert (summary.retry_after.waits, summary.retry_after.without_header) == (0, 2)
+
+
+async def test_retry_after_delays_the_adaptive_retry(autojump_clock: MockClock) -> None:
+    """Adaptive: the retry of a request answered 529 with ``Retry-After: 1`` goes out 1 s
+    later, and the controller saw the 529 at once (the limit was cut at the answer)."""
+    fake = FakeConfig(script=[200, 529], tokens=2, token_delay=0.01, retry_after="1")
+    result, _ = await load_against(
+        fake, adaptive="aimd", concurrency=2, window=1, requests=2, retry_after=True
+    )
+    retried = [r for r in result.records if r.request == 1]
+    assert [r.attempt for r in retried] == [0, 1]
+    assert retried[1].start - retried[0].end == pytest.approx(1.0)
+    cut = [(t, limit) for t, limit in result.limit_changes if limit == 1]
+    assert cut and cut[0][0] == pytest.approx(retried[0].end)
+
+
+def test_retry_after_is_refused_for_an_open_loop() -> None:
+    """Open-loop arrivals do not wait for answers: ``--retry-after`` with ``--rate`` is a
+    usage error."""
+    with pytest.raises(ValueError, match="--retry-after needs --concurrency or --adaptive"):
+        LoadConfig(url=URL, model="m", rate=5.0, requests=5, retry_after=True)
 
 
 # -- pure parts --------------------------------------------------------------------------
@@ -634,6 +791,7 @@ def test_argparse_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[s
         (["--concurrency", "1", "--requests", "1", "--max-concurrency", "4"], "--max-concurrency"),
         (["--concurrency", "1", "--duration", "1", "--warmup", "2"], "--warmup"),
         (["--adaptive", "aimd", "--requests", "1", "--backoff", "1.5"], "--backoff"),
+        (["--rate", "5", "--requests", "1", "--retry-after"], "--retry-after needs"),
     ],
 )
 def test_invalid_combinations_exit_2_with_one_line(
@@ -658,6 +816,66 @@ def test_bad_url_and_unreachable_server(capsys: pytest.CaptureFixture[str]) -> N
     assert main([*argv, "--requests", "1", "-q"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot connect" in err[0]
+
+
+def test_cli_an_unknown_model_is_one_line_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    """``load --model WRONG`` sends nothing: one line naming the models served, exit 1."""
+    with fake_server_in_thread(FakeConfig(models=("gpt-oss-20b", "m2"))) as server:
+        argv = ["load", "--url", server.url, "--model", "WRONG", "--concurrency", "8"]
+        assert main([*argv, "--duration", "2"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"inference-lab load: error: model 'WRONG' is not served by {server.url} "
+        "(it serves: gpt-oss-20b, m2)"
+    ]
+    assert captured.out == "" and server.stats.requests == 0
+
+
+def test_cli_a_run_in_which_every_request_failed_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every attempt failed: the summary (with the first error) is printed and written, and
+    the command exits 1 with one line quoting the first failure."""
+    out = tmp_path / "r.json"
+    with fake_server_in_thread(FakeConfig(default_status=404)) as server:
+        argv = ["load", "--url", server.url, "--model", "m", "--concurrency", "2", "-q"]
+        assert main([*argv, "--requests", "6", "-o", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        "inference-lab load: error: all 6 attempts failed (first: HTTP 404 fake_404: fake 404)"
+    ]
+    assert "first error (attempt 0, at 0.00 s): HTTP 404 fake_404: fake 404" in captured.out
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["all_failed"] is True
+    assert summary["first_error"]["status"] == 404
+    assert summary["first_error"]["error_code"] == "fake_404"
+
+
+def test_cli_retry_after_is_reported_in_the_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--retry-after``: the summary says how many waits there were and their total; the
+    run still exits 0 (some requests succeeded)."""
+    fake = FakeConfig(script=[529, 529], tokens=2, retry_after="0.05")
+    with fake_server_in_thread(fake) as server:
+        argv = ["load", "--url", server.url, "--model", "m", "--concurrency", "1", "-q"]
+        assert main([*argv, "--requests", "3", "--retry-after"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("retry-after: "))
+    assert re.fullmatch(
+        r"retry-after: 2 waits for Retry-After, [\d.]+ s in all \(longest [\d.]+ s\)", line
+    )
+
+
+def test_load_help_describes_every_option() -> None:
+    """Every ``load`` option has a description in ``--help`` (``--prompt-tokens``,
+    ``--max-tokens`` and ``--endpoint`` among them)."""
+    _, parser = build_parser("load")
+    assert parser is not None
+    bare = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
+    assert bare == []
+    text = " ".join(parser.format_help().split())
+    assert "--prompt-tokens N prompt size in tokens" in text
+    assert "--max-tokens N max_tokens of every request" in text
+    assert "POST /v1/completions" in text
 
 
 UNREACHABLE = ["load", "--url", "http://127.0.0.1:1", "--model", "m", "--concurrency", "1"]

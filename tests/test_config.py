@@ -210,6 +210,38 @@ def test_unknown_key_is_an_error_naming_its_path(
 
 
 @pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        # a typo of a required key: the typo is named, with the key it stands for, and
+        # the required key it leaves missing is not reported as a second error
+        (
+            {"scheduler": {"max_num_seqs": DELETE, "max_num_seq": 4}},
+            "scheduler.max_num_seq: unknown key (did you mean max_num_seqs?)",
+        ),
+        (
+            {"model": {"hidden_dim": DELETE, "hiden_dim": 64}},
+            "model.hiden_dim: unknown key (did you mean hidden_dim?)",
+        ),
+        # a typo of an optional key, next to a genuinely missing key: the typo first
+        (
+            {"scheduler": {"max_num_batched_tokens": DELETE, "block_sise": 8}},
+            "scheduler.block_sise: unknown key (did you mean block_size?) (and 1 more)",
+        ),
+        # nothing close: no guess
+        ({"scheduler": {"zzz": 1}}, "scheduler.zzz: unknown key"),
+    ],
+)
+def test_a_typod_key_is_named_before_what_it_leaves_missing(
+    tmp_path: Path, changes: dict[str, Any], message: str
+) -> None:
+    """A typo'd key reads as the typo (with the key it resembles), not as ``missing required
+    key (and 1 more)``: unknown keys come first, and a missing key explained by one is
+    not counted again."""
+    path, got = load_error(tmp_path, merge(dense_config(), changes))
+    assert got == f"{path}: {message}"
+
+
+@pytest.mark.parametrize(
     ("changes", "key_path"),
     [
         ({"flops_int8": 1.0e15}, "flops_int8"),

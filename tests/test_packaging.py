@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import email.parser
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,7 +88,7 @@ def test_installed_wheel_serves_its_shipped_configs_from_anywhere(
 ) -> None:
     """Installed outside the checkout and run from an unrelated directory, the package
     finds its own configs and profiles (not the checkout's) and a simulation of a shipped
-    config and workload runs on them."""
+    config and workload, named as ``--config gpt-oss-20b --workload quick``, runs on them."""
     site = tmp_path / "site"
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet",
@@ -106,9 +107,8 @@ def test_installed_wheel_serves_its_shipped_configs_from_anywhere(
         "print(inference_lab.__file__)\n"
         "print(shipped_dir('configs'))\n"
         "print(shipped_dir('hardware_profiles'))\n"
-        "c = shipped_dir('configs')\n"
-        "sys.exit(main(['sim', '--config', str(c / 'gpt-oss-20b.toml'), '--hardware', 'b200',\n"
-        "               '--workload', str(c / 'workloads' / 'quick.toml'), '-q']))\n"
+        "sys.exit(main(['sim', '--config', 'gpt-oss-20b', '--hardware', 'b200',\n"
+        "               '--workload', 'quick', '-q']))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", script],
@@ -132,3 +132,40 @@ def test_checkout_resources_are_found_from_another_directory(
     assert shipped_dir("configs") == ROOT / "configs"
     assert shipped_dir("hardware_profiles") == ROOT / "hardware_profiles"
     assert (shipped_dir("configs") / "workloads" / "quick.toml").is_file()
+
+
+#: Flags of the example commands that name a file the command writes.
+_OUTPUT_FLAG = re.compile(
+    r"(?:^|[\s\[`])(?:-o|--output|--csv|--plot|--request-csv)\s+([\w./-]+)|path=([\w./-]+)"
+)
+
+
+def _example_outputs() -> set[str]:
+    """The files the README's and the user docs' example commands write (metavars such as
+    ``PATH`` and directories left out)."""
+    found: set[str] = set()
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for match in _OUTPUT_FLAG.finditer(page.read_text()):
+            name = match.group(1) or match.group(2)
+            if name and not name.isupper() and not name.endswith("/") and "." in name:
+                found.add(name)
+    return found
+
+
+def test_what_building_and_the_examples_write_is_ignored_by_git() -> None:
+    """``build/``, ``dist/`` and every file an example command of the README or the docs
+    writes (``-o result.json``, ``--plot aimd.png``, ...) are ignored, so trying the
+    examples in a checkout leaves ``git status`` clean."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    outputs = _example_outputs()
+    assert {"result.json", "aimd.png", "requests.csv"} <= outputs, outputs
+    paths = sorted(outputs | {"build/x.whl", "dist/x.whl"})
+    proc = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *paths],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    not_ignored = [
+        line.split("\t")[-1] for line in proc.stdout.splitlines() if line.startswith("::")
+    ]
+    assert not_ignored == [], not_ignored

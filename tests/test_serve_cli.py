@@ -118,6 +118,9 @@ def test_environment_configures_a_plain_hypercorn_launch() -> None:
         ("INFERENCE_LAB_MAX_WAITING", "-1", "INFERENCE_LAB_MAX_WAITING: must be an integer >= 0"),
         ("INFERENCE_LAB_MAX_NUM_SEQS", "x", "INFERENCE_LAB_MAX_NUM_SEQS: must be an integer >= 1"),
         ("INFERENCE_LAB_ENABLE_TEST_HARNESS", "maybe", "INFERENCE_LAB_ENABLE_TEST_HARNESS"),
+        ("INFERENCE_LAB_API_KEY", "a b", "^INFERENCE_LAB_API_KEY: must be 1-4096"),
+        ("INFERENCE_LAB_ALLOWED_ORIGINS", "x", "^INFERENCE_LAB_ALLOWED_ORIGINS: 'x' is not"),
+        ("INFERENCE_LAB_WORKLOAD", "quik", "^INFERENCE_LAB_WORKLOAD quik: no such file"),
     ],
 )
 def test_bad_environment_is_a_config_error(name: str, value: str, fragment: str) -> None:
@@ -147,6 +150,11 @@ def test_flags_parse_with_the_spec_defaults() -> None:
     ("argv", "fragment"),
     [
         (["--workload", "nope.toml"], "nope.toml: no such file"),
+        # a setting's error names the flag it was given with, not the setting
+        (["--api-key", "a b"], "error: --api-key: must be 1-4096 printable ASCII"),
+        (["--control-token", "a b"], "error: --control-token: must be 1-4096 printable"),
+        (["--allowed-origins", "ftp:/x"], "error: --allowed-origins: 'ftp:/x' is not an origin"),
+        (["--workload", "quik"], "error: --workload quik: no such file, and no shipped workload"),
     ],
 )
 def test_startup_errors_print_one_line_and_return_1(
@@ -155,6 +163,45 @@ def test_startup_errors_print_one_line_and_return_1(
     assert serve_cli.run(_args("--config", str(CONFIGS / "gpt-oss-20b.toml"), *argv)) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and fragment in err[0] and err[0].startswith("inference-lab serve: error:")
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("INFERENCE_LAB_API_KEY", "a b"),
+        ("INFERENCE_LAB_CONTROL_TOKEN", "a b"),
+        ("INFERENCE_LAB_ALLOWED_ORIGINS", "ftp:/x"),
+    ],
+)
+def test_a_secret_taken_from_the_environment_is_named_by_its_variable(
+    variable: str, value: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``serve`` without the flag reads the variable; its error names the variable."""
+    monkeypatch.setenv(variable, value)
+    assert serve_cli.run(_args("--config", str(CONFIGS / "gpt-oss-20b.toml"))) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"inference-lab serve: error: {variable}: "), line
+
+
+def test_shipped_config_and_workload_are_found_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--config gpt-oss-20b`` and ``--workload quick`` (and their variables) find the
+    shipped files from a directory that has no ``configs/``; an unknown name is one line
+    naming the variable and listing the shipped names."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("INFERENCE_LAB_HARDWARE_PROFILES", raising=False)
+    settings = load_settings(config="gpt-oss-20b", workload="quick")
+    (dep,) = settings.deployments
+    assert dep.config_path == CONFIGS / "gpt-oss-20b.toml" and settings.workload is not None
+    env = {"INFERENCE_LAB_CONFIG": "gpt-oss-20b", "INFERENCE_LAB_WORKLOAD": "chat-closed-64"}
+    settings = settings_from_env(env)
+    assert settings.workload is not None and settings.workload.num_concurrent_users == 64
+    with pytest.raises(ConfigError) as info:
+        settings_from_env({"INFERENCE_LAB_CONFIG": "gpt-oss-2b"})
+    message = str(info.value)
+    assert message.startswith("INFERENCE_LAB_CONFIG gpt-oss-2b: no such file")
+    assert "gpt-oss-20b" in message and "Llama-3-70B" in message
 
 
 def test_a_port_in_use_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -291,6 +291,42 @@ async def test_plain_hypercorn_launch_serves_the_env_configured_app() -> None:
                 await proc.wait()
 
 
+@pytest.mark.parametrize(
+    "workers", [[], ["--workers", "1"], ["--workers", "2"], ["--workers", "0"]]
+)
+@pytest.mark.parametrize(
+    ("variables", "line"),
+    [
+        (
+            {"INFERENCE_LAB_MAX_WAITING": "-1"},
+            "inference-lab: error: INFERENCE_LAB_MAX_WAITING: must be an integer >= 0, got -1",
+        ),
+        (
+            {"INFERENCE_LAB_CONFIG": "configs/missing.toml"},
+            "inference-lab: error: configs/missing.toml: no such file or directory",
+        ),
+    ],
+)
+def test_a_plain_hypercorn_launch_that_cannot_start_exits_non_zero(
+    workers: list[str], variables: dict[str, str], line: str
+) -> None:
+    """A bad variable or a missing config: a worker prints one line, no traceback, and
+    the hypercorn process a supervisor started exits non-zero, with hypercorn's own worker
+    processes (its default) as without (``--workers 0``). hypercorn 0.18's supervisor
+    would exit 0 (serve/launch.py, Rule 2). With several workers, the first to fail ends
+    the supervisor, and the others end with it (app Rule 3) before or after their line."""
+    result = subprocess.run(
+        [sys.executable, "-m", "hypercorn", "--worker-class", "trio", *workers,
+         "-b", "127.0.0.1:0", "inference_lab.serve:create_app()"],
+        cwd=ROOT, env=_env(**variables), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0, result.stderr
+    most = max(1, int(workers[1]) if workers else 1)
+    lines = result.stderr.splitlines()
+    assert 1 <= len(lines) <= most and set(lines) == {line}, result.stderr
+    assert result.stdout == ""
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 async def test_inference_lab_serve_exits_cleanly_on_signal_after_in_flight_stream(
     signum: signal.Signals,

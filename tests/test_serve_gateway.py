@@ -275,14 +275,14 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_cli_flags_reach_the_settings(capsys: pytest.CaptureFixture[str]) -> None:
     """``--api-key`` / ``--allowed-origins`` parse, and a bad origin is a one-line startup
-    error (exit 1) naming the setting."""
+    error (exit 1) naming the flag."""
     args = _args("--api-key", KEY, "--allowed-origins", ORIGIN)
     assert (args.api_key, args.allowed_origins) == (KEY, ORIGIN)
     assert _args().api_key is None and _args().allowed_origins is None
     config = str(CONFIGS / "gpt-oss-20b.toml")
     assert serve_cli.run(_args("--config", config, "--allowed-origins", "nope")) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "allowed_origins: 'nope' is not an origin" in err[0]
+    assert len(err) == 1 and "error: --allowed-origins: 'nope' is not an origin" in err[0]
 
 
 # -- CORS ------------------------------------------------------------------------------------

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from inference_lab import cli
-from inference_lab.core.config import load_deployment, load_workload
+from inference_lab.core.config import load_deployment, load_workload, override_scheduler
 from inference_lab.sim import cli as sim_cli
-from inference_lab.sim.run import Progress, run_simulation
+from inference_lab.sim.run import Progress, format_summary, run_simulation
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -392,3 +392,123 @@ def test_bad_flags_are_one_line_usage_errors(
     assert rc == 2
     assert captured.err.splitlines() == [f"inference-lab sim: error: {fragment}"]
     assert captured.out == ""
+
+
+# ---------------------------------------------------------------------------------------
+# shipped files by name, scheduler overrides
+
+
+def test_config_and_workload_are_found_by_name_from_any_directory(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--config gpt-oss-20b --workload quick` from a directory without `configs/` runs the
+    shipped files (after `pip install` there is no `configs/` to point at); the config
+    print names the files found."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("INFERENCE_LAB_HARDWARE_PROFILES", raising=False)
+    rc = run_cli("--config", "gpt-oss-20b", "--hardware", "b200", "--workload", "quick.toml")
+    out = capsys.readouterr().out
+    assert rc == 0 and "50 completed" in out
+    assert f"({CONFIGS / 'gpt-oss-20b.toml'})" in out
+    assert str(CONFIGS / "workloads" / "quick.toml") in out
+
+
+def test_a_file_in_the_working_directory_wins_over_a_shipped_name(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A path that exists is always a path: a local file called `quick` is the workload,
+    not the shipped `quick.toml`."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "quick").write_text(Path(QUICK).read_text().replace("= 50", "= 7"))
+    rc = run_cli("--config", GPT_OSS, "--hardware", "b200", "--workload", "quick", "-q")
+    assert rc == 0 and "7 completed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flag", "name", "listed"),
+    [
+        ("--config", "gpt-oss-2b", "gpt-oss-20b, gpt-oss-120b"),
+        ("--workload", "quik", "chat-closed-64, chat-poisson-5rps"),
+    ],
+)
+def test_an_unknown_name_is_one_line_listing_the_shipped_names(
+    flag: str, name: str, listed: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A bare name that is neither a file nor a shipped file: one line naming the flag and
+    every shipped name, exit 1."""
+    argv = {"--config": GPT_OSS, "--workload": QUICK, flag: name}
+    rc = run_cli(
+        "--config", argv["--config"], "--hardware", "b200", "--workload", argv["--workload"]
+    )
+    line = assert_one_line_error(capsys, rc, f"{flag} {name}: no such file")
+    shipped = sorted(
+        p.stem for p in (CONFIGS if flag == "--config" else CONFIGS / "workloads").glob("*.toml")
+    )
+    assert line.endswith(f"s: {', '.join(shipped)})")
+    for item in listed.split(", "):
+        assert item in line
+
+
+def test_max_num_seqs_and_max_waiting_override_the_config(tmp_path: Path) -> None:
+    """`--max-num-seqs 2` caps the batch (16 closed-loop users: 14 wait) and
+    `--max-waiting` is in force; both show in the configuration and the JSON."""
+    wl = write(
+        tmp_path / "closed.toml",
+        'arrival_pattern = "closed_loop"\nnum_concurrent_users = 16\nnum_requests = 64\n'
+        "closed_loop_jitter_secs = 0.01\n"
+        'input_len_dist = { type = "fixed", value = 100 }\n'
+        'output_len_dist = { type = "fixed", value = 20 }\nseed = 1\n',
+    )
+    out = tmp_path / "r.json"
+    argv = ["--config", GPT_OSS, "--hardware", "b200", "--workload", wl, "-q", "-o", str(out)]
+    assert run_cli(*argv, "--max-num-seqs", "2") == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["scheduler"]["max_num_seqs"] == 2
+    assert doc["peak_waiting"] == 14 and doc["requests"]["refused"] == 0
+    assert run_cli(*argv, "--max-num-seqs", "2", "--max-waiting", "4") == 0
+    doc = json.loads(out.read_text())
+    assert doc["config"]["scheduler"]["max_waiting"] == 4
+    assert doc["peak_waiting"] == 4 and doc["requests"]["refused"] > 0
+
+
+def test_max_waiting_refuses_arrivals_that_find_the_queue_full(tmp_path: Path) -> None:
+    """As serve's admission: an arrival that finds `max_waiting` requests waiting is
+    refused (limit `max_waiting`) and never runs; the queue never exceeds the bound; every
+    other arrival completes."""
+    wl = write(
+        tmp_path / "burst.toml",
+        'arrival_pattern = "uniform"\narrival_rate = 400.0\nnum_requests = 300\n'
+        'input_len_dist = { type = "fixed", value = 200 }\n'
+        'output_len_dist = { type = "fixed", value = 100 }\nseed = 1\n',
+    )
+    dep = override_scheduler(load_deployment(GPT_OSS, "b200"), max_num_seqs=4, max_waiting=3)
+    result = run_simulation(dep, load_workload(wl))
+    queue_refused = [r for r in result.refused if r.limit == "max_waiting"]
+    assert queue_refused and len(queue_refused) == len(result.refused)
+    assert all(r.reason == "3 waiting (max_waiting = 3)" for r in queue_refused)
+    assert len(result.finished) + len(queue_refused) == 300
+    assert result.peak_waiting == 3
+    assert f"({len(queue_refused):,} by max_waiting)" in format_summary(result)
+
+
+def test_a_closed_loop_user_refused_by_max_waiting_retries_at_the_next_completion(
+    tmp_path: Path,
+) -> None:
+    """A closed-loop user turned away by the bound sends its next request when the next
+    request finishes, never at the same instant: the run ends and every arrival after the
+    first round is at a completion time."""
+    wl = write(
+        tmp_path / "closed.toml",
+        'arrival_pattern = "closed_loop"\nnum_concurrent_users = 10\nnum_requests = 200\n'
+        'input_len_dist = { type = "fixed", value = 100 }\n'
+        'output_len_dist = { type = "fixed", value = 20 }\nseed = 1\n',
+    )
+    dep = override_scheduler(load_deployment(GPT_OSS, "b200"), max_num_seqs=2, max_waiting=3)
+    result = run_simulation(dep, load_workload(wl))
+    assert result.refused and all(r.limit == "max_waiting" for r in result.refused)
+    assert len(result.finished) + len(result.refused) == 200
+    finish_times = {f.finish_time for f in result.finished}
+    later = [r.arrival.time for r in result.refused if r.arrival.time > 0]
+    later += [f.arrival_time for f in result.finished if f.arrival_time > 0]
+    assert later and all(t in finish_times for t in later)
+    assert result.peak_waiting == 3

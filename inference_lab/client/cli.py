@@ -5,11 +5,13 @@
 
 Rule 1: this module's top level imports only the standard library and the flag toolkit, so
         parsing (``--help``, a bad flag) costs no trio or numpy; ``run`` imports the client.
-Rule 2: exit codes follow ``cli.py``: 0 the run completed (whatever the server answered);
-        1 the server was unreachable before the run, a result file cannot be written, or
-        ``--plot`` was asked without matplotlib; 2 bad flags (argparse's own errors, and
-        combinations it cannot express, in the same one-line form); 130 the run was
-        interrupted by Ctrl-C (its partial report is still printed and written).
+Rule 2: exit codes follow ``cli.py``: 0 the run completed and at least one request
+        succeeded; 1 the server was unreachable before the run, does not serve
+        ``--model``, every request of the run failed (the summary and the files are still
+        written; the error line quotes the first failure), a result file cannot be
+        written, or ``--plot`` was asked without matplotlib; 2 bad flags (argparse's own
+        errors, and combinations it cannot express, in the same one-line form); 130 the
+        run was interrupted by Ctrl-C (its partial report is still printed and written).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from inference_lab.cli_args import (
+    EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
@@ -54,7 +57,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--duration or --requests.",
     )
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8080")
-    p.add_argument("--model", required=True, help="model id sent in every request")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="model id sent in every request; checked against GET /v1/models before the run",
+    )
     shape = p.add_mutually_exclusive_group()
     shape.add_argument(
         "--concurrency",
@@ -83,10 +90,39 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="S",
         help="leave requests started in the first S seconds out of the statistics",
     )
-    p.add_argument("--prompt-tokens", type=_positive_int, default=50, metavar="N")
-    p.add_argument("--max-tokens", type=_positive_int, default=200, metavar="N")
+    p.add_argument(
+        "--prompt-tokens",
+        type=_positive_int,
+        default=50,
+        metavar="N",
+        help="prompt size in tokens as the server counts them without a tokenizer (default 50)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=200,
+        metavar="N",
+        help="max_tokens of every request: the answer's length in tokens (default 200)",
+    )
     p.add_argument("--no-stream", action="store_true", help="ask for whole (non-streamed) answers")
-    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    p.add_argument(
+        "--endpoint",
+        choices=("chat", "completions"),
+        default="chat",
+        help="chat: POST /v1/chat/completions; completions: POST /v1/completions (default chat)",
+    )
+    p.add_argument(
+        "--retry-after",
+        action="store_true",
+        help="after a 429, 503 or 529 with Retry-After, the worker (or the adaptive retry) "
+        "waits the seconds asked, at most 60, before sending again; closed loop and "
+        "--adaptive only",
+    )
+    p.add_argument(
+        "--no-model-check",
+        action="store_true",
+        help="send requests without asking GET /v1/models first whether --model is served",
+    )
     p.add_argument("-o", "--output", type=Path, metavar="FILE", help="write the summary as JSON")
     p.add_argument("--csv", type=Path, metavar="FILE", help="write one row per request")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or log lines")
@@ -177,6 +213,8 @@ def _config_from_args(args: argparse.Namespace) -> LoadConfig:
         drain_timeout=args.drain_timeout,
         sample_interval=args.sample_interval,
         seed=args.seed,
+        check_model=not args.no_model_check,
+        retry_after=args.retry_after,
         **extra,
     )
 
@@ -306,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
     import trio
 
     from .load import LoadError
-    from .report import format_summary, summarize, write_csv, write_json
+    from .report import format_first_error, format_summary, summarize, write_csv, write_json
 
     progress = _Progress(config, args.quiet)
     try:
@@ -328,4 +366,10 @@ def run(args: argparse.Namespace) -> int:
             plot_timeseries(args.plot, result, summary)
     except OSError as exc:
         return fail(PROG, f"cannot write result: {exc}")
-    return EXIT_INTERRUPTED if result.interrupted else EXIT_OK
+    if result.interrupted:
+        return EXIT_INTERRUPTED
+    if summary.all_failed:
+        first = summary.first_error
+        why = f" (first: {format_first_error(first)})" if first is not None else ""
+        return fail(PROG, f"all {summary.attempts} attempts failed{why}", EXIT_ERROR)
+    return EXIT_OK

@@ -9,13 +9,22 @@ Rule 2: everything is bounded. Dispatching stops at ``duration`` (a cancel scope
   ``requests`` requests; each request is cut at ``request_timeout``; with ``duration``, any
   request still running at ``duration + drain_timeout`` is cancelled; a 529'd request is
   retried at most ``max_retries`` times.
-Rule 3: a request's end is handled synchronously in its own task — build the record,
-  update the controller and the limit, release the slot, queue a retry, hand the record to
-  the results channel — with no checkpoint in between, so the dispatcher never starts a
-  request against a limit that has not yet seen every outcome that freed a slot.
+Rule 3: a request's end is handled synchronously in its own task — update the controller
+  and the limit (``_settle``), then build the record, queue a retry, release the slot and
+  hand the record to the results channel (``_finish``) — with no checkpoint in between, so
+  the dispatcher never starts a request against a limit that has not yet seen every
+  outcome that freed a slot. A slot that must stay taken after its answer (a connection
+  error; a ``Retry-After`` with ``retry_after``) is settled first, held, then finished.
 Rule 4: records leave through a memory channel to one collector task (progress callback,
   time series); a sampler task snapshots limit, in-flight count, 529 rate and latency.
 Rule 5: it connects only to the origin in ``url`` (``http.py``, Rule 1).
+Rule 6: before the clock starts it opens one connection and (``check_model``) asks
+  ``GET /v1/models`` whether ``model`` is served: an unreachable server or an unknown
+  model is one ``LoadError``, never a run of identical failures.
+Rule 7: with ``retry_after``, a 429, 503 or 529 carrying ``Retry-After`` keeps its slot
+  for the seconds asked (at most ``RETRY_AFTER_CAP``, and never past the end of
+  dispatching), so the closed-loop worker or the adaptive retry behind it waits; without
+  the header the slot is freed at once, as without the option.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import attrs
+import h11
 import numpy as np
 import trio
 
@@ -48,12 +58,17 @@ from .wire import (
     build_prompt,
     encode_request,
     endpoint_path,
+    models_path,
     parse_completion_body,
     parse_error_body,
+    parse_model_ids,
+    parse_retry_after,
 )
 
 __all__ = [
     "OUTCOMES",
+    "RETRY_AFTER_CAP",
+    "RETRY_AFTER_STATUSES",
     "LoadConfig",
     "LoadError",
     "LoadResult",
@@ -94,13 +109,24 @@ CONNECTION_ERROR_PAUSE = 0.1
 RATE_WINDOW = 1.0
 """Seconds of recent completions each time-series sample summarises."""
 
+RETRY_AFTER_CAP = 60.0
+"""The longest wait a ``Retry-After`` gets with ``retry_after`` (seconds; the simulated
+server never asks for more)."""
+
+RETRY_AFTER_STATUSES = (429, 503, 529)
+"""The answers whose ``Retry-After`` ``retry_after`` honours."""
+
+MODELS_SHOWN = 20
+"""At most this many served models are named in the unknown-model error."""
+
 _ERROR_BODY_LIMIT = 1 << 20
 _BODY_LIMIT = 64 << 20
 
 
 class LoadError(Exception):
-    """Raised by ``run_load`` when the run cannot start (the server is unreachable). The CLI
-    prints the one-line message and exits 1."""
+    """Raised by ``run_load`` when the run cannot start: the server is unreachable, or
+    (``check_model``) its model list cannot be read or lacks the model. The CLI prints
+    the one-line message and exits 1."""
 
 
 def _check(cond: bool, message: str) -> None:
@@ -137,6 +163,10 @@ class LoadConfig:
     sample_interval: float = 0.25
     connect_timeout: float = 10.0
     seed: int | None = None
+    check_model: bool = True
+    """Ask ``GET /v1/models`` before the run whether ``model`` is served (Rule 6)."""
+    retry_after: bool = False
+    """Honour ``Retry-After`` on 429 / 503 / 529 (Rule 7); closed loop and adaptive only."""
 
     def __attrs_post_init__(self) -> None:
         parse_base_url(self.url)
@@ -175,6 +205,11 @@ class LoadConfig:
         _check(self.max_retries >= 0, "--max-retries must be >= 0")
         for name in ("request_timeout", "drain_timeout", "sample_interval", "connect_timeout"):
             _check(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be > 0")
+        _check(
+            not self.retry_after or self.rate is None,
+            "--retry-after needs --concurrency or --adaptive (open-loop arrivals do not "
+            "wait for answers)",
+        )
         if self.adaptive is not None:
             _check(
                 self.start_limit <= self.ceiling,
@@ -222,6 +257,10 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     finish_reason: str | None = None
+    retry_after: float | None = None
+    """The answer's ``Retry-After`` in seconds, when it was a 429 / 503 / 529 with one."""
+    retry_wait: float = 0.0
+    """Seconds the slot stayed taken after this answer for its ``Retry-After`` (Rule 7)."""
 
     @property
     def e2e(self) -> float:
@@ -285,6 +324,9 @@ class _Attempt:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     finish_reason: str | None = None
+    retry_after: float | None = None
+    retry_wait: float = 0.0
+    settled: bool = False  # the controller has seen the outcome (``_Run._settle``)
 
     def fail(
         self, outcome: Outcome, error_type: str, code: str | None = None, message: str | None = None
@@ -312,6 +354,8 @@ class _Attempt:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             finish_reason=self.finish_reason,
+            retry_after=self.retry_after,
+            retry_wait=self.retry_wait,
         )
 
 
@@ -337,7 +381,8 @@ async def run_load(
 ) -> LoadResult:
     """Run one load and return its records and time series.
 
-    Raises ``LoadError`` if the server cannot be reached before the run starts. Setting
+    Raises ``LoadError`` if the server cannot be reached before the run starts, or (with
+    ``check_model``) does not list the model (Rule 6). Setting
     ``stop`` ends the run at once (requests in flight are cancelled and recorded as such),
     which is how the CLI turns Ctrl-C into a partial report. The callbacks run in the
     collector and sampler tasks; they must not block. ``connect`` opens each connection to
@@ -396,6 +441,8 @@ class _Run:
         self.limit_changes: list[tuple[float, int]] = []
         self.t0 = 0.0
         self.in_flight = 0
+        self.holding = 0  # slots still taken after their answer (Rule 3)
+        self.dispatch_over = trio.Event()  # set when no request will be started any more
         self.issued = 0  # logical requests started
         self.next_index = 0
         self.retries: collections.deque[tuple[int, int]] = collections.deque()
@@ -430,6 +477,7 @@ class _Run:
                     with trio.move_on_at(deadline):
                         await self._dispatch(workers)
                     self.dispatching = False
+                    self.dispatch_over.set()
                     dispatch_end = trio.current_time() - t0
             self.dispatching = False
             end = trio.current_time() - t0
@@ -449,16 +497,55 @@ class _Run:
         )
 
     async def _preflight(self) -> None:
-        """Open the first connection before the clock starts; an unreachable server is a
-        one-line error, not a run full of connection errors."""
+        """Open the first connection before the clock starts and (``check_model``) read
+        the model list on it (Rule 6): an unreachable server or a model it does not serve
+        is a one-line error, not a run full of identical failures."""
+        origin = self.pool.origin
         try:
             with trio.fail_after(self.cfg.connect_timeout):
                 conn = await self.pool.acquire()
+                if self.cfg.check_model:
+                    try:
+                        await self._check_model(conn)
+                    except BaseException:
+                        conn.close()
+                        raise
         except ConnectionFailed as exc:
             raise LoadError(str(exc)) from None
         except trio.TooSlowError:
-            raise LoadError(f"cannot connect to {self.pool.origin}: timed out") from None
+            raise LoadError(f"cannot connect to {origin}: timed out") from None
         self.pool.release(conn)
+
+    async def _check_model(self, conn: Connection) -> None:
+        origin = self.pool.origin
+        target = models_path(origin.base_path)
+        headers = [
+            ("host", origin.authority),
+            ("accept", "application/json"),
+            ("user-agent", "inference-lab-load/0.1"),
+        ]
+        await conn.send_request("GET", target, headers, b"")
+        response = await conn.receive_response()
+        body = await conn.read_body(_BODY_LIMIT)
+        where = f"GET http://{origin.authority}{target}"
+        skip = "(--no-model-check sends the requests anyway)"
+        if response.status_code != 200:
+            etype, code, message = parse_error_body(body)
+            detail = ": ".join(x for x in (code or etype, message) if x)
+            raise LoadError(
+                f"{where} answered {response.status_code}"
+                + (f" ({detail})" if detail else "")
+                + f" {skip}"
+            )
+        served = parse_model_ids(body)
+        if served is None:
+            raise LoadError(f"{where} did not answer a model list {skip}")
+        if self.cfg.model not in served:
+            names = ", ".join(served[:MODELS_SHOWN]) or "none"
+            more = f" and {len(served) - MODELS_SHOWN} more" if len(served) > MODELS_SHOWN else ""
+            raise LoadError(
+                f"model {self.cfg.model!r} is not served by {origin} (it serves: {names}{more})"
+            )
 
     async def _watch_stop(self, stop: trio.Event, hard: trio.CancelScope) -> None:
         await stop.wait()
@@ -482,7 +569,7 @@ class _Run:
             job = self._take_job()
             if job is None:
                 self.limiter.release_on_behalf_of(borrower)
-                if self.controller is None or self.in_flight == 0:
+                if self.controller is None or self.in_flight + self.holding == 0:
                     return  # nothing will be retried: the count is spent
                 # Adaptive: a request in flight may still come back 529 and need a retry.
                 self.changed = trio.Event()
@@ -515,8 +602,9 @@ class _Run:
                 # A server that is gone refuses connections in microseconds; holding the
                 # slot a moment keeps a closed loop from spinning (and its records from
                 # piling up) until the run ends.
-                att.ended = trio.current_time()
-                await trio.sleep(CONNECTION_ERROR_PAUSE)
+                await self._hold(att, CONNECTION_ERROR_PAUSE, until_dispatch_over=False)
+            elif self.cfg.retry_after and att.retry_after is not None:
+                await self._hold(att, min(att.retry_after, RETRY_AFTER_CAP), retry_wait=True)
         except trio.Cancelled:
             if att.ended is None:
                 att.fail("cancelled", "cancelled")
@@ -524,16 +612,45 @@ class _Run:
         finally:
             self._finish(borrower, att)
 
+    async def _hold(
+        self,
+        att: _Attempt,
+        seconds: float,
+        *,
+        until_dispatch_over: bool = True,
+        retry_wait: bool = False,
+    ) -> None:
+        """Keep the slot taken ``seconds`` after the answer (Rule 3: the controller sees the
+        outcome first); with ``until_dispatch_over`` the hold ends when dispatching does,
+        as nothing would use the slot. ``retry_wait`` records the time held (Rule 7)."""
+        att.ended = now = trio.current_time()
+        self._settle(att)
+        self.holding += 1
+        try:
+            with trio.move_on_at(now + seconds):
+                if until_dispatch_over:
+                    await self.dispatch_over.wait()
+                else:
+                    await trio.sleep_forever()
+        finally:
+            self.holding -= 1
+            if retry_wait:
+                att.retry_wait = trio.current_time() - now
+
     async def _exchange(self, att: _Attempt) -> None:
         conn: Connection | None = None
         try:
-            conn, status = await self._send()
-            att.status = status
+            conn, response = await self._send()
+            att.status = status = response.status_code
             if status != 200:
                 etype, code, message = parse_error_body(await conn.read_body(_ERROR_BODY_LIMIT))
                 outcome = _status_outcome(status)
                 default_type = "overloaded_error" if status == 529 else f"http_{status}"
                 att.fail(outcome, etype or default_type, code, message)
+                if status in RETRY_AFTER_STATUSES:
+                    for name, value in response.headers:
+                        if name == b"retry-after":
+                            att.retry_after = parse_retry_after(value, time.time())
             elif self.cfg.stream:
                 await self._read_stream(conn, att)
             else:
@@ -554,8 +671,8 @@ class _Run:
             if conn is not None:
                 conn.close()
 
-    async def _send(self) -> tuple[Connection, int]:
-        """Send the request and read the response head; return the connection and status.
+    async def _send(self) -> tuple[Connection, h11.Response]:
+        """Send the request and read the response head; return the connection and it.
 
         If writing to an idle keep-alive connection fails, the server had closed it and never
         saw this request, so it goes out once more on the next connection. A failure after
@@ -578,7 +695,7 @@ class _Run:
             except BaseException:
                 conn.close()
                 raise
-            return conn, response.status_code
+            return conn, response
 
     async def _read_stream(self, conn: Connection, att: _Attempt) -> None:
         # The hot loop: per socket read one h11 pass, one SSE feed, one clock read.
@@ -611,24 +728,33 @@ class _Run:
         else:
             att.outcome = "ok"
 
-    def _finish(self, borrower: object, att: _Attempt) -> None:
-        """Rule 3: synchronous, runs exactly once per attempt, also when cancelled."""
-        now = trio.current_time()
-        record = att.record(self.t0, now if att.ended is None else att.ended)
+    def _settle(self, att: _Attempt) -> None:
+        """Rule 3, first half: the attempt leaves the in-flight count and the controller
+        (and so the limit) sees its outcome. Synchronous; runs once per attempt."""
+        if att.settled:
+            return
+        att.settled = True
         self.in_flight -= 1
         controller = self.controller
         if controller is not None:
             before = controller.limit
-            controller.on_outcome(record.outcome)
-            if (
-                record.outcome == "overloaded"
-                and self.dispatching
-                and record.attempt < self.cfg.max_retries
-            ):
-                self.retries.append((record.request, record.attempt + 1))
+            controller.on_outcome(att.outcome)
             if controller.limit != before:
                 self.limiter.total_tokens = controller.limit
-                self.limit_changes.append((now - self.t0, controller.limit))
+                self.limit_changes.append((trio.current_time() - self.t0, controller.limit))
+
+    def _finish(self, borrower: object, att: _Attempt) -> None:
+        """Rule 3: synchronous, runs exactly once per attempt, also when cancelled."""
+        now = trio.current_time()
+        self._settle(att)
+        record = att.record(self.t0, now if att.ended is None else att.ended)
+        if (
+            self.controller is not None
+            and record.outcome == "overloaded"
+            and self.dispatching
+            and record.attempt < self.cfg.max_retries
+        ):
+            self.retries.append((record.request, record.attempt + 1))
         self.limiter.release_on_behalf_of(borrower)
         self.changed.set()
         self.send_channel.send_nowait(record)

@@ -9,6 +9,9 @@ Rule 2: throughput is a rate over the measurement window ``[warmup, end]`` — `
 Rule 3: the settled limit of an adaptive run is the time-weighted median of the limit over
   the final third of the load phase ``[2/3 · dispatch_end, dispatch_end]``.
 Rule 4: JSON holds no NaN or infinity: a statistic with no samples is ``null``.
+Rule 5: the first error is the first attempt, in start order, that did not succeed —
+  except a 529 of an adaptive run, which is the controller's signal, not a failure. A run
+  in which no attempt succeeded has ``all_failed`` set (the CLI exits 1 on it).
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ import attrs
 import cattrs
 import numpy as np
 
-from .load import OUTCOMES, LoadResult, RequestRecord
+from .load import OUTCOMES, RETRY_AFTER_CAP, LoadResult, RequestRecord
 
 __all__ = [
     "AdaptiveSummary",
     "Distribution",
+    "FirstError",
+    "RetryAfterSummary",
     "Summary",
     "distribution",
     "format_summary",
@@ -83,6 +88,36 @@ class AdaptiveSummary:
 
 
 @attrs.frozen(kw_only=True)
+class FirstError:
+    """The first attempt that did not succeed (Rule 5): what the server (or the
+    connection) said."""
+
+    index: int
+    start: float
+    """Seconds since the run started."""
+    outcome: str
+    status: int | None
+    error_type: str | None
+    error_code: str | None
+    message: str | None
+
+
+@attrs.frozen(kw_only=True)
+class RetryAfterSummary:
+    """What ``--retry-after`` did (``Summary.retry_after``)."""
+
+    waits: int
+    """Answers after which a slot stayed taken for their ``Retry-After``."""
+    total: float
+    """Seconds waited, over all waits."""
+    longest: float
+    capped: int
+    """Waits cut to ``RETRY_AFTER_CAP``."""
+    without_header: int
+    """429 / 503 / 529 answers without a usable ``Retry-After``: the slot was freed at once."""
+
+
+@attrs.frozen(kw_only=True)
 class Summary:
     """The numbers of one run (``summarize``): what the CLI prints and ``-o`` writes.
     Latencies in seconds, throughputs per second of the measurement window."""
@@ -110,6 +145,11 @@ class Summary:
     completion_tokens_mean: float | None
     adaptive: AdaptiveSummary | None
     interrupted: bool
+    first_error: FirstError | None = None
+    all_failed: bool = False
+    """At least one attempt, and none succeeded (Rule 5)."""
+    retry_after: RetryAfterSummary | None = None
+    """With ``--retry-after`` only."""
 
 
 def _completion_tokens(r: RequestRecord) -> int:
@@ -164,6 +204,39 @@ def summarize(result: LoadResult) -> Summary:
     def rate(x: float) -> float | None:
         return x / window if window > 0 else None
 
+    failed = (
+        r
+        for r in records
+        if r.outcome != "ok" and not (result.controller is not None and r.outcome == "overloaded")
+    )
+    first = next(failed, None)
+    first_error = (
+        None
+        if first is None
+        else FirstError(
+            index=first.index,
+            start=first.start,
+            outcome=first.outcome,
+            status=first.status,
+            error_type=first.error_type,
+            error_code=first.error_code,
+            message=first.error_message,
+        )
+    )
+    retry_after = None
+    if cfg.retry_after:
+        waits = [r.retry_wait for r in records if r.retry_after is not None]
+        refusals = [r for r in records if r.status in (429, 503, 529)]
+        retry_after = RetryAfterSummary(
+            waits=len(waits),
+            total=sum(waits),
+            longest=max(waits, default=0.0),
+            capped=sum(
+                1 for r in records if r.retry_after is not None and r.retry_after > RETRY_AFTER_CAP
+            ),
+            without_header=sum(1 for r in refusals if r.retry_after is None),
+        )
+
     return Summary(
         mode=cfg.mode,
         run_time=result.end,
@@ -185,6 +258,9 @@ def summarize(result: LoadResult) -> Summary:
         completion_tokens_mean=sum(completions) / len(completions) if completions else None,
         adaptive=adaptive,
         interrupted=result.interrupted,
+        first_error=first_error,
+        all_failed=bool(records) and not any(r.outcome == "ok" for r in records),
+        retry_after=retry_after,
     )
 
 
@@ -243,6 +319,16 @@ def _num(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def format_first_error(e: FirstError) -> str:
+    """``HTTP 404 model_not_found: The model `x` does not exist.`` (the status, the error
+    code or else its type or outcome, the message), for the summary and the CLI's line."""
+    head = f"HTTP {e.status}" if e.status is not None else e.outcome
+    what = e.error_code or e.error_type
+    if what and what != head:
+        head += f" {what}"
+    return f"{head}: {e.message}" if e.message else head
+
+
 def format_summary(result: LoadResult, summary: Summary) -> str:
     """The human-readable report the CLI prints."""
     cfg = result.config
@@ -281,6 +367,22 @@ def format_summary(result: LoadResult, summary: Summary) -> str:
             f"  {name:6}{_ms(d.p50):>10}{_ms(d.p90):>10}{_ms(d.p99):>10}{_ms(d.mean):>10}"
             f"{d.count:>9}"
         )
+    if summary.first_error is not None:
+        e = summary.first_error
+        lines.append(
+            f"first error (attempt {e.index}, at {e.start:.2f} s): {format_first_error(e)}"
+        )
+    ra = summary.retry_after
+    if ra is not None:
+        text = (
+            f"retry-after: {_plural(ra.waits, 'wait')} for Retry-After, {ra.total:.1f} s in all"
+            f" (longest {ra.longest:.1f} s)"
+        )
+        if ra.capped:
+            text += f" · {ra.capped} capped at {RETRY_AFTER_CAP:g} s"
+        if ra.without_header:
+            text += f" · {ra.without_header} refusals without Retry-After, resent at once"
+        lines.append(text)
     a = summary.adaptive
     if a is not None:
         settled = "-" if a.settled_limit is None else str(a.settled_limit)
@@ -335,6 +437,8 @@ CSV_COLUMNS = (
     "tokens_received",
     "finish_reason",
     "after_warmup",
+    "retry_after",
+    "retry_wait",
     "token_times",
 )
 
@@ -374,6 +478,8 @@ def write_csv(path: Path, result: LoadResult) -> None:
                     len(r.token_times),
                     _s(r.finish_reason),
                     int(r.start >= warmup),
+                    _f(r.retry_after),
+                    _f(r.retry_wait) if r.retry_wait else "",
                     ";".join(f"{t:.6f}" for t in r.token_times),
                 )
             )

@@ -15,6 +15,7 @@ Rule 2: per-token work is a few substring tests on the frame text. A frame is JS
 
 from __future__ import annotations
 
+import email.utils
 import json
 import math
 from typing import Any, Literal
@@ -27,8 +28,11 @@ __all__ = [
     "completion_prompt_tokens",
     "encode_request",
     "endpoint_path",
-    "parse_error_body",
+    "models_path",
     "parse_completion_body",
+    "parse_error_body",
+    "parse_model_ids",
+    "parse_retry_after",
 ]
 
 Endpoint = Literal["chat", "completions"]
@@ -86,6 +90,47 @@ def endpoint_path(base_path: str, endpoint: Endpoint) -> str:
     if base_path.endswith("/v1"):
         return base_path + tail
     return base_path + "/v1" + tail
+
+
+def models_path(base_path: str) -> str:
+    """``GET`` target of the model list under the URL's path prefix (``/v1`` not doubled,
+    as in :func:`endpoint_path`)."""
+    if base_path.endswith("/v1"):
+        return base_path + "/models"
+    return base_path + "/v1/models"
+
+
+def parse_model_ids(body: bytes) -> list[str] | None:
+    """The ids of an OpenAI model list (``{"object": "list", "data": [{"id": …}, …]}``), in
+    the server's order; None when the body is not one."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    data = obj.get("data") if isinstance(obj, dict) else None
+    if not isinstance(data, list):
+        return None
+    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+
+
+def parse_retry_after(value: bytes, now: float) -> float | None:
+    """Seconds a ``Retry-After`` header asks to wait: delta-seconds (``2``; a decimal is
+    accepted) or an HTTP date, counted from the Unix time ``now``; never negative. None
+    for a value that is neither (RFC 9110, section 10.2.3)."""
+    text = value.decode("latin-1").strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:  # an HTTP date is GMT; a zone-less one is read as such
+            return None
+        seconds = when.timestamp() - now
+    if not math.isfinite(seconds):
+        return None
+    return max(0.0, seconds)
 
 
 def encode_request(

@@ -13,6 +13,7 @@ Rule 3: a model config is valid as a whole or not at all: every ``[hardware.*]``
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import tomllib
@@ -455,16 +456,31 @@ CONVERTER.register_structure_hook(LengthDist, _tagged("type", _DISTS))
 
 
 def _error_lines(exc: BaseException, path: str) -> list[tuple[str, str]]:
-    """Flatten a cattrs error tree into ``(key path, message)`` pairs."""
-    out: list[tuple[str, str]] = []
+    """Flatten a cattrs error tree into ``(key path, message)`` pairs, unknown keys first:
+    a typo'd key (``max_num_seq``) is the cause, the required key it leaves missing
+    (``max_num_seqs``) the consequence. An unknown key close to a key of its table is
+    answered with that key, and the missing-key line it explains is dropped."""
+    unknown: list[tuple[str, str]] = []
+    other: list[tuple[str, str]] = []
+    meant: set[str] = set()
     for where, leaf, _meta in error_leaves(exc, path):
         if isinstance(leaf, ForbiddenExtraKeysError):
-            out += [(join_path(where, key), "unknown key") for key in sorted(leaf.extra_fields)]
+            known = [a.name for a in attrs.fields(leaf.cl)] if attrs.has(leaf.cl) else []
+            for key in sorted(leaf.extra_fields):
+                close = difflib.get_close_matches(key, known, n=1)
+                if close:
+                    meant.add(join_path(where, close[0]))
+                    unknown.append(
+                        (join_path(where, key), f"unknown key (did you mean {close[0]}?)")
+                    )
+                else:
+                    unknown.append((join_path(where, key), "unknown key"))
         elif isinstance(leaf, KeyError):
-            out.append((where, "missing required key"))
+            other.append((where, "missing required key"))
         else:
-            out.append((where, str(leaf) or type(leaf).__name__))
-    return out
+            other.append((where, str(leaf) or type(leaf).__name__))
+    explained = [(where, message) for where, message in other if where not in meant]
+    return unknown + explained
 
 
 def _structure(raw: Any, cls: type[T], file: Path, path: str) -> T:
@@ -638,6 +654,20 @@ def select_deployment(config: ModelConfig, hardware: str | None) -> Deployment:
             f"{config.path}: hardware.{hardware}: no such entry (available: {', '.join(names)})"
         )
     return config.deployments[hardware]
+
+
+def override_scheduler(
+    dep: Deployment, *, max_num_seqs: int | None = None, max_waiting: int | None = None
+) -> Deployment:
+    """``dep`` with ``max_num_seqs`` / ``max_waiting`` replaced where not None: the
+    ``--max-num-seqs`` / ``--max-waiting`` flags of ``sim`` and ``serve`` (the caller has
+    checked the bounds, >= 1 and >= 0)."""
+    sched = dep.scheduler
+    if max_num_seqs is not None:
+        sched = attrs.evolve(sched, max_num_seqs=max_num_seqs)
+    if max_waiting is not None:
+        sched = attrs.evolve(sched, max_waiting=max_waiting)
+    return dep if sched is dep.scheduler else attrs.evolve(dep, scheduler=sched)
 
 
 def load_deployment(

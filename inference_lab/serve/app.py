@@ -30,6 +30,7 @@ from inference_lab.api.requests import MAX_BODY_BYTES
 from inference_lab.errors import ConfigError
 from inference_lab.serve.asgi import STATE_KEY, InferenceLabApp
 from inference_lab.serve.harness.control import register_harness_routes
+from inference_lab.serve.launch import fail_launch
 from inference_lab.serve.routes import register_routes
 from inference_lab.serve.settings import ServeSettings, settings_from_env, startup_warnings
 from inference_lab.serve.state import ServeState
@@ -98,9 +99,8 @@ def create_app(
         try:
             settings = settings_from_env()
         except ConfigError as exc:
-            # A plain hypercorn launch: one line, and the server does not start.
-            print(f"inference-lab: error: {exc}", file=sys.stderr)
-            raise SystemExit(1) from None
+            # A plain hypercorn launch: one line, a non-zero exit (serve/launch.py).
+            fail_launch(str(exc))
         for line in startup_warnings(settings):
             print(f"inference-lab: warning: {line}", file=sys.stderr)
     install_receipt_hook()  # serve/connection.py: arrival stamps, single writes

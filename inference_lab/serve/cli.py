@@ -38,7 +38,7 @@ from inference_lab.serve.server import (
     serve_until_signalled,
     somaxconn,
 )
-from inference_lab.serve.settings import DEFAULT_BODY_TIMEOUT, startup_warnings
+from inference_lab.serve.settings import DEFAULT_BODY_TIMEOUT, ENV_LABELS, startup_warnings
 
 __all__ = ["add_parser", "run"]
 
@@ -68,8 +68,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--config",
         default=DEFAULT_CONFIG,
-        metavar="PATH",
-        help="a model config, or a directory of them (*.toml, sorted; default: configs/)",
+        metavar="PATH|NAME",
+        help="a model config, a directory of them (*.toml, sorted; default: configs/), or "
+        "the name of a shipped config (gpt-oss-20b)",
     )
     parser.add_argument(
         "--hardware",
@@ -98,8 +99,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--workload",
-        metavar="PATH",
-        help="a workload TOML: response lengths are min(output_len_dist sample, max_tokens)",
+        metavar="PATH|NAME",
+        help="a workload TOML or the name of a shipped one: response lengths are "
+        "min(output_len_dist sample, max_tokens)",
     )
     parser.add_argument(
         "--seed", type=integer(ge=0), metavar="N", help="seed of the response-length generators"
@@ -243,6 +245,18 @@ def run(args: argparse.Namespace) -> int:
     def skip(line: str) -> None:
         print(f"{PROG}: {line}", file=sys.stderr)
 
+    # An error names the flag, or the variable a secret came from (settings Rule 3).
+    labels = {dest: "--" + dest.replace("_", "-") for dest in ENV_LABELS}
+    from_env: dict[str, str | None] = {}
+    for dest, env in (
+        ("control_token", CONTROL_TOKEN_ENV),
+        ("api_key", API_KEY_ENV),
+        ("allowed_origins", ORIGINS_ENV),
+    ):
+        value = getattr(args, dest, None)
+        if not value and os.environ.get(env):
+            value, labels[dest] = os.environ[env], env
+        from_env[dest] = value or None
     try:
         settings = load_settings(
             config=args.config,
@@ -255,13 +269,12 @@ def run(args: argparse.Namespace) -> int:
             tokenizer=args.tokenizer,
             enable_test_harness=bool(args.enable_test_harness),
             should_retry_header=not getattr(args, "no_should_retry_header", False),
-            control_token=args.control_token or os.environ.get(CONTROL_TOKEN_ENV) or None,
+            control_token=from_env["control_token"],
             body_timeout=args.body_timeout,
-            api_key=getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None,
-            allowed_origins=getattr(args, "allowed_origins", None)
-            or os.environ.get(ORIGINS_ENV)
-            or None,
+            api_key=from_env["api_key"],
+            allowed_origins=from_env["allowed_origins"],
             on_skip=skip,
+            labels=labels,
         )
     except ConfigError as exc:
         return _fail(str(exc))

@@ -4,6 +4,12 @@ Rule 1: settings are loaded and validated before any app exists: every problem i
         :class:`ConfigError` with a one-line message naming the file, key or variable.
 Rule 2: ``inference-lab serve`` flags and the ``INFERENCE_LAB_*`` variables of a plain
         hypercorn launch map one to one and share the same loader (:func:`load_settings`).
+Rule 3: an error names a setting the way its reader gave it: ``--api-key`` on the command
+        line, ``INFERENCE_LAB_API_KEY`` in the environment (the ``labels`` of
+        :func:`load_settings`), the setting's own name only from Python.
+Rule 4: ``config`` and ``workload`` are paths or, when no such path exists, the names of
+        shipped files (``gpt-oss-20b``, ``chat-closed-64``:
+        :func:`inference_lab.resources.resolve_shipped`).
 """
 
 from __future__ import annotations
@@ -26,15 +32,17 @@ from inference_lab.core.config import (
     Workload,
     load_model_config,
     load_workload,
+    override_scheduler,
 )
 from inference_lab.errors import ConfigError
-from inference_lab.resources import shipped_dir
+from inference_lab.resources import resolve_shipped, shipped_dir
 
 __all__ = [
     "DEFAULT_BODY_TIMEOUT",
     "DEFAULT_CONFIG",
     "DEFAULT_HARDWARE",
     "DEFAULT_MAX_TOKENS",
+    "ENV_LABELS",
     "ServeSettings",
     "load_settings",
     "parse_int_setting",
@@ -45,6 +53,27 @@ __all__ = [
 ]
 
 DEFAULT_CONFIG = "configs/"
+#: How the environment of a plain hypercorn launch names each setting (Rule 3).
+ENV_LABELS: Mapping[str, str] = MappingProxyType(
+    {
+        name: f"INFERENCE_LAB_{name.upper()}"
+        for name in (
+            "config",
+            "hardware",
+            "max_waiting",
+            "max_num_seqs",
+            "workload",
+            "seed",
+            "default_max_tokens",
+            "tokenizer",
+            "control_token",
+            "body_timeout",
+            "api_key",
+            "allowed_origins",
+            "enable_test_harness",
+        )
+    }
+)
 DEFAULT_HARDWARE = "b200"
 DEFAULT_MAX_TOKENS = 256
 #: Seconds a request body may take to arrive, counted from the request's arrival.
@@ -108,6 +137,7 @@ def load_settings(
     enable_test_harness: bool = False,
     should_retry_header: bool = True,
     on_skip: Callable[[str], None] | None = None,
+    labels: Mapping[str, str] | None = None,
 ) -> ServeSettings:
     """Load the models to serve; raises ConfigError.
 
@@ -120,22 +150,39 @@ def load_settings(
     (if not None) is 1-4096 printable ASCII characters without spaces (it is compared
     with an HTTP header); ``body_timeout`` is a finite number of seconds > 0.
     ``api_key`` follows ``control_token``'s rule; ``allowed_origins`` is the comma-separated
-    text of ``--allowed-origins`` (see :func:`parse_origins`).
+    text of ``--allowed-origins`` (see :func:`parse_origins`). ``labels`` maps a setting's
+    name to how errors call it (Rule 3): the flag or the variable it came from.
     """
+
+    def label(setting: str) -> str:
+        return labels.get(setting, setting) if labels is not None else setting
+
     if control_token is not None and not _valid_token(control_token):
-        raise ConfigError("control_token: must be 1-4096 printable ASCII characters, no spaces")
+        raise ConfigError(
+            f"{label('control_token')}: must be 1-4096 printable ASCII characters, no spaces"
+        )
     if api_key is not None and not _valid_token(api_key):
-        raise ConfigError("api_key: must be 1-4096 printable ASCII characters, no spaces")
-    origins = parse_origins(allowed_origins) if allowed_origins is not None else ()
+        raise ConfigError(
+            f"{label('api_key')}: must be 1-4096 printable ASCII characters, no spaces"
+        )
+    origins = (
+        parse_origins(allowed_origins, label("allowed_origins"))
+        if allowed_origins is not None
+        else ()
+    )
     if not (math.isfinite(body_timeout) and body_timeout > 0):
-        raise ConfigError(f"body_timeout: must be a number of seconds > 0, got {body_timeout}")
+        raise ConfigError(
+            f"{label('body_timeout')}: must be a number of seconds > 0, got {body_timeout}"
+        )
     if max_waiting is not None and max_waiting < 0:
-        raise ConfigError(f"max_waiting: must be >= 0, got {max_waiting}")
+        raise ConfigError(f"{label('max_waiting')}: must be >= 0, got {max_waiting}")
     if max_num_seqs is not None and max_num_seqs < 1:
-        raise ConfigError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
+        raise ConfigError(f"{label('max_num_seqs')}: must be >= 1, got {max_num_seqs}")
     if default_max_tokens < 1:
-        raise ConfigError(f"default_max_tokens: must be >= 1, got {default_max_tokens}")
+        raise ConfigError(f"{label('default_max_tokens')}: must be >= 1, got {default_max_tokens}")
     path = _default_config_path(config)
+    if not path.exists():
+        path = resolve_shipped(config, "config", label("config"))
     if path.is_dir():
         files = sorted(p for p in path.glob("*.toml") if p.is_file())
         if not files:
@@ -168,17 +215,18 @@ def load_settings(
                 "(model names must be unique)"
             )
         seen[name] = file
-        sched = dep.scheduler
-        if max_waiting is not None:
-            sched = attrs.evolve(sched, max_waiting=max_waiting)
-        if max_num_seqs is not None:
-            sched = attrs.evolve(sched, max_num_seqs=max_num_seqs)
-        deployments.append(attrs.evolve(dep, scheduler=sched))
+        deployments.append(
+            override_scheduler(dep, max_num_seqs=max_num_seqs, max_waiting=max_waiting)
+        )
         if model_config.fault is not None:
             faults.append((name, model_config.fault))
     if not deployments:
         raise ConfigError(f"{path}: no model config has a [hardware.{hardware}] entry")
-    loaded = load_workload(workload) if workload is not None else None
+    loaded = (
+        load_workload(resolve_shipped(workload, "workload", label("workload")))
+        if workload is not None
+        else None
+    )
     by_source: dict[str, Tokenizer] = {}
     tokenizers: dict[str, Tokenizer] = {}
     for dep in deployments:
@@ -258,10 +306,10 @@ def _valid_token(token: str) -> bool:
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+")
 
 
-def parse_origins(raw: str) -> tuple[str, ...]:
+def parse_origins(raw: str, label: str = "allowed_origins") -> tuple[str, ...]:
     """``--allowed-origins``: comma-separated origins as browsers send them
     (``scheme://host[:port]``, no path; compared lower-cased) or ``*`` for any origin.
-    Raises ConfigError naming the first bad item."""
+    Raises ConfigError naming ``label`` (the flag or variable) and the first bad item."""
     origins: list[str] = []
     for item in raw.split(","):
         origin = item.strip().lower()
@@ -269,13 +317,13 @@ def parse_origins(raw: str) -> tuple[str, ...]:
             continue
         if origin != "*" and not _ORIGIN.fullmatch(origin):
             raise ConfigError(
-                f"allowed_origins: {item.strip()!r} is not an origin "
+                f"{label}: {item.strip()!r} is not an origin "
                 "(scheme://host[:port] without a path, or *)"
             )
         if origin not in origins:
             origins.append(origin)
     if not origins:
-        raise ConfigError("allowed_origins: no origin given")
+        raise ConfigError(f"{label}: no origin given")
     return tuple(origins)
 
 
@@ -353,4 +401,5 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
         enable_test_harness=enable_test_harness,
         should_retry_header=not _env_flag(env, "INFERENCE_LAB_NO_SHOULD_RETRY_HEADER"),
         on_skip=lambda line: print(f"inference-lab: {line}", file=sys.stderr),
+        labels=ENV_LABELS,
     )

@@ -5,8 +5,8 @@
 
 Rule 1: this module's top level imports only the standard library and the flag toolkit, so
         parsing (``--help``, a bad flag) costs no numpy; ``run`` imports the engine.
-Rule 2: bad input (missing file, bad key, unknown or ambiguous hardware entry, unwritable
-        output, a workload that cannot run) is one line on stderr,
+Rule 2: bad input (missing file, unknown shipped name, bad key, unknown or ambiguous
+        hardware entry, unwritable output, a workload that cannot run) is one line on stderr,
         ``inference-lab sim: error: <message>``, and exit code 1; a bad flag value is
         argparse's one line and exit code 2 (``cli.py`` states the policy).
 Rule 3: output files are checked before the run and written after it: a long simulation is
@@ -39,13 +39,36 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Run a workload through the simulated engine as fast as the CPU allows and "
         "report TTFT / TPOT / E2E / queue-time percentiles, throughput and utilisation.",
     )
-    parser.add_argument("--config", required=True, metavar="PATH", help="model config TOML")
+    parser.add_argument(
+        "--config",
+        required=True,
+        metavar="PATH|NAME",
+        help="model config TOML, or the name of a shipped one (gpt-oss-20b)",
+    )
     parser.add_argument(
         "--hardware",
         metavar="NAME",
         help="the config's [hardware.NAME] entry (may be omitted when there is only one)",
     )
-    parser.add_argument("--workload", required=True, metavar="PATH", help="workload TOML")
+    parser.add_argument(
+        "--workload",
+        required=True,
+        metavar="PATH|NAME",
+        help="workload TOML, or the name of a shipped one (chat-closed-64)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=integer(ge=1),
+        metavar="N",
+        help="cap on running requests per worker; overrides [scheduler] max_num_seqs",
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=integer(ge=0),
+        metavar="N",
+        help="waiting-queue bound (0 = unbounded; arrivals beyond it are refused); "
+        "overrides [scheduler] max_waiting",
+    )
     parser.add_argument(
         "-o", "--output", type=Path, metavar="PATH", help="write the summary as JSON"
     )
@@ -98,8 +121,9 @@ def _progress_bar(total: int | None) -> tuple[Callable[[Progress], None], Callab
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``sim`` command; returns the exit code (Rule 2)."""
-    from inference_lab.core.config import load_deployment, load_workload
+    from inference_lab.core.config import load_deployment, load_workload, override_scheduler
     from inference_lab.errors import InferenceLabError
+    from inference_lab.resources import resolve_shipped
     from inference_lab.sim.run import (
         config_dict,
         format_config,
@@ -114,11 +138,17 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(PROG, str(exc))
     try:
-        deployment = load_deployment(args.config, args.hardware, args.profiles_dir)
-        workload = load_workload(args.workload)
+        config_path = resolve_shipped(args.config, "config", "--config")
+        workload_path = resolve_shipped(args.workload, "workload", "--workload")
+        deployment = override_scheduler(
+            load_deployment(config_path, args.hardware, args.profiles_dir),
+            max_num_seqs=args.max_num_seqs,
+            max_waiting=args.max_waiting,
+        )
+        workload = load_workload(workload_path)
         seed = workload.seed if args.seed is None else args.seed
         if not args.quiet:
-            print(format_config(deployment, workload, args.workload, seed), flush=True)
+            print(format_config(deployment, workload, str(workload_path), seed), flush=True)
         progress: Callable[[Progress], None] | None = None
         close: Callable[[], None] = lambda: None  # noqa: E731
         if not (args.quiet or args.no_progress):
@@ -132,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_summary(result))
         if args.output is not None:
             doc = {
-                "config": config_dict(deployment, workload, args.workload, seed),
+                "config": config_dict(deployment, workload, str(workload_path), seed),
                 **result.to_dict(),
             }
             with open(args.output, "w", encoding="utf-8") as fh:

@@ -12,6 +12,11 @@ Rule 3: every request is submitted with `max_tokens = target = ` the sampled out
         it runs to its sampled length and finishes with reason `length`; a request the
         deployment can never run (`RequestRefused`) is counted apart and, in a closed loop,
         its user moves straight on to its next request.
+Rule 4: `max_waiting` bounds the waiting queue as serve's admission does: an arrival that
+        finds `max_waiting` requests waiting (over all replicas) is refused when the engine
+        handles it (limit `max_waiting`, serve's 529) and aborted before any step sees it.
+        A closed-loop user refused so sends its next request when the next request
+        finishes (the first moment the queue can have moved), never at the same instant.
 
 Dependencies: config -> engine -> this module -> `sim_cli` (the `inference-lab sim` command,
 which prints and writes what the functions of this module's second half format).
@@ -30,6 +35,7 @@ import attrs
 from inference_lab.core.config import Deployment, Workload
 from inference_lab.core.engine import Engine, Finished, RequestSpec, StepInfo
 from inference_lab.errors import RequestRefused, SimError
+from inference_lab.sim.capacity import CapacityVerdict, assess_capacity
 from inference_lab.sim.summary import LATENCY_COLUMNS, SimSummary, summarize
 from inference_lab.sim.workload import Arrival, make_generator
 
@@ -50,6 +56,8 @@ PROGRESS_EVERY = 256
 #: A closed loop whose users are refused this many times in a row without one admitted
 #: request would spin forever at one simulated instant; it is reported as an error instead.
 MAX_REFUSAL_STREAK = 100_000
+#: The `limit` of a request refused by the waiting-queue bound (Rule 4).
+QUEUE_LIMIT = "max_waiting"
 
 
 @attrs.frozen
@@ -85,11 +93,16 @@ class SimResult:
     wall_time_s: float  # real seconds spent in the loop (submits included)
     peak_waiting: int  # largest waiting queue seen after an arrival or a preemption
     seed: int  # the seed the arrivals were drawn with
+    #: Open loop: whether the deployment kept up (`inference_lab.sim.capacity`); None for
+    #: a closed loop or a window too short to judge.
+    capacity: CapacityVerdict | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The summary sections of `sim -o`'s JSON, plus the peak queue and the times."""
+        """The summary sections of `sim -o`'s JSON, plus the peak queue, the capacity
+        verdict and the times."""
         out = self.summary.to_dict()
         out["peak_waiting"] = self.peak_waiting
+        out["capacity"] = None if self.capacity is None else self.capacity.to_dict()
         out["time"] = {
             "simulated_s": self.sim_time_s,
             "wall_s": self.wall_time_s,
@@ -121,6 +134,20 @@ def run_simulation(
     user_of: dict[int, int] = {}  # closed loop: request id -> user
     first_arrival = math.inf
     streak = 0  # refusals since the last admitted request
+    bound = deployment.scheduler.max_waiting  # Rule 4 (0: unbounded)
+    arrival_of: dict[int, Arrival] = {}  # with a bound: request id -> its arrival
+    parked: list[int] = []  # closed loop: users refused by the bound, until a completion
+    rejected_at: list[float] = []  # arrival times refused by the bound
+
+    def refuse(arrival: Arrival, limit: str, reason: str) -> None:
+        nonlocal streak
+        refused.append(Refused(arrival, limit, reason))
+        streak += 1
+        if streak >= MAX_REFUSAL_STREAK:
+            raise SimError(
+                f"{streak} requests in a row refused ({reason}); "
+                "the workload cannot run on this deployment"
+            )
 
     def submit(arrival: Arrival | None) -> None:
         nonlocal first_arrival, streak
@@ -135,21 +162,23 @@ def run_simulation(
             try:
                 request_id = engine.submit(spec)
             except RequestRefused as exc:
-                refused.append(Refused(arrival, exc.limit, exc.reason))
-                streak += 1
-                if streak >= MAX_REFUSAL_STREAK:
-                    raise SimError(
-                        f"{streak} requests in a row refused ({exc.reason}); "
-                        "the workload cannot run on this deployment"
-                    ) from None
+                refuse(arrival, exc.limit, exc.reason)
                 arrival = generator.on_complete(arrival.user, arrival.time) if closed else None
                 continue
             streak = 0
             if closed:
                 user_of[request_id] = arrival.user
+            if bound:
+                arrival_of[request_id] = arrival
             return
 
-    for arrival in generator.initial():
+    initial = generator.initial()
+    # Open loop: the queue is recorded at the middle and the end of the arrival window
+    # for the capacity verdict (`inference_lab.sim.capacity`, Rule 1).
+    times = [a.time for a in initial]
+    mid_arrival = (min(times) + max(times)) / 2 if times and not closed else -math.inf
+    waiting_at_mid = waiting_at_end = 0
+    for arrival in initial:
         submit(arrival)
 
     # The hot loop: locals for bound methods, constant work per event.
@@ -185,6 +214,21 @@ def run_simulation(
             kv_usage = info.kv_usage
         if ev.arrived or (info is not None and info.preempted):
             waiting = num_waiting()
+            if ev.arrived:
+                if bound and waiting > bound:  # it found `bound` waiting (Rule 4)
+                    rid = ev.arrived[0]
+                    engine.abort(rid)
+                    waiting -= 1
+                    arrival = arrival_of.pop(rid)
+                    rejected_at.append(arrival.time)
+                    refuse(arrival, QUEUE_LIMIT, f"{waiting} waiting (max_waiting = {bound})")
+                    if closed:
+                        parked.append(user_of.pop(rid))
+                elif bound:
+                    del arrival_of[ev.arrived[0]]
+                if ev.time <= mid_arrival:
+                    waiting_at_mid = waiting
+                waiting_at_end = waiting
             if waiting > peak_waiting:
                 peak_waiting = waiting
         if ev.finished:
@@ -192,6 +236,10 @@ def run_simulation(
             if closed:
                 for f in ev.finished:
                     submit(generator.on_complete(user_of.pop(f.request_id), f.finish_time))
+                if parked:  # Rule 4: the refused users try again now
+                    again, parked[:] = parked[:], []
+                    for user in again:
+                        submit(generator.on_complete(user, ev.time))
         events += 1
         if events >= report_at:
             report_at += PROGRESS_EVERY
@@ -204,6 +252,16 @@ def run_simulation(
         refused=len(refused),
         first_arrival=first_arrival if first_arrival != math.inf else None,
     )
+    capacity = None
+    if not closed:
+        never_fit = {id(r.arrival) for r in refused if r.limit != QUEUE_LIMIT}
+        capacity = assess_capacity(
+            [a.time for a in initial if id(a) not in never_fit],
+            [f.finish_time for f in finished],
+            rejected=rejected_at,
+            waiting_at_mid=waiting_at_mid,
+            waiting_at_end=waiting_at_end,
+        )
     return SimResult(
         summary=summary,
         finished=tuple(finished),
@@ -212,6 +270,7 @@ def run_simulation(
         wall_time_s=time.perf_counter() - wall_start,
         peak_waiting=peak_waiting,
         seed=workload.seed if seed is None else seed,
+        capacity=capacity,
     )
 
 
@@ -332,6 +391,9 @@ def format_summary(result: SimResult) -> str:
         )
         for row in table
     ]
+    over = result.capacity.message() if result.capacity is not None else None
+    if over is not None:
+        lines.append(over)
     speedup = (
         f" ({result.sim_time_s / result.wall_time_s:,.1f}x real time)"
         if result.wall_time_s > 0
@@ -339,8 +401,17 @@ def format_summary(result: SimResult) -> str:
     )
     refused_note = ""
     if result.refused:
-        limits = sorted({r.limit for r in result.refused})
-        refused_note = f" (never fit: {', '.join(limits)}; e.g. {result.refused[0].reason})"
+        by_limit: dict[str, int] = {}
+        for r in result.refused:
+            by_limit[r.limit] = by_limit.get(r.limit, 0) + 1
+        never = sorted(limit for limit in by_limit if limit != QUEUE_LIMIT)
+        parts = []
+        if QUEUE_LIMIT in by_limit:
+            parts.append(f"{by_limit[QUEUE_LIMIT]:,} by max_waiting")
+        if never:
+            first = next(r for r in result.refused if r.limit != QUEUE_LIMIT)
+            parts.append(f"never fit: {', '.join(never)}; e.g. {first.reason}")
+        refused_note = f" ({'; '.join(parts)})"
     lines += [
         "",
         f"requests     {s.requests_completed:,} completed, {s.requests_refused:,} refused"
