@@ -37,7 +37,7 @@ from inference_lab.validation import (
 BYTES_PER_VALUE: dict[str, float] = {"fp4": 0.5, "fp8": 1.0, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
 PRECISIONS = tuple(BYTES_PER_VALUE)
 POLICIES = ("fcfs", "priority", "sjf", "ljf")
-ROUTERS = ("round_robin", "least_loaded")
+ROUTERS = ("round_robin", "least_loaded", "prefix_affinity", "kv_aware")
 ARRIVAL_PATTERNS = ("poisson", "uniform", "burst", "batched", "closed_loop")
 
 T = TypeVar("T")
@@ -197,6 +197,9 @@ class SchedulerConfig:
     block_size: int = attrs.field(default=16, validator=_ge(1))
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=[_gt(0), _le(1)])
     kv_cache_capacity: float = attrs.field(default=0, validator=_ge(0))
+    #: Keep finished requests' full blocks cached and reuse them for requests that carry
+    #: the same block hashes (vLLM's automatic prefix caching; on by default there too).
+    enable_prefix_caching: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -211,6 +214,12 @@ class HardwareEntry:
     ep: int = attrs.field(default=1, validator=_ge(1))
     replicas: int = attrs.field(default=1, validator=_ge(1))
     router: str = attrs.field(default="round_robin", converter=_lower, validator=_one_of(ROUTERS))
+    #: prefix_affinity: a replica is eligible while its load (running + waiting) is
+    #: below ceil(ratio * (total load + 1) / replicas).
+    affinity_load_ratio: float = attrs.field(default=1.25, validator=_ge(1))
+    #: kv_aware: the weight of a replica's queued prefill tokens against the request's
+    #: own uncached prompt tokens.
+    kv_aware_queue_weight: float = attrs.field(default=1.0, validator=_ge(0))
     time_correction: TimeCorrection = attrs.field(factory=TimeCorrection)
 
 

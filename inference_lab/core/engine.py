@@ -44,6 +44,12 @@ Rule 5: ``max_num_seqs`` caps the running *sequences* and gates admission only: 
 Rule 6: a group is one request to the scheduler: admitted, preempted, aborted and finished
         as a unit (its blocks are freed together); ``step()`` reports its tokens once per
         step as the count each of its sequences emitted.
+Rule 7: the KV cache is asked, never kept, here (:mod:`inference_lab.core.kv_cache`). With
+        prefix caching on, a request carrying block hashes is admitted with the prefix
+        its worker has cached already: those positions count as computed (no FLOPs, no
+        step tokens) while attention still reads them (the roofline sees them as the
+        context ``c`` of its first chunk). A request without hashes, or prefix caching
+        off, is scheduled exactly as if the cache did not exist.
 """
 
 from __future__ import annotations
@@ -51,11 +57,13 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
 
 from inference_lab.core.config import Deployment
+from inference_lab.core.kv_cache import NOT_CACHED, BlockPool, KVCacheManager, KVEvent
 from inference_lab.core.roofline import BatchTerms, Roofline
 from inference_lab.errors import RequestRefused
 
@@ -67,7 +75,13 @@ _ARRIVAL, _BOUNDARY = 0, 1
 class RequestSpec:
     """What the caller asks for. ``target`` is where each sequence really stops (hidden
     from the scheduler); None means it runs to ``max_tokens``. ``n`` is the number of
-    sequences (choices) sharing the prompt."""
+    sequences (choices) sharing the prompt.
+
+    ``block_hashes`` is the request's hash chain at the deployment's block size: hash
+    ``i`` stands for tokens ``[0, (i + 1) * block_size)`` and includes its parent's. It
+    may run past the prompt over the tokens the request will produce (a session's next
+    turn resends them); blocks are cached as their positions are computed. Empty: the
+    request neither hits nor fills the prefix cache."""
 
     prompt_tokens: int
     max_tokens: int
@@ -75,6 +89,7 @@ class RequestSpec:
     priority: int = 0
     arrival_time: float = 0.0
     n: int = 1
+    block_hashes: tuple[int, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -82,7 +97,9 @@ class Finished:
     """A completed request, reported at its finish time (the end of its last step).
 
     ``output_tokens`` is the count of each of its ``n`` sequences (they finish together);
-    the request produced ``n * output_tokens`` tokens in all.
+    the request produced ``n * output_tokens`` tokens in all. ``cached_tokens`` is the
+    prompt prefix its worker had cached when it was first admitted (not computed by
+    it); ``worker`` the replica that ran it.
     """
 
     request_id: int
@@ -95,6 +112,8 @@ class Finished:
     finish_time: float
     preemptions: int
     n: int = 1
+    cached_tokens: int = 0
+    worker: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -144,6 +163,10 @@ class WorkerStatistics:
       kv_used_blocks: KV blocks held by the running requests.
       kv_total_blocks: KV blocks of the replica.
       max_num_seqs: the current cap on running sequences.
+      prefix_cache_queries: tokens looked up in the prefix cache at admissions.
+      prefix_cache_hits: of them, tokens found cached (not computed).
+      cached_blocks: blocks holding a known prefix, held or evictable (evictable ones
+        count as free, not used).
     """
 
     waiting: int
@@ -152,6 +175,9 @@ class WorkerStatistics:
     kv_used_blocks: int
     kv_total_blocks: int
     max_num_seqs: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    cached_blocks: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -173,6 +199,8 @@ class EngineStatistics:
       aborted: requests removed by :meth:`Engine.abort`.
       max_num_seqs: the current per-worker cap on running sequences.
       workers: one :class:`WorkerStatistics` per worker, in worker order.
+      prefix_caching: whether the deployment caches prefixes.
+      prefix_cache_queries, prefix_cache_hits, cached_blocks: sums over workers.
     """
 
     now: float
@@ -189,6 +217,10 @@ class EngineStatistics:
     aborted: int
     max_num_seqs: int
     workers: tuple[WorkerStatistics, ...]
+    prefix_caching: bool = False
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    cached_blocks: int = 0
 
 
 class _Request:
@@ -213,6 +245,11 @@ class _Request:
         "queue_key",
         "stamp",
         "n",
+        "hashes",
+        "hash_limit",
+        "held",
+        "cache_at",
+        "cached",
     )
 
     def __init__(self, rid: int, spec: RequestSpec, arrival: float, target: int) -> None:
@@ -236,6 +273,12 @@ class _Request:
         self.mark = -1  # the step id whose batch holds this request
         self.admit_seq = 0
         self.queue_key: tuple[Any, ...] = ()
+        self.hashes = spec.block_hashes
+        # set by KVCacheManager.prepare when the request is routed
+        self.hash_limit = 0
+        self.held: list[int] | tuple[int, ...] = ()
+        self.cache_at = NOT_CACHED
+        self.cached = 0
 
 
 class _WaitQueue:
@@ -296,6 +339,15 @@ class _WaitQueue:
         r: _Request = heapq.heappop(self.heap)[-1]
         return r
 
+    def __iter__(self) -> Iterator[_Request]:
+        """Every waiting request (front first; a heap policy's in heap order)."""
+        yield from self.front
+        if self.policy == "fcfs":
+            yield from self.fifo
+        else:
+            removed = self.removed
+            yield from (e[-1] for e in self.heap if e[-1].id not in removed)
+
     def remove(self, r: _Request) -> None:
         if r in self.front:
             self.front.remove(r)
@@ -309,12 +361,15 @@ class _WaitQueue:
 class _Worker:
     """One replica: a scheduler with its own KV blocks and its in-flight batch."""
 
-    def __init__(self, index: int, dep: Deployment, roofline: Roofline) -> None:
+    def __init__(
+        self, index: int, dep: Deployment, roofline: Roofline, events: list[KVEvent] | None
+    ) -> None:
         sched = dep.scheduler
         self.index = index
         self.roofline = roofline
         self.total_blocks = roofline.total_blocks
-        self.free_blocks = self.total_blocks
+        self.pool = BlockPool(self.total_blocks, index, events)
+        self.kv = KVCacheManager(self.pool, sched.block_size, sched.enable_prefix_caching)
         self.max_num_seqs = sched.max_num_seqs
         self.budget = sched.max_num_batched_tokens
         self.chunked = sched.enable_chunked_prefill
@@ -337,6 +392,27 @@ class _Worker:
         self.step_terms: BatchTerms | None = None
         self.step_budget = 0
         self.step_mark = 0
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks an allocation may take: empty ones and evictable cached ones."""
+        return self.pool.free
+
+    def load(self) -> int:
+        """Requests running or waiting here (the routers' measure of load)."""
+        return len(self.running) + self.waiting.count
+
+    def queued_prefill(self) -> int:
+        """Prompt positions still to compute here: the rest of every running prefill and
+        the whole prefill of every waiting request (``kv_aware``'s queue)."""
+        total = 0
+        for r in self.running:
+            left = r.prompt + (r.output - 1 if r.output > 1 else 0) - r.computed
+            if left > 0:
+                total += left
+        for r in self.waiting:
+            total += r.prompt + (r.output - 1 if r.output > 1 else 0)
+        return total
 
     def blocks_for(self, positions: int) -> int:
         if self.private:
@@ -382,8 +458,7 @@ class _Worker:
         return max(candidates, key=lambda r: (r.max_tokens - r.output, r.admit_seq))
 
     def _preempt(self, r: _Request) -> None:
-        self.free_blocks += r.blocks
-        r.blocks = 0
+        self.kv.free(r)
         r.room = 0
         r.computed = 0
         r.preemptions += 1
@@ -408,6 +483,7 @@ class _Worker:
             chunked = self.chunked
             room_for = self.roofline.room_for
             blocks_for = self.blocks_for
+            pool = self.pool
             batch: list[tuple[_Request, int]] = []
             ns: list[int] = []
             cs: list[int] = []
@@ -453,7 +529,7 @@ class _Worker:
                         i += 1  # this step's budget cannot hold every sequence
                         continue
                     need = self.group_blocks(r, c + n) - r.blocks
-                if need > self.free_blocks:
+                if need > pool.free:
                     victim = self._victim(r)
                     vi = running.index(victim)
                     self._preempt(victim)
@@ -463,7 +539,7 @@ class _Worker:
                         i -= 1
                     continue
                 if need > 0:
-                    self.free_blocks -= need
+                    pool.allocate(need)
                     r.blocks += need
                 if r.n == 1:
                     r.room = room_for(r.blocks)
@@ -485,7 +561,7 @@ class _Worker:
                     r, n = admitted
                     batch.append((r, n))
                     ns.append(n)
-                    cs.append(0)
+                    cs.append(r.computed)  # its cached prefix, if any (Rule 7)
                     budget -= n
             total_preempted += preempted
             if batch or not preempted:
@@ -496,23 +572,28 @@ class _Worker:
     def admit_head(self, now: float, mark: int, budget: int) -> tuple[_Request, int] | None:
         """Admit the head of the waiting queue into a step starting at ``now`` with
         ``budget`` tokens left, if the cap, the budget and the free blocks allow: it runs
-        its first prefill chunk there. Returns (request, positions) or None."""
+        its first prefill chunk there, on top of the prefix its worker has cached (its
+        ``computed`` on return). Returns (request, positions) or None."""
         r = self.waiting.peek()
         if r is None:
             return None
         if self.running_seqs + r.n > self.max_num_seqs and self.running_seqs:
             return None
+        hit, touched = self.kv.computed_blocks(r) if r.hash_limit else (0, 0)
+        c = hit * self.block_size
         # the first stage always runs as one sequence (a group's prompt)
-        left, _ = self._stage(r, 0)
-        if not self.chunked and left > budget:
-            return None
-        n = min(left, budget, self.chunk_cap)
-        need = self.blocks_for(n)
-        if need > self.free_blocks:
+        left, _ = self._stage(r, c)
+        if left:
+            if not self.chunked and left > budget:
+                return None
+            n = min(left, budget, self.chunk_cap)
+        else:
+            n = 1  # a preempted request whose whole re-prefill is cached decodes at once
+        need = self.blocks_for(c + n) - hit
+        if need + touched > self.pool.free:
             return None
         self.waiting.pop()
-        self.free_blocks -= need
-        r.blocks = need
+        self.kv.admit(r, hit, need, r.first_scheduled < 0)
         r.state = _RUNNING
         r.admit_seq = next(self.admit_seq)
         if r.first_scheduled < 0:
@@ -530,11 +611,13 @@ class Engine:
     engine task (paced to wall-clock). Not thread-safe; every method is synchronous.
     """
 
-    def __init__(self, deployment: Deployment) -> None:
+    def __init__(self, deployment: Deployment, *, record_kv_events: bool = False) -> None:
         self.deployment = deployment
         self.roofline = Roofline(deployment)
+        self._kv_events: list[KVEvent] | None = [] if record_kv_events else None
         self.workers = [
-            _Worker(i, deployment, self.roofline) for i in range(deployment.hardware.replicas)
+            _Worker(i, deployment, self.roofline, self._kv_events)
+            for i in range(deployment.hardware.replicas)
         ]
         self.now = 0.0
         self._heap: list[tuple[float, int, int, Any]] = []
@@ -542,7 +625,10 @@ class Engine:
         self._ids = itertools.count(1)
         self._requests: dict[int, _Request] = {}
         self._rr = 0
-        self._router = deployment.hardware.router
+        hw = deployment.hardware
+        self._router = hw.router
+        self._load_ratio = hw.affinity_load_ratio
+        self._queue_weight = hw.kv_aware_queue_weight
         self._pending = 0
         self._preemptions = 0
         self._steps = 0
@@ -611,6 +697,7 @@ class Engine:
         rid = next(self._ids)
         arrival = spec.arrival_time if spec.arrival_time > self.now else self.now
         r = _Request(rid, spec, arrival, target)
+        self.workers[0].kv.prepare(r)  # the same answer on every worker
         self._requests[rid] = r
         self._pending += 1
         heapq.heappush(self._heap, (arrival, next(self._seq), _ARRIVAL, r))
@@ -628,8 +715,7 @@ class Engine:
             self.workers[r.worker].waiting.remove(r)
         elif r.state == _RUNNING:
             w = self.workers[r.worker]
-            w.free_blocks += r.blocks
-            r.blocks = 0
+            w.kv.free(r)
             w.running.remove(r)
             w.running_seqs -= r.n
         r.state = _DONE
@@ -662,12 +748,41 @@ class Engine:
             not w.running and not w.waiting.count for w in self.workers
         )
 
-    def _route(self) -> _Worker:
+    def _route(self, r: _Request) -> _Worker:
+        """The worker an arrival goes to (the deployment's ``router``):
+
+        - ``round_robin``: in turn;
+        - ``least_loaded``: fewest requests running + waiting, then the lowest index;
+        - ``prefix_affinity``: among the workers whose load stays under the bound
+          ``ceil(affinity_load_ratio * (total load + 1) / replicas)`` (consistent
+          hashing with bounded loads: the least loaded worker is always under it), the
+          one with the longest cached prefix of the request, then the least loaded;
+        - ``kv_aware``: the lowest ``uncached prompt tokens + kv_aware_queue_weight *
+          queued prefill tokens``, then the least loaded.
+        """
         workers = self.workers
         if len(workers) == 1:
             return workers[0]
-        if self._router == "least_loaded":
-            return min(workers, key=lambda w: (len(w.running) + w.waiting.count, w.index))
+        router = self._router
+        if router == "least_loaded":
+            return min(workers, key=lambda w: (w.load(), w.index))
+        if router == "prefix_affinity":
+            loads = [w.load() for w in workers]
+            bound = -(-self._load_ratio * (sum(loads) + 1) // len(workers))
+            return min(
+                (w for w, load in zip(workers, loads, strict=True) if load < bound),
+                key=lambda w: (-w.kv.hit_tokens(r), loads[w.index], w.index),
+            )
+        if router == "kv_aware":
+            weight = self._queue_weight
+            return min(
+                workers,
+                key=lambda w: (
+                    r.prompt - w.kv.hit_tokens(r) + weight * w.queued_prefill(),
+                    w.load(),
+                    w.index,
+                ),
+            )
         w = workers[self._rr % len(workers)]
         self._rr += 1
         return w
@@ -683,7 +798,7 @@ class Engine:
         if kind == _ARRIVAL:
             r: _Request = payload
             self._pending -= 1
-            w = self._route()
+            w = self._route(r)
             r.worker = w.index
             r.state = _WAITING
             w.waiting.push(r)
@@ -710,7 +825,7 @@ class Engine:
         w.batch.append(admitted)
         terms = w.step_terms
         assert terms is not None  # set with the step in flight
-        self.roofline.add_sequence(terms, n, 0)
+        self.roofline.add_sequence(terms, n, r.computed)
         w.step_budget -= n
         cost = self.roofline.price(terms)
         w.boundary_seq = next(self._seq)
@@ -723,11 +838,14 @@ class Engine:
         any_done = False
         emit = tokens.append
         running = _RUNNING
+        kv = w.kv
         for r, n in w.batch:
             if r.state != running:
                 continue  # aborted or preempted while its step was in flight
             c = r.computed + n
             r.computed = c
+            if c >= r.cache_at:  # it filled a block its hashes name
+                kv.cache_computed(r)
             prompt = r.prompt
             if c >= prompt:
                 new = c - prompt + 1
@@ -742,8 +860,7 @@ class Engine:
                     if new >= r.target:
                         any_done = True
                         r.state = _DONE
-                        w.free_blocks += r.blocks
-                        r.blocks = 0
+                        kv.free(r)
                         w.running_seqs -= r.n
                         del self._requests[r.id]
                         self._finished += 1
@@ -759,6 +876,8 @@ class Engine:
                                 finish_time=now,
                                 preemptions=r.preemptions,
                                 n=r.n,
+                                cached_tokens=r.cached,
+                                worker=w.index,
                             )
                         )
         if any_done:
@@ -782,7 +901,7 @@ class Engine:
                 duration=duration,
                 num_seqs=terms.seqs,
                 num_tokens=terms.tokens,
-                kv_usage=(w.total_blocks - w.free_blocks) / w.total_blocks,
+                kv_usage=(w.total_blocks - w.pool.free) / w.total_blocks,
                 flop_util=cost.compute / roof,
                 bw_util=cost.memory / roof,
                 preempted=preempted,
@@ -824,15 +943,44 @@ class Engine:
         for w in self.workers:
             w.max_num_seqs = n
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the deployment caches prefixes (``enable_prefix_caching``)."""
+        return self.deployment.scheduler.enable_prefix_caching
+
+    def take_kv_events(self) -> tuple[KVEvent, ...]:
+        """The KV-cache events recorded since the last call, in the order they happened
+        (blocks stored, evicted, all cleared; each names its worker), and forget them.
+        Empty unless the engine was built with ``record_kv_events=True``."""
+        events = self._kv_events
+        if not events:
+            return ()
+        out = tuple(events)
+        events.clear()
+        return out
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block of every worker (as vLLM's ``reset_prefix_cache``): only
+        when no running request holds one; returns whether it was done. Hit counters are
+        kept."""
+        if any(w.pool.held_cached_blocks for w in self.workers):
+            return False
+        for w in self.workers:
+            w.pool.clear()
+        return True
+
     def statistics(self) -> EngineStatistics:
         workers = tuple(
             WorkerStatistics(
                 waiting=w.waiting.count,
                 running=len(w.running),
                 running_seqs=w.running_seqs,
-                kv_used_blocks=w.total_blocks - w.free_blocks,
+                kv_used_blocks=w.total_blocks - w.pool.free,
                 kv_total_blocks=w.total_blocks,
                 max_num_seqs=w.max_num_seqs,
+                prefix_cache_queries=w.pool.queries,
+                prefix_cache_hits=w.pool.hits,
+                cached_blocks=w.pool.cached_blocks,
             )
             for w in self.workers
         )
@@ -853,4 +1001,8 @@ class Engine:
             aborted=self._aborted,
             max_num_seqs=self._max_num_seqs,
             workers=workers,
+            prefix_caching=self.prefix_caching,
+            prefix_cache_queries=sum(ws.prefix_cache_queries for ws in workers),
+            prefix_cache_hits=sum(ws.prefix_cache_hits for ws in workers),
+            cached_blocks=sum(ws.cached_blocks for ws in workers),
         )
