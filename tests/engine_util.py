@@ -10,6 +10,7 @@ import attrs
 
 from inference_lab.core.config import Deployment, load_deployment
 from inference_lab.core.engine import Engine, Finished, RequestSpec, StepEvents
+from inference_lab.core.kv_cache import NOT_CACHED
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA8B = ROOT / "configs" / "Llama-3.1-8B-Instruct.toml"
@@ -89,6 +90,7 @@ def assert_blocks_conserved(engine: Engine) -> None:
         assert referenced == Counter(h for r in w.running for h in r.held)
         assert set(pool.evictable) == {h for h, c in pool.ref.items() if c == 0}
         assert len(pool.evictable) <= w.free_blocks
+        assert pool.filling == sum(1 for r in w.running if r.cache_at != NOT_CACHED)
         for r in w.running:
             assert tuple(r.held) == r.hashes[: len(r.held)], r.id
             assert r.blocks >= len(r.held)

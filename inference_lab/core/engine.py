@@ -539,7 +539,9 @@ class _Worker:
                         i -= 1
                     continue
                 if need > 0:
-                    pool.allocate(need)
+                    pool.free -= need
+                    if pool.evictable:  # cached blocks may have to go (empty ones first)
+                        pool.evict_excess()
                     r.blocks += need
                 if r.n == 1:
                     r.room = room_for(r.blocks)
@@ -839,13 +841,13 @@ class Engine:
         emit = tokens.append
         running = _RUNNING
         kv = w.kv
+        if kv.pool.filling:  # members whose positions fill blocks their hashes name
+            kv.cache_batch(w.batch)
         for r, n in w.batch:
             if r.state != running:
                 continue  # aborted or preempted while its step was in flight
             c = r.computed + n
             r.computed = c
-            if c >= r.cache_at:  # it filled a block its hashes name
-                kv.cache_computed(r)
             prompt = r.prompt
             if c >= prompt:
                 new = c - prompt + 1

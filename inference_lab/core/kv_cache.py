@@ -38,6 +38,7 @@ Rule 6: no clock, no I/O. Events (blocks stored, removed, all cleared) are recor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import attrs
@@ -105,7 +106,17 @@ class CachedRequest(Protocol):
 class BlockPool:
     """The blocks of one worker (Rule 1, Rule 2). Called by :class:`KVCacheManager`."""
 
-    __slots__ = ("total", "free", "ref", "evictable", "events", "worker", "queries", "hits")
+    __slots__ = (
+        "total",
+        "free",
+        "ref",
+        "evictable",
+        "events",
+        "worker",
+        "queries",
+        "hits",
+        "filling",
+    )
 
     def __init__(self, total: int, worker: int, events: list[KVEvent] | None) -> None:
         self.total = total
@@ -119,6 +130,9 @@ class BlockPool:
         self.worker = worker
         self.queries = 0  # tokens asked for at admissions (Rule 4)
         self.hits = 0  # of them, tokens found cached
+        #: running requests that may still cache a block (0: a step end has nothing to
+        #: look at, so a workload without hashes pays nothing per batch member)
+        self.filling = 0
 
     @property
     def cached_blocks(self) -> int:
@@ -133,8 +147,14 @@ class BlockPool:
         """Take ``count`` blocks (the caller checked ``count <= free``): empty blocks
         first, then the least recently freed cached ones, which stop hitting."""
         self.free -= count
+        if self.evictable:
+            self.evict_excess()
+
+    def evict_excess(self) -> None:
+        """After ``free`` dropped: evict the least recently freed cached blocks until the
+        evictable ones fit in ``free`` (the empty blocks are ``free - len(evictable)``)."""
         evictable = self.evictable
-        excess = len(evictable) - self.free  # empty blocks left: free - len(evictable)
+        excess = len(evictable) - self.free
         if excess > 0:
             ref = self.ref
             gone = []
@@ -281,16 +301,25 @@ class KVCacheManager:
             r.cached = hit * bs
         if hit < r.hash_limit:
             r.cache_at = (hit + 1) * bs
+            pool.filling += 1
         pool.allocate(new_blocks)
         r.blocks = hit + new_blocks
 
-    def cache_computed(self, r: CachedRequest) -> None:
-        """``r``'s computed positions reached ``cache_at``: cache every block they filled
-        (Rule 3); one stored event per run of blocks newly cached."""
+    def cache_batch(self, batch: Sequence[tuple[CachedRequest, int]]) -> None:
+        """A step ends: each member still holding its blocks and computing ``n`` more
+        positions caches the blocks they fill. Called only while ``pool.filling``."""
+        for r, n in batch:
+            c = r.computed + n
+            if c >= r.cache_at:  # freed (finished, preempted, aborted): never
+                self.cache_computed(r, c)
+
+    def cache_computed(self, r: CachedRequest, positions: int) -> None:
+        """``r``'s computed positions reached ``cache_at``: cache every block its
+        ``positions`` fill (Rule 3); one stored event per run of blocks newly cached."""
         held = r.held
         bs = self.block_size
         start = len(held)
-        full = min(r.computed // bs, r.hash_limit)
+        full = min(positions // bs, r.hash_limit)
         pool = self.pool
         hashes = r.hashes
         events = pool.events
@@ -308,7 +337,11 @@ class KVCacheManager:
             held.append(h)  # type: ignore[union-attr]  # a list: hash_limit > 0
         if run and events is not None:
             events.append(self._stored(run, parent))
-        r.cache_at = (full + 1) * bs if full < r.hash_limit else NOT_CACHED
+        if full < r.hash_limit:
+            r.cache_at = (full + 1) * bs
+        else:
+            r.cache_at = NOT_CACHED
+            pool.filling -= 1
 
     def _stored(self, run: list[int], parent: int | None) -> BlockStored:
         return BlockStored(
@@ -319,8 +352,11 @@ class KVCacheManager:
         """Give back every block ``r`` holds (finished, preempted or aborted): cached ones
         to the evictable queue, tail first, its own ones to the empty blocks."""
         held = r.held
-        self.pool.release(held, r.blocks - len(held))
+        pool = self.pool
+        pool.release(held, r.blocks - len(held))
         r.blocks = 0
         if held:
             held.clear()  # type: ignore[union-attr]  # non-empty: a list
-        r.cache_at = NOT_CACHED
+        if r.cache_at != NOT_CACHED:
+            r.cache_at = NOT_CACHED
+            pool.filling -= 1
