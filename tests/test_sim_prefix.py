@@ -206,6 +206,7 @@ def test_window_and_speedup_flags(tmp_path: Path) -> None:
         (["--trace", "t.jsonl", "--speedup", "0"], 2, "argument --speedup: must be a number > 0"),
         (["--trace", "t.jsonl", "--window", "5:2"], 2, "argument --window: must be START:END"),
         (["--trace", "missing.jsonl"], 1, "missing.jsonl: no such file"),
+        (["--trace", "t.jsonl", "--seed", "3"], 2, "--seed applies to --workload only"),
     ],
 )
 def test_bad_trace_flags_are_one_line(

@@ -211,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
                 return fail(PROG, f"{flag} applies to --trace only", 2)
         if args.speedup != 1.0:
             return fail(PROG, "--speedup applies to --trace only", 2)
+    elif args.seed is not None:
+        return fail(PROG, "--seed applies to --workload only (a trace draws nothing)", 2)
     try:
         deployment = load_deployment(args.config, args.hardware, args.profiles_dir)
         workload: Workload | Trace
