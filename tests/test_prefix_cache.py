@@ -301,15 +301,31 @@ def test_a_preempted_request_hits_its_own_blocks_when_readmitted() -> None:
 
 
 def test_a_fully_cached_readmission_decodes_at_once() -> None:
-    """A preempted request whose re-prefill is entirely cached skips it: its first step
-    after re-admission is one decode position that emits its next token."""
-    eng = Engine(deployment(blocks=6))
-    hashes = chain("full", 5)
-    a = eng.submit(spec(32, 40, block_hashes=hashes))
-    b = eng.submit(spec(32, 40, block_hashes=chain("other", 5)))
-    events = run_checked(eng)
-    assert tokens_by_request(events) == {a: 40, b: 40}
-    assert sum(f.preemptions for f in finished(events).values()) >= 1
+    """Seven 16-token blocks, two 32-token prompts growing to 62 positions: the later one
+    is preempted after 17 tokens (48 positions resident, three full blocks, all cached).
+    Re-admitted, it finds all 48 cached (P + output - 1) and its first step is one
+    decode position that emits its 18th token: nothing is recomputed."""
+    eng = Engine(deployment(blocks=7))
+    a = eng.submit(spec(32, 30, block_hashes=chain("a", 8)))
+    b = eng.submit(spec(32, 30, block_hashes=chain("b", 8)))
+    w = eng.workers[0]
+    readmitted = None
+    emitted = 0
+    events = []
+    while eng.next_event_time() is not None:
+        ev = eng.step()
+        events.append(ev)
+        assert_blocks_conserved(eng)
+        emitted += sum(n for rid, n in ev.tokens if rid == b)
+        rb = eng._requests.get(b)
+        if readmitted is None and rb is not None and rb.preemptions and ev.step is not None:
+            mine = [(r.computed, n) for r, n in w.batch if r is rb]
+            if mine:
+                readmitted = (rb.output, *mine[0], emitted)
+        elif readmitted is not None and len(readmitted) == 4:
+            readmitted = (*readmitted, sum(n for rid, n in ev.tokens if rid == b))
+    assert readmitted == (17, 48, 1, 17, 1)  # output 17, 48 cached, one position, +1 token
+    assert tokens_by_request(events) == {a: 30, b: 30}
 
 
 @pytest.mark.parametrize("threshold", [0, 48])
