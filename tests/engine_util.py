@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ import attrs
 
 from inference_lab.core.config import Deployment, load_deployment
 from inference_lab.core.engine import Engine, Finished, RequestSpec, StepEvents
+from inference_lab.core.kv_cache import NOT_CACHED
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA8B = ROOT / "configs" / "Llama-3.1-8B-Instruct.toml"
@@ -67,13 +69,33 @@ def spec(prompt: int, max_tokens: int, **kw: Any) -> RequestSpec:
 
 
 def assert_blocks_conserved(engine: Engine) -> None:
-    """Rule 4 of the engine: free + held == total on every worker, and each running
-    member of the step in flight holds exactly the blocks of the positions it has once
-    that step ends (no more, no fewer)."""
+    """Rule 4 of the engine (Rule 1 of its KV cache): on every worker, the free blocks
+    (empty or evictable cached ones) plus the running requests' own blocks plus the cached
+    blocks they hold equal the total; each cached block's reference count is the number of
+    running requests holding it, and exactly the unreferenced ones are evictable; a
+    request's cached blocks are a prefix of its hash chain; each running member of the
+    step in flight holds exactly the blocks of the positions it has once that step ends
+    (no more, no fewer). Without cached blocks this is free + held == total."""
     for w in engine.workers:
-        held = sum(r.blocks for r in w.running)
-        assert w.free_blocks + held == w.total_blocks, (w.free_blocks, held, w.total_blocks)
+        pool = w.pool
+        own = sum(r.blocks - len(r.held) for r in w.running)
+        referenced = {h: c for h, c in pool.ref.items() if c > 0}
+        assert w.free_blocks + own + len(referenced) == w.total_blocks, (
+            w.free_blocks,
+            own,
+            len(referenced),
+            w.total_blocks,
+        )
         assert w.free_blocks >= 0
+        assert referenced == Counter(h for r in w.running for h in r.held)
+        assert set(pool.evictable) == {h for h, c in pool.ref.items() if c == 0}
+        assert len(pool.evictable) <= w.free_blocks
+        assert pool.filling == sum(1 for r in w.running if r.cache_at != NOT_CACHED)
+        for r in w.running:
+            assert tuple(r.held) == r.hashes[: len(r.held)], r.id
+            assert r.blocks >= len(r.held)
+        for r in w.waiting:
+            assert r.blocks == 0 and not r.held, r.id
         for r, n in w.batch:
             if r in w.running:
                 assert r.blocks == w.group_blocks(r, r.computed + n), (r.id, r.blocks)

@@ -899,3 +899,77 @@ def test_tokenizer_that_is_missing_is_a_one_line_error(
         tmp_path, dense_config(model={"tokenizer": value}), "model.tokenizer", fragment
     )
     assert "\n" not in message
+
+
+# ---------------------------------------------------------------------------------------
+# prefix caching and the cache-aware routers
+
+
+def test_prefix_caching_defaults_on_and_router_options_default(tmp_path: Path) -> None:
+    """enable_prefix_caching defaults to true (as in vLLM); the routers' options default
+    to affinity_load_ratio 1.25 and kv_aware_queue_weight 1.0."""
+    dep = load(tmp_path, dense_config()).deployments["gpu"]
+    assert dep.scheduler.enable_prefix_caching is True
+    assert (dep.hardware.affinity_load_ratio, dep.hardware.kv_aware_queue_weight) == (1.25, 1.0)
+
+
+def test_prefix_caching_and_routers_are_configurable(tmp_path: Path) -> None:
+    """enable_prefix_caching per scheduler (and per hardware entry's override); the two
+    cache-aware routers with their options, case-insensitively."""
+    cfg = load(
+        tmp_path,
+        dense_config(
+            scheduler={"enable_prefix_caching": False},
+            hardware={
+                "gpu": {
+                    "replicas": 4,
+                    "router": "Prefix_Affinity",
+                    "affinity_load_ratio": 2,
+                    "scheduler": {"enable_prefix_caching": True},
+                }
+            },
+        ),
+    )
+    dep = cfg.deployments["gpu"]
+    assert cfg.scheduler.enable_prefix_caching is False
+    assert dep.scheduler.enable_prefix_caching is True
+    assert (dep.hardware.router, dep.hardware.affinity_load_ratio) == ("prefix_affinity", 2.0)
+    (tmp_path / "kv").mkdir()
+    kv = load(
+        tmp_path / "kv",
+        dense_config(hardware={"gpu": {"router": "kv_aware", "kv_aware_queue_weight": 0}}),
+    )
+    assert kv.deployments["gpu"].hardware.kv_aware_queue_weight == 0
+
+
+@pytest.mark.parametrize(
+    ("changes", "key", "fragment"),
+    [
+        (
+            {"scheduler": {"enable_prefix_caching": "yes"}},
+            "scheduler.enable_prefix_caching",
+            "must be",
+        ),
+        (
+            {"hardware": {"gpu": {"affinity_load_ratio": 0.5}}},
+            "hardware.gpu.affinity_load_ratio",
+            "must be >= 1",
+        ),
+        (
+            {"hardware": {"gpu": {"kv_aware_queue_weight": -1}}},
+            "hardware.gpu.kv_aware_queue_weight",
+            "must be >= 0",
+        ),
+        (
+            {"hardware": {"gpu": {"router": "random"}}},
+            "hardware.gpu.router",
+            "round_robin, least_loaded, prefix_affinity, kv_aware",
+        ),
+    ],
+)
+def test_prefix_caching_keys_are_validated(
+    tmp_path: Path, changes: dict[str, Any], key: str, fragment: str
+) -> None:
+    path, message = load_error(tmp_path, dense_config(**changes))
+    assert message.startswith(f"{path}: {key}: ")
+    assert fragment in message

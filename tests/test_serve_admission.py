@@ -17,6 +17,7 @@ import trio
 import trio.testing
 
 from inference_lab.core.config import Deployment
+from inference_lab.core.engine import RequestSpec
 from inference_lab.errors import QueueFull
 from inference_lab.runtime.model import ModelRuntime
 from tests.conftest import GPT, ServeFactory, chat_body, make_settings
@@ -173,7 +174,8 @@ async def test_kv_that_cannot_hold_a_first_chunk_gives_no_seat(
     """Seats need the KV blocks the scheduler would allocate: with room for three first
     chunks, a burst gets three seats and max_waiting places, not max_num_seqs seats."""
     dep = deployment(max_num_seqs=16, max_waiting=4)
-    need = ModelRuntime(dep).engine.first_chunk_blocks(50)  # content and windowed blocks
+    probe = RequestSpec(prompt_tokens=50, max_tokens=100)
+    need = ModelRuntime(dep).engine.first_chunk_blocks(probe, 0)  # content and windowed
     kv = (3 * need + need - 1) * dep.block_bytes  # room for 3 first chunks, not 4
     small = attrs.evolve(dep, scheduler=attrs.evolve(dep.scheduler, kv_cache_capacity=kv))
     async with trio.open_nursery() as nursery:

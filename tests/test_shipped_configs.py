@@ -17,6 +17,11 @@ import pytest
 
 from inference_lab.core.config import (
     AttentionLayer,
+    ExponentialTime,
+    FixedDist,
+    FixedTime,
+    SessionConfig,
+    UniformDist,
     load_deployment,
     load_hardware_profile,
     load_model_config,
@@ -301,6 +306,33 @@ WORKLOAD_TABLE: dict[str, dict[str, Any]] = {
         "input": ("fixed", 512),
         "output": ("fixed", 256),
     },
+    "chat-sessions-200": {
+        "arrival_pattern": "poisson",
+        "arrival_rate": 2.0,
+        "num_requests": 1600,
+        "input": ("lognormal", 5.0, 0.6),
+        "output": ("lognormal", 5.3, 0.6),
+        "sessions": SessionConfig(
+            num_sessions=200,
+            turns=FixedDist(value=8),
+            think_time=ExponentialTime(mean=5.0),
+            system_prompt_tokens=2048,
+            shared_system_prompt=True,
+        ),
+    },
+    "agent-loop-32": {
+        "arrival_pattern": "closed_loop",
+        "num_concurrent_users": 32,
+        "num_requests": 3000,
+        "input": ("lognormal", 5.5, 0.8),
+        "output": ("lognormal", 4.0, 0.5),
+        "sessions": SessionConfig(
+            num_sessions=100,
+            turns=UniformDist(min=10, max=30),
+            think_time=FixedTime(value=0.2),
+            system_prompt_tokens=4096,
+        ),
+    },
 }
 
 
@@ -311,7 +343,7 @@ def dist_tuple(dist: Any) -> tuple[Any, ...]:
 
 
 def test_the_six_workloads_are_shipped() -> None:
-    """configs/workloads/ holds the five documented workloads plus the simulator benchmark."""
+    """configs/workloads/ holds the documented workloads plus the simulator benchmark."""
     assert {p.stem for p in WORKLOADS.glob("*.toml")} == set(WORKLOAD_TABLE) | {
         "poisson-50rps-4000"
     }

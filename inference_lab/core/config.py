@@ -27,6 +27,13 @@ from cattrs.errors import ForbiddenExtraKeysError
 
 from inference_lab.errors import ConfigError
 from inference_lab.resources import shipped_dir
+from inference_lab.traffic.schedules import (
+    PiecewiseRate,
+    RateSchedule,
+    SineRate,
+    SquareRate,
+    check_points,
+)
 from inference_lab.validation import (
     FieldError,
     Invalid,
@@ -38,7 +45,7 @@ from inference_lab.validation import (
 BYTES_PER_VALUE: dict[str, float] = {"fp4": 0.5, "fp8": 1.0, "bf16": 2.0, "fp16": 2.0, "fp32": 4.0}
 PRECISIONS = tuple(BYTES_PER_VALUE)
 POLICIES = ("fcfs", "priority", "sjf", "ljf")
-ROUTERS = ("round_robin", "least_loaded")
+ROUTERS = ("round_robin", "least_loaded", "prefix_affinity", "kv_aware")
 ARRIVAL_PATTERNS = ("poisson", "uniform", "burst", "batched", "closed_loop")
 
 T = TypeVar("T")
@@ -198,6 +205,9 @@ class SchedulerConfig:
     block_size: int = attrs.field(default=16, validator=_ge(1))
     gpu_memory_utilization: float = attrs.field(default=0.9, validator=[_gt(0), _le(1)])
     kv_cache_capacity: float = attrs.field(default=0, validator=_ge(0))
+    #: Keep finished requests' full blocks cached and reuse them for requests that carry
+    #: the same block hashes (vLLM's automatic prefix caching; on by default there too).
+    enable_prefix_caching: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -212,6 +222,12 @@ class HardwareEntry:
     ep: int = attrs.field(default=1, validator=_ge(1))
     replicas: int = attrs.field(default=1, validator=_ge(1))
     router: str = attrs.field(default="round_robin", converter=_lower, validator=_one_of(ROUTERS))
+    #: prefix_affinity: a replica is eligible while its load (running + waiting) is
+    #: below ceil(ratio * (total load + 1) / replicas).
+    affinity_load_ratio: float = attrs.field(default=1.25, validator=_ge(1))
+    #: kv_aware: the weight of a replica's queued prefill tokens against the request's
+    #: own uncached prompt tokens.
+    kv_aware_queue_weight: float = attrs.field(default=1.0, validator=_ge(0))
     time_correction: TimeCorrection = attrs.field(factory=TimeCorrection)
 
 
@@ -409,6 +425,80 @@ _DISTS: dict[str, type[Any]] = {
 }
 
 
+# durations (seconds, not floored; >= 0)
+
+
+@attrs.frozen(kw_only=True)
+class FixedTime:
+    type: str = "fixed"
+    value: float = attrs.field(validator=_ge(0))
+
+    def sample(self, rng: np.random.Generator, size: int) -> np.ndarray[Any, np.dtype[np.float64]]:
+        return np.full(size, float(self.value), dtype=np.float64)
+
+
+@attrs.frozen(kw_only=True)
+class UniformTime:
+    type: str = "uniform"
+    min: float = attrs.field(validator=_ge(0))
+    max: float = attrs.field()
+
+    @max.validator
+    def _check_max(self, attr: attrs.Attribute[Any], value: float) -> None:
+        if value < self.min:
+            raise FieldError(attr.name, f"must be >= min ({self.min}), got {value}")
+
+    def sample(self, rng: np.random.Generator, size: int) -> np.ndarray[Any, np.dtype[np.float64]]:
+        return rng.uniform(self.min, self.max, size=size)
+
+
+@attrs.frozen(kw_only=True)
+class ExponentialTime:
+    type: str = "exponential"
+    mean: float = attrs.field(validator=_gt(0))
+
+    def sample(self, rng: np.random.Generator, size: int) -> np.ndarray[Any, np.dtype[np.float64]]:
+        return rng.exponential(self.mean, size=size)
+
+
+@attrs.frozen(kw_only=True)
+class LognormalTime:
+    type: str = "lognormal"
+    mean: float
+    std_dev: float = attrs.field(validator=_ge(0))
+
+    def sample(self, rng: np.random.Generator, size: int) -> np.ndarray[Any, np.dtype[np.float64]]:
+        return rng.lognormal(self.mean, self.std_dev, size=size)
+
+
+TimeDist = FixedTime | UniformTime | ExponentialTime | LognormalTime
+_TIME_DISTS: dict[str, type[Any]] = {
+    "fixed": FixedTime,
+    "uniform": UniformTime,
+    "exponential": ExponentialTime,
+    "lognormal": LognormalTime,
+}
+_SCHEDULES: dict[str, type[Any]] = {
+    "piecewise": PiecewiseRate,
+    "sine": SineRate,
+    "square": SquareRate,
+}
+
+
+@attrs.frozen(kw_only=True)
+class SessionConfig:
+    """A workload's ``[sessions]`` table: multi-turn conversations. The workload's
+    ``input_len_dist`` is then the new user tokens of each turn and ``output_len_dist``
+    each answer; its arrival pattern starts sessions (``closed_loop``: each user runs
+    sessions back to back)."""
+
+    num_sessions: int | None = attrs.field(default=None, validator=_ge(1))
+    turns: LengthDist
+    think_time: TimeDist = attrs.field(factory=lambda: FixedTime(value=0.0))
+    system_prompt_tokens: int = attrs.field(default=0, validator=_ge(0))
+    shared_system_prompt: bool = True
+
+
 @attrs.frozen(kw_only=True)
 class Workload:
     arrival_pattern: str = attrs.field(converter=_lower, validator=_one_of(ARRIVAL_PATTERNS))
@@ -420,16 +510,31 @@ class Workload:
     num_requests: int | None = attrs.field(default=None, validator=_ge(1))
     duration_secs: float | None = attrs.field(default=None, validator=_gt(0))
     seed: int = attrs.field(validator=_ge(0))
+    sessions: SessionConfig | None = None
+    rate_schedule: RateSchedule | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.arrival_pattern == "closed_loop" and self.num_concurrent_users is None:
             raise FieldError(
                 "num_concurrent_users", "is required when arrival_pattern = closed_loop"
             )
-        if self.num_requests is None and self.duration_secs is None:
+        sessions = self.sessions.num_sessions if self.sessions is not None else None
+        if self.num_requests is None and self.duration_secs is None and sessions is None:
+            if self.sessions is not None:
+                raise FieldError(
+                    "sessions", "set sessions.num_sessions, num_requests or duration_secs"
+                )
             raise FieldError("num_requests", "set num_requests or duration_secs (or both)")
-        if self.arrival_pattern == "batched" and self.num_requests is None:
-            raise FieldError("num_requests", "is required when arrival_pattern = batched")
+        if self.arrival_pattern == "batched" and self.num_requests is None and sessions is None:
+            raise FieldError(
+                "num_requests",
+                "is required when arrival_pattern = batched (sessions.num_sessions with sessions)",
+            )
+        if self.rate_schedule is not None and self.arrival_pattern not in ("poisson", "uniform"):
+            raise FieldError(
+                "rate_schedule",
+                f"applies to arrival_pattern poisson or uniform, not {self.arrival_pattern}",
+            )
 
 
 # ---------------------------------------------------------------------------------------
@@ -453,6 +558,8 @@ CONVERTER.register_structure_hook(
     Layer, _tagged("kind", {"attention": AttentionLayer, "linear": LinearLayer})
 )
 CONVERTER.register_structure_hook(LengthDist, _tagged("type", _DISTS))
+CONVERTER.register_structure_hook(TimeDist, _tagged("type", _TIME_DISTS))
+CONVERTER.register_structure_hook(RateSchedule, _tagged("type", _SCHEDULES))
 
 
 def _error_lines(exc: BaseException, path: str) -> list[tuple[str, str]]:
@@ -680,6 +787,53 @@ def load_deployment(
 
 
 def load_workload(path: str | os.PathLike[str]) -> Workload:
-    """Read and validate a workload TOML; raises ConfigError."""
+    """Read and validate a workload TOML; raises ConfigError. A piecewise schedule's
+    ``points_file`` is read (relative to the workload file) into its points."""
     file = Path(path)
-    return _structure(_read_toml(file), Workload, file, "")
+    workload = _structure(_read_toml(file), Workload, file, "")
+    schedule = workload.rate_schedule
+    if isinstance(schedule, PiecewiseRate) and schedule.points_file is not None:
+        if schedule.points:
+            raise ConfigError(
+                f"{file}: rate_schedule.points_file: give points or points_file, not both"
+            )
+        points_path = Path(schedule.points_file).expanduser()
+        if not points_path.is_absolute():
+            points_path = file.parent / points_path
+        points = _read_rate_points(points_path, file)
+        schedule = attrs.evolve(schedule, points=points, points_file=str(points_path))
+        workload = attrs.evolve(workload, rate_schedule=schedule)
+    return workload
+
+
+def _read_rate_points(path: Path, workload: Path) -> tuple[tuple[float, float], ...]:
+    """A rate schedule's points from a CSV of ``time_s,rate`` rows (a header line whose
+    first cell is not a number is skipped). ConfigError names the file and line."""
+    where = f"{workload}: rate_schedule.points_file"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: cannot read {path}: {exc}") from None
+    points: list[tuple[float, float]] = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        cells = [c.strip() for c in line.split(",")]
+        if not line.strip():
+            continue
+        try:
+            values = [float(c) for c in cells]
+        except ValueError:
+            if number == 1 and not points:
+                continue  # a header
+            raise ConfigError(
+                f"{path}:{number}: must be two numbers time_s,rate, got {line!r}"
+            ) from None
+        if len(values) != 2 or not all(math.isfinite(v) for v in values):
+            raise ConfigError(f"{path}:{number}: must be two numbers time_s,rate, got {line!r}")
+        points.append((values[0], values[1]))
+    try:
+        check_points(tuple(points))
+    except FieldError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return tuple(points)

@@ -44,6 +44,12 @@ Rule 5: ``max_num_seqs`` caps the running *sequences* and gates admission only: 
 Rule 6: a group is one request to the scheduler: admitted, preempted, aborted and finished
         as a unit (its blocks are freed together); ``step()`` reports its tokens once per
         step as the count each of its sequences emitted.
+Rule 7: the KV cache is asked, never kept, here (:mod:`inference_lab.core.kv_cache`). With
+        prefix caching on, a request carrying block hashes is admitted with the prefix
+        its worker has cached already: those positions count as computed (no FLOPs, no
+        step tokens) while attention still reads them (the roofline sees them as the
+        context ``c`` of its first chunk). A request without hashes, or prefix caching
+        off, is scheduled exactly as if the cache did not exist.
 """
 
 from __future__ import annotations
@@ -51,12 +57,13 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
 
 from inference_lab.core.config import Deployment
+from inference_lab.core.kv_cache import NOT_CACHED, BlockPool, KVCacheManager, KVEvent
 from inference_lab.core.roofline import BatchTerms, Roofline
 from inference_lab.errors import RequestRefused
 
@@ -69,7 +76,13 @@ class RequestSpec:
     """What the caller asks for. ``target`` is where each sequence really stops (hidden
     from the scheduler); None means it runs to ``max_tokens``. ``n`` is the number of
     sequences (choices) sharing the prompt. ``worker`` is the replica the caller already
-    routed it to (:meth:`Engine.route`); None lets the router choose when it arrives."""
+    routed it to (:meth:`Engine.route`); None lets the router choose when it arrives.
+
+    ``block_hashes`` is the request's hash chain at the deployment's block size: hash
+    ``i`` stands for tokens ``[0, (i + 1) * block_size)`` and includes its parent's. It
+    may run past the prompt over the tokens the request will produce (a session's next
+    turn resends them); blocks are cached as their positions are computed. Empty: the
+    request neither hits nor fills the prefix cache."""
 
     prompt_tokens: int
     max_tokens: int
@@ -78,6 +91,7 @@ class RequestSpec:
     arrival_time: float = 0.0
     n: int = 1
     worker: int | None = None
+    block_hashes: tuple[int, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -85,7 +99,9 @@ class Finished:
     """A completed request, reported at its finish time (the end of its last step).
 
     ``output_tokens`` is the count of each of its ``n`` sequences (they finish together);
-    the request produced ``n * output_tokens`` tokens in all.
+    the request produced ``n * output_tokens`` tokens in all. ``cached_tokens`` is the
+    prompt prefix its worker had cached when it was first admitted (not computed by
+    it); ``worker`` the replica that ran it.
     """
 
     request_id: int
@@ -98,6 +114,8 @@ class Finished:
     finish_time: float
     preemptions: int
     n: int = 1
+    cached_tokens: int = 0
+    worker: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -147,6 +165,10 @@ class WorkerStatistics:
       kv_used_blocks: KV blocks held by the running requests.
       kv_total_blocks: KV blocks of the replica.
       max_num_seqs: the current cap on running sequences.
+      prefix_cache_queries: tokens looked up in the prefix cache at admissions.
+      prefix_cache_hits: of them, tokens found cached (not computed).
+      cached_blocks: blocks holding a known prefix, held or evictable (evictable ones
+        count as free, not used).
     """
 
     waiting: int
@@ -155,6 +177,9 @@ class WorkerStatistics:
     kv_used_blocks: int
     kv_total_blocks: int
     max_num_seqs: int
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    cached_blocks: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -194,6 +219,8 @@ class EngineStatistics:
       aborted: requests removed by :meth:`Engine.abort`.
       max_num_seqs: the current per-worker cap on running sequences.
       workers: one :class:`WorkerStatistics` per worker, in worker order.
+      prefix_caching: whether the deployment caches prefixes.
+      prefix_cache_queries, prefix_cache_hits, cached_blocks: sums over workers.
     """
 
     now: float
@@ -210,6 +237,10 @@ class EngineStatistics:
     aborted: int
     max_num_seqs: int
     workers: tuple[WorkerStatistics, ...]
+    prefix_caching: bool = False
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    cached_blocks: int = 0
 
 
 class _Request:
@@ -235,6 +266,11 @@ class _Request:
         "stamp",
         "n",
         "hint",
+        "hashes",
+        "hash_limit",
+        "held",
+        "cache_at",
+        "cached",
     )
 
     def __init__(self, rid: int, spec: RequestSpec, arrival: float, target: int) -> None:
@@ -259,6 +295,12 @@ class _Request:
         self.mark = -1  # the step id whose batch holds this request
         self.admit_seq = 0
         self.queue_key: tuple[Any, ...] = ()
+        self.hashes = spec.block_hashes
+        # set by KVCacheManager.prepare when the request is routed
+        self.hash_limit = 0
+        self.held: list[int] | tuple[int, ...] = ()
+        self.cache_at = NOT_CACHED
+        self.cached = 0
 
 
 class _WaitQueue:
@@ -319,6 +361,15 @@ class _WaitQueue:
         r: _Request = heapq.heappop(self.heap)[-1]
         return r
 
+    def __iter__(self) -> Iterator[_Request]:
+        """Every waiting request (front first; a heap policy's in heap order)."""
+        yield from self.front
+        if self.policy == "fcfs":
+            yield from self.fifo
+        else:
+            removed = self.removed
+            yield from (e[-1] for e in self.heap if e[-1].id not in removed)
+
     def in_order(self) -> list[_Request]:
         """The queued requests in the order the scheduler admits them."""
         if self.policy == "fcfs":
@@ -339,12 +390,15 @@ class _WaitQueue:
 class _Worker:
     """One replica: a scheduler with its own KV blocks and its in-flight batch."""
 
-    def __init__(self, index: int, dep: Deployment, roofline: Roofline) -> None:
+    def __init__(
+        self, index: int, dep: Deployment, roofline: Roofline, events: list[KVEvent] | None
+    ) -> None:
         sched = dep.scheduler
         self.index = index
         self.roofline = roofline
         self.total_blocks = roofline.total_blocks
-        self.free_blocks = self.total_blocks
+        self.pool = BlockPool(self.total_blocks, index, events)
+        self.kv = KVCacheManager(self.pool, sched.block_size, sched.enable_prefix_caching)
         self.max_num_seqs = sched.max_num_seqs
         self.budget = sched.max_num_batched_tokens
         self.chunked = sched.enable_chunked_prefill
@@ -369,16 +423,56 @@ class _Worker:
         self.step_budget = 0
         self.step_mark = 0
 
+    @property
+    def free_blocks(self) -> int:
+        """Blocks an allocation may take: empty ones and evictable cached ones."""
+        return self.pool.free
+
+    def load(self) -> int:
+        """Requests running or waiting here (the routers' measure of load)."""
+        return len(self.running) + self.waiting.count
+
+    def queued_prefill(self) -> int:
+        """Prompt positions still to compute here: the rest of every running prefill and
+        the whole prefill of every waiting request (``kv_aware``'s queue)."""
+        total = 0
+        for r in self.running:
+            left = r.prompt + (r.output - 1 if r.output > 1 else 0) - r.computed
+            if left > 0:
+                total += left
+        for r in self.waiting:
+            total += r.prompt + (r.output - 1 if r.output > 1 else 0)
+        return total
+
     def blocks_for(self, positions: int) -> int:
         if self.private:
             return self.roofline.blocks_for(positions)
         return -(-positions // self.block_size)
 
-    def first_chunk_blocks(self, r: _Request | None, prompt_tokens: int) -> int:
-        """Blocks the first prefill chunk of a request takes when it is admitted (``r``
-        queued, or a new request of ``prompt_tokens``)."""
-        left = self._stage(r, 0)[0] if r is not None else prompt_tokens
-        return self.blocks_for(min(left, self.budget, self.chunk_cap))
+    def first_chunk(self, r: _Request, budget: int) -> tuple[int, int, int, int] | None:
+        """Admitting ``r`` (nothing resident) with ``budget`` tokens left in the step: its
+        cached leading blocks, the positions of its first chunk on top of them, the new
+        blocks that chunk needs, and the cached blocks it takes off the free queue. None
+        when its stage cannot run within ``budget`` (chunked prefill off)."""
+        hit, touched = self.kv.computed_blocks(r) if r.hash_limit else (0, 0)
+        c = hit * self.block_size
+        # the first stage always runs as one sequence (a group's prompt)
+        left, _ = self._stage(r, c)
+        if left:
+            if not self.chunked and left > budget:
+                return None
+            n = min(left, budget, self.chunk_cap)
+        else:
+            n = 1  # a preempted request whose whole re-prefill is cached decodes at once
+        return hit, n, self.blocks_for(c + n) - hit, touched
+
+    def first_chunk_blocks(self, r: _Request) -> int:
+        """Free blocks admitting ``r`` takes with a whole step's budget (the admission
+        ledger's measure)."""
+        chunk = self.first_chunk(r, self.budget)
+        if chunk is None:
+            return self.blocks_for(self._stage(r, 0)[0])
+        return chunk[2] + chunk[3]
 
     def group_blocks(self, r: _Request, positions: int) -> int:
         """Blocks a request holding ``positions`` positions per sequence needs (Rule 4)."""
@@ -419,8 +513,7 @@ class _Worker:
         return max(candidates, key=lambda r: (r.max_tokens - r.output, r.admit_seq))
 
     def _preempt(self, r: _Request) -> None:
-        self.free_blocks += r.blocks
-        r.blocks = 0
+        self.kv.free(r)
         r.room = 0
         r.computed = 0
         r.preemptions += 1
@@ -445,6 +538,7 @@ class _Worker:
             chunked = self.chunked
             room_for = self.roofline.room_for
             blocks_for = self.blocks_for
+            pool = self.pool
             batch: list[tuple[_Request, int]] = []
             ns: list[int] = []
             cs: list[int] = []
@@ -490,7 +584,7 @@ class _Worker:
                         i += 1  # this step's budget cannot hold every sequence
                         continue
                     need = self.group_blocks(r, c + n) - r.blocks
-                if need > self.free_blocks:
+                if need > pool.free:
                     victim = self._victim(r)
                     vi = running.index(victim)
                     self._preempt(victim)
@@ -500,7 +594,9 @@ class _Worker:
                         i -= 1
                     continue
                 if need > 0:
-                    self.free_blocks -= need
+                    pool.free -= need
+                    if pool.evictable:  # cached blocks may have to go (empty ones first)
+                        pool.evict_excess()
                     r.blocks += need
                 if r.n == 1:
                     r.room = room_for(r.blocks)
@@ -522,7 +618,7 @@ class _Worker:
                     r, n = admitted
                     batch.append((r, n))
                     ns.append(n)
-                    cs.append(0)
+                    cs.append(r.computed)  # its cached prefix, if any (Rule 7)
                     budget -= n
             total_preempted += preempted
             if batch or not preempted:
@@ -533,23 +629,21 @@ class _Worker:
     def admit_head(self, now: float, mark: int, budget: int) -> tuple[_Request, int] | None:
         """Admit the head of the waiting queue into a step starting at ``now`` with
         ``budget`` tokens left, if the cap, the budget and the free blocks allow: it runs
-        its first prefill chunk there. Returns (request, positions) or None."""
+        its first prefill chunk there, on top of the prefix its worker has cached (its
+        ``computed`` on return). Returns (request, positions) or None."""
         r = self.waiting.peek()
         if r is None:
             return None
         if self.running_seqs + r.n > self.max_num_seqs and self.running_seqs:
             return None
-        # the first stage always runs as one sequence (a group's prompt)
-        left, _ = self._stage(r, 0)
-        if not self.chunked and left > budget:
+        chunk = self.first_chunk(r, budget)
+        if chunk is None:
             return None
-        n = min(left, budget, self.chunk_cap)
-        need = self.blocks_for(n)
-        if need > self.free_blocks:
+        hit, n, need, touched = chunk
+        if need + touched > self.pool.free:
             return None
         self.waiting.pop()
-        self.free_blocks -= need
-        r.blocks = need
+        self.kv.admit(r, hit, need, r.first_scheduled < 0)
         r.state = _RUNNING
         r.admit_seq = next(self.admit_seq)
         if r.first_scheduled < 0:
@@ -567,11 +661,13 @@ class Engine:
     engine task (paced to wall-clock). Not thread-safe; every method is synchronous.
     """
 
-    def __init__(self, deployment: Deployment) -> None:
+    def __init__(self, deployment: Deployment, *, record_kv_events: bool = False) -> None:
         self.deployment = deployment
         self.roofline = Roofline(deployment)
+        self._kv_events: list[KVEvent] | None = [] if record_kv_events else None
         self.workers = [
-            _Worker(i, deployment, self.roofline) for i in range(deployment.hardware.replicas)
+            _Worker(i, deployment, self.roofline, self._kv_events)
+            for i in range(deployment.hardware.replicas)
         ]
         self.now = 0.0
         self._heap: list[tuple[float, int, int, Any]] = []
@@ -579,7 +675,10 @@ class Engine:
         self._ids = itertools.count(1)
         self._requests: dict[int, _Request] = {}
         self._rr = 0
-        self._router = deployment.hardware.router
+        hw = deployment.hardware
+        self._router = hw.router
+        self._load_ratio = hw.affinity_load_ratio
+        self._queue_weight = hw.kv_aware_queue_weight
         self._pending = 0
         self._preemptions = 0
         self._steps = 0
@@ -650,6 +749,7 @@ class Engine:
         rid = next(self._ids)
         arrival = spec.arrival_time if spec.arrival_time > self.now else self.now
         r = _Request(rid, spec, arrival, target)
+        self.workers[0].kv.prepare(r)  # the same answer on every worker
         self._requests[rid] = r
         self._pending += 1
         heapq.heappush(self._heap, (arrival, next(self._seq), _ARRIVAL, r))
@@ -667,8 +767,7 @@ class Engine:
             self.workers[r.worker].waiting.remove(r)
         elif r.state == _RUNNING:
             w = self.workers[r.worker]
-            w.free_blocks += r.blocks
-            r.blocks = 0
+            w.kv.free(r)
             w.running.remove(r)
             w.running_seqs -= r.n
         r.state = _DONE
@@ -701,39 +800,74 @@ class Engine:
             not w.running and not w.waiting.count for w in self.workers
         )
 
-    def _route(self, extra: Sequence[int] | None = None) -> _Worker:
-        """The router's choice; ``extra`` counts requests routed to each worker that have
-        not arrived yet (the serving layer routes at admission: :meth:`route`)."""
+    def _route(self, r: _Request, extra: Sequence[int] | None = None) -> _Worker:
+        """The worker an arrival goes to (the deployment's ``router``); ``extra`` counts
+        requests routed to each worker that have not arrived yet (the serving layer routes
+        at admission: :meth:`route`), which add to its load:
+
+        - ``round_robin``: in turn;
+        - ``least_loaded``: fewest requests running + waiting, then the lowest index;
+        - ``prefix_affinity``: among the workers whose load stays under the bound
+          ``ceil(affinity_load_ratio * (total load + 1) / replicas)`` (consistent
+          hashing with bounded loads: the least loaded worker is always under it), the
+          one with the longest cached prefix of the request, then the least loaded;
+        - ``kv_aware``: the lowest ``uncached prompt tokens + kv_aware_queue_weight *
+          queued prefill tokens``, then the least loaded.
+        """
         workers = self.workers
         if len(workers) == 1:
             return workers[0]
-        if self._router == "least_loaded":
-            if extra is None:
-                return min(workers, key=lambda w: (len(w.running) + w.waiting.count, w.index))
+        router = self._router
+
+        def load(w: _Worker) -> int:
+            return w.load() if extra is None else w.load() + extra[w.index]
+
+        if router == "least_loaded":
+            return min(workers, key=lambda w: (load(w), w.index))
+        if router == "prefix_affinity":
+            loads = [load(w) for w in workers]
+            bound = -(-self._load_ratio * (sum(loads) + 1) // len(workers))
+            return min(
+                (w for w, load in zip(workers, loads, strict=True) if load < bound),
+                key=lambda w: (-w.kv.hit_tokens(r), loads[w.index], w.index),
+            )
+        if router == "kv_aware":
+            weight = self._queue_weight
             return min(
                 workers,
-                key=lambda w: (len(w.running) + w.waiting.count + extra[w.index], w.index),
+                key=lambda w: (
+                    r.prompt - w.kv.hit_tokens(r) + weight * w.queued_prefill(),
+                    load(w),
+                    w.index,
+                ),
             )
         w = workers[self._rr % len(workers)]
         self._rr += 1
         return w
 
     # ------------------------------------------------------------------ admission ledger
-    def route(self, extra: Sequence[int], *, advance: bool = True) -> int:
-        """Route a request now, before it is submitted (its :class:`RequestSpec` then
-        carries the worker): the router's choice with ``extra[i]`` requests already routed
-        to worker ``i`` and not yet arrived. A round robin advances unless ``advance`` is
-        False (a look at the choice). For the serving layer, whose admission must know the
-        worker a request will wait on."""
+    def _probe(self, spec: RequestSpec) -> _Request:
+        """A request not submitted, as the router and the block counts see it."""
+        r = _Request(0, spec, self.now, spec.max_tokens)
+        self.workers[0].kv.prepare(r)
+        return r
+
+    def route(self, spec: RequestSpec, extra: Sequence[int], *, advance: bool = True) -> int:
+        """Route ``spec`` now, before it is submitted (it then carries the worker): the
+        router's choice with ``extra[i]`` requests already routed to worker ``i`` and not
+        yet arrived. A round robin advances unless ``advance`` is False (a look at the
+        choice). For the serving layer, whose admission must know the worker a request
+        will wait on."""
         rr = self._rr
-        index = self._route(extra).index
+        index = self._route(self._probe(spec), extra).index
         if not advance:
             self._rr = rr
         return index
 
-    def first_chunk_blocks(self, prompt_tokens: int) -> int:
-        """Blocks a new request's first prefill chunk takes when it is admitted."""
-        return self.workers[0].first_chunk_blocks(None, prompt_tokens)
+    def first_chunk_blocks(self, spec: RequestSpec, worker: int) -> int:
+        """Free blocks admitting ``spec`` on ``worker`` would take now (its first chunk
+        beyond what that worker has cached, and the cached blocks it takes)."""
+        return self.workers[worker].first_chunk_blocks(self._probe(spec))
 
     def queue_views(self) -> tuple[QueueView, ...]:
         """Each worker's running sequences, cap, free blocks and waiting queue in admission
@@ -744,9 +878,7 @@ class Engine:
                 running_seqs=w.running_seqs,
                 max_num_seqs=w.max_num_seqs,
                 free_blocks=w.free_blocks,
-                queued=tuple(
-                    (r.n, w.first_chunk_blocks(r, r.prompt)) for r in w.waiting.in_order()
-                ),
+                queued=tuple((r.n, w.first_chunk_blocks(r)) for r in w.waiting.in_order()),
             )
             for w in self.workers
         )
@@ -785,7 +917,7 @@ class Engine:
             r: _Request = payload
             self._pending -= 1
             hint = r.hint
-            w = self._route() if hint is None else self.workers[hint]
+            w = self._route(r) if hint is None else self.workers[hint]
             r.worker = w.index
             r.state = _WAITING
             w.waiting.push(r)
@@ -812,7 +944,7 @@ class Engine:
         w.batch.append(admitted)
         terms = w.step_terms
         assert terms is not None  # set with the step in flight
-        self.roofline.add_sequence(terms, n, 0)
+        self.roofline.add_sequence(terms, n, r.computed)
         w.step_budget -= n
         cost = self.roofline.price(terms)
         w.boundary_seq = next(self._seq)
@@ -826,6 +958,9 @@ class Engine:
         any_done = False
         emit = tokens.append
         running = _RUNNING
+        kv = w.kv
+        if kv.pool.filling:  # members whose positions fill blocks their hashes name
+            kv.cache_batch(w.batch)
         for r, n in w.batch:
             if r.state != running:
                 continue  # aborted or preempted while its step was in flight
@@ -845,8 +980,7 @@ class Engine:
                     if new >= r.target:
                         any_done = True
                         r.state = _DONE
-                        w.free_blocks += r.blocks
-                        r.blocks = 0
+                        kv.free(r)
                         w.running_seqs -= r.n
                         del self._requests[r.id]
                         self._finished += 1
@@ -862,6 +996,8 @@ class Engine:
                                 finish_time=now,
                                 preemptions=r.preemptions,
                                 n=r.n,
+                                cached_tokens=r.cached,
+                                worker=w.index,
                             )
                         )
         if any_done:
@@ -886,7 +1022,7 @@ class Engine:
                 duration=duration,
                 num_seqs=terms.seqs,
                 num_tokens=terms.tokens,
-                kv_usage=(w.total_blocks - w.free_blocks) / w.total_blocks,
+                kv_usage=(w.total_blocks - w.pool.free) / w.total_blocks,
                 flop_util=cost.compute / roof,
                 bw_util=cost.memory / roof,
                 preempted=preempted,
@@ -928,15 +1064,44 @@ class Engine:
         for w in self.workers:
             w.max_num_seqs = n
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the deployment caches prefixes (``enable_prefix_caching``)."""
+        return self.deployment.scheduler.enable_prefix_caching
+
+    def take_kv_events(self) -> tuple[KVEvent, ...]:
+        """The KV-cache events recorded since the last call, in the order they happened
+        (blocks stored, evicted, all cleared; each names its worker), and forget them.
+        Empty unless the engine was built with ``record_kv_events=True``."""
+        events = self._kv_events
+        if not events:
+            return ()
+        out = tuple(events)
+        events.clear()
+        return out
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block of every worker (as vLLM's ``reset_prefix_cache``): only
+        when no running request holds one; returns whether it was done. Hit counters are
+        kept."""
+        if any(w.pool.held_cached_blocks for w in self.workers):
+            return False
+        for w in self.workers:
+            w.pool.clear()
+        return True
+
     def statistics(self) -> EngineStatistics:
         workers = tuple(
             WorkerStatistics(
                 waiting=w.waiting.count,
                 running=len(w.running),
                 running_seqs=w.running_seqs,
-                kv_used_blocks=w.total_blocks - w.free_blocks,
+                kv_used_blocks=w.total_blocks - w.pool.free,
                 kv_total_blocks=w.total_blocks,
                 max_num_seqs=w.max_num_seqs,
+                prefix_cache_queries=w.pool.queries,
+                prefix_cache_hits=w.pool.hits,
+                cached_blocks=w.pool.cached_blocks,
             )
             for w in self.workers
         )
@@ -957,4 +1122,8 @@ class Engine:
             aborted=self._aborted,
             max_num_seqs=self._max_num_seqs,
             workers=workers,
+            prefix_caching=self.prefix_caching,
+            prefix_cache_queries=sum(ws.prefix_cache_queries for ws in workers),
+            prefix_cache_hits=sum(ws.prefix_cache_hits for ws in workers),
+            cached_blocks=sum(ws.cached_blocks for ws in workers),
         )

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import attrs
 
-from inference_lab.core.engine import Engine, QueueView
+from inference_lab.core.engine import Engine, QueueView, RequestSpec
 
 __all__ = ["Admission", "Claim"]
 
@@ -148,21 +148,23 @@ class Admission:
         return sum(room.seqs for room in self._rooms if room.open)
 
     # -- deciding ------------------------------------------------------------------------
-    def admit(self, key: object, prompt_tokens: int, n: int) -> Claim | None:
+    def admit(self, key: object, spec: RequestSpec) -> Claim | None:
         """Route an arrival and give it a seat or a waiting place; None when it has
         neither (refuse it). ``key`` identifies it for :meth:`release`."""
         engine = self.engine
+        n = spec.n
         if not self.max_waiting:
-            claim = Claim(engine.route(self._routed), n, 0)
+            worker = engine.route(spec, self._routed)
+            claim = Claim(worker, n, engine.first_chunk_blocks(spec, worker))
         else:
             if self._stale:
                 self._rebuild()
-            worker = engine.route(self._routed, advance=False)
-            claim = Claim(worker, n, engine.first_chunk_blocks(prompt_tokens))
+            worker = engine.route(spec, self._routed, advance=False)
+            claim = Claim(worker, n, engine.first_chunk_blocks(spec, worker))
             room = self._rooms[worker]
             if not room.admits(n, claim.blocks) and self.depth() >= self.max_waiting:
                 return None
-            engine.route(self._routed)  # the same choice, now taken
+            engine.route(spec, self._routed)  # the same choice, now taken
             claim.seated = room.take(n, claim.blocks)
         self._pending[key] = claim
         self._routed[claim.worker] += 1

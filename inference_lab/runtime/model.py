@@ -235,7 +235,6 @@ class _Tick:
 
 _TICK = _Tick()
 _UNSENT = object()
-_NO_SPEC = RequestSpec(prompt_tokens=1, max_tokens=1)  # a handle's until admission sets it
 
 
 class ModelRuntime:
@@ -378,8 +377,9 @@ class ModelRuntime:
             if self.observer is not None:
                 self.observer.on_refused("engine_unavailable")
             raise EngineUnavailable(self.name)
-        handle = RequestHandle(runtime=self, spec=_NO_SPEC, sink=sink)
-        claim = self._admission.admit(handle, prompt_tokens, n)
+        asked = RequestSpec(prompt_tokens=prompt_tokens, max_tokens=max_tokens, n=n)
+        handle = RequestHandle(runtime=self, spec=asked, sink=sink)
+        claim = self._admission.admit(handle, asked)
         if claim is None:
             self._refused += 1
             self._publish()

@@ -22,10 +22,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from inference_lab.cli_args import EXIT_OK, check_output, fail, integer
+from inference_lab.cli_args import EXIT_OK, check_output, fail, integer, number
 
 if TYPE_CHECKING:
+    from inference_lab.core.config import Workload
     from inference_lab.sim.run import Progress
+    from inference_lab.traffic.traces import Trace
 
 __all__ = ["add_parser", "run"]
 
@@ -50,11 +52,46 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="NAME",
         help="the config's [hardware.NAME] entry (may be omitted when there is only one)",
     )
-    parser.add_argument(
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
         "--workload",
-        required=True,
         metavar="PATH|NAME",
         help="workload TOML, or the name of a shipped one (chat-closed-64)",
+    )
+    source.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="replay a trace file (mooncake / openai_batch JSONL, azure / burstgpt CSV)",
+    )
+    parser.add_argument(
+        "--trace-format",
+        choices=("mooncake", "azure", "burstgpt", "openai_batch"),
+        help="the trace's format (default: told from its first line)",
+    )
+    parser.add_argument(
+        "--speedup",
+        type=number(gt=0),
+        default=1.0,
+        metavar="X",
+        help="replay the trace X times faster (default 1)",
+    )
+    parser.add_argument(
+        "--window",
+        type=_window,
+        metavar="START:END",
+        help="replay only the trace's requests from START to END seconds (END may be empty)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="openai_batch: tokenize prompts with this tokenizer (default: the model "
+        "config's tokenizer, else the byte rule)",
+    )
+    parser.add_argument(
+        "--default-max-tokens",
+        type=integer(ge=1),
+        metavar="N",
+        help="openai_batch: output tokens of a body without max_tokens",
     )
     parser.add_argument(
         "--max-num-seqs",
@@ -95,6 +132,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return parser
 
 
+def _window(text: str) -> tuple[float, float | None]:
+    """``START:END`` seconds (END may be empty: to the trace's end)."""
+    head, sep, tail = text.partition(":")
+    try:
+        start = float(head) if head else 0.0
+        end = float(tail) if tail else None
+    except ValueError:
+        start, end = -1.0, None
+    if not sep or start < 0 or (end is not None and not end > start):
+        raise argparse.ArgumentTypeError(
+            f"must be START:END seconds with 0 <= START < END (END may be empty), got {text!r}"
+        )
+    return start, end
+
+
 def _os_error_message(exc: OSError) -> str:
     if exc.filename is not None and exc.strerror:
         return f"{exc.filename}: {exc.strerror}"
@@ -119,6 +171,39 @@ def _progress_bar(total: int | None) -> tuple[Callable[[Progress], None], Callab
     return update, bar.close
 
 
+def _read_trace(args: argparse.Namespace, model_tokenizer: str | None) -> Trace:
+    """The ``--trace`` file, windowed and scaled; an ``openai_batch`` file's prompts are
+    tokenized with ``--tokenizer``, else the model config's tokenizer, else the byte
+    rule."""
+    from inference_lab.errors import ConfigError
+    from inference_lab.traffic.traces import detect_format, read_trace
+
+    fmt = args.trace_format or detect_format(Path(args.trace))
+    tokenize = None
+    if fmt == "openai_batch":
+        from inference_lab.api.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+        from inference_lab.sim.batch import batch_tokenizer
+
+        path = args.tokenizer or model_tokenizer
+        tokenizer: Tokenizer = ByteTokenizer() if path is None else load_tokenizer(path)
+        tokenize = batch_tokenizer(tokenizer)
+    elif args.tokenizer is not None or args.default_max_tokens is not None:
+        raise ConfigError(
+            f"{args.trace}: --tokenizer and --default-max-tokens apply to openai_batch "
+            f"traces, not {fmt}"
+        )
+    start, end = args.window if args.window is not None else (0.0, None)
+    return read_trace(
+        args.trace,
+        fmt,
+        speedup=args.speedup,
+        start=start,
+        end=end,
+        tokenize=tokenize,
+        default_max_tokens=args.default_max_tokens,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``sim`` command; returns the exit code (Rule 2)."""
     from inference_lab.core.config import load_deployment, load_workload, override_scheduler
@@ -131,28 +216,54 @@ def run(args: argparse.Namespace) -> int:
         run_simulation,
         write_request_csv,
     )
+    from inference_lab.traffic.traces import Trace
 
     try:
         check_output("-o", args.output)
         check_output("--request-csv", args.request_csv)
     except ValueError as exc:
         return fail(PROG, str(exc))
+    if args.workload is not None:
+        for flag, value in (
+            ("--trace-format", args.trace_format),
+            ("--window", args.window),
+            ("--tokenizer", args.tokenizer),
+            ("--default-max-tokens", args.default_max_tokens),
+        ):
+            if value is not None:
+                return fail(PROG, f"{flag} applies to --trace only", 2)
+        if args.speedup != 1.0:
+            return fail(PROG, "--speedup applies to --trace only", 2)
+    elif args.seed is not None:
+        return fail(PROG, "--seed applies to --workload only (a trace draws nothing)", 2)
     try:
         config_path = resolve_shipped(args.config, "config", "--config")
-        workload_path = resolve_shipped(args.workload, "workload", "--workload")
         deployment = override_scheduler(
             load_deployment(config_path, args.hardware, args.profiles_dir),
             max_num_seqs=args.max_num_seqs,
             max_waiting=args.max_waiting,
         )
-        workload = load_workload(workload_path)
-        seed = workload.seed if args.seed is None else args.seed
+        workload: Workload | Trace
+        if args.trace is not None:
+            workload = _read_trace(args, deployment.model.tokenizer)
+            source = args.trace
+            seed = 0
+        else:
+            workload_path = resolve_shipped(args.workload, "workload", "--workload")
+            workload = load_workload(workload_path)
+            source = str(workload_path)
+            seed = workload.seed if args.seed is None else args.seed
         if not args.quiet:
-            print(format_config(deployment, workload, str(workload_path), seed), flush=True)
+            print(format_config(deployment, workload, source, seed), flush=True)
         progress: Callable[[Progress], None] | None = None
         close: Callable[[], None] = lambda: None  # noqa: E731
         if not (args.quiet or args.no_progress):
-            progress, close = _progress_bar(workload.num_requests)
+            total = (
+                len(workload.requests)
+                if isinstance(workload, Trace)
+                else (workload.num_requests if workload.sessions is None else None)
+            )
+            progress, close = _progress_bar(total)
         try:
             result = run_simulation(deployment, workload, seed=args.seed, progress=progress)
         finally:
@@ -162,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_summary(result))
         if args.output is not None:
             doc = {
-                "config": config_dict(deployment, workload, str(workload_path), seed),
+                "config": config_dict(deployment, workload, source, seed),
                 **result.to_dict(),
             }
             with open(args.output, "w", encoding="utf-8") as fh:

@@ -11,12 +11,16 @@ Rule 2: open-loop arrivals are all submitted before the first step (the engine's
 Rule 3: every request is submitted with `max_tokens = target = ` the sampled output length, so
         it runs to its sampled length and finishes with reason `length`; a request the
         deployment can never run (`RequestRefused`) is counted apart and, in a closed loop,
-        its user moves straight on to its next request.
+        its user moves straight on to its next request (a session's refused turn ends the
+        session).
 Rule 4: `max_waiting` bounds the waiting queue as serve's admission does: an arrival that
         finds `max_waiting` requests waiting (over all replicas) is refused when the engine
         handles it (limit `max_waiting`, serve's 529) and aborted before any step sees it.
         A closed-loop user refused so sends its next request when the next request
         finishes (the first moment the queue can have moved), never at the same instant.
+Rule 5: requests carry block hashes only when the deployment caches prefixes (the
+        generator is given the block size); the prefix-cache figures come from the
+        engine's counters at the end of the run and the `Finished` records.
 
 Dependencies: config -> engine -> this module -> `sim_cli` (the `inference-lab sim` command,
 which prints and writes what the functions of this module's second half format).
@@ -27,17 +31,28 @@ from __future__ import annotations
 import csv
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 import attrs
 
 from inference_lab.core.config import Deployment, Workload
-from inference_lab.core.engine import Engine, Finished, RequestSpec, StepInfo
+from inference_lab.core.engine import Engine, EngineStatistics, Finished, RequestSpec, StepInfo
 from inference_lab.errors import RequestRefused, SimError
 from inference_lab.sim.capacity import CapacityVerdict, assess_capacity
-from inference_lab.sim.summary import LATENCY_COLUMNS, SimSummary, summarize
+from inference_lab.sim.summary import (
+    LATENCY_COLUMNS,
+    PrefixCacheSummary,
+    ReplicaSummary,
+    SessionSummary,
+    SimSummary,
+    prefix_cache_summary,
+    replica_summaries,
+    session_summary,
+    summarize,
+)
 from inference_lab.sim.workload import Arrival, make_generator
+from inference_lab.traffic.traces import Trace
 
 __all__ = [
     "Progress",
@@ -96,11 +111,22 @@ class SimResult:
     #: Open loop: whether the deployment kept up (`inference_lab.sim.capacity`); None for
     #: a closed loop or a window too short to judge.
     capacity: CapacityVerdict | None = None
+    arrivals: Mapping[int, Arrival] = attrs.field(factory=dict)  # request id -> its arrival
+    prefix_cache: PrefixCacheSummary | None = None
+    replicas: tuple[ReplicaSummary, ...] = ()
+    sessions: SessionSummary | None = None
+    #: whether the workload's requests said anything about their content (hashes)
+    has_content: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """The summary sections of `sim -o`'s JSON, plus the peak queue, the capacity
         verdict and the times."""
         out = self.summary.to_dict()
+        if self.prefix_cache is not None:
+            out["prefix_cache"] = self.prefix_cache.to_dict()
+        out["replicas"] = [r.to_dict() for r in self.replicas]
+        if self.sessions is not None:
+            out["sessions"] = self.sessions.to_dict()
         out["peak_waiting"] = self.peak_waiting
         out["capacity"] = None if self.capacity is None else self.capacity.to_dict()
         out["time"] = {
@@ -113,30 +139,38 @@ class SimResult:
 
 def run_simulation(
     deployment: Deployment,
-    workload: Workload,
+    workload: Workload | Trace,
     seed: int | None = None,
     progress: Callable[[Progress], None] | None = None,
 ) -> SimResult:
-    """Run `workload` (seeded with `seed` if given, else its own seed) on a fresh engine for
-    `deployment` until every request has finished or been refused.
+    """Run `workload` (seeded with `seed` if given, else its own seed), or replay a trace,
+    on a fresh engine for `deployment` until every request has finished or been refused.
 
     Raises ConfigError for an unusable workload and SimError for one that cannot progress.
     """
     wall_start = time.perf_counter()
     engine = Engine(deployment)
-    generator = make_generator(workload, seed)
+    sched = deployment.scheduler
+    generator = make_generator(
+        workload, seed, sched.block_size if sched.enable_prefix_caching else None
+    )
+    reactive = generator.reactive
     closed = generator.closed_loop
-    total = workload.num_requests
+    if isinstance(workload, Trace):
+        total: int | None = len(workload.requests)
+        seed_used = 0
+    else:
+        total = workload.num_requests if workload.sessions is None else None
+        seed_used = workload.seed if seed is None else seed
 
     finished: list[Finished] = []
     steps: list[StepInfo] = []
     refused: list[Refused] = []
-    user_of: dict[int, int] = {}  # closed loop: request id -> user
+    arrivals: dict[int, Arrival] = {}  # request id -> its arrival
     first_arrival = math.inf
     streak = 0  # refusals since the last admitted request
     bound = deployment.scheduler.max_waiting  # Rule 4 (0: unbounded)
-    arrival_of: dict[int, Arrival] = {}  # with a bound: request id -> its arrival
-    parked: list[int] = []  # closed loop: users refused by the bound, until a completion
+    parked: list[Arrival] = []  # reactive: arrivals refused by the bound, until a completion
     rejected_at: list[float] = []  # arrival times refused by the bound
 
     def refuse(arrival: Arrival, limit: str, reason: str) -> None:
@@ -158,18 +192,17 @@ def run_simulation(
                 prompt_tokens=arrival.prompt_tokens,
                 max_tokens=arrival.output_len,
                 arrival_time=arrival.time,
+                n=arrival.n,
+                block_hashes=arrival.block_hashes,
             )
             try:
                 request_id = engine.submit(spec)
             except RequestRefused as exc:
                 refuse(arrival, exc.limit, exc.reason)
-                arrival = generator.on_complete(arrival.user, arrival.time) if closed else None
+                arrival = generator.follow_up(arrival, arrival.time, True) if reactive else None
                 continue
             streak = 0
-            if closed:
-                user_of[request_id] = arrival.user
-            if bound:
-                arrival_of[request_id] = arrival
+            arrivals[request_id] = arrival
             return
 
     initial = generator.initial()
@@ -219,13 +252,11 @@ def run_simulation(
                     rid = ev.arrived[0]
                     engine.abort(rid)
                     waiting -= 1
-                    arrival = arrival_of.pop(rid)
+                    arrival = arrivals.pop(rid)
                     rejected_at.append(arrival.time)
                     refuse(arrival, QUEUE_LIMIT, f"{waiting} waiting (max_waiting = {bound})")
-                    if closed:
-                        parked.append(user_of.pop(rid))
-                elif bound:
-                    del arrival_of[ev.arrived[0]]
+                    if reactive:
+                        parked.append(arrival)
                 if ev.time <= mid_arrival:
                     waiting_at_mid = waiting
                 waiting_at_end = waiting
@@ -233,13 +264,13 @@ def run_simulation(
                 peak_waiting = waiting
         if ev.finished:
             add_finished(ev.finished)
-            if closed:
+            if reactive:
                 for f in ev.finished:
-                    submit(generator.on_complete(user_of.pop(f.request_id), f.finish_time))
+                    submit(generator.follow_up(arrivals[f.request_id], f.finish_time, False))
                 if parked:  # Rule 4: the refused users try again now
                     again, parked[:] = parked[:], []
-                    for user in again:
-                        submit(generator.on_complete(user, ev.time))
+                    for refused_arrival in again:
+                        submit(generator.follow_up(refused_arrival, ev.time, True))
         events += 1
         if events >= report_at:
             report_at += PROGRESS_EVERY
@@ -262,6 +293,7 @@ def run_simulation(
             waiting_at_mid=waiting_at_mid,
             waiting_at_end=waiting_at_end,
         )
+    stats: EngineStatistics = engine.statistics()
     return SimResult(
         summary=summary,
         finished=tuple(finished),
@@ -269,7 +301,16 @@ def run_simulation(
         sim_time_s=engine.now,
         wall_time_s=time.perf_counter() - wall_start,
         peak_waiting=peak_waiting,
-        seed=workload.seed if seed is None else seed,
+        seed=seed_used,
+        arrivals=arrivals,
+        prefix_cache=prefix_cache_summary(stats, finished),
+        replicas=replica_summaries(stats, finished),
+        sessions=(
+            session_summary(finished, arrivals)
+            if isinstance(workload, Workload) and workload.sessions is not None
+            else None
+        ),
+        has_content=generator.has_content,
         capacity=capacity,
     )
 
@@ -286,10 +327,18 @@ def _describe_dist(dist: Any) -> str:
     return f"{dist.type}({args})"
 
 
+def _describe_schedule(workload: Workload) -> str:
+    sch = workload.rate_schedule
+    return f"{workload.arrival_rate:g} req/s" if sch is None else sch.describe()
+
+
 def _describe_arrivals(workload: Workload) -> str:
     pattern = workload.arrival_pattern
+    unit = "req/s"
+    if workload.sessions is not None:
+        unit = "sessions/s"
     if pattern in ("poisson", "uniform"):
-        what = f"{pattern}, {workload.arrival_rate:g} req/s"
+        what = f"{pattern}, {_describe_schedule(workload).replace('req/s', unit)}"
     elif pattern == "closed_loop":
         what = f"closed loop, {workload.num_concurrent_users} users"
         if workload.closed_loop_jitter_secs > 0:
@@ -297,33 +346,73 @@ def _describe_arrivals(workload: Workload) -> str:
     else:
         what = pattern
     limits = []
+    sessions = workload.sessions
+    if sessions is not None and sessions.num_sessions is not None:
+        limits.append(f"{sessions.num_sessions:,} sessions")
     if workload.num_requests is not None:
         limits.append(f"{workload.num_requests:,} requests")
     if workload.duration_secs is not None:
-        limits.append(f"arrivals for {workload.duration_secs:g} s")
+        starts = "session starts" if sessions is not None else "arrivals"
+        limits.append(f"{starts} for {workload.duration_secs:g} s")
     return f"{what}; {' / '.join(limits)}"
 
 
+def _describe_sessions(workload: Workload) -> str:
+    s = workload.sessions
+    assert s is not None
+    system = (
+        f"system prompt {s.system_prompt_tokens:,} tokens"
+        + (" (shared)" if s.shared_system_prompt else " (per session)")
+        if s.system_prompt_tokens
+        else "no system prompt"
+    )
+    return (
+        f"           sessions: turns {_describe_dist(s.turns)}, think time "
+        f"{_describe_dist(s.think_time)} s, {system}"
+    )
+
+
+def describe_trace(trace: Trace) -> str:
+    """One line naming a trace, its format, what was kept and how it was scaled."""
+    window = ""
+    if trace.start or trace.end is not None:
+        end = "end" if trace.end is None else f"{trace.end:g} s"
+        window = f", window {trace.start:g} s to {end}"
+    speed = f", speedup {trace.speedup:g}" if trace.speedup != 1 else ""
+    dropped = []
+    if trace.skipped_failed:
+        dropped.append(f"{trace.skipped_failed:,} failed rows skipped")
+    if trace.outside_window:
+        dropped.append(f"{trace.outside_window:,} outside the window")
+    rest = f" ({'; '.join(dropped)})" if dropped else ""
+    span = trace.requests[-1].time if trace.requests else 0.0
+    return (
+        f"{trace.path}: {trace.format} trace, {len(trace.requests):,} requests over "
+        f"{span:,.3f} s{window}{speed}{rest}"
+    )
+
+
 def config_dict(
-    deployment: Deployment, workload: Workload, workload_path: str, seed: int
+    deployment: Deployment, workload: Workload | Trace, workload_path: str, seed: int
 ) -> dict[str, Any]:
     """The run's configuration as plain JSON values: the `config` section of `sim -o`'s
     file (called by `sim_cli.run`)."""
     hw = deployment.hardware
     sched = deployment.scheduler
-    return {
-        "model": deployment.model.name,
-        "config": str(deployment.config_path),
-        "hardware": deployment.hardware_name,
-        "gpu": deployment.profile.name,
-        "tp": hw.tp,
-        "ep": hw.ep,
-        "replicas": hw.replicas,
-        "router": hw.router,
-        "time_correction": {"alpha": hw.time_correction.alpha, "beta": hw.time_correction.beta},
-        "scheduler": attrs.asdict(sched),
-        "kv_blocks_per_replica": deployment.total_blocks,
-        "workload": {
+    if isinstance(workload, Trace):
+        workload_doc: dict[str, Any] = {
+            "trace": str(workload.path),
+            "format": workload.format,
+            "speedup": workload.speedup,
+            "window_start_s": workload.start,
+            "window_end_s": workload.end,
+            "rows": workload.rows,
+            "requests": len(workload.requests),
+            "skipped_failed": workload.skipped_failed,
+            "outside_window": workload.outside_window,
+        }
+    else:
+        workload_doc = {
             "path": workload_path,
             "arrival_pattern": workload.arrival_pattern,
             "arrival_rate": workload.arrival_rate,
@@ -334,11 +423,32 @@ def config_dict(
             "num_requests": workload.num_requests,
             "duration_secs": workload.duration_secs,
             "seed": seed,
-        },
+        }
+        if workload.sessions is not None:
+            workload_doc["sessions"] = attrs.asdict(workload.sessions)
+        if workload.rate_schedule is not None:
+            workload_doc["rate_schedule"] = attrs.asdict(workload.rate_schedule)
+    return {
+        "model": deployment.model.name,
+        "config": str(deployment.config_path),
+        "hardware": deployment.hardware_name,
+        "gpu": deployment.profile.name,
+        "tp": hw.tp,
+        "ep": hw.ep,
+        "replicas": hw.replicas,
+        "router": hw.router,
+        "affinity_load_ratio": hw.affinity_load_ratio,
+        "kv_aware_queue_weight": hw.kv_aware_queue_weight,
+        "time_correction": {"alpha": hw.time_correction.alpha, "beta": hw.time_correction.beta},
+        "scheduler": attrs.asdict(sched),
+        "kv_blocks_per_replica": deployment.total_blocks,
+        "workload": workload_doc,
     }
 
 
-def format_config(deployment: Deployment, workload: Workload, workload_path: str, seed: int) -> str:
+def format_config(
+    deployment: Deployment, workload: Workload | Trace, workload_path: str, seed: int
+) -> str:
     """The configuration block `inference-lab sim` prints before the run: model, hardware,
     KV cache, scheduler, timing correction (when not the identity) and workload."""
     hw = deployment.hardware
@@ -364,11 +474,18 @@ def format_config(deployment: Deployment, workload: Workload, workload_path: str
     ]
     if tc.alpha != 1.0 or tc.beta != 0.0:
         lines.append(f"timing     step = {tc.alpha:g} x roofline + {tc.beta:g} s")
+    if isinstance(workload, Trace):
+        lines.append(f"workload   {describe_trace(workload)}")
+        return "\n".join(lines)
+    inputs = "input" if workload.sessions is None else "user tokens per turn"
+    outputs = "output" if workload.sessions is None else "answer"
     lines += [
         f"workload   {workload_path}: {_describe_arrivals(workload)}",
-        f"           input {_describe_dist(workload.input_len_dist)}, output "
+        f"           {inputs} {_describe_dist(workload.input_len_dist)}, {outputs} "
         f"{_describe_dist(workload.output_len_dist)}, seed {seed}",
     ]
+    if workload.sessions is not None:
+        lines.append(_describe_sessions(workload))
     return "\n".join(lines)
 
 
@@ -422,10 +539,47 @@ def format_summary(result: SimResult) -> str:
         f"FLOP {s.flop_util_mean:.1%}, HBM bandwidth {s.bw_util_mean:.1%} "
         f"(means over {s.steps:,} steps)",
         f"preemptions  {s.preemptions:,}; peak waiting queue {result.peak_waiting:,}",
-        f"time         {result.sim_time_s:,.3f} s simulated in {result.wall_time_s:,.3f} s real"
-        f"{speedup}",
     ]
+    lines += _cache_lines(result)
+    lines.append(
+        f"time         {result.sim_time_s:,.3f} s simulated in {result.wall_time_s:,.3f} s real"
+        f"{speedup}"
+    )
     return "\n".join(lines)
+
+
+def _cache_lines(result: SimResult) -> list[str]:
+    """The prefix-cache, session and replica lines: only for a workload whose requests
+    carry content (the cache can hit) and for several replicas, so a run of a workload
+    without either prints what it always printed."""
+    lines = []
+    pc = result.prefix_cache
+    if pc is not None and (result.has_content or pc.hit_tokens):
+        if pc.enabled:
+            lines.append(
+                f"prefix cache on: {pc.hit_rate:.1%} of {pc.query_tokens:,} prompt tokens "
+                f"cached ({pc.hit_tokens:,} prefill tokens saved); {pc.requests_hit:,} of "
+                f"{pc.requests:,} requests hit"
+            )
+        else:
+            lines.append("prefix cache off (enable_prefix_caching = false)")
+    ss = result.sessions
+    if ss is not None:
+        ttfts = " ".join(
+            "-" if t.ttft.p50 is None else f"{t.ttft.p50:,.1f}" for t in ss.by_turn[:12]
+        )
+        more = " ..." if len(ss.by_turn) > 12 else ""
+        lines.append(
+            f"sessions     {ss.sessions:,} sessions, {ss.turns:,} turns; TTFT p50 by turn (ms) "
+            f"{ttfts}{more}"
+        )
+    if len(result.replicas) > 1:
+        requests = " / ".join(f"{r.requests:,}" for r in result.replicas)
+        line = f"replicas     {len(result.replicas)}: requests {requests}"
+        if pc is not None and pc.enabled and (result.has_content or pc.hit_tokens):
+            line += "; hit rate " + " / ".join(f"{r.hit_rate:.1%}" for r in result.replicas)
+        lines.append(line)
+    return lines
 
 
 CSV_COLUMNS = (
@@ -445,6 +599,10 @@ CSV_COLUMNS = (
     "e2e_ms",
     "preemptions",
     "refusal",
+    "cached_tokens",
+    "session",
+    "turn",
+    "replica",
 )
 
 
@@ -474,7 +632,13 @@ def write_request_csv(result: SimResult, out: IO[str]) -> int:
             "tpot_ms": tpot,
             "e2e_ms": (f.finish_time - f.arrival_time) * 1e3,
             "preemptions": f.preemptions,
+            "cached_tokens": f.cached_tokens,
+            "replica": f.worker,
         }
+        arrival = result.arrivals.get(f.request_id)
+        if arrival is not None and arrival.session >= 0:
+            row["session"] = arrival.session
+            row["turn"] = arrival.turn
         rows.append((f.arrival_time, f.request_id, row))
     for r in result.refused:
         a = r.arrival
@@ -487,6 +651,9 @@ def write_request_csv(result: SimResult, out: IO[str]) -> int:
             "preemptions": 0,
             "refusal": r.reason,
         }
+        if a.session >= 0:
+            row["session"] = a.session
+            row["turn"] = a.turn
         rows.append((a.time, -1, row))
     rows.sort(key=lambda item: (item[0], item[1]))
     writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, restval="")

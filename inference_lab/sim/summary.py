@@ -12,13 +12,17 @@ Rule 3: TPOT is defined only for requests with more than one output token; refus
         its output tokens in the throughput.
 Rule 4: throughput is measured over the simulated span, from the first arrival to the last
         completion (the idle time before the first arrival is not the server's).
+Rule 5: the prefix cache is reported in tokens, from the engine's counters (queries and
+        hits at every admission, re-admissions after a preemption included) and the
+        requests' own ``cached_tokens`` (at their first admission); a replica's requests
+        are the completed requests it ran.
 
 Who calls this: `inference_lab.sim.run` after a run; tests with hand-made records.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -30,8 +34,14 @@ __all__ = [
     "LATENCY_COLUMNS",
     "FinishedLike",
     "LatencyStats",
+    "PrefixCacheSummary",
+    "ReplicaSummary",
+    "SessionSummary",
     "SimSummary",
     "StepLike",
+    "prefix_cache_summary",
+    "replica_summaries",
+    "session_summary",
     "summarize",
 ]
 
@@ -57,6 +67,41 @@ class FinishedLike(Protocol):
     def finish_time(self) -> float: ...
     @property
     def n(self) -> int: ...
+    @property
+    def request_id(self) -> int: ...
+    @property
+    def cached_tokens(self) -> int: ...
+    @property
+    def worker(self) -> int: ...
+
+
+class StatsLike(Protocol):
+    """What the prefix-cache figures need from the engine (`EngineStatistics`)."""
+
+    @property
+    def prefix_caching(self) -> bool: ...
+    @property
+    def prefix_cache_queries(self) -> int: ...
+    @property
+    def prefix_cache_hits(self) -> int: ...
+    @property
+    def workers(self) -> Sequence[WorkerStatsLike]: ...
+
+
+class WorkerStatsLike(Protocol):
+    @property
+    def prefix_cache_queries(self) -> int: ...
+    @property
+    def prefix_cache_hits(self) -> int: ...
+
+
+class SessionLike(Protocol):
+    """What the session figures need from a request's arrival (`workload.Arrival`)."""
+
+    @property
+    def session(self) -> int: ...
+    @property
+    def turn(self) -> int: ...
 
 
 class StepLike(Protocol):
@@ -235,3 +280,144 @@ def summarize(
         bw_util_mean=_mean(steps, "bw_util"),
         preemptions=sum(s.preempted for s in steps),
     )
+
+
+def _rate(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+@attrs.frozen(kw_only=True)
+class PrefixCacheSummary:
+    """The prefix cache over a run (Rule 5): tokens looked up and found at admissions,
+    and the completed requests that found some of their prompt cached."""
+
+    enabled: bool
+    query_tokens: int
+    hit_tokens: int  # = prefill tokens not computed
+    requests: int  # completed requests
+    requests_hit: int  # of them, with cached_tokens > 0 at their first admission
+
+    @property
+    def hit_rate(self) -> float:
+        return _rate(self.hit_tokens, self.query_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "enabled": self.enabled,
+            "query_tokens": self.query_tokens,
+            "hit_tokens": self.hit_tokens,
+            "hit_rate": self.hit_rate,
+            "prefill_tokens_saved": self.hit_tokens,
+            "requests": self.requests,
+            "requests_hit": self.requests_hit,
+        }
+
+
+def prefix_cache_summary(stats: StatsLike, finished: Sequence[FinishedLike]) -> PrefixCacheSummary:
+    return PrefixCacheSummary(
+        enabled=stats.prefix_caching,
+        query_tokens=stats.prefix_cache_queries,
+        hit_tokens=stats.prefix_cache_hits,
+        requests=len(finished),
+        requests_hit=sum(1 for f in finished if f.cached_tokens > 0),
+    )
+
+
+@attrs.frozen(kw_only=True)
+class ReplicaSummary:
+    """One replica: the completed requests it ran and its prefix-cache tokens."""
+
+    replica: int
+    requests: int
+    query_tokens: int
+    hit_tokens: int
+
+    @property
+    def hit_rate(self) -> float:
+        return _rate(self.hit_tokens, self.query_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "replica": self.replica,
+            "requests": self.requests,
+            "query_tokens": self.query_tokens,
+            "hit_tokens": self.hit_tokens,
+            "hit_rate": self.hit_rate,
+        }
+
+
+def replica_summaries(
+    stats: StatsLike, finished: Sequence[FinishedLike]
+) -> tuple[ReplicaSummary, ...]:
+    counts = [0] * len(stats.workers)
+    for f in finished:
+        counts[f.worker] += 1
+    return tuple(
+        ReplicaSummary(
+            replica=i,
+            requests=counts[i],
+            query_tokens=w.prefix_cache_queries,
+            hit_tokens=w.prefix_cache_hits,
+        )
+        for i, w in enumerate(stats.workers)
+    )
+
+
+@attrs.frozen(kw_only=True)
+class TurnStats:
+    """The completed requests that were turn ``turn`` (0 = first) of their session."""
+
+    turn: int
+    requests: int
+    ttft: LatencyStats
+    prompt_tokens: int
+    cached_tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "turn": self.turn,
+            "requests": self.requests,
+            "ttft_ms": self.ttft.to_dict(),
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "cached_fraction": _rate(self.cached_tokens, self.prompt_tokens),
+        }
+
+
+@attrs.frozen(kw_only=True)
+class SessionSummary:
+    """A session workload: how many sessions and turns completed, and per turn index the
+    TTFT and the share of the prompts found cached."""
+
+    sessions: int
+    turns: int
+    by_turn: tuple[TurnStats, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sessions": self.sessions,
+            "turns": self.turns,
+            "by_turn": [t.to_dict() for t in self.by_turn],
+        }
+
+
+def session_summary(
+    finished: Sequence[FinishedLike], arrivals: Mapping[int, SessionLike]
+) -> SessionSummary:
+    by_turn: dict[int, list[FinishedLike]] = {}
+    sessions = set()
+    for f in finished:
+        a = arrivals[f.request_id]
+        sessions.add(a.session)
+        by_turn.setdefault(a.turn, []).append(f)
+    turns = tuple(
+        TurnStats(
+            turn=k,
+            requests=len(rs),
+            ttft=LatencyStats.from_seconds([r.first_token_time - r.arrival_time for r in rs]),
+            prompt_tokens=sum(r.prompt_tokens for r in rs),
+            cached_tokens=sum(r.cached_tokens for r in rs),
+        )
+        for k, rs in sorted(by_turn.items())
+    )
+    return SessionSummary(sessions=len(sessions), turns=len(finished), by_turn=turns)
