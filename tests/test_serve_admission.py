@@ -1,4 +1,4 @@
-"""Exact admission (``inference_lab/runtime/admission.py``) and the 529's ``Retry-After``.
+"""Exact admission (``inference_lab/core/admission.py``) and the 529's ``Retry-After``.
 
 A request is refused only when it has neither a seat in the running batch of its replica
 nor a waiting place; the count admitted from a burst does not depend on when the engine

@@ -17,7 +17,7 @@ Rule 3: an arrival is stamped with wall-clock time, and an idle engine's clock i
         An arrival stamped before a boundary still joins the step in flight (engine
         Rule 2), so waking early loses no arrival.
 Rule 4: admission is one synchronous function with no checkpoint: engine alive, then a
-        seat or a waiting place from the admission ledger (:mod:`.admission`: refused
+        seat or a waiting place from the admission ledger (:mod:`inference_lab.core.admission`: refused
         only when there is neither), then a ``send_nowait`` into the engine task. Each
         handle is pending in the ledger at most once and leaves it exactly once (stepped
         into a waiting queue, aborted, failed send, engine stopped).
@@ -41,10 +41,10 @@ import attrs
 import numpy as np
 import trio
 
+from inference_lab.core.admission import Admission
 from inference_lab.core.config import Deployment
 from inference_lab.core.engine import Engine, EngineStatistics, Finished, RequestSpec, StepEvents
 from inference_lab.errors import EngineUnavailable, QueueFull, RequestRefused
-from inference_lab.runtime.admission import Admission
 from inference_lab.runtime.calibration import EarlyWake, PacingCalibration
 from inference_lab.runtime.lag import LagMeter, LagStatistics
 from inference_lab.runtime.timer import Timer
@@ -124,7 +124,7 @@ class RuntimeSnapshot:
     waiting: int
     #: Arrivals admitted by the HTTP layer that the engine has not yet queued.
     pending: int
-    #: Queued requests holding waiting places (:mod:`.admission`). With no bound, an
+    #: Queued requests holding waiting places (:mod:`inference_lab.core.admission`). With no bound, an
     #: estimate: those queued beyond the free seats.
     depth: int
     #: Requests running (summed over workers).
@@ -368,7 +368,7 @@ class ModelRuntime:
 
         Raises :class:`EngineUnavailable` when the engine task is not running, then
         :class:`QueueFull` when the request has neither a seat nor a waiting place
-        (:mod:`.admission`). Otherwise routes it, stamps the arrival (``arrival``, the trio
+        (:mod:`inference_lab.core.admission`). Otherwise routes it, stamps the arrival (``arrival``, the trio
         time at which the server received the request, or now), draws the response length
         (``--workload``; at most ``limit``, where a stop string ends the output, and
         ``max_tokens``) and queues the arrival of its ``n`` sequences for the engine task.

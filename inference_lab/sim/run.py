@@ -13,8 +13,9 @@ Rule 3: every request is submitted with `max_tokens = target = ` the sampled out
         deployment can never run (`RequestRefused`) is counted apart and, in a closed loop,
         its user moves straight on to its next request (a session's refused turn ends the
         session).
-Rule 4: `max_waiting` bounds the waiting queue as serve's admission does: an arrival that
-        finds `max_waiting` requests waiting (over all replicas) is refused when the engine
+Rule 4: `max_waiting` bounds the waiting places as serve's admission does
+        (`inference_lab.core.admission`): an arrival that has no seat in its replica's
+        batch and finds `max_waiting` waiting places taken is refused when the engine
         handles it (limit `max_waiting`, serve's 529) and aborted before any step sees it.
         A closed-loop user refused so sends its next request when the next request
         finishes (the first moment the queue can have moved), never at the same instant.
@@ -36,6 +37,7 @@ from typing import IO, Any
 
 import attrs
 
+from inference_lab.core.admission import Admission
 from inference_lab.core.config import Deployment, Workload
 from inference_lab.core.engine import Engine, EngineStatistics, Finished, RequestSpec, StepInfo
 from inference_lab.errors import RequestRefused, SimError
@@ -170,6 +172,7 @@ def run_simulation(
     first_arrival = math.inf
     streak = 0  # refusals since the last admitted request
     bound = deployment.scheduler.max_waiting  # Rule 4 (0: unbounded)
+    ledger = Admission(engine, bound)  # seats and waiting places, as serve admits
     parked: list[Arrival] = []  # reactive: arrivals refused by the bound, until a completion
     rejected_at: list[float] = []  # arrival times refused by the bound
 
@@ -248,15 +251,19 @@ def run_simulation(
         if ev.arrived or (info is not None and info.preempted):
             waiting = num_waiting()
             if ev.arrived:
-                if bound and waiting > bound:  # it found `bound` waiting (Rule 4)
-                    rid = ev.arrived[0]
-                    engine.abort(rid)
-                    waiting -= 1
-                    arrival = arrivals.pop(rid)
-                    rejected_at.append(arrival.time)
-                    refuse(arrival, QUEUE_LIMIT, f"{waiting} waiting (max_waiting = {bound})")
-                    if reactive:
-                        parked.append(arrival)
+                if bound:
+                    ledger.changed()
+                    places = ledger.depth()
+                    if places > bound:  # no seat, and it found `bound` places taken (Rule 4)
+                        rid = ev.arrived[0]
+                        engine.abort(rid)
+                        waiting -= 1
+                        arrival = arrivals.pop(rid)
+                        rejected_at.append(arrival.time)
+                        reason = f"{places - 1} waiting (max_waiting = {bound})"
+                        refuse(arrival, QUEUE_LIMIT, reason)
+                        if reactive:
+                            parked.append(arrival)
                 if ev.time <= mid_arrival:
                     waiting_at_mid = waiting
                 waiting_at_end = waiting
