@@ -134,14 +134,22 @@ def test_echo_text_is_the_prompt() -> None:
 # -- validation errors: status, code, param, message ---------------------------------------
 
 INVALID_CHAT = [
-    (chat(max_tokens=10.5), "max_tokens", "max_tokens must be an integer >= 1, got 10.5"),
-    (chat(max_tokens=True), "max_tokens", "max_tokens must be an integer >= 1, got true"),
-    (chat(max_tokens=0), "max_tokens", "max_tokens must be an integer >= 1, got 0"),
-    (chat(max_tokens="7"), "max_tokens", 'max_tokens must be an integer >= 1, got "7"'),
+    (
+        chat(max_tokens=10.5),
+        "max_tokens",
+        "max_tokens must be an integer in 1..2147483647, got 10.5",
+    ),
+    (
+        chat(max_tokens=True),
+        "max_tokens",
+        "max_tokens must be an integer in 1..2147483647, got true",
+    ),
+    (chat(max_tokens=0), "max_tokens", "max_tokens must be an integer in 1..2147483647, got 0"),
+    (chat(max_tokens="7"), "max_tokens", 'max_tokens must be an integer in 1..2147483647, got "7"'),
     (
         chat(max_completion_tokens=-1),
         "max_completion_tokens",
-        "max_completion_tokens must be an integer >= 1, got -1",
+        "max_completion_tokens must be an integer in 1..2147483647, got -1",
     ),
     (chat(stream="false"), "stream", 'stream must be a boolean, got "false"'),
     (chat(stream=1), "stream", "stream must be a boolean, got 1"),

@@ -111,7 +111,7 @@ async def test_invalid_field_is_400_with_param(serve: ServeFactory) -> None:
     async with serve() as s:
         response = await s.post("/v1/chat/completions", chat_body(max_tokens=10.5))
         error = await expect_error(response, 400, "invalid_value", "max_tokens")
-    assert error["message"] == "max_tokens must be an integer >= 1, got 10.5"
+    assert error["message"] == "max_tokens must be an integer in 1..2147483647, got 10.5"
 
 
 async def test_best_of_and_prompt_count_errors(serve: ServeFactory) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from inference_lab.api.requests import ParsedRequest
@@ -32,7 +33,10 @@ from inference_lab.jsonbytes import dumps, dumps_str
 
 __all__ = [
     "DONE_FRAME",
+    "PIECE_TOKENS",
     "StreamEncoder",
+    "body_pieces",
+    "body_work",
     "completion_body",
     "new_request_id",
     "random_hex",
@@ -60,6 +64,54 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+#: Tokens of logprobs encoded per piece of a body sent in pieces (:func:`body_pieces`):
+#: each piece costs the event loop well under a millisecond to build.
+PIECE_TOKENS = 2048
+#: A logprobs value in a body's dict, replaced by the logprobs' pieces.
+_LOGPROBS_SLOT = "\x00logprobs\x00"
+
+
+def _body_head(
+    request: ParsedRequest,
+    *,
+    request_id: str,
+    created: int,
+    completion_tokens: int,
+    finish_reason: str,
+    logprobs: Any,
+) -> dict[str, Any]:
+    """The non-streaming body as a dict, each choice's ``logprobs`` (when asked for) being
+    ``logprobs``."""
+    text = request.output_text(completion_tokens)
+    reason = request.finish_reason(finish_reason, completion_tokens)
+    head: dict[str, Any] = {"id": request_id}
+    choices: list[dict[str, Any]] = []
+    if request.kind == "chat":
+        head["object"] = "chat.completion"
+        for index in range(request.n):
+            choice: dict[str, Any] = {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+            }
+            if request.logprobs is not None:
+                choice["logprobs"] = logprobs
+            choice["finish_reason"] = reason
+            choices.append(choice)
+    else:
+        head["object"] = "text_completion"
+        for index in range(request.n):
+            choice = {"text": request.echo_text + text, "index": index}
+            if request.logprobs is not None:
+                choice["logprobs"] = logprobs
+            choice["finish_reason"] = reason
+            choices.append(choice)
+    head["created"] = created
+    head["model"] = request.model
+    head["choices"] = choices
+    head["usage"] = usage(request.prompt_tokens, completion_tokens * request.n)
+    return head
+
+
 def completion_body(
     request: ParsedRequest,
     *,
@@ -72,8 +124,6 @@ def completion_body(
     one choice's (the engine's ``Finished``); there are ``request.n`` identical choices
     and usage counts ``n * completion_tokens``. The text is :meth:`ParsedRequest.output_text`
     and the finish reason :meth:`ParsedRequest.finish_reason`."""
-    text = request.output_text(completion_tokens)
-    reason = request.finish_reason(finish_reason, completion_tokens)
     logprobs: dict[str, Any] | None = None
     if request.logprobs is not None:
         if request.kind == "chat":
@@ -82,32 +132,88 @@ def completion_body(
             logprobs = completion_logprobs(
                 completion_tokens, request.logprobs, len(request.echo_text)
             )
-    head: dict[str, Any] = {"id": request_id}
-    choices: list[dict[str, Any]] = []
-    if request.kind == "chat":
-        head["object"] = "chat.completion"
-        for index in range(request.n):
-            choice: dict[str, Any] = {
-                "index": index,
-                "message": {"role": "assistant", "content": text},
-            }
-            if logprobs is not None:
-                choice["logprobs"] = logprobs
-            choice["finish_reason"] = reason
-            choices.append(choice)
-    else:
-        head["object"] = "text_completion"
-        for index in range(request.n):
-            choice = {"text": request.echo_text + text, "index": index}
-            if logprobs is not None:
-                choice["logprobs"] = logprobs
-            choice["finish_reason"] = reason
-            choices.append(choice)
-    head["created"] = created
-    head["model"] = request.model
-    head["choices"] = choices
-    head["usage"] = usage(request.prompt_tokens, completion_tokens * request.n)
-    return dumps(head)
+    return dumps(
+        _body_head(
+            request,
+            request_id=request_id,
+            created=created,
+            completion_tokens=completion_tokens,
+            finish_reason=finish_reason,
+            logprobs=logprobs,
+        )
+    )
+
+
+def body_work(request: ParsedRequest, completion_tokens: int) -> int:
+    """Token entries a non-streaming body holds: each choice's tokens (the echoed prompt
+    too), each with its logprobs alternatives."""
+    echo = request.prompt_tokens if request.echo_text else 0
+    return request.n * (completion_tokens + echo) * (1 + (request.logprobs or 0))
+
+
+def _chat_logprobs_pieces(count: int, top: int) -> Iterator[bytes]:
+    entries = [dumps(chat_logprob_entry(w, top)) for w in range(len(WORDS))]
+    yield b'{"content":['
+    for start in range(0, count, PIECE_TOKENS):
+        stop = min(count, start + PIECE_TOKENS)
+        part = b",".join(entries[i % len(entries)] for i in range(start, stop))
+        yield part if start == 0 else b"," + part
+    yield b"]}"
+
+
+def _completion_logprobs_pieces(count: int, top: int, offset: int) -> Iterator[bytes]:
+    n = len(WORDS)
+    words = [dumps(w) for w in WORDS]
+    tops = [dumps(completion_top_logprobs(w, top)) for w in range(n)]
+    arrays: list[tuple[bytes, Any]] = [
+        (b'{"tokens":[', lambda i: words[i % n]),
+        (b'],"token_logprobs":[', lambda i: b"-0.25"),
+        (b'],"top_logprobs":[', lambda i: tops[i % n]),
+        (b'],"text_offset":[', lambda i: str(offset + token_start(i)).encode()),
+    ]
+    for opening, item in arrays:
+        yield opening
+        for start in range(0, count, PIECE_TOKENS):
+            stop = min(count, start + PIECE_TOKENS)
+            part = b",".join(item(i) for i in range(start, stop))
+            yield part if start == 0 else b"," + part
+    yield b"]}"
+
+
+def body_pieces(
+    request: ParsedRequest,
+    *,
+    request_id: str,
+    created: int,
+    completion_tokens: int,
+    finish_reason: str,
+) -> Iterator[bytes]:
+    """:func:`completion_body` in pieces, each holding at most :data:`PIECE_TOKENS`
+    tokens' logprobs, so a large body never holds up its sender for long: the pieces
+    concatenate to exactly :func:`completion_body`'s bytes."""
+    head = _body_head(
+        request,
+        request_id=request_id,
+        created=created,
+        completion_tokens=completion_tokens,
+        finish_reason=finish_reason,
+        logprobs=_LOGPROBS_SLOT,
+    )
+    encoded = dumps(head)
+    if request.logprobs is None:
+        yield encoded
+        return
+    slot = dumps(_LOGPROBS_SLOT)
+    parts = encoded.split(slot)
+    for i, part in enumerate(parts):
+        yield part
+        if i < len(parts) - 1:
+            if request.kind == "chat":
+                yield from _chat_logprobs_pieces(completion_tokens, request.logprobs)
+            else:
+                yield from _completion_logprobs_pieces(
+                    completion_tokens, request.logprobs, len(request.echo_text)
+                )
 
 
 DONE_FRAME = b"data: [DONE]\n\n"

@@ -39,6 +39,8 @@ __all__ = [
     "BYTE_TOKENIZER",
     "MAX_BODY_BYTES",
     "MAX_CAPACITY",
+    "MAX_RESPONSE_WORK",
+    "check_work",
     "CapacityRequest",
     "ParsedRequest",
     "count_chat_tokens",
@@ -122,13 +124,40 @@ class ParsedRequest:
         return placeholder_text(completion_tokens).rstrip(" ")
 
 
+#: The most token entries one request may ask the server to produce: ``n`` choices times
+#: their ``max_tokens`` (plus the prompt each echoes), each token with ``1 +`` its logprobs
+#: alternatives. A body at the limit is tens of MB; vLLM bounds ``n`` and the logprobs
+#: alone, which still lets a 140-byte request ask for hundreds of MB.
+MAX_RESPONSE_WORK = 1 << 20
+
+
+def check_work(parsed: ParsedRequest) -> ParsedRequest:
+    """``parsed``, or a 400 ``invalid_value`` when it asks for more than
+    :data:`MAX_RESPONSE_WORK` token entries (naming the fields that multiply). The serve
+    route calls it after the context check, so a ``max_tokens`` the model's context can
+    never hold is a ``context_length_exceeded`` first."""
+    alternatives = parsed.logprobs or 0
+    echo = parsed.prompt_tokens if parsed.echo_text else 0
+    work = parsed.n * (parsed.max_tokens + echo) * (1 + alternatives)
+    if work <= MAX_RESPONSE_WORK:
+        return parsed
+    top = "top_logprobs" if parsed.kind == "chat" else "logprobs"
+    tokens = "max_tokens" if not echo else "(max_tokens + echoed prompt tokens)"
+    raise invalid_value(
+        "max_tokens",
+        f"n ({parsed.n}) x {tokens} ({parsed.max_tokens + echo}) x (1 + {top} "
+        f"({alternatives})) = {work:,} token entries, more than this server's "
+        f"{MAX_RESPONSE_WORK:,} per request: lower n, max_tokens or {top}",
+    )
+
+
 def _check_best_of(best_of: int | None, n: int) -> None:
     if best_of is not None and best_of != n:
         raise ApiError(
             400,
             "unsupported_value",
             f"best_of is not supported: each of the n = {n} choices is generated once "
-            f"(best_of must be absent or equal n), got {best_of}",
+            f"(best_of must be absent or equal n), got {truncate_echo(str(best_of))}",
             "best_of",
         )
 

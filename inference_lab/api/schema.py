@@ -57,6 +57,9 @@ __all__ = [
 MAX_N = 128
 #: ``stop`` holds at most this many strings (OpenAI's bound).
 MAX_STOP_STRINGS = 4
+#: The largest ``max_tokens``, ``best_of`` and ``|priority|`` accepted (vLLM's fields are
+#: 32-bit): a larger number is refused by its range, so no message quotes it whole.
+MAX_INT32 = 2**31 - 1
 #: Chat ``top_logprobs`` and completions ``logprobs`` bounds (OpenAI's).
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETIONS = 5
@@ -142,17 +145,21 @@ class ChatBody:
         validator=_nonempty, metadata=expect("a non-empty array of messages")
     )
     max_completion_tokens: int | None = attrs.field(
-        default=None, validator=in_range(1), metadata=expect("an integer >= 1")
+        default=None,
+        validator=in_range(1, MAX_INT32),
+        metadata=expect(f"an integer in 1..{MAX_INT32}"),
     )
     max_tokens: int | None = attrs.field(
-        default=None, validator=in_range(1), metadata=expect("an integer >= 1")
+        default=None,
+        validator=in_range(1, MAX_INT32),
+        metadata=expect(f"an integer in 1..{MAX_INT32}"),
     )
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     tools: list[Any] | None = None
-    priority: int | None = None
+    priority: int | None = attrs.field(default=None, validator=in_range(-MAX_INT32, MAX_INT32))
     n: int | None = attrs.field(default=None, validator=in_range(1, MAX_N))
-    best_of: int | None = None
+    best_of: int | None = attrs.field(default=None, validator=in_range(1, MAX_N))
     stop: Stop = attrs.field(default=None)
     logprobs: bool | None = None
     top_logprobs: int | None = attrs.field(
@@ -168,14 +175,16 @@ class CompletionBody:
     model: str
     prompt: Prompt = attrs.field(metadata=expect(_PROMPT_EXPECT))
     max_tokens: int | None = attrs.field(
-        default=None, validator=in_range(1), metadata=expect("an integer >= 1")
+        default=None,
+        validator=in_range(1, MAX_INT32),
+        metadata=expect(f"an integer in 1..{MAX_INT32}"),
     )
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     echo: bool | None = None
-    priority: int | None = None
+    priority: int | None = attrs.field(default=None, validator=in_range(-MAX_INT32, MAX_INT32))
     n: int | None = attrs.field(default=None, validator=in_range(1, MAX_N))
-    best_of: int | None = None
+    best_of: int | None = attrs.field(default=None, validator=in_range(1, MAX_N))
     stop: Stop = attrs.field(default=None)
     logprobs: int | None = attrs.field(
         default=None, validator=in_range(0, MAX_LOGPROBS_COMPLETIONS)

@@ -108,7 +108,10 @@ def parse_detokenize_request(raw: dict[str, Any]) -> DetokenizeRequest:
     result: DetokenizeRequest = structure(raw, DetokenizeRequest)
     for i, token in enumerate(result.tokens):
         if token < 0:
-            raise invalid_value(f"tokens[{i}]", f"tokens[{i}] must be an integer >= 0, got {token}")
+            raise invalid_value(
+                f"tokens[{i}]",
+                f"tokens[{i}] must be an integer >= 0, got {truncate_echo(str(token))}",
+            )
     return result
 
 

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple, Protocol
 import jinja2
 import jinja2.sandbox
 
-from inference_lab.errors import ConfigError
+from inference_lab.errors import ConfigError, truncate_echo
 
 __all__ = [
     "ByteTokenizer",
@@ -181,7 +181,9 @@ class ByteTokenizer:
             bits = token.bit_length() - 1
             size = bits // 8
             if token <= 0 or bits % 8 or not 1 <= size <= 4:
-                raise ValueError(f"tokens[{i}] = {token} is not a token id of the byte rule")
+                raise ValueError(
+                    f"tokens[{i}] = {truncate_echo(str(token))} is not a token id of the byte rule"
+                )
             parts.append((token ^ (1 << bits)).to_bytes(size, "big"))
         return b"".join(parts).decode("utf-8", "replace")
 
@@ -359,7 +361,7 @@ class _RealTokenizer:
         for i, token in enumerate(ids):
             if not 0 <= token < limit:
                 raise ValueError(
-                    f"tokens[{i}] = {token} is not a token id of this tokenizer "
+                    f"tokens[{i}] = {truncate_echo(str(token))} is not a token id of this tokenizer "
                     f"(ids are 0..{limit - 1})"
                 )
 

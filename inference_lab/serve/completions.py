@@ -23,21 +23,33 @@ Rule 4: a client that leaves is noticed by its connection when hypercorn's conne
         the hooked one (:meth:`inference_lab.serve.transport.connection.LabTCPServer.watch_close`:
         a synchronous call); otherwise by a task per request waiting for hypercorn's
         ``http.disconnect`` message.
+Rule 5: what one request may ask for is bounded at parse time
+        (``api.requests.MAX_RESPONSE_WORK``: n x max_tokens x (1 + logprobs)).
+Rule 6: a non-streaming body larger than ``LARGE_BODY`` token entries is sent in pieces
+        of bounded work (``api.encoding.body_pieces``), with a checkpoint between pieces.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import trio
 
-from inference_lab.api.encoding import StreamEncoder, completion_body, new_request_id
+from inference_lab.api.encoding import (
+    PIECE_TOKENS,
+    StreamEncoder,
+    body_pieces,
+    body_work,
+    completion_body,
+    new_request_id,
+)
 from inference_lab.api.requests import (
     MAX_BODY_BYTES,
     ParsedRequest,
+    check_work,
     parse_chat_request,
     parse_completion_request,
 )
@@ -46,6 +58,7 @@ from inference_lab.errors import ApiError, EngineUnavailable, QueueFull
 from inference_lab.runtime.model import RequestHandle
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.responses import (
+    JSON,
     STREAM_HEADERS,
     Reply,
     body_timeout_reply,
@@ -253,6 +266,7 @@ async def complete(
             refused = runtime.check_fits(engine_prompt, parsed.max_tokens, parsed.n)
             if refused is not None:
                 raise ApiError(400, "context_length_exceeded", refused.reason, "max_tokens")
+            check_work(parsed)
             if state.draining:  # the shutdown began while this body was read
                 await send_reply(send, shutting_down_reply(), exchange.headers)
                 return
@@ -299,6 +313,24 @@ async def complete(
             handle.close()
 
 
+#: Token entries (:func:`body_work`) above which a non-streaming body is sent in pieces
+#: (Rule 6) rather than built whole.
+LARGE_BODY = 8 * PIECE_TOKENS
+
+
+async def _send_in_pieces(send: Send, exchange: Exchange, pieces: Iterator[bytes]) -> None:
+    """Send a 200 JSON body piece by piece (chunked framing), yielding to other tasks
+    between pieces: building a piece is bounded work (``PIECE_TOKENS``), so the event loop
+    is never held up by one large answer. A client that leaves ends it."""
+    headers = [(b"content-type", JSON), *exchange.headers]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    for piece in pieces:
+        await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await trio.lowlevel.checkpoint()
+    with trio.CancelScope(shield=True):
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 async def _respond(
     state: ServeState,
     exchange: Exchange,
@@ -325,15 +357,29 @@ async def _respond(
     else:
         await sink.event.wait()
         handle.close()
-        if sink.finished is not None:
+        finished = sink.finished
+        if finished is not None and body_work(parsed, finished.output_tokens) > LARGE_BODY:
+            await _send_in_pieces(
+                send,
+                exchange,
+                body_pieces(
+                    parsed,
+                    request_id=request_id,
+                    created=created,
+                    completion_tokens=finished.output_tokens,
+                    finish_reason=finished.finish_reason,
+                ),
+            )
+            return
+        if finished is not None:
             reply = Reply(
                 200,
                 completion_body(
                     parsed,
                     request_id=request_id,
                     created=created,
-                    completion_tokens=sink.finished.output_tokens,
-                    finish_reason=sink.finished.finish_reason,
+                    completion_tokens=finished.output_tokens,
+                    finish_reason=finished.finish_reason,
                 ),
             )
         elif not sink.gone and state.shutdown_message is not None:
