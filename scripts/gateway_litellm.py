@@ -16,6 +16,7 @@ Each trial is bounded by the streams' length (100,000 tokens: about a minute).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import threading
 import time
@@ -105,7 +106,7 @@ def main() -> int:
     messages = [{"role": "user", "content": "hi"}]
     params = {"model": f"openai/{MODEL}", "api_base": base + "/v1", "api_key": "unused"}
     no_client_retries = {**params, "max_retries": 0}
-    print(json.dumps({"litellm": getattr(litellm, "version", "?")}))
+    print(json.dumps({"litellm": importlib.metadata.version("litellm")}))
     trial("completion (defaults)", lambda: litellm.completion(messages=messages, **params))
     trial(
         "Router (defaults)",

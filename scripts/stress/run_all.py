@@ -22,6 +22,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # benchkit
 import burst  # noqa: E402
 import disconnect  # noqa: E402
 import fuzz  # noqa: E402
+import hostile  # noqa: E402
 import sigterm  # noqa: E402
 import slow  # noqa: E402
 import soak  # noqa: E402
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     scripts: dict[str, Callable[[], int]] = {
         "fuzz": lambda: fuzz.main(["--cases", str(args.fuzz_cases)]),
         "burst": lambda: burst.main([]),
+        "hostile": lambda: hostile.main([]),
         "disconnect": lambda: disconnect.main([]),
         "slow": lambda: slow.main([]),
         "soak": lambda: soak.main(["--seconds", str(args.soak_seconds)]),
