@@ -288,7 +288,9 @@ class Sampler:
             for i in range(len(recent) - take, len(recent)):
                 window.append(recent[i])
             changed = True
-        horizon = runtime.engine.now - LATENCY_WINDOW
+        # engine time runs with the wall clock from the runtime's epoch (an idle engine's
+        # own clock stands still)
+        horizon = trio.current_time() - runtime.epoch - LATENCY_WINDOW
         while window and window[0][0] < horizon:
             window.popleft()
             changed = True
