@@ -135,7 +135,11 @@ async def test_tokens_and_latency_percentiles_come_from_the_engine(
     those of the requests that finished in the window, and empty once it has passed."""
     async with serve(make_settings()) as s:
         metrics = s.state.metrics.models[GPT]
-        for body in (chat_body(max_tokens=5), chat_body(max_tokens=7, n=2), chat_body(max_tokens=9)):
+        for body in (
+            chat_body(max_tokens=5),
+            chat_body(max_tokens=7, n=2),
+            chat_body(max_tokens=9),
+        ):
             assert (await s.post("/v1/chat/completions", body)).status_code == 200
         assert metrics.tokens_emitted == 5 + 2 * 7 + 9
         async with trio.open_nursery() as nursery:
