@@ -43,7 +43,7 @@ from quart_trio import QuartTrio
 
 from inference_lab.jsonbytes import dumps
 from inference_lab.runtime.model import ModelRuntime
-from inference_lab.serve.metrics import ModelMetrics
+from inference_lab.serve.metrics import RECENT_FINISHED, ModelMetrics
 from inference_lab.serve.responses import error_reply
 from inference_lab.serve.routes import to_response
 from inference_lab.serve.state import ServeState
@@ -65,7 +65,8 @@ SAMPLE_INTERVAL = 0.25
 RING_SAMPLES = 1200
 #: Rates (per second) are over this many seconds of samples.
 RATE_WINDOW = 1.0
-#: TTFT and E2E percentiles are over the requests that finished in this many seconds.
+#: TTFT and E2E percentiles are over the requests that finished in this many seconds (at
+#: most the newest ``RECENT_FINISHED`` of them, about that many more at a burst's end).
 LATENCY_WINDOW = 10.0
 #: Capacity changes sent to a page that connects (the newest).
 CHANGES_KEPT = 256
@@ -98,8 +99,10 @@ class _ModelTrack:
     runtime: ModelRuntime | None = None  # the runtime sampled last (a restart replaces it)
     ring: deque[tuple[int, bytes]] = attrs.field(factory=lambda: deque(maxlen=RING_SAMPLES))
     history: deque[_Counters] = attrs.field(factory=deque)
-    #: the latency window: (finish, TTFT, E2E) in engine seconds, oldest first
-    window: deque[tuple[float, float, float]] = attrs.field(factory=deque)
+    #: the latency window: one array of (finish, TTFT, E2E) rows in engine seconds per
+    #: tick that saw completions, oldest first, and how many rows they hold
+    window: deque[np.ndarray[Any, np.dtype[np.float64]]] = attrs.field(factory=deque)
+    window_size: int = 0
     finished_seen: int = 0
     percentiles: dict[str, float | None] = attrs.field(factory=dict)
     changes: deque[dict[str, Any]] = attrs.field(factory=lambda: deque(maxlen=CHANGES_KEPT))
@@ -277,27 +280,39 @@ class Sampler:
     ) -> dict[str, Any]:
         """TTFT and E2E percentiles (ms) over the requests that finished in the last
         :data:`LATENCY_WINDOW` seconds of engine time; recomputed only when the window
-        changed."""
-        window = track.window
+        changed. The window is a deque of per-tick arrays (finish, TTFT, E2E), so a tick
+        converts only its own completions and drops whole arrays as they age."""
+        chunks = track.window
         new = metrics.finished - track.finished_seen
         track.finished_seen = metrics.finished
         changed = False
         if new > 0:
             recent = metrics.recent
             take = min(new, len(recent))
-            for i in range(len(recent) - take, len(recent)):
-                window.append(recent[i])
+            start = len(recent) - take
+            chunk = np.array([recent[i] for i in range(start, len(recent))], dtype=np.float64)
+            chunks.append(chunk)
+            track.window_size += take
             changed = True
         # engine time runs with the wall clock from the runtime's epoch (an idle engine's
         # own clock stands still)
         horizon = trio.current_time() - runtime.epoch - LATENCY_WINDOW
-        while window and window[0][0] < horizon:
-            window.popleft()
+        while chunks and chunks[0][-1, 0] < horizon:  # every one of its requests aged
+            track.window_size -= len(chunks.popleft())
+            changed = True
+        while len(chunks) > 1 and track.window_size - len(chunks[0]) >= RECENT_FINISHED:
+            track.window_size -= len(chunks.popleft())  # bounded: the newest completions
+            changed = True
+        if chunks and chunks[0][0, 0] < horizon:  # some of the oldest array aged
+            oldest = chunks[0]
+            keep = oldest[oldest[:, 0] >= horizon]
+            track.window_size -= len(oldest) - len(keep)
+            chunks[0] = keep
             changed = True
         if changed or not track.percentiles:
-            out: dict[str, float | None] = {"latency_n": len(window)}
-            if window:
-                values = np.array(window, dtype=np.float64)
+            out: dict[str, float | None] = {"latency_n": track.window_size}
+            if chunks:
+                values = np.concatenate(chunks) if len(chunks) > 1 else chunks[0]
                 for column, name in ((1, "ttft"), (2, "e2e")):
                     qs = np.percentile(values[:, column], PERCENTILES)
                     for p, q in zip(PERCENTILES, qs, strict=True):
