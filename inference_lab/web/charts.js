@@ -21,15 +21,19 @@ window.LabCharts = (function () {
             ctx.lineWidth = Math.max(1, devicePixelRatio);
             ctx.setLineDash([5 * devicePixelRatio, 4 * devicePixelRatio]);
             ctx.font = `${11 * devicePixelRatio}px system-ui, sans-serif`;
-            for (const m of markers) {
+            ctx.textAlign = "left";
+            ctx.textBaseline = "top";
+            markers.forEach((m, i) => {
               const x = Math.round(u.valToPos(m.x, "x", true));
-              if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) continue;
+              if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) return;
               ctx.beginPath();
               ctx.moveTo(x, top);
               ctx.lineTo(x, bottom);
               ctx.stroke();
-              ctx.fillText(m.label, x + 4 * devicePixelRatio, top + 12 * devicePixelRatio);
-            }
+              // labels on three staggered rows, so that close changes stay readable
+              const y = top + (2 + (i % 3) * 13) * devicePixelRatio;
+              ctx.fillText(m.label, x + 4 * devicePixelRatio, y);
+            });
             ctx.restore();
           },
         ],

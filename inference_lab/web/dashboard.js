@@ -37,8 +37,8 @@
   ];
   const DIGITS = {
     admitted_per_s: 1, refused_per_s: 1, unavailable_per_s: 1, aborted_per_s: 1,
-    tokens_per_s: 0, finished_per_s: 1, ttft_p50_ms: 2, ttft_p99_ms: 2, e2e_p50_ms: 1,
-    e2e_p99_ms: 1, lag_mean_ms: 3, lag_max_ms: 3,
+    tokens_per_s: 0, finished_per_s: 1, ttft_p50_ms: 1, ttft_p99_ms: 1, e2e_p50_ms: 0,
+    e2e_p99_ms: 0, lag_mean_ms: 2, lag_max_ms: 2,
   };
 
   let source = null;
@@ -96,7 +96,7 @@
 
   function addChange(change) {
     const label = `max_num_seqs ${change.max_num_seqs} · max_waiting ${change.max_waiting}`;
-    markers.push({ x: info.started_unix + change.t, label: label });
+    markers.push({ x: info.started_unix + change.t, label: `seqs ${change.max_num_seqs} · waiting ${change.max_waiting}` });
     const list = $("changes");
     const none = list.querySelector(".none");
     if (none) none.remove();
