@@ -66,9 +66,7 @@ async def sampler_cost(ticks: int) -> tuple[int, float, float]:
 async def stream_reader(url: str, stop: trio.Event) -> None:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     stream = await trio.open_tcp_stream(host, int(port))
-    request = (
-        f"GET /control/dashboard/events HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n"
-    ).encode()
+    request = (f"GET /control/dashboard/events HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n").encode()
     async with stream:
         await stream.send_all(request)
         with trio.move_on_at(trio.current_time() + 3600) as scope:
