@@ -67,6 +67,11 @@ def test_wheel_holds_every_module_and_the_shipped_data(wheel: Path) -> None:
         expected = _shipped(kind)
         assert expected and expected <= names, sorted(expected - names)
     assert "inference_lab/configs/workloads/quick.toml" in names
+    # the pages' parts and the vendored chart library with its licence
+    web = {p.name for p in (ROOT / "inference_lab" / "web").iterdir() if p.suffix != ".py"}
+    web.discard("__pycache__")
+    assert {"uPlot.iife.min.js", "uPlot.LICENSE", "dashboard.html", "report.html"} <= web
+    assert {f"inference_lab/web/{n}" for n in web} <= names
 
 
 def test_wheel_metadata_bounds_the_server_stack_and_makes_plotting_optional(

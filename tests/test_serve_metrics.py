@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -383,3 +384,63 @@ def test_every_app_has_its_own_registry_and_observers() -> None:
     assert a.metrics.registry is not b.metrics.registry
     assert a.runtimes[GPT].observer is a.metrics.models[GPT]
     assert b.runtimes[GPT].observer is b.metrics.models[GPT]
+
+
+# -- fine buckets (--fine-latency-buckets) -------------------------------------------------
+
+
+def histogram_quantile(q: float, cumulative: dict[str, float]) -> float:
+    """Prometheus's ``histogram_quantile``: linear interpolation inside the bucket that
+    holds rank q * count (the first bucket starts at 0)."""
+    bounds = sorted((float(le), count) for le, count in cumulative.items() if le != "+Inf")
+    total = cumulative["+Inf"]
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for upper, count in bounds:
+        if count >= rank:
+            return lower + (upper - lower) * (rank - below) / (count - below)
+        lower, below = upper, count
+    return lower
+
+
+def test_fine_buckets_keep_every_vllm_bound() -> None:
+    """Rule 5: a query written for vLLM's buckets finds each of its le values."""
+    from inference_lab.serve.metrics import (
+        FINE_E2E_BUCKETS,
+        FINE_ITL_BUCKETS,
+        FINE_TTFT_BUCKETS,
+    )
+
+    for fine, vllm in (
+        (FINE_TTFT_BUCKETS, TTFT_BUCKETS),
+        (FINE_ITL_BUCKETS, ITL_BUCKETS),
+        (FINE_E2E_BUCKETS, E2E_BUCKETS),
+    ):
+        assert set(vllm) <= set(fine)
+        assert list(fine) == sorted(set(fine))
+        assert fine[0] <= vllm[0] / 4  # finer bounds below vLLM's first one
+
+
+@pytest.mark.parametrize("fine", [False, True])
+async def test_fine_buckets_let_histogram_quantile_read_a_sub_millisecond_itl(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock, fine: bool
+) -> None:
+    """One request's ITL on gpt-oss-20b / b200 is well under a millisecond: vLLM's buckets
+    make histogram_quantile read the median as 5 ms (half of the first bucket, 10 ms); the
+    fine buckets put it in a bucket no wider than 0.25 ms around the true value."""
+    settings = attrs.evolve(make_settings(), fine_latency_buckets=fine)
+    async with serve(settings) as s:
+        response = await s.post("/v1/chat/completions", chat_body(max_tokens=200))
+        assert response.status_code == 200
+        _, samples = await scrape(s)
+        (record,) = s.state.metrics.models[GPT].recent
+    finish, ttft, e2e = record
+    true_itl = (e2e - ttft) / 199
+    itl = histogram_quantile(0.5, buckets(samples, "vllm:inter_token_latency_seconds"))
+    e2e_q = histogram_quantile(0.5, buckets(samples, "vllm:e2e_request_latency_seconds"))
+    if fine:
+        assert abs(itl - true_itl) <= 0.00025
+        assert abs(e2e_q - e2e) <= 0.025
+    else:
+        assert itl == pytest.approx(0.005)
+        assert e2e_q == pytest.approx(0.15)  # half of vLLM's first E2E bucket (0.3 s)

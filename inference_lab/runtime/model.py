@@ -50,6 +50,7 @@ from inference_lab.runtime.lag import LagMeter, LagStatistics
 from inference_lab.runtime.timer import Timer
 
 __all__ = [
+    "CapacityChange",
     "EngineKilled",
     "LengthSampler",
     "ModelRuntime",
@@ -69,6 +70,8 @@ MAX_EVENTS_PER_WAKE = 64
 E2E_SAMPLES = 65536
 #: The largest ``Retry-After`` of a refusal, in seconds.
 RETRY_AFTER_MAX = 60
+#: Capacity changes kept in :attr:`ModelRuntime.capacity_changes` (the newest).
+CAPACITY_HISTORY = 256
 
 
 class EngineKilled(Exception):
@@ -151,6 +154,16 @@ class RuntimeSnapshot:
     def queued(self) -> int:
         """Requests admitted and not running: ``waiting + pending``."""
         return self.waiting + self.pending
+
+
+@attrs.frozen(kw_only=True)
+class CapacityChange:
+    """One :meth:`ModelRuntime.set_capacity` call: when (trio time) and the dials in
+    force after it (for the dashboard's time axis)."""
+
+    time: float
+    max_num_seqs: int
+    max_waiting: int
 
 
 @attrs.frozen(kw_only=True)
@@ -280,6 +293,9 @@ class ModelRuntime:
         self._e2e_samples: deque[float] = deque(maxlen=E2E_SAMPLES)  # simulated E2E
         #: Set by the serve app before :meth:`run` (None: nobody is told).
         self.observer: RuntimeObserver | None = None
+        #: The newest :meth:`set_capacity` calls, oldest first, and how many there were.
+        self.capacity_changes: deque[CapacityChange] = deque(maxlen=CAPACITY_HISTORY)
+        self.capacity_change_count = 0
         self._snapshot = self._make_snapshot()
 
     # ------------------------------------------------------------------ snapshots
@@ -427,6 +443,15 @@ class ModelRuntime:
         if max_waiting is not None:
             self._admission.set_max_waiting(max_waiting)
         self._publish()
+        snap = self._snapshot
+        self.capacity_changes.append(
+            CapacityChange(
+                time=trio.current_time(),
+                max_num_seqs=snap.max_num_seqs,
+                max_waiting=snap.max_waiting,
+            )
+        )
+        self.capacity_change_count += 1
 
     def retry_after(self) -> int:
         """A refusal's ``Retry-After``: whole seconds, 1 to :data:`RETRY_AFTER_MAX`, until

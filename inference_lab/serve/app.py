@@ -29,6 +29,7 @@ import attrs
 from inference_lab.api.requests import MAX_BODY_BYTES
 from inference_lab.errors import ConfigError
 from inference_lab.serve.asgi import STATE_KEY, InferenceLabApp
+from inference_lab.serve.dashboard import Sampler, register_dashboard_routes
 from inference_lab.serve.harness.control import register_harness_routes
 from inference_lab.serve.launch import fail_launch
 from inference_lab.serve.routes import register_routes
@@ -37,7 +38,10 @@ from inference_lab.serve.state import ServeState
 from inference_lab.serve.transport.connection import install_receipt_hook
 from inference_lab.serve.warmup import warm_up
 
-__all__ = ["GC_THRESHOLDS", "create_app"]
+__all__ = ["GC_THRESHOLDS", "SAMPLER_KEY", "create_app"]
+
+#: Where an app keeps its dashboard :class:`Sampler` (None with the dashboard off).
+SAMPLER_KEY = "inference_lab.dashboard"
 
 #: The garbage collector's thresholds in a server process (``gc.set_threshold``). A young
 #: collection walks what is alive of the young objects -- with hundreds of streams, tens of
@@ -111,12 +115,19 @@ def create_app(
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
     state = ServeState.build(settings)
     app.extensions[STATE_KEY] = state
+    # The live dashboard's sampler (serve/dashboard.py), one per app; off: no routes.
+    sampler = Sampler(state) if settings.dashboard else None
+    app.extensions[SAMPLER_KEY] = sampler
+    if sampler is not None:
+        state.stop_hooks.append(sampler.stop)  # after the runtimes: streams end with them
 
     @app.before_serving
     async def _start_runtimes() -> None:
         if server_process:
             await _prepare_process(state)
         await state.start(app.nursery)
+        if sampler is not None:
+            await app.nursery.start(sampler.run)
 
     @app.after_serving
     async def _stop_runtimes() -> None:
@@ -125,5 +136,7 @@ def create_app(
         await state.stop()
 
     register_routes(app, state)
+    if sampler is not None:
+        register_dashboard_routes(app, sampler)
     register_harness_routes(app, state)  # POST /control/engine, harness on only
     return app

@@ -146,6 +146,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="leave 'x-should-retry: false' off 529 answers, so the OpenAI SDK retries them "
         "under its max_retries (default: sent; see docs/saturation.md)",
     )
+    parser.add_argument(
+        "--no-dashboard",
+        action="store_true",
+        help="turn the live dashboard off (/control/dashboard answers 404 and no sampler "
+        "runs; see docs/dashboard.md)",
+    )
+    parser.add_argument(
+        "--fine-latency-buckets",
+        action="store_true",
+        help="/metrics: finer TTFT, ITL, E2E and queue histogram buckets (vLLM's and more "
+        "below them) for millisecond latencies (see docs/grafana.md)",
+    )
     _add_hardening_flags(parser)
     return parser
 
@@ -269,6 +281,8 @@ def run(args: argparse.Namespace) -> int:
             tokenizer=args.tokenizer,
             enable_test_harness=bool(args.enable_test_harness),
             should_retry_header=not getattr(args, "no_should_retry_header", False),
+            dashboard=not getattr(args, "no_dashboard", False),
+            fine_latency_buckets=bool(getattr(args, "fine_latency_buckets", False)),
             control_token=from_env["control_token"],
             body_timeout=args.body_timeout,
             api_key=from_env["api_key"],

@@ -11,12 +11,16 @@ Rule 3: the control plane (``/control/*``) answers CORS -- headers and preflight
         client is on loopback, which a page in a local browser is.
 Rule 4: the API key guards every path but :data:`OPEN_PATHS` and the control plane (which
         has its own token).
+Rule 5: a browser cannot put a header on a page it navigates to or on an ``EventSource``,
+        so a ``GET`` under :data:`DASHBOARD_PREFIX` may carry the control token as the query
+        argument ``token`` instead; it is compared as the header's would be.
 """
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Sequence
+from urllib.parse import parse_qs
 
 from inference_lab.api.encoding import new_request_id, random_hex
 from inference_lab.serve.completions import COMPLETION_ROUTES
@@ -39,6 +43,9 @@ __all__ = ["check", "prepare"]
 #: Paths answered without the API key: liveness, version and metrics (scrapers and probes
 #: hold no key).
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+#: The dashboard's paths (``serve/dashboard.py``), where ``?token=`` may stand for the
+#: control token's header (Rule 5).
+DASHBOARD_PREFIX = "/control/dashboard"
 #: The longest client ``x-request-id`` echoed; a longer or unprintable one is replaced.
 MAX_REQUEST_ID = 128
 #: Response headers a browser page may read (``Access-Control-Expose-Headers``).
@@ -154,13 +161,38 @@ def _control_token(state: ServeState, exchange: Exchange) -> Reply | None:
                 "host unless the server has a control token (--control-token)"
             )
         return None
-    scheme, _, credentials = (exchange.header(b"authorization") or b"").strip().partition(b" ")
-    credentials = credentials.strip()
-    if scheme.lower() != b"bearer" or not credentials:
-        return control_unauthorized_reply()
+    authorization = exchange.header(b"authorization")
+    if authorization is None and _is_dashboard_get(exchange):
+        credentials = _query_token(exchange)  # Rule 5
+        if credentials is None:
+            return control_unauthorized_reply()
+    else:
+        scheme, _, credentials = (authorization or b"").strip().partition(b" ")
+        credentials = credentials.strip()
+        if scheme.lower() != b"bearer" or not credentials:
+            return control_unauthorized_reply()
     if not hmac.compare_digest(credentials, token.encode()):
         return control_forbidden_reply("The control token is not valid")
     return None
+
+
+def _is_dashboard_get(exchange: Exchange) -> bool:
+    path = exchange.path
+    return exchange.method == "GET" and (
+        path == DASHBOARD_PREFIX or path.startswith(DASHBOARD_PREFIX + "/")
+    )
+
+
+def _query_token(exchange: Exchange) -> bytes | None:
+    """The ``token`` query argument (its first value), or None when there is none."""
+    query = bytes(exchange.scope.get("query_string", b"")).decode("latin-1")
+    try:
+        values = parse_qs(query, max_num_fields=16).get("token")
+    except ValueError:  # more fields than any page of ours sends
+        return None
+    if not values or not values[0]:
+        return None
+    return values[0].encode("latin-1", errors="replace")
 
 
 def _api_key(state: ServeState, exchange: Exchange) -> Reply | None:

@@ -19,11 +19,17 @@ Rule 3: names, types and histogram buckets are vLLM's (``vllm:*``, label ``model
         ``inference_lab:*``.
 Rule 4: a model whose engine stopped reports nothing running, waiting or cached (its
         gauges are 0, ``inference_lab:engine_alive`` is 0); its counters keep their values.
+Rule 5: with fine buckets (``--fine-latency-buckets``) the TTFT, ITL / TPOT, E2E and queue
+        histograms have every one of vLLM's bounds plus finer ones below: a query written
+        for vLLM's buckets still finds each of its ``le`` values, and
+        ``histogram_quantile`` reads millisecond latencies instead of interpolating inside
+        vLLM's first bucket.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Literal
 
@@ -44,7 +50,11 @@ from inference_lab.runtime.model import ModelRuntime
 
 __all__ = [
     "E2E_BUCKETS",
+    "FINE_E2E_BUCKETS",
+    "FINE_ITL_BUCKETS",
+    "FINE_TTFT_BUCKETS",
     "ITL_BUCKETS",
+    "RECENT_FINISHED",
     "LAG_BUCKETS",
     "TTFT_BUCKETS",
     "ModelMetrics",
@@ -67,6 +77,30 @@ E2E_BUCKETS = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+#: Fine buckets (Rule 5): vLLM's bounds and finer ones below them, for simulated speeds
+#: (a decode step of a few milliseconds or less). TTFT: ...
+FINE_TTFT_BUCKETS = tuple(
+    sorted(
+        set(TTFT_BUCKETS)
+        | {0.00025, 0.0005, 0.00075, 0.0015, 0.002, 0.0025, 0.003, 0.004, 0.0075, 0.015, 0.03, 0.05}
+    )
+)
+#: ... ITL / TPOT (vLLM's first bound is 10 ms: a 1.4 ms ITL reads as 5 ms there), ...
+FINE_ITL_BUCKETS = tuple(
+    sorted(
+        set(ITL_BUCKETS)
+        | {0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.00125, 0.0015, 0.00175, 0.002}
+        | {0.0025, 0.003, 0.0035, 0.004, 0.005, 0.0075}
+    )
+)
+#: ... and E2E and queue time (vLLM's first bound is 300 ms).
+FINE_E2E_BUCKETS = tuple(
+    sorted(
+        set(E2E_BUCKETS)
+        | {0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.125, 0.15, 0.175}
+        | {0.2, 0.225, 0.25, 0.275, 0.35, 0.4, 0.45, 0.6, 0.7}
+    )
+)
 #: ... and tokens per engine step.
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 #: Pacing lag (ours): how late the engine task handled an engine event, in seconds.
@@ -80,6 +114,8 @@ REJECT_REASONS: tuple[Reason, ...] = ("queue_saturated", "engine_unavailable")
 #: ``abort`` for a request whose client left (or that was cancelled) before it finished.
 FINISH_REASONS = ("stop", "length", "abort")
 _LABEL = ["model_name"]
+#: Finished requests kept for the dashboard's latency window (``serve/dashboard.py``).
+RECENT_FINISHED = 8192
 
 
 def token_buckets(max_value: int) -> tuple[int, ...]:
@@ -128,26 +164,42 @@ class ModelMetrics:
     """One model's counters and histograms, fed by its runtime (the runtime's observer)
     and read at scrape time. Created by :class:`ServeMetrics`."""
 
-    def __init__(self, runtime: ModelRuntime) -> None:
+    def __init__(self, runtime: ModelRuntime, *, fine_buckets: bool = False) -> None:
         self.runtime = runtime
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.preemptions = 0
         self.success: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
         self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
-        self.queue = Histogram(E2E_BUCKETS)
+        self.ttft = Histogram(FINE_TTFT_BUCKETS if fine_buckets else TTFT_BUCKETS)
+        self.itl = Histogram(FINE_ITL_BUCKETS if fine_buckets else ITL_BUCKETS)
+        self.e2e = Histogram(FINE_E2E_BUCKETS if fine_buckets else E2E_BUCKETS)
+        self.queue = Histogram(FINE_E2E_BUCKETS if fine_buckets else E2E_BUCKETS)
         max_len = runtime.deployment.model.max_seq_len
         self.prompt_hist = Histogram(token_buckets(max_len))
         self.generation_hist = Histogram(token_buckets(max_len))
         self.iteration = Histogram(ITERATION_BUCKETS)
         self.lag = Histogram(LAG_BUCKETS)
+        # For the dashboard's sampler (serve/dashboard.py), which reads them between steps:
+        #: the newest finished requests as (finish, TTFT, E2E) in engine seconds ...
+        self.recent: deque[tuple[float, float, float]] = deque(maxlen=RECENT_FINISHED)
+        #: ... how many requests finished in all, ...
+        self.finished = 0
+        #: ... tokens emitted (a request of n > 1 choices: its other n - 1 choices' tokens
+        #: are added when it finishes), ...
+        self.tokens_emitted = 0
+        #: ... engine events handled, and the largest lag since the sampler last reset it.
+        self.lag_events = 0
+        self.lag_peak = 0.0
 
     # -- the engine task (RuntimeObserver) ---------------------------------------------
     def on_step(self, events: StepEvents, lag: float) -> None:
         self.lag.observe(lag)
+        self.lag_events += 1
+        if lag > self.lag_peak:
+            self.lag_peak = lag
+        # a request emits at most one token per sequence per step: one entry each
+        self.tokens_emitted += len(events.tokens)
         step = events.step
         if step is not None:
             self.iteration.observe(step.num_tokens)
@@ -160,8 +212,14 @@ class ModelMetrics:
         self.prompt_tokens += f.prompt_tokens
         self.generation_tokens += generated
         self.success[f.finish_reason] = self.success.get(f.finish_reason, 0) + 1
-        self.ttft.observe(f.first_token_time - f.arrival_time)
-        self.e2e.observe(f.finish_time - f.arrival_time)
+        ttft = f.first_token_time - f.arrival_time
+        e2e = f.finish_time - f.arrival_time
+        self.ttft.observe(ttft)
+        self.e2e.observe(e2e)
+        self.finished += 1
+        self.recent.append((f.finish_time, ttft, e2e))
+        if f.n > 1:
+            self.tokens_emitted += (f.n - 1) * f.output_tokens
         self.queue.observe(f.first_scheduled_time - f.arrival_time)
         self.prompt_hist.observe(f.prompt_tokens)
         self.generation_hist.observe(generated)
@@ -359,10 +417,10 @@ class ServeMetrics:
     """The metrics of one app: a :class:`ModelMetrics` per runtime (installed as its
     observer) and the registry ``GET /metrics`` exports. Built by ``ServeState.build``."""
 
-    def __init__(self, runtimes: Mapping[str, ModelRuntime]) -> None:
+    def __init__(self, runtimes: Mapping[str, ModelRuntime], *, fine_buckets: bool = False) -> None:
         self.models: dict[str, ModelMetrics] = {}
         for name, runtime in runtimes.items():
-            metrics = ModelMetrics(runtime)
+            metrics = ModelMetrics(runtime, fine_buckets=fine_buckets)
             runtime.observer = metrics
             self.models[name] = metrics
         self.registry = CollectorRegistry(auto_describe=False)

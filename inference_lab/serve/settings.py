@@ -108,6 +108,11 @@ class ServeSettings:
     #: A 529 carries ``x-should-retry: false`` (the OpenAI SDK then does not retry it);
     #: False omits the header, so the SDK's ``max_retries`` applies to 529s.
     should_retry_header: bool = True
+    #: The live dashboard (``/control/dashboard``, ``serve/dashboard.py``); False: its
+    #: paths are 404s and no sampler runs.
+    dashboard: bool = True
+    #: Finer TTFT / ITL / E2E / queue histogram buckets on ``/metrics`` (vLLM's and more).
+    fine_latency_buckets: bool = False
 
 
 def _default_config_path(config: str | os.PathLike[str]) -> Path:
@@ -136,6 +141,8 @@ def load_settings(
     allowed_origins: str | None = None,
     enable_test_harness: bool = False,
     should_retry_header: bool = True,
+    dashboard: bool = True,
+    fine_latency_buckets: bool = False,
     on_skip: Callable[[str], None] | None = None,
     labels: Mapping[str, str] | None = None,
 ) -> ServeSettings:
@@ -249,6 +256,8 @@ def load_settings(
         enable_test_harness=enable_test_harness,
         faults=tuple(faults),
         should_retry_header=should_retry_header,
+        dashboard=dashboard,
+        fine_latency_buckets=fine_latency_buckets,
     )
 
 
@@ -381,7 +390,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
     ``_WORKLOAD``, ``_SEED``, ``_DEFAULT_MAX_TOKENS``, ``_TOKENIZER``, ``_CONTROL_TOKEN``,
     ``_BODY_TIMEOUT``,
     ``_API_KEY``, ``_ALLOWED_ORIGINS``, ``_ENABLE_TEST_HARNESS``,
-    ``_NO_SHOULD_RETRY_HEADER``."""
+    ``_NO_SHOULD_RETRY_HEADER``, ``_NO_DASHBOARD``, ``_FINE_LATENCY_BUCKETS``."""
     env = os.environ if environ is None else environ
     enable_test_harness = _env_flag(env, "INFERENCE_LAB_ENABLE_TEST_HARNESS")
     default_max_tokens = _env_int(env, "INFERENCE_LAB_DEFAULT_MAX_TOKENS", 1)
@@ -400,6 +409,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
         allowed_origins=env.get("INFERENCE_LAB_ALLOWED_ORIGINS") or None,
         enable_test_harness=enable_test_harness,
         should_retry_header=not _env_flag(env, "INFERENCE_LAB_NO_SHOULD_RETRY_HEADER"),
+        dashboard=not _env_flag(env, "INFERENCE_LAB_NO_DASHBOARD"),
+        fine_latency_buckets=_env_flag(env, "INFERENCE_LAB_FINE_LATENCY_BUCKETS"),
         on_skip=lambda line: print(f"inference-lab: {line}", file=sys.stderr),
         labels=ENV_LABELS,
     )

@@ -17,6 +17,7 @@ Rule 4: a restart (the test harness: :meth:`ServeState.restart_runtime`) stops o
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import attrs
 import numpy as np
@@ -57,6 +58,9 @@ class ServeState:
     harness: Harness = attrs.field(factory=lambda: Harness(enabled=False))
     #: The nursery the runtimes run in (set by :meth:`start`; a restart starts one there).
     _nursery: trio.Nursery | None = attrs.field(default=None, init=False)
+    #: Called by :meth:`stop` once the runtimes have ended (synchronous, idempotent): the
+    #: dashboard's sampler, whose event streams then end before the connections are cut.
+    stop_hooks: list[Callable[[], None]] = attrs.field(factory=list)
 
     @classmethod
     def build(cls, settings: ServeSettings) -> ServeState:
@@ -67,7 +71,7 @@ class ServeState:
             settings=settings,
             runtimes=runtimes,
             created=int(time.time()),
-            metrics=ServeMetrics(runtimes),
+            metrics=ServeMetrics(runtimes, fine_buckets=settings.fine_latency_buckets),
             harness=Harness(
                 enabled=settings.enable_test_harness,
                 faults=settings.faults,
@@ -121,6 +125,8 @@ class ServeState:
             runtime.stop()
         for runtime in self.runtimes.values():
             await runtime.wait_stopped()
+        for hook in self.stop_hooks:
+            hook()
 
     def live_requests(self) -> int:
         """Requests admitted and not yet ended, plus streams still being written."""

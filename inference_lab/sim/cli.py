@@ -113,6 +113,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--request-csv", type=Path, metavar="PATH", help="write one CSV row per request"
     )
     parser.add_argument(
+        "--report",
+        type=Path,
+        metavar="PATH",
+        help="write a self-contained HTML report: configuration, summary, time series, "
+        "latency distributions (opens offline)",
+    )
+    parser.add_argument(
+        "--timeseries",
+        type=Path,
+        metavar="PATH",
+        help="write the sampled time series as CSV (one row per --series-interval)",
+    )
+    parser.add_argument(
+        "--series-interval",
+        type=number(gt=0),
+        metavar="SECONDS",
+        help="simulated seconds per point of --report's and --timeseries' series (default 0.5)",
+    )
+    parser.add_argument(
         "--seed", type=integer(ge=0), metavar="N", help="override the workload's seed"
     )
     parser.add_argument(
@@ -221,8 +240,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_output("-o", args.output)
         check_output("--request-csv", args.request_csv)
+        check_output("--report", args.report)
+        check_output("--timeseries", args.timeseries)
     except ValueError as exc:
         return fail(PROG, str(exc))
+    wants_series = args.report is not None or args.timeseries is not None
+    if args.series_interval is not None and not wants_series:
+        return fail(PROG, "--series-interval applies to --report and --timeseries only", 2)
     if args.workload is not None:
         for flag, value in (
             ("--trace-format", args.trace_format),
@@ -265,7 +289,16 @@ def run(args: argparse.Namespace) -> int:
             )
             progress, close = _progress_bar(total)
         try:
-            result = run_simulation(deployment, workload, seed=args.seed, progress=progress)
+            from inference_lab.sim.series import DEFAULT_INTERVAL
+
+            interval = args.series_interval or DEFAULT_INTERVAL
+            result = run_simulation(
+                deployment,
+                workload,
+                seed=args.seed,
+                progress=progress,
+                series_interval=interval if wants_series else None,
+            )
         finally:
             close()
         if not args.quiet:
@@ -282,6 +315,19 @@ def run(args: argparse.Namespace) -> int:
         if args.request_csv is not None:
             with open(args.request_csv, "w", encoding="utf-8", newline="") as fh:
                 write_request_csv(result, fh)
+        if args.timeseries is not None and result.series is not None:
+            with open(args.timeseries, "w", encoding="utf-8", newline="") as fh:
+                result.series.write_csv(fh)
+        if args.report is not None:
+            from inference_lab.sim.report import write_report
+
+            with open(args.report, "w", encoding="utf-8") as fh:
+                write_report(
+                    result,
+                    config_dict(deployment, workload, source, seed),
+                    format_config(deployment, workload, source, seed),
+                    fh,
+                )
     except InferenceLabError as exc:
         return fail(PROG, str(exc))
     except OSError as exc:

@@ -22,6 +22,9 @@ Rule 4: `max_waiting` bounds the waiting places as serve's admission does
 Rule 5: requests carry block hashes only when the deployment caches prefixes (the
         generator is given the block size); the prefix-cache figures come from the
         engine's counters at the end of the run and the `Finished` records.
+Rule 6: with `series_interval`, a `SeriesRecorder` (`inference_lab.sim.series`) samples the
+        run at that interval of simulated time: constant work per event and one point per
+        interval, never a row per step.
 
 Dependencies: config -> engine -> this module -> `sim_cli` (the `inference-lab sim` command,
 which prints and writes what the functions of this module's second half format).
@@ -42,6 +45,7 @@ from inference_lab.core.config import Deployment, Workload
 from inference_lab.core.engine import Engine, EngineStatistics, Finished, RequestSpec, StepInfo
 from inference_lab.errors import RequestRefused, SimError
 from inference_lab.sim.capacity import CapacityVerdict, assess_capacity
+from inference_lab.sim.series import Series, SeriesRecorder
 from inference_lab.sim.summary import (
     LATENCY_COLUMNS,
     PrefixCacheSummary,
@@ -119,6 +123,8 @@ class SimResult:
     sessions: SessionSummary | None = None
     #: whether the workload's requests said anything about their content (hashes)
     has_content: bool = False
+    #: the sampled series (Rule 6), when asked for
+    series: Series | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The summary sections of `sim -o`'s JSON, plus the peak queue, the capacity
@@ -144,9 +150,11 @@ def run_simulation(
     workload: Workload | Trace,
     seed: int | None = None,
     progress: Callable[[Progress], None] | None = None,
+    series_interval: float | None = None,
 ) -> SimResult:
     """Run `workload` (seeded with `seed` if given, else its own seed), or replay a trace,
-    on a fresh engine for `deployment` until every request has finished or been refused.
+    on a fresh engine for `deployment` until every request has finished or been refused;
+    with `series_interval`, sample the run every that many simulated seconds (Rule 6).
 
     Raises ConfigError for an unusable workload and SimError for one that cannot progress.
     """
@@ -227,6 +235,8 @@ def run_simulation(
     kv_usage = 0.0
     events = 0
     report_at = PROGRESS_EVERY
+    recorder = SeriesRecorder(series_interval, engine) if series_interval is not None else None
+    series_end = recorder.end if recorder is not None else math.inf
 
     def report() -> None:
         if progress is not None:
@@ -242,8 +252,12 @@ def run_simulation(
                 )
             )
 
-    while next_event_time() is not None:
+    while (t_next := next_event_time()) is not None:
+        if t_next >= series_end and recorder is not None:
+            series_end = recorder.close_until(t_next, engine)
         ev = step()
+        if recorder is not None:
+            recorder.observe(ev)
         info = ev.step
         if info is not None:
             add_step(info)
@@ -262,6 +276,8 @@ def run_simulation(
                         rejected_at.append(arrival.time)
                         reason = f"{places - 1} waiting (max_waiting = {bound})"
                         refuse(arrival, QUEUE_LIMIT, reason)
+                        if recorder is not None:
+                            recorder.refused()
                         if reactive:
                             parked.append(arrival)
                 if ev.time <= mid_arrival:
@@ -319,6 +335,7 @@ def run_simulation(
         ),
         has_content=generator.has_content,
         capacity=capacity,
+        series=recorder.finish(engine.now, engine) if recorder is not None else None,
     )
 
 
