@@ -28,7 +28,7 @@ from typing import IO, Any
 import attrs
 
 from inference_lab.core.config import Deployment, Workload
-from inference_lab.core.engine import Engine, Finished, RequestSpec, StepInfo
+from inference_lab.core.engine import Engine, Finished, RequestSpec, StepEvents, StepInfo
 from inference_lab.errors import RequestRefused, SimError
 from inference_lab.sim.summary import LATENCY_COLUMNS, SimSummary, summarize
 from inference_lab.sim.workload import Arrival, make_generator
@@ -103,9 +103,13 @@ def run_simulation(
     workload: Workload,
     seed: int | None = None,
     progress: Callable[[Progress], None] | None = None,
+    on_events: Callable[[StepEvents], None] | None = None,
 ) -> SimResult:
     """Run `workload` (seeded with `seed` if given, else its own seed) on a fresh engine for
     `deployment` until every request has finished or been refused.
+
+    `on_events`, when given, sees every `StepEvents` the engine returns, in order (the
+    planner's inter-token latencies are measured from them).
 
     Raises ConfigError for an unusable workload and SimError for one that cannot progress.
     """
@@ -179,6 +183,8 @@ def run_simulation(
 
     while next_event_time() is not None:
         ev = step()
+        if on_events is not None:
+            on_events(ev)
         info = ev.step
         if info is not None:
             add_step(info)
