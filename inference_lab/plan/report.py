@@ -453,6 +453,9 @@ def plot_pareto(path: Path, result: PlanResult, ranked: dict[str, list[Row]]) ->
                 edgecolors="tab:red",
                 label="cheapest",
             )
+        xs = [r.goodput_tok_s for r in rs if r.goodput_tok_s]
+        if xs and max(xs) > 30 * min(xs):  # candidates far apart: a log axis shows them all
+            ax.set_xscale("log")
         ax.set_xlabel("goodput at the highest sustainable rate (output tok/s)")
         ax.set_ylabel("cost ($ per hour)")
         ax.set_title(f"{slo_set.name}: {slo_set.label}", fontsize="small")
