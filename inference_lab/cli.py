@@ -63,7 +63,9 @@ def build_parser(command: str | None) -> tuple[CliParser, CliParser | None]:
         prog="inference-lab",
         description="A simulated OpenAI-compatible LLM inference server and its tools.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{sim,serve,load,plan}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}"
+    )
     chosen: CliParser | None = None
     for name, (module, summary) in SUBCOMMANDS.items():
         if name == command:

@@ -66,6 +66,7 @@ def test_wheel_holds_every_module_and_the_shipped_data(wheel: Path) -> None:
         expected = _shipped(kind)
         assert expected and expected <= names, sorted(expected - names)
     assert "inference_lab/configs/workloads/quick.toml" in names
+    assert "inference_lab/plan/prices.toml" in names  # the planner's price table
 
 
 def test_wheel_metadata_bounds_the_server_stack_and_makes_plotting_optional(

@@ -558,3 +558,24 @@ def test_plan_does_not_import_the_serve_stack(tmp_path: Path) -> None:
     assert rc == 0 and "cheapest for tight" in out
     assert not loaded & (SERVE_STACK | {"ray"}), loaded & (SERVE_STACK | {"ray"})
     assert not {"inference_lab.serve.cli", "inference_lab.client"} & loaded
+
+
+def test_request_latencies_agree_with_the_sim_summary_and_the_events_hook() -> None:
+    """The planner's per-request latencies have the summary's definitions (the same
+    percentiles), and ``run_simulation``'s ``on_events`` sees every token it emits."""
+    from inference_lab.sim.run import run_simulation
+    from inference_lab.sim.summary import LatencyStats, request_latencies
+
+    job = _job()
+    tokens = [0]
+
+    def count(ev) -> None:  # type: ignore[no-untyped-def]
+        tokens[0] += sum(c for _, c in ev.tokens)
+
+    result = run_simulation(job.deployment, job.workload, on_events=count)
+    lat = request_latencies(result.finished)
+    s = result.summary
+    for name in ("ttft", "e2e", "queue"):
+        assert LatencyStats.from_seconds(getattr(lat, name)) == getattr(s, name)
+    assert LatencyStats.from_seconds(lat.tpot[~np.isnan(lat.tpot)]) == s.tpot
+    assert int(lat.output_tokens.sum()) == s.output_tokens == tokens[0]
