@@ -11,17 +11,96 @@ Rule 3: `ray` is imported only when a `RayExecutor` is made; ``ray.init`` is cal
         ``"local"`` (a private single-node instance for this plan), ``"auto"`` (the
         cluster this machine belongs to) or an address (``host:port`` or ``ray://...``),
         and ``ray.shutdown`` on `close` only when this executor connected.
+Rule 4: `local_cluster` (tests, benchmarks) starts a cluster of several nodes on this
+        machine whose every process listens on 127.0.0.1 only, and stops every one of
+        them when it exits, however it exits.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from inference_lab.plan.backends import ExecutorStatistics, JobFailure, Outcome
 from inference_lab.plan.jobs import Job, ProbeResult, run_job
 
-__all__ = ["RayExecutor"]
+__all__ = ["RayExecutor", "local_cluster"]
+
+#: Without it Ray replaces 127.0.0.1 by the machine's outward address and its servers
+#: listen on every interface (it is read when ``ray`` is first imported).
+_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _pids_under(temp: str) -> list[int]:
+    """Processes whose command line names `temp` (every process of a cluster started with
+    it as its temporary directory: the GCS, the raylets, the workers)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if temp.encode() in cmdline:
+            out.append(int(entry.name))
+    return out
+
+
+@contextlib.contextmanager
+def local_cluster(
+    nodes: int = 2, cpus_per_node: int = 1, object_store_bytes: int = 80 * 2**20
+) -> Iterator[str]:
+    """A Ray cluster of `nodes` nodes on this machine (Rule 4), this process connected to
+    it as the driver; yields its address (``127.0.0.1:port``).
+
+    Each node is a raylet process of its own (``ray.cluster_utils.Cluster``, the tool
+    Ray's multi-node tests use), the first also the head. The environment variables of
+    `_LOOPBACK_ENV` must be set before ``ray`` is first imported in this process; they are
+    set here, so call this before anything else imports ``ray``."""
+    saved = {k: os.environ.get(k) for k in _LOOPBACK_ENV}
+    os.environ.update(_LOOPBACK_ENV)
+    import ray as ray_module
+    from ray.cluster_utils import Cluster
+
+    ray: Any = ray_module  # partly typed: its calls are checked by the tests
+
+    # A short path: Ray's Unix sockets live under it (a 108-byte limit).
+    temp = tempfile.mkdtemp(prefix="il-ray-", dir="/tmp")
+    Path(tempfile.gettempdir(), "ray").mkdir(exist_ok=True)  # Cluster notes the head there
+    node: dict[str, Any] = {
+        "node_ip_address": "127.0.0.1",
+        "num_cpus": cpus_per_node,
+        "object_store_memory": object_store_bytes,
+        "temp_dir": temp,
+    }
+    cluster: Any = None
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+        for _ in range(nodes - 1):
+            cluster.add_node(**node)
+        ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
+        yield str(cluster.address)
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        for pid in _pids_under(temp):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class RayExecutor:
@@ -33,7 +112,7 @@ class RayExecutor:
         self._ray: Any = ray
         self._owns = not ray.is_initialized()
         if self._owns:
-            kwargs: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": False}
+            kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
             if address == "local":
                 kwargs.update(num_cpus=num_cpus, include_dashboard=False)
             else:
