@@ -186,7 +186,7 @@ def test_the_shipped_example_spec_loads() -> None:
     candidates that run and candidates whose weights do not fit."""
     spec = load_spec(CONFIGS / "plans" / "chat-20rps.toml")
     cands = expand_candidates(spec)
-    assert len(cands) == 5 * 4 * 3 and spec.target_rate == 20
+    assert len(cands) == 5 * 3 * 2 and spec.target_rate == 20
     assert any(c.deployment is None for c in cands) and any(c.deployment for c in cands)
 
 

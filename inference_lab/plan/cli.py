@@ -106,12 +106,11 @@ def _progress_bar(total: int) -> tuple[Callable[[PlanProgress], None], Callable[
     )
 
     def update(p: PlanProgress) -> None:
-        if p.candidates_done > bar.n:
-            bar.update(p.candidates_done - bar.n)
         bar.set_postfix_str(
             f"sims {p.jobs_run} run, {p.jobs_cached} cached, {p.jobs_in_flight} running",
             refresh=False,
         )
+        bar.update(p.candidates_done - bar.n)  # redraws at most every 0.1 s, even by 0
 
     return update, bar.close
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -368,7 +369,8 @@ def _slo_sets(raw: Any, file: Path) -> tuple[SloSet, ...]:
 
 def _relative(file: Path, written: str) -> Path:
     path = Path(written).expanduser()
-    return path if path.is_absolute() else file.parent / path
+    # normpath, not resolve: configs/plans/../x.toml is configs/x.toml in every message
+    return path if path.is_absolute() else Path(os.path.normpath(file.parent / path))
 
 
 def load_spec(path: str | Path, prices_file: Path = PRICES_FILE) -> PlanSpec:
