@@ -49,7 +49,7 @@ class PlanProgress:
     candidates_done: int
     candidates_total: int
     jobs_run: int  # results returned by the executor
-    jobs_cached: int  # probes answered from the cache
+    jobs_cached: int  # probes answered from the cache (per search that asked)
     jobs_in_flight: int
 
 

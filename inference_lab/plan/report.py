@@ -187,8 +187,9 @@ def _knobs(cand: Candidate) -> str:
 
 
 def format_report(result: PlanResult, ranked: dict[str, list[Row]], limit: int = 20) -> str:
-    """The terminal report: per SLO set its table (the first `limit` rows with a rate, then
-    every failure reason once), and its cheapest candidate."""
+    """The terminal report: per SLO set its table (the first `limit` rows with a rate), the
+    reasons of the candidates that found no rate, and its cheapest candidate; then, once,
+    the candidates that cannot run and why."""
     spec = result.spec
     lines: list[str] = []
     for slo_set in spec.slo_sets:
@@ -253,7 +254,7 @@ def format_report(result: PlanResult, ranked: dict[str, list[Row]], limit: int =
             if r.status == "ok" and r.reason and not r.capped:
                 lines.append(f"  {r.candidate.label}: {r.reason}")
         for r in table_rows:
-            if r.status != "ok":
+            if r.status != "ok" and r.candidate.deployment is not None:
                 lines.append(f"  {r.candidate.label}: {r.reason}")
         best = cheapest(table_rows)
         if best is None:
@@ -268,9 +269,14 @@ def format_report(result: PlanResult, ranked: dict[str, list[Row]], limit: int =
                 f"{_num(best.max_rate)} req/s"
             )
         lines.append("")
+    misfits = [cr.candidate for cr in result.candidates if cr.candidate.deployment is None]
+    if misfits:
+        lines.append("cannot run:")
+        lines += [f"  {c.label}: {c.error}" for c in misfits]
+        lines.append("")
     lines.append(
         f"{len(result.candidates)} candidates, {len(spec.slo_sets)} SLO set(s): "
-        f"{result.jobs_run} simulations run, {result.jobs_cached} from the cache"
+        f"{result.jobs_run} simulations run, {result.jobs_cached} probes from the cache"
         + (f", {result.jobs_failed} failed" if result.jobs_failed else "")
         + f", {result.wall_s:,.1f} s"
     )
