@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -20,13 +21,21 @@ import pytest
 
 from inference_lab import cli
 from inference_lab.core.config import load_deployment, load_workload
+from inference_lab.core.engine import StepEvents
 from inference_lab.errors import ConfigError
 from inference_lab.plan import backends
 from inference_lab.plan.backends import InlineExecutor, ProcessExecutor
 from inference_lab.plan.cache import ResultCache
-from inference_lab.plan.jobs import ITL_PERCENTILES, make_job, probe_workload, run_job
+from inference_lab.plan.jobs import (
+    ITL_PERCENTILES,
+    Job,
+    ProbeResult,
+    make_job,
+    probe_workload,
+    run_job,
+)
 from inference_lab.plan.planner import PlanProgress, PlanResult, run_plan
-from inference_lab.plan.report import cheapest, pareto_front, rows
+from inference_lab.plan.report import Row, cheapest, pareto_front, rows
 from inference_lab.plan.search import RateSearch, good_requests, slo_value_ms, verdict
 from inference_lab.plan.spec import (
     SearchConfig,
@@ -42,7 +51,10 @@ from tests.test_cli import SERVE_STACK, loaded_after
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def plan(spec_path: Path, cache_dir: Path, executor: backends.Executor | None = None, **kw):  # type: ignore[no-untyped-def]
+def plan(
+    spec_path: Path, cache_dir: Path, executor: backends.Executor | None = None, **kw: Any
+) -> PlanResult:
+    """The spec at `spec_path` planned with `executor` (default in-process), closed after."""
     spec = load_spec(spec_path)
     ex = executor if executor is not None else InlineExecutor()
     try:
@@ -283,7 +295,7 @@ def test_good_requests_meet_every_per_request_bound() -> None:
 # -- jobs and the cache ------------------------------------------------------------------
 
 
-def _job(rate: float = 50.0, config: Path = CONFIGS / "gpt-oss-20b.toml"):  # type: ignore[no-untyped-def]
+def _job(rate: float = 50.0, config: Path = CONFIGS / "gpt-oss-20b.toml") -> Job:
     dep = load_deployment(config, "b200")
     lengths = load_workload(CONFIGS / "workloads" / "quick.toml")
     return make_job(dep, probe_workload(lengths, rate, 40, 3))
@@ -401,6 +413,30 @@ def test_a_process_pool_gives_the_same_answer_after_a_worker_is_killed(
     assert executor.worker_pids() == []  # closed: no worker left
 
 
+def test_a_job_submitted_after_a_worker_died_is_sent_to_the_new_pool() -> None:
+    """A worker dies, the pool's in-flight job fails with BrokenProcessPool, and only then is
+    another job submitted (the planner submits between results): neither submit nor the
+    iteration raises; both jobs are answered, by a new pool, with run_job's own answer."""
+    from concurrent.futures import wait as wait_futures
+
+    executor = ProcessExecutor(1)
+    first, second = _job(rate=50.0), _job(rate=60.0)
+    try:
+        executor.submit(first)
+        os.kill(executor.worker_pids()[0], signal.SIGKILL)
+        wait_futures(list(executor._futures))  # the pool is now broken (private: the test's view)
+        executor.submit(second)
+        got = {job.key: outcome for job, outcome in executor.results()}
+    finally:
+        executor.close()
+    assert set(got) == {first.key, second.key}
+    for job in (first, second):
+        outcome = got[job.key]
+        assert isinstance(outcome, ProbeResult) and outcome.same_answer(run_job(job))
+    stats = executor.statistics()
+    assert stats.restarts == 1 and stats.retried == 1 and stats.completed == 2
+
+
 def test_a_job_that_raises_fails_only_its_candidate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: tuple[Path, PlanResult]
 ) -> None:
@@ -409,7 +445,7 @@ def test_a_job_that_raises_fails_only_its_candidate(
     spec, expected = reference
     real = backends.run_job
 
-    def flaky(job):  # type: ignore[no-untyped-def]
+    def flaky(job: Job) -> ProbeResult:
         if job.deployment.hardware_name == "h100":
             raise RuntimeError("boom")
         return real(job)
@@ -481,7 +517,8 @@ def test_the_ranking_puts_the_cheapest_deployment_that_carries_the_target_first(
         assert groups == sorted(groups)
         first = [r for r in ranked if r.first_group]
         assert all(r.max_rate is not None and r.max_rate >= 300 for r in first)
-        assert [r.cost_per_hour for r in first] == sorted(r.cost_per_hour for r in first)  # type: ignore[type-var]
+        costs = [r.cost_per_hour or 0.0 for r in first]
+        assert costs == sorted(costs)
         assert cheapest(ranked) is (first[0] if first else None)
         for r in ranked:
             if r.status == "ok" and r.usd_per_mtok is not None:
@@ -495,7 +532,9 @@ def test_the_ranking_puts_the_cheapest_deployment_that_carries_the_target_first(
         front = pareto_front(ranked)
         priced = [r for r in ranked if r.status == "ok" and r.cost_per_hour is not None]
 
-        def beats(a, b) -> bool:  # type: ignore[no-untyped-def]
+        def beats(a: Row, b: Row) -> bool:
+            assert a.goodput_tok_s is not None and b.goodput_tok_s is not None
+            assert a.cost_per_hour is not None and b.cost_per_hour is not None
             return (
                 a.goodput_tok_s >= b.goodput_tok_s
                 and a.cost_per_hour <= b.cost_per_hour
@@ -569,7 +608,7 @@ def test_request_latencies_agree_with_the_sim_summary_and_the_events_hook() -> N
     job = _job()
     tokens = [0]
 
-    def count(ev) -> None:  # type: ignore[no-untyped-def]
+    def count(ev: StepEvents) -> None:
         tokens[0] += sum(c for _, c in ev.tokens)
 
     result = run_simulation(job.deployment, job.workload, on_events=count)

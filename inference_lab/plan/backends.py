@@ -144,6 +144,7 @@ class ProcessExecutor:
         self._context = multiprocessing.get_context("spawn")
         self._pool: ProcessPoolExecutor | None = None
         self._futures: dict[Future[ProbeResult], Job] = {}
+        self._stranded: list[Job] = []  # submitted while the pool was broken: not yet sent
         self._attempts: dict[str, int] = {}
         self._submitted = 0
         self._completed = 0
@@ -167,8 +168,13 @@ class ProcessExecutor:
         return [p.pid for p in procs.values() if p.pid is not None]
 
     def _send(self, job: Job) -> None:
+        try:
+            future = self._ensure_pool().submit(run_job, job)
+        except BrokenProcessPool:  # a worker died since `results` last looked
+            self._stranded.append(job)
+            return
         self._attempts[job.key] = self._attempts.get(job.key, 0) + 1
-        self._futures[self._ensure_pool().submit(run_job, job)] = job
+        self._futures[future] = job
 
     def submit(self, job: Job) -> None:
         self._submitted += 1
@@ -187,7 +193,10 @@ class ProcessExecutor:
             proc.join(timeout=5)
 
     def results(self) -> Iterator[tuple[Job, Outcome]]:
-        while self._futures:
+        while self._futures or self._stranded:
+            if self._stranded:
+                yield from self._recover()
+                continue
             done, _ = wait(list(self._futures), return_when=FIRST_COMPLETED)
             broken = False
             for fut in done:
@@ -209,9 +218,12 @@ class ProcessExecutor:
     def _recover(self) -> Iterator[tuple[Job, Outcome]]:
         """Rule 2: answer what the broken pool finished, run the rest on a new pool."""
         pending = list(self._futures.items())
+        stranded, self._stranded = self._stranded, []
         self._futures.clear()
         self._kill_pool()
         self._restarts += 1
+        for job in stranded:
+            self._send(job)
         for fut, job in pending:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self._completed += 1
@@ -229,6 +241,7 @@ class ProcessExecutor:
         for fut in self._futures:
             fut.cancel()
         self._futures.clear()
+        self._stranded.clear()
         self._kill_pool()
 
     def statistics(self) -> ExecutorStatistics:

@@ -74,7 +74,15 @@ def local_cluster(
 
     # A short path: Ray's Unix sockets live under it (a 108-byte limit).
     temp = tempfile.mkdtemp(prefix="il-ray-", dir="/tmp")
-    Path(tempfile.gettempdir(), "ray").mkdir(exist_ok=True)  # Cluster notes the head there
+    # Cluster notes the head's address in <system temp>/ray/ray_current_cluster (for a
+    # later ray.init()); the directory may not exist on a machine that never ran Ray.
+    try:
+        from ray._common.utils import get_default_ray_temp_dir
+
+        note = Path(get_default_ray_temp_dir(), "ray_current_cluster")  # type: ignore[no-untyped-call]
+    except ImportError:  # another Ray layout: its default
+        note = Path(tempfile.gettempdir(), "ray", "ray_current_cluster")
+    note.parent.mkdir(exist_ok=True)
     node: dict[str, Any] = {
         "node_ip_address": "127.0.0.1",
         "num_cpus": cpus_per_node,
@@ -96,6 +104,9 @@ def local_cluster(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(temp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            if cluster is not None and note.read_text().strip() == cluster.address:
+                note.unlink()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
