@@ -8,13 +8,16 @@ requests, probes of --duration simulated seconds. Each backend starts from an em
 and must give the same answer as the others. Per backend it prints the wall time, the
 jobs run, the speed-up over one process, and the overhead per task: (wall time x
 workers - the jobs' own run time) / jobs, i.e. what each job costs beyond its simulation
-(pickling, queues, scheduling, idle workers at the end).
+(pickling, queues, scheduling, idle workers at the end). Before and after, it prints how
+many cores two busy processes get on this machine at that moment (2.00 when it is idle),
+since on a shared machine that, not the backend, bounds the speed-up.
 
     python scripts/bench_plan.py [--duration S] [--no-ray]
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import sys
 import tempfile
 import time
@@ -61,6 +64,27 @@ rel_tol = 0.2
 ttft_p99_ms = 100
 tpot_p99_ms = 20
 """
+
+
+def _spin(n: int) -> float:
+    start = time.perf_counter()
+    total = 0
+    for i in range(n):
+        total += i * i
+    return time.perf_counter() - start
+
+
+def machine_parallelism(n: int = 20_000_000) -> float:
+    """How many cores this machine gives two busy processes right now: 2.0 on an idle
+    2-core machine, less when other work shares it (the same pure-Python loop, alone and
+    then twice at once)."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        alone = pool.apply(_spin, (n,))
+        start = time.perf_counter()
+        pool.map(_spin, [n, n])
+        both = time.perf_counter() - start
+    return 2 * alone / both
 
 
 def decisions(result: PlanResult) -> list[object]:
@@ -112,6 +136,7 @@ def main() -> int:
         cands = expand_candidates(spec)
         runnable = sum(1 for c in cands if c.deployment is not None)
         print(f"space: {len(cands)} candidates, {runnable} can run; probes of {args.duration:g} s")
+        print(f"machine: two busy processes get {machine_parallelism():.2f} cores (before)")
 
         backends: list[tuple[str, Callable[[], Executor]]] = [
             ("in-process", InlineExecutor),
@@ -151,6 +176,7 @@ def main() -> int:
             f"{name:<14} {workers:>7} {result.wall_s:>8.1f} {jobs:>6} {busy:>10.1f} "
             f"{one / result.wall_s:>7.2f}x {overhead:>16.1f}"
         )
+    print(f"machine: two busy processes get {machine_parallelism():.2f} cores (after)")
     print("every backend gave the same answer")
     return 0
 
