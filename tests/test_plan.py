@@ -408,7 +408,8 @@ def test_a_process_pool_gives_the_same_answer_after_a_worker_is_killed(
             killed.append(pid)
 
     result = plan(spec, tmp_path / "cache", executor, progress=kill_one)
-    assert killed and executor.statistics().restarts >= 1
+    stats = executor.statistics()
+    assert killed and stats.restarts >= 1 and stats.retried >= 1  # jobs in flight ran again
     assert answer(result) == answer(expected)
     assert executor.worker_pids() == []  # closed: no worker left
 
