@@ -8,10 +8,10 @@ so each one runs in seconds; the Ray backend has its own file (test_plan_ray.py)
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -584,7 +584,10 @@ def test_command_errors_are_one_line_and_exit_1(
     assert err.startswith("inference-lab plan: error: ") and "tp: every value" in err
     assert "\n" not in err
     good = write_spec(tmp_path)
-    monkeypatch.setitem(sys.modules, "ray", None)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a)
+    )
     assert cli.main(["plan", str(good), "-o", str(tmp_path / "o"), "--ray", "local"]) == 1
     assert "--ray needs Ray: pip install 'inference-lab[ray]'" in capsys.readouterr().err
 

@@ -3,13 +3,16 @@ raylet process of its own with one CPU, every process bound to 127.0.0.1
 (``ray_backend.local_cluster``: Ray's own ``ray.cluster_utils.Cluster``, each node joined
 to the head's GCS). Teardown stops the driver and both nodes, then kills by pid any
 process still running from the cluster's private temporary directory, whatever the test
-did. The two tests take about 20 s together, the cluster's start included.
+did. The third test runs ``--ray local`` in a fresh interpreter. The three take about 40 s
+together, the clusters' starts included.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -94,3 +97,20 @@ def test_the_command_runs_on_a_ray_address(
     on_ray = capsys.readouterr().out
     assert cli.main([*argv, "-o", str(tmp_path / "inline"), "--inline"]) == 0
     assert on_ray == capsys.readouterr().out and "cheapest for tight" in on_ray
+
+
+def test_ray_local_starts_a_private_instance(tmp_path: Path) -> None:
+    """``--ray local`` (in a fresh interpreter, as a user runs it) starts its own Ray
+    instance, plans on it, stops it, and reports what ``--inline`` reports."""
+    one = SPEC.replace('hardware = ["h100", "b200"]', 'hardware = ["h100"]')
+    spec = write_spec(tmp_path, one)
+
+    def plan_with(*flags: str) -> str:
+        argv = [sys.executable, "-m", "inference_lab.cli", "plan", str(spec), "-q", *flags]
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout
+
+    on_ray = plan_with("-o", str(tmp_path / "ray"), "--ray", "local")
+    assert on_ray == plan_with("-o", str(tmp_path / "inline"), "--inline")
+    assert "cheapest for tight" in on_ray

@@ -19,6 +19,7 @@ Rule 3: the report's files are written into ``--out`` (``plan.json``, ``plan.csv
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Callable
@@ -121,10 +122,8 @@ def _executor(args: argparse.Namespace) -> Executor:
     if args.inline:
         return InlineExecutor()
     if args.ray is not None:
-        try:
-            import ray  # noqa: F401
-        except ImportError:
-            raise ValueError("--ray needs Ray: pip install 'inference-lab[ray]'") from None
+        if importlib.util.find_spec("ray") is None:  # looked up, not imported (ray_backend Rule 3)
+            raise ValueError("--ray needs Ray: pip install 'inference-lab[ray]'")
         from inference_lab.plan.ray_backend import RayExecutor
 
         return RayExecutor(args.ray, max_retries=args.retries, num_cpus=args.workers)

@@ -8,9 +8,10 @@ Rule 1: each job is one Ray task running `jobs.run_job`; the job carries its res
 Rule 2: a task whose worker process dies is retried by Ray itself (``max_retries``); one
         that still fails is a `JobFailure`, like a job that raises.
 Rule 3: `ray` is imported only when a `RayExecutor` is made; ``ray.init`` is called with
-        ``"local"`` (a private single-node instance for this plan), ``"auto"`` (the
-        cluster this machine belongs to) or an address (``host:port`` or ``ray://...``),
-        and ``ray.shutdown`` on `close` only when this executor connected.
+        ``"local"`` (a private single-node instance for this plan, listening on 127.0.0.1
+        only), ``"auto"`` (the cluster this machine belongs to) or an address
+        (``host:port`` or ``ray://...``), and ``ray.shutdown`` on `close` only when this
+        executor connected.
 Rule 4: `local_cluster` (tests, benchmarks) starts a cluster of several nodes on this
         machine whose every process listens on 127.0.0.1 only, and stops every one of
         them when it exits, however it exits.
@@ -23,6 +24,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,8 +41,9 @@ _LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENAB
 
 
 def _pids_under(temp: str) -> list[int]:
-    """Processes whose command line names `temp` (every process of a cluster started with
-    it as its temporary directory: the GCS, the raylets, the workers)."""
+    """Processes whose command line names `temp`: the GCS, the raylets and their helpers of
+    a cluster started with it as its temporary directory (a worker retitles itself
+    ``ray::...``, and exits with its raylet)."""
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -118,16 +121,22 @@ class RayExecutor:
     """Jobs as Ray tasks (the module's Rules)."""
 
     def __init__(self, address: str, *, max_retries: int = 3, num_cpus: int | None = None) -> None:
+        if address == "local" and "ray" not in sys.modules:
+            # a private instance listens on 127.0.0.1 only (read when ray is imported)
+            for key, value in _LOOPBACK_ENV.items():
+                os.environ.setdefault(key, value)
         import ray
 
         self._ray: Any = ray
         self._owns = not ray.is_initialized()
         if self._owns:
-            kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
+            kwargs: dict[str, Any] = {
+                "address": address,
+                "logging_level": logging.WARNING,
+                "log_to_driver": False,
+            }
             if address == "local":
                 kwargs.update(num_cpus=num_cpus, include_dashboard=False)
-            else:
-                kwargs["address"] = address
             ray.init(**kwargs)
         self._task = ray.remote(num_cpus=1, max_retries=max_retries)(run_job)
         self._refs: dict[Any, Job] = {}
