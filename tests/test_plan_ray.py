@@ -33,6 +33,67 @@ def ray_cluster() -> Iterator[str]:
         yield address
 
 
+_LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+
+
+def _family(pid: int) -> set[int]:
+    """`pid` and every process descended from it."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    family = {pid}
+    grew = True
+    while grew:
+        new = {child for child, ppid in parent.items() if ppid in family} - family
+        family |= new
+        grew = bool(new)
+    return family
+
+
+def _listening_addresses(pids: set[int]) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} writes them) of the TCP sockets that
+    `pids` listen on."""
+    inodes = set()
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                out.add(fields[1].split(":")[0])
+    return out
+
+
+def test_every_process_of_the_cluster_listens_on_loopback_only(ray_cluster: str) -> None:
+    """The head, the second node, their workers and this driver listen on 127.0.0.1 (or
+    ::1) only, never on every interface."""
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def pid() -> int:
+        return os.getpid()
+
+    assert ray.get([pid.remote() for _ in range(4)])  # workers started on both nodes
+    addresses = _listening_addresses(_family(os.getpid()))
+    assert addresses and addresses <= _LOOPBACK, addresses
+
+
 def test_a_plan_on_two_ray_nodes_survives_a_killed_worker(ray_cluster: str, tmp_path: Path) -> None:
     """The small plan as Ray tasks over both nodes; as soon as a worker that has returned a
     result is running another task, it gets SIGKILL mid-task. Ray runs that task again, and
