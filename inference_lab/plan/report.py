@@ -10,9 +10,9 @@ Rule 1: the figures of a candidate and an SLO set are computed once, from the pr
         - $/Mtok = $/h / (goodput tok/s x 3600) x 10^6: the cost of a million output tokens
           served within the SLOs at the highest rate the candidate sustains.
 Rule 2: the ranking of a set: candidates with a rate, a price and (when the spec sets
-        ``target_rate``) a rate at or above it come first, by $/h when there is a target
-        (the cheapest deployment that carries the traffic) else by $/Mtok, then by higher
-        rate; then the priced ones below the target and the unpriced ones, by rate; then
+        ``target_rate``) a rate at or above it come first, by $/h then $/Mtok when there is
+        a target (the cheapest deployment that carries the traffic) else by $/Mtok, ties by
+        higher rate; then the priced ones below the target and the unpriced ones, by rate; then
         those that sustain no rate; then the failures with their reasons. The first of
         the first group is the set's cheapest candidate; there may be none.
 Rule 3: the Pareto front of a set is the ranked candidates with a rate and a price that no
