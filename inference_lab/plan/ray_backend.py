@@ -135,8 +135,10 @@ class RayExecutor:
                 "logging_level": logging.WARNING,
                 "log_to_driver": False,
             }
-            if address == "local":
-                kwargs.update(num_cpus=num_cpus, include_dashboard=False)
+            if address == "local":  # results are tens of kB: a small object store will do
+                kwargs.update(
+                    num_cpus=num_cpus, include_dashboard=False, object_store_memory=256 * 2**20
+                )
             ray.init(**kwargs)
         self._task = ray.remote(num_cpus=1, max_retries=max_retries)(run_job)
         self._refs: dict[Any, Job] = {}
