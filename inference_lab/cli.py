@@ -1,4 +1,4 @@
-"""The ``inference-lab`` command: ``sim``, ``serve`` and ``load``.
+"""The ``inference-lab`` command: ``sim``, ``serve``, ``load`` and ``plan``.
 
 Each subcommand is one module exposing ``add_parser(subparsers)`` (its flags) and
 ``run(args) -> int`` (the work); this module only picks the subcommand and dispatches.
@@ -50,6 +50,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "inference_lab.client.cli",
         "drive a server with closed-loop, open-loop or adaptive (AIMD) load",
     ),
+    "plan": (
+        "inference_lab.plan.cli",
+        "find the cheapest deployment that serves a workload within its SLOs",
+    ),
 }
 
 
@@ -68,7 +72,9 @@ def build_parser(command: str | None) -> tuple[CliParser, CliParser | None]:
         version=f"inference-lab {package_version()}",
         help="print the installed version and exit",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{sim,serve,load}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}"
+    )
     chosen: CliParser | None = None
     for name, (module, summary) in SUBCOMMANDS.items():
         if name == command:

@@ -67,9 +67,10 @@ def test_parsing_loads_no_machinery(argv: list[str]) -> None:
 
 
 def test_top_level_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
-    """``inference-lab --help`` names the three subcommands with their summaries."""
+    """``inference-lab --help`` names every subcommand with its summary."""
     assert cli.main(["--help"]) == 0
-    out = " ".join(capsys.readouterr().out.split())  # argparse wraps the summaries
+    # argparse wraps the summaries, also after a hyphen ("roofline-" / "paced")
+    out = " ".join(capsys.readouterr().out.split()).replace("- ", "-")
     for name, (_, summary) in cli.SUBCOMMANDS.items():
         assert name in out and summary in out
 
@@ -92,8 +93,8 @@ def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
-        ([], "inference-lab: error: the following arguments are required: {sim,serve,load}"),
-        (["bogus"], "inference-lab: error: argument {sim,serve,load}: invalid choice: 'bogus'"),
+        ([], "inference-lab: error: the following arguments are required: {sim,serve,load,plan}"),
+        (["bogus"], "inference-lab: error: argument {sim,serve,load,plan}: invalid choice: 'bogus'"),
         (["sim"], "inference-lab sim: error: the following arguments are required: --config"),
         (["load", "--url", "http://h", "--model", "m", "--requests", "1", "--rate", "nan"],
          "inference-lab load: error: argument --rate: must be a number > 0, got nan"),

@@ -72,12 +72,14 @@ def test_wheel_holds_every_module_and_the_shipped_data(wheel: Path) -> None:
     web.discard("__pycache__")
     assert {"uPlot.iife.min.js", "uPlot.LICENSE", "dashboard.html", "report.html"} <= web
     assert {f"inference_lab/web/{n}" for n in web} <= names
+    assert "inference_lab/plan/prices.toml" in names  # the planner's price table
 
 
 def test_wheel_metadata_bounds_the_server_stack_and_makes_plotting_optional(
     wheel: Path,
 ) -> None:
-    """hypercorn and quart-trio are bounded above; matplotlib is only in the ``plot`` extra."""
+    """hypercorn and quart-trio are bounded above; matplotlib is only in the ``plot`` extra
+    and Ray only in the ``ray`` extra."""
     with zipfile.ZipFile(wheel) as z:
         (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
         message = email.parser.Parser().parsestr(z.read(meta).decode())
@@ -86,6 +88,8 @@ def test_wheel_metadata_bounds_the_server_stack_and_makes_plotting_optional(
     assert "<" in by_name["hypercorn"] and "<" in by_name["quart-trio"]
     matplotlib = [r for r in requires if r.lower().startswith("matplotlib")]
     assert matplotlib and all('extra == "plot"' in r for r in matplotlib)
+    ray = [r for r in requires if r.lower().startswith("ray")]  # plan --ray: optional too
+    assert ray and all('extra == "ray"' in r for r in ray)
 
 
 def test_installed_wheel_serves_its_shipped_configs_from_anywhere(

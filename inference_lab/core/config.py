@@ -837,3 +837,79 @@ def _read_rate_points(path: Path, workload: Path) -> tuple[tuple[float, float], 
     except FieldError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     return tuple(points)
+
+
+# ---------------------------------------------------------------------------------------
+# deployment variants (capacity planning: ``inference_lab.plan``)
+
+
+def base_deployment(
+    config: ModelConfig, hardware: str, profiles_dir: Path | None = None
+) -> Deployment:
+    """``config``'s ``[hardware.<hardware>]`` deployment; when it has no such entry, one
+    built from the hardware profile ``<hardware>.toml`` with a default entry (tp 1, one
+    replica) and the config's ``[scheduler]``. The second is not validated here (a plan
+    changes its tp before :func:`vary_deployment` checks it); ConfigError when the profile
+    does not exist."""
+    if hardware in config.deployments:
+        return config.deployments[hardware]
+    profiles = profiles_dir if profiles_dir is not None else default_profiles_dir(config.path)
+    profile_path = profiles / f"{hardware}.toml"
+    if not profile_path.is_file():
+        raise ConfigError(
+            f"{config.path}: hardware.{hardware}: no such entry and no hardware profile "
+            f"{profile_path}"
+        )
+    return Deployment(
+        model=config.model,
+        scheduler=config.scheduler,
+        hardware=HardwareEntry(),
+        profile=load_hardware_profile(profile_path),
+        hardware_name=hardware,
+        config_path=config.path,
+    )
+
+
+def vary_deployment(
+    dep: Deployment,
+    *,
+    tp: int | None = None,
+    replicas: int | None = None,
+    scheduler: Mapping[str, Any] | None = None,
+    where: str = "",
+) -> Deployment:
+    """``dep`` with another tp, replica count or scheduler settings, checked exactly as a
+    config file's entry is (parallelism, precisions, fit, KV blocks).
+
+    ``scheduler`` values go through the strict converter on top of ``dep``'s settings;
+    ``where`` names their source in an error (``plan.toml: scheduler``). Raises ConfigError,
+    one line: why this variant cannot run (the weights do not fit, tp needs a fabric, ...).
+    """
+    hardware = dep.hardware
+    if tp is not None or replicas is not None:
+        hardware = attrs.evolve(
+            hardware,
+            tp=hardware.tp if tp is None else tp,
+            replicas=hardware.replicas if replicas is None else replicas,
+        )
+    sched = dep.scheduler
+    if scheduler:
+        merged = {**attrs.asdict(sched), **scheduler}
+        sched = _structure(merged, SchedulerConfig, Path(where or dep.config_path), "scheduler")
+    out = attrs.evolve(dep, hardware=hardware, scheduler=sched)
+    profiles = default_profiles_dir(dep.config_path)
+    _validate_deployment(out, dep.config_path, profiles / f"{dep.hardware_name}.toml")
+    return out
+
+
+def structure_table(raw: Any, cls: type[T], file: Path, path: str = "") -> T:
+    """``raw`` (a TOML table) as ``cls`` through the strict converter; ConfigError with
+    ``file: key.path: message`` (Rules 1-2). For files whose loader lives elsewhere (the
+    planner's spec)."""
+    return _structure(raw, cls, file, path)
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file's top-level table; ConfigError naming the file when it is missing,
+    unreadable or invalid."""
+    return _read_toml(path)

@@ -42,7 +42,14 @@ import attrs
 
 from inference_lab.core.admission import Admission
 from inference_lab.core.config import Deployment, Workload
-from inference_lab.core.engine import Engine, EngineStatistics, Finished, RequestSpec, StepInfo
+from inference_lab.core.engine import (
+    Engine,
+    EngineStatistics,
+    Finished,
+    RequestSpec,
+    StepEvents,
+    StepInfo,
+)
 from inference_lab.errors import RequestRefused, SimError
 from inference_lab.sim.capacity import CapacityVerdict, assess_capacity
 from inference_lab.sim.series import Series, SeriesRecorder
@@ -151,10 +158,14 @@ def run_simulation(
     seed: int | None = None,
     progress: Callable[[Progress], None] | None = None,
     series_interval: float | None = None,
+    on_events: Callable[[StepEvents], None] | None = None,
 ) -> SimResult:
     """Run `workload` (seeded with `seed` if given, else its own seed), or replay a trace,
     on a fresh engine for `deployment` until every request has finished or been refused;
     with `series_interval`, sample the run every that many simulated seconds (Rule 6).
+
+    `on_events`, when given, sees every `StepEvents` the engine returns, in order (the
+    planner's inter-token latencies are measured from them).
 
     Raises ConfigError for an unusable workload and SimError for one that cannot progress.
     """
@@ -258,6 +269,8 @@ def run_simulation(
         ev = step()
         if recorder is not None:
             recorder.observe(ev)
+        if on_events is not None:
+            on_events(ev)
         info = ev.step
         if info is not None:
             add_step(info)

@@ -36,11 +36,13 @@ __all__ = [
     "LatencyStats",
     "PrefixCacheSummary",
     "ReplicaSummary",
+    "RequestLatencies",
     "SessionSummary",
     "SimSummary",
     "StepLike",
     "prefix_cache_summary",
     "replica_summaries",
+    "request_latencies",
     "session_summary",
     "summarize",
 ]
@@ -421,3 +423,34 @@ def session_summary(
         for k, rs in sorted(by_turn.items())
     )
     return SessionSummary(sessions=len(sessions), turns=len(finished), by_turn=turns)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class RequestLatencies:
+    """Each completed request's latencies in seconds, aligned by index (completion order),
+    with the definitions `summarize` uses: TTFT, E2E and queue from the arrival; TPOT NaN
+    for a request of one output token (Rule 3). Who uses it: the capacity planner, which
+    needs any percentile and each request's own verdict, not only the summary's four."""
+
+    ttft: npt.NDArray[np.float64]
+    tpot: npt.NDArray[np.float64]
+    e2e: npt.NDArray[np.float64]
+    queue: npt.NDArray[np.float64]
+    output_tokens: npt.NDArray[np.int64]  # per request (n sequences: n times each one's)
+
+
+def request_latencies(finished: Sequence[FinishedLike]) -> RequestLatencies:
+    """The per-request latencies of `finished` (see `RequestLatencies`)."""
+    arrival = _column(finished, "arrival_time")
+    first_token = _column(finished, "first_token_time")
+    finish = _column(finished, "finish_time")
+    output = _column(finished, "output_tokens")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tpot = np.where(output > 1, (finish - first_token) / (output - 1), np.nan)
+    return RequestLatencies(
+        ttft=first_token - arrival,
+        tpot=tpot,
+        e2e=finish - arrival,
+        queue=_column(finished, "first_scheduled_time") - arrival,
+        output_tokens=(output * _column(finished, "n")).astype(np.int64),
+    )

@@ -1,0 +1,189 @@
+"""Ray tasks as a planning backend (the ``ray`` extra): `RayExecutor`.
+
+Rule 1: each job is one Ray task running `jobs.run_job`; the job carries its resolved
+        deployment and workload (jobs.py Rule 1), so the spec's files travel inside the
+        task's arguments and a worker on another machine opens no file. The workers need
+        this package at the planner's version (``pip install inference-lab`` on each
+        node): the code version is in every job's key, not shipped.
+Rule 2: a task whose worker process dies is retried by Ray itself (``max_retries``); one
+        that still fails is a `JobFailure`, like a job that raises.
+Rule 3: `ray` is imported only when a `RayExecutor` is made; ``ray.init`` is called with
+        ``"local"`` (a private single-node instance for this plan, listening on 127.0.0.1
+        only), ``"auto"`` (the cluster this machine belongs to) or an address
+        (``host:port`` or ``ray://...``), and ``ray.shutdown`` on `close` only when this
+        executor connected.
+Rule 4: `local_cluster` (tests, benchmarks) starts a cluster of several nodes on this
+        machine whose every process listens on 127.0.0.1 only, and stops every one of
+        them when it exits, however it exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from inference_lab.plan.backends import ExecutorStatistics, JobFailure, Outcome
+from inference_lab.plan.jobs import Job, ProbeResult, run_job
+
+__all__ = ["RayExecutor", "local_cluster"]
+
+#: Without it Ray replaces 127.0.0.1 by the machine's outward address and its servers
+#: listen on every interface (it is read when ``ray`` is first imported).
+_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _pids_under(temp: str) -> list[int]:
+    """Processes whose command line names `temp`: the GCS, the raylets and their helpers of
+    a cluster started with it as its temporary directory (a worker retitles itself
+    ``ray::...``, and exits with its raylet)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if temp.encode() in cmdline:
+            out.append(int(entry.name))
+    return out
+
+
+@contextlib.contextmanager
+def local_cluster(
+    nodes: int = 2, cpus_per_node: int = 1, object_store_bytes: int = 80 * 2**20
+) -> Iterator[str]:
+    """A Ray cluster of `nodes` nodes on this machine (Rule 4), this process connected to
+    it as the driver; yields its address (``127.0.0.1:port``).
+
+    Each node is a raylet process of its own (``ray.cluster_utils.Cluster``, the tool
+    Ray's multi-node tests use), the first also the head. The environment variables of
+    `_LOOPBACK_ENV` must be set before ``ray`` is first imported in this process; they are
+    set here, so call this before anything else imports ``ray``."""
+    saved = {k: os.environ.get(k) for k in _LOOPBACK_ENV}
+    os.environ.update(_LOOPBACK_ENV)
+    import ray as ray_module
+    from ray.cluster_utils import Cluster
+
+    ray: Any = ray_module  # partly typed: its calls are checked by the tests
+
+    # A short path: Ray's Unix sockets live under it (a 108-byte limit).
+    temp = tempfile.mkdtemp(prefix="il-ray-", dir="/tmp")
+    # Cluster notes the head's address in <system temp>/ray/ray_current_cluster (for a
+    # later ray.init()); the directory may not exist on a machine that never ran Ray.
+    try:
+        from ray._common.utils import get_default_ray_temp_dir
+
+        note = Path(get_default_ray_temp_dir(), "ray_current_cluster")  # type: ignore[no-untyped-call]
+    except ImportError:  # another Ray layout: its default
+        note = Path(tempfile.gettempdir(), "ray", "ray_current_cluster")
+    note.parent.mkdir(exist_ok=True)
+    node: dict[str, Any] = {
+        "node_ip_address": "127.0.0.1",
+        "num_cpus": cpus_per_node,
+        "object_store_memory": object_store_bytes,
+        "temp_dir": temp,
+    }
+    cluster: Any = None
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+        for _ in range(nodes - 1):
+            cluster.add_node(**node)
+        ray.init(address=cluster.address, logging_level=logging.WARNING, log_to_driver=False)
+        yield str(cluster.address)
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        for pid in _pids_under(temp):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            if cluster is not None and note.read_text().strip() == cluster.address:
+                note.unlink()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+class RayExecutor:
+    """Jobs as Ray tasks (the module's Rules)."""
+
+    def __init__(self, address: str, *, max_retries: int = 3, num_cpus: int | None = None) -> None:
+        if address == "local" and "ray" not in sys.modules:
+            # a private instance listens on 127.0.0.1 only (read when ray is imported)
+            for key, value in _LOOPBACK_ENV.items():
+                os.environ.setdefault(key, value)
+        import ray
+
+        self._ray: Any = ray
+        self._owns = not ray.is_initialized()
+        if self._owns:
+            kwargs: dict[str, Any] = {
+                "address": address,
+                "logging_level": logging.WARNING,
+                "log_to_driver": False,
+            }
+            if address == "local":  # results are tens of kB: a small object store will do
+                kwargs.update(
+                    num_cpus=num_cpus, include_dashboard=False, object_store_memory=256 * 2**20
+                )
+            ray.init(**kwargs)
+        self._task = ray.remote(num_cpus=1, max_retries=max_retries)(run_job)
+        self._refs: dict[Any, Job] = {}
+        self._submitted = 0
+        self._completed = 0
+
+    @property
+    def parallelism(self) -> int:
+        return max(1, int(self._ray.cluster_resources().get("CPU", 1)))
+
+    def submit(self, job: Job) -> None:
+        self._refs[self._task.remote(job)] = job
+        self._submitted += 1
+
+    def results(self) -> Iterator[tuple[Job, Outcome]]:
+        ray = self._ray
+        while self._refs:
+            ready, _ = ray.wait(list(self._refs), num_returns=1)
+            for ref in ready:
+                job = self._refs.pop(ref)
+                outcome: Outcome
+                try:
+                    result = ray.get(ref)
+                    outcome = (
+                        result if isinstance(result, ProbeResult) else JobFailure(repr(result))
+                    )
+                except Exception as exc:  # noqa: BLE001 - RayTaskError, WorkerCrashedError, ...
+                    lines = str(exc).strip().splitlines()
+                    outcome = JobFailure(f"{type(exc).__name__}: {lines[-1] if lines else ''}")
+                self._completed += 1
+                yield job, outcome
+
+    def close(self) -> None:
+        ray = self._ray
+        for ref in list(self._refs):
+            try:
+                ray.cancel(ref, force=True)
+            except Exception:  # noqa: BLE001, S110 - a task that already finished
+                pass
+        self._refs.clear()
+        if self._owns and ray.is_initialized():
+            ray.shutdown()
+        self._owns = False
+
+    def statistics(self) -> ExecutorStatistics:
+        return ExecutorStatistics(
+            submitted=self._submitted, completed=self._completed, retried=0, restarts=0
+        )
