@@ -52,11 +52,14 @@ def new_request_id(kind: Literal["chat", "completions"]) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{random_hex()}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """A response's ``usage``, with OpenAI's ``prompt_tokens_details.cached_tokens``: the
+    prompt tokens the engine found in its prefix cache (``Finished.cached_tokens``)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -67,10 +70,11 @@ def completion_body(
     created: int,
     completion_tokens: int,
     finish_reason: str,
+    cached_tokens: int = 0,
 ) -> bytes:
-    """The non-streaming response body. ``completion_tokens`` and ``finish_reason`` are
-    one choice's (the engine's ``Finished``); there are ``request.n`` identical choices
-    and usage counts ``n * completion_tokens``. The text is :meth:`ParsedRequest.output_text`
+    """The non-streaming response body. ``completion_tokens``, ``finish_reason`` and
+    ``cached_tokens`` are the engine's ``Finished``; there are ``request.n`` identical
+    choices and usage counts ``n * completion_tokens``. The text is :meth:`ParsedRequest.output_text`
     and the finish reason :meth:`ParsedRequest.finish_reason`."""
     text = request.output_text(completion_tokens)
     reason = request.finish_reason(finish_reason, completion_tokens)
@@ -106,7 +110,7 @@ def completion_body(
     head["created"] = created
     head["model"] = request.model
     head["choices"] = choices
-    head["usage"] = usage(request.prompt_tokens, completion_tokens * request.n)
+    head["usage"] = usage(request.prompt_tokens, completion_tokens * request.n, cached_tokens)
     return dumps(head)
 
 
@@ -291,11 +295,11 @@ class StreamEncoder:
             for frame in row
         )
 
-    def closing(self, finish_reason: str, completion_tokens: int) -> bytes:
+    def closing(self, finish_reason: str, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         """The finish frame of each choice, the usage frame when asked for, and ``[DONE]``.
 
-        ``finish_reason`` and ``completion_tokens`` are one choice's (the engine's
-        ``Finished``): usage counts ``n * completion_tokens``. A stream that a stop string
+        ``finish_reason``, ``completion_tokens`` and ``cached_tokens`` are the engine's
+        ``Finished`` (one choice's tokens): usage counts ``n * completion_tokens``. A stream that a stop string
         would have cut but that ended before the stop string completed first gets the
         text its cut frames held back, so its frames still concatenate to the whole text.
         """
@@ -323,7 +327,7 @@ class StreamEncoder:
                     + b"}]}\n\n"
                 )
         if request.include_usage:
-            use = dumps(usage(request.prompt_tokens, completion_tokens * n))
+            use = dumps(usage(request.prompt_tokens, completion_tokens * n, cached_tokens))
             frames += self._head + b'"choices":[],"usage":' + use + b"}\n\n"
         return frames + DONE_FRAME
 
