@@ -113,6 +113,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--request-csv", type=Path, metavar="PATH", help="write one CSV row per request"
     )
     parser.add_argument(
+        "--write-sessions",
+        type=Path,
+        metavar="PATH",
+        help="a session workload: write its sessions (starts, turns, think times) as JSONL "
+        "for `inference-lab load --sessions`",
+    )
+    parser.add_argument(
         "--seed", type=integer(ge=0), metavar="N", help="override the workload's seed"
     )
     parser.add_argument(
@@ -221,8 +228,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_output("-o", args.output)
         check_output("--request-csv", args.request_csv)
+        check_output("--write-sessions", args.write_sessions)
     except ValueError as exc:
         return fail(PROG, str(exc))
+    if args.write_sessions is not None and args.workload is None:
+        return fail(PROG, "--write-sessions applies to a --workload with [sessions]", 2)
     if args.workload is not None:
         for flag, value in (
             ("--trace-format", args.trace_format),
@@ -253,6 +263,13 @@ def run(args: argparse.Namespace) -> int:
             workload = load_workload(workload_path)
             source = str(workload_path)
             seed = workload.seed if args.seed is None else args.seed
+            if args.write_sessions is not None:
+                if workload.sessions is None:
+                    return fail(PROG, f"--write-sessions: {source} has no [sessions] table")
+                from inference_lab.sim.workload import session_records
+                from inference_lab.traffic.sessions import write_sessions
+
+                write_sessions(args.write_sessions, session_records(workload, args.seed))
         if not args.quiet:
             print(format_config(deployment, workload, source, seed), flush=True)
         progress: Callable[[Progress], None] | None = None
