@@ -6,9 +6,13 @@ directory) and a tiktoken encoding built from that BPE's ranks (saved as a ``.ti
 rank file), each loaded through ``inference_lab.api.tokenizer.load_tokenizer`` exactly as the
 server loads one. Each ``--tokenizer PATH`` adds a tokenizer file of your own. For each it
 times ``parse_completion_request`` and ``parse_chat_request`` on a body whose prompt is
-about 1,000 tokens, against the byte rule, and prints the median microseconds per request.
+about 1,000 tokens, against the byte rule, and prints the median microseconds per request:
+counting only, and counting and hashing for prefix caching (``api/hashing.py``, the
+chain of the prompt and a 16-token answer at ``--block-size``), as a model that caches
+prefixes parses it.
 
-    python scripts/bench_tokenize.py [--tokens 1000] [--repeat 200] [--tokenizer PATH ...]
+    python scripts/bench_tokenize.py [--tokens 1000] [--repeat 200] [--block-size 16]
+        [--tokenizer PATH ...]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from inference_lab.api.hashing import PromptHashing
 from inference_lab.api.requests import parse_chat_request, parse_completion_request
 from inference_lab.api.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from inference_lab.errors import ConfigError
@@ -119,9 +124,11 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--vocab", type=int, default=8000, help="trained BPE vocabulary")
     parser.add_argument("--tokenizer", type=Path, action="append", default=[])
+    parser.add_argument("--block-size", type=int, default=16, help="hashing's block size")
     args = parser.parse_args()
-    if args.tokens < 1 or args.repeat < 1 or args.vocab < 256:
-        parser.error("--tokens and --repeat must be at least 1, --vocab at least 256")
+    if args.tokens < 1 or args.repeat < 1 or args.vocab < 256 or args.block_size < 1:
+        parser.error("--tokens, --repeat and --block-size must be at least 1, --vocab at least 256")
+    hashing = PromptHashing(block_size=args.block_size, max_positions=1 << 20)
     for path in args.tokenizer:
         try:
             load_tokenizer(path)
@@ -139,7 +146,10 @@ def main() -> int:
             elapsed = (time.perf_counter() - start) * 1e3
             print(f"loaded {name}: {tokenizers[name].vocab_size:,} tokens in {elapsed:.0f} ms")
         print(f"\nper request, median of {args.repeat}, prompt of ~{args.tokens} tokens:")
-        print(f"{'tokenizer':44s} {'prompt tokens':>13s} {'completions':>12s} {'chat':>10s}")
+        print(
+            f"{'tokenizer':32s} {'prompt tokens':>13s} {'completions':>12s} {'chat':>10s}"
+            f" {'compl.+hash':>12s} {'chat+hash':>10s}"
+        )
         for name, tok in tokenizers.items():
             text = prompt_of(tok, args.tokens)
             comp = {"model": "m", "prompt": text, "max_tokens": 16}
@@ -149,7 +159,17 @@ def main() -> int:
                 partial(parse_completion_request, comp, 16, tokenizer=tok), args.repeat
             )
             us_chat = median_us(partial(parse_chat_request, chat, 16, tokenizer=tok), args.repeat)
-            print(f"{name[:44]:44s} {count:13,d} {us_comp:10.1f}us {us_chat:8.1f}us")
+            hc = median_us(
+                partial(parse_completion_request, comp, 16, tokenizer=tok, hashing=hashing),
+                args.repeat,
+            )
+            hchat = median_us(
+                partial(parse_chat_request, chat, 16, tokenizer=tok, hashing=hashing), args.repeat
+            )
+            print(
+                f"{name[:32]:32s} {count:13,d} {us_comp:10.1f}us {us_chat:8.1f}us"
+                f" {hc:10.1f}us {hchat:8.1f}us"
+            )
     return 0
 
 

@@ -6,6 +6,7 @@ engine kill / restart / slowdown. The same modes on real sockets are in
 
 from __future__ import annotations
 
+import itertools
 import json
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -498,7 +499,12 @@ async def test_scripted_answer_streams_role_content_calls_finish_with_usage_done
             {},
         ]
         assert decoded[-1]["choices"][0]["finish_reason"] == "stop"
-        assert set(decoded[-1]["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+        assert set(decoded[-1]["usage"]) == {
+            "prompt_tokens",
+            "completion_tokens",
+            "total_tokens",
+            "prompt_tokens_details",
+        }
         assert all("usage" not in d for d in decoded[:-1])
         assert len({d["id"] for d in decoded}) == 1
 
@@ -719,9 +725,15 @@ async def test_engine_control_is_behind_the_control_token(
         assert (status, body["alive"]) == (200, False)
 
 
+_LONE = itertools.count()
+
+
 async def lone_request_e2e(s: Served) -> float:
+    """E2E of a lone request of 4,000 characters; each call's prompt differs from the first
+    character on, so no call finds an earlier one's blocks in the prefix cache."""
     start = trio.current_time()
-    status, _ = await post_json(s, "/v1/chat/completions", chat_body("x" * 4000, max_tokens=64))
+    text = f"{next(_LONE):04d}" + "x" * 3996
+    status, _ = await post_json(s, "/v1/chat/completions", chat_body(text, max_tokens=64))
     assert status == 200
     return trio.current_time() - start
 

@@ -302,7 +302,12 @@ def test_n_choices_have_indices_and_usage_counts_them_all() -> None:
     body = body_of(parsed, 4)
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert {c["message"]["content"] for c in body["choices"]} == {"the of and to"}
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 12,
+        "total_tokens": 17,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     ChatCompletion.model_validate(body)
     completions = parse_completion_request(completion(n=2, max_tokens=2), 256)
     body = body_of(completions, 2)

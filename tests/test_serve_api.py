@@ -310,7 +310,7 @@ def test_chat_stream_frames_are_exact() -> None:
         == (
             f'data: {head}"choices":[{{"index":0,"delta":{{}},"finish_reason":"length"}}]}}\n\n'
             f'data: {head}"choices":[],"usage":{{"prompt_tokens":5,"completion_tokens":2,'
-            '"total_tokens":7}}\n\n'
+            '"total_tokens":7,"prompt_tokens_details":{"cached_tokens":0}}}\n\n'
             "data: [DONE]\n\n"
         ).encode()
     )
@@ -366,7 +366,12 @@ def test_non_streaming_bodies_strip_the_trailing_space() -> None:
                 "finish_reason": "length",
             }
         ],
-        "usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
+        "usage": {
+            "prompt_tokens": 5,
+            "completion_tokens": 3,
+            "total_tokens": 8,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
     }
     echo = _parsed("completions", stream=False, echo_text="hi ")
     body = json.loads(

@@ -214,7 +214,12 @@ async def test_chat_stream_frames(serve: ServeFactory, include_usage: bool) -> N
     if include_usage:
         assert len(frames) == 6
         assert frames[5]["choices"] == []
-        assert frames[5]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+        assert frames[5]["usage"] == {
+            "prompt_tokens": 5,
+            "completion_tokens": 3,
+            "total_tokens": 8,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
     else:
         assert len(frames) == 5
 
@@ -246,6 +251,7 @@ async def test_completions_stream_frames(serve: ServeFactory, include_usage: boo
             "prompt_tokens": 3,
             "completion_tokens": 2,
             "total_tokens": 5,
+            "prompt_tokens_details": {"cached_tokens": 0},
         }
     assert len(frames) == (4 if include_usage else 3)
 
@@ -276,7 +282,12 @@ async def test_chat_non_streaming_body(serve: ServeFactory) -> None:
             "finish_reason": "length",
         }
     ]
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 async def test_completions_non_streaming_body_with_echo(serve: ServeFactory) -> None:
@@ -288,7 +299,12 @@ async def test_completions_non_streaming_body_with_echo(serve: ServeFactory) -> 
         body = json.loads(await response.get_data())
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
     assert body["choices"] == [{"text": "hello worldthe of", "index": 0, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 async def test_default_max_tokens_sets_the_response_length(serve: ServeFactory) -> None:

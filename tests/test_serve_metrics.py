@@ -75,6 +75,9 @@ async def test_every_family_has_vllms_name_and_type_per_model(serve: ServeFactor
         "vllm:prompt_tokens": "counter",
         "vllm:generation_tokens": "counter",
         "vllm:num_preemptions": "counter",
+        "vllm:prefix_cache_queries": "counter",
+        "vllm:prefix_cache_hits": "counter",
+        "vllm:cache_config_info": "gauge",
         "vllm:request_success": "counter",
         "vllm:time_to_first_token_seconds": "histogram",
         "vllm:inter_token_latency_seconds": "histogram",
@@ -227,10 +230,10 @@ async def test_preemptions_match_the_engines_count(
     the counter is the engine's own count (summed from the steps it reports)."""
     dep = make_settings(LLAMA).deployments[0]
     settings = make_settings(LLAMA, kv_cache_capacity=10 * dep.block_bytes)  # 10 blocks
-    body = {"model": LLAMA, "prompt": "x" * 256, "max_tokens": 48}  # 64 prompt tokens
     async with serve(settings) as s:
         async with trio.open_nursery() as nursery:
-            for _ in range(2):
+            for letter in "xy":  # 64 prompt tokens each, no block in common
+                body = {"model": LLAMA, "prompt": letter * 256, "max_tokens": 48}
                 nursery.start_soon(s.post, "/v1/completions", body)
         _, samples = await scrape(s)
         preemptions = s.runtime(LLAMA).engine.statistics().preemptions
@@ -444,3 +447,47 @@ async def test_fine_buckets_let_histogram_quantile_read_a_sub_millisecond_itl(
     else:
         assert itl == pytest.approx(0.005)
         assert e2e_q == pytest.approx(0.15)  # half of vLLM's first E2E bucket (0.3 s)
+
+
+# -- the prefix cache ---------------------------------------------------------------------------
+
+
+async def test_prefix_cache_counters_are_the_engines_tokens_per_replica(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    """vllm:prefix_cache_queries_total / _hits_total carry the engine's own token counts,
+    one series per replica (label engine); the same request twice hits on its second
+    admission, and the scrape's sums equal the usage's cached tokens."""
+    async with serve(make_settings()) as s:
+        body = chat_body("a prompt worth caching " * 60, max_tokens=4)
+        cached = []
+        for _ in range(2):
+            response = await s.post("/v1/chat/completions", body)
+            usage = json.loads(await response.get_data())["usage"]
+            cached.append(usage["prompt_tokens_details"]["cached_tokens"])
+        prompt = usage["prompt_tokens"]
+        _, samples = await scrape(s)
+        stats = s.runtime().engine.statistics()
+    assert value(samples, "vllm:prefix_cache_queries_total", engine="0") == 2 * prompt
+    assert value(samples, "vllm:prefix_cache_hits_total", engine="0") == sum(cached) > 0
+    assert stats.prefix_cache_hits == sum(cached)
+
+
+async def test_cache_config_info_names_block_size_blocks_and_caching(
+    serve: ServeFactory,
+) -> None:
+    """vllm:cache_config_info is 1 with vLLM's labels: block size, GPU blocks of each
+    replica, whether prefix caching is on (str() of the value, as vLLM writes them)."""
+    async with serve(make_settings(GPT, LLAMA, enable_prefix_caching=False)) as s:
+        _, samples = await scrape(s)
+        runtimes = {name: s.runtime(name) for name in (GPT, LLAMA)}
+    for name, runtime in runtimes.items():
+        dep = runtime.deployment
+        labels = {
+            "engine": "0",
+            "block_size": str(dep.scheduler.block_size),
+            "num_gpu_blocks": str(dep.total_blocks),
+            "enable_prefix_caching": "False",
+            "gpu_memory_utilization": str(dep.scheduler.gpu_memory_utilization),
+        }
+        assert value(samples, "vllm:cache_config_info", name, **labels) == 1

@@ -56,11 +56,14 @@ def new_request_id(kind: Literal["chat", "completions"]) -> str:
     return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{random_hex()}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """A response's ``usage``, with OpenAI's ``prompt_tokens_details.cached_tokens``: the
+    prompt tokens the engine found in its prefix cache (``Finished.cached_tokens``)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -79,6 +82,7 @@ def _body_head(
     completion_tokens: int,
     finish_reason: str,
     logprobs: Any,
+    cached_tokens: int = 0,
 ) -> dict[str, Any]:
     """The non-streaming body as a dict, each choice's ``logprobs`` (when asked for) being
     ``logprobs``."""
@@ -108,7 +112,7 @@ def _body_head(
     head["created"] = created
     head["model"] = request.model
     head["choices"] = choices
-    head["usage"] = usage(request.prompt_tokens, completion_tokens * request.n)
+    head["usage"] = usage(request.prompt_tokens, completion_tokens * request.n, cached_tokens)
     return head
 
 
@@ -119,10 +123,11 @@ def completion_body(
     created: int,
     completion_tokens: int,
     finish_reason: str,
+    cached_tokens: int = 0,
 ) -> bytes:
-    """The non-streaming response body. ``completion_tokens`` and ``finish_reason`` are
-    one choice's (the engine's ``Finished``); there are ``request.n`` identical choices
-    and usage counts ``n * completion_tokens``. The text is :meth:`ParsedRequest.output_text`
+    """The non-streaming response body. ``completion_tokens``, ``finish_reason`` and
+    ``cached_tokens`` are the engine's ``Finished``; there are ``request.n`` identical
+    choices and usage counts ``n * completion_tokens``. The text is :meth:`ParsedRequest.output_text`
     and the finish reason :meth:`ParsedRequest.finish_reason`."""
     logprobs: dict[str, Any] | None = None
     if request.logprobs is not None:
@@ -140,6 +145,7 @@ def completion_body(
             completion_tokens=completion_tokens,
             finish_reason=finish_reason,
             logprobs=logprobs,
+            cached_tokens=cached_tokens,
         )
     )
 
@@ -187,6 +193,7 @@ def body_pieces(
     created: int,
     completion_tokens: int,
     finish_reason: str,
+    cached_tokens: int = 0,
 ) -> Iterator[bytes]:
     """:func:`completion_body` in pieces, each holding at most :data:`PIECE_TOKENS`
     tokens' logprobs, so a large body never holds up its sender for long: the pieces
@@ -198,6 +205,7 @@ def body_pieces(
         completion_tokens=completion_tokens,
         finish_reason=finish_reason,
         logprobs=_LOGPROBS_SLOT,
+        cached_tokens=cached_tokens,
     )
     encoded = dumps(head)
     if request.logprobs is None:
@@ -397,11 +405,11 @@ class StreamEncoder:
             for frame in row
         )
 
-    def closing(self, finish_reason: str, completion_tokens: int) -> bytes:
+    def closing(self, finish_reason: str, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         """The finish frame of each choice, the usage frame when asked for, and ``[DONE]``.
 
-        ``finish_reason`` and ``completion_tokens`` are one choice's (the engine's
-        ``Finished``): usage counts ``n * completion_tokens``. A stream that a stop string
+        ``finish_reason``, ``completion_tokens`` and ``cached_tokens`` are the engine's
+        ``Finished`` (one choice's tokens): usage counts ``n * completion_tokens``. A stream that a stop string
         would have cut but that ended before the stop string completed first gets the
         text its cut frames held back, so its frames still concatenate to the whole text.
         """
@@ -429,7 +437,7 @@ class StreamEncoder:
                     + b"}]}\n\n"
                 )
         if request.include_usage:
-            use = dumps(usage(request.prompt_tokens, completion_tokens * n))
+            use = dumps(usage(request.prompt_tokens, completion_tokens * n, cached_tokens))
             frames += self._head + b'"choices":[],"usage":' + use + b"}\n\n"
         return frames + DONE_FRAME
 

@@ -13,6 +13,10 @@ Rule 2: everything about the output is decided at parse time, because the text i
         text.
 Rule 3: a parse function raises only :class:`ApiError` (400), which carries the whole
         envelope.
+Rule 4: given a :class:`~inference_lab.api.hashing.PromptHashing` (the model caches
+        prefixes), the prompt is counted and hashed in one pass
+        (:mod:`inference_lab.api.hashing`): the request carries its block hashes, and the
+        count is the same as without hashing.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any, Literal
 
 import attrs
 
+from inference_lab.api.hashing import PromptHashing, hash_chat, hash_text, hash_token_ids
 from inference_lab.api.schema import (
     ChatBody,
     CompletionBody,
@@ -98,6 +103,10 @@ class ParsedRequest:
     stop_after: int | None = None
     stop_chars: int | None = None
     logprobs: int | None = None
+    #: The hash chain of the prompt and the answer (Rule 4; empty without hashing).
+    block_hashes: tuple[int, ...] = ()
+    #: The token ids hashed (numpy int64), kept only for the KV-events publisher.
+    hashed_tokens: Any = None
 
     @property
     def output_cap(self) -> int:
@@ -175,10 +184,15 @@ def _include_usage(stream: bool, options: StreamOptions | None) -> bool:
 
 
 def parse_chat_request(
-    raw: dict[str, Any], default_max_tokens: int, *, tokenizer: Tokenizer | None = None
+    raw: dict[str, Any],
+    default_max_tokens: int,
+    *,
+    tokenizer: Tokenizer | None = None,
+    hashing: PromptHashing | None = None,
 ) -> ParsedRequest:
     """Validate a ``/v1/chat/completions`` body and count its prompt with ``tokenizer``
-    (None: the byte rule); raises :class:`ApiError` (400)."""
+    (None: the byte rule), hashing it with ``hashing`` (Rule 4); raises :class:`ApiError`
+    (400)."""
     body: ChatBody = structure(raw, ChatBody)
     n = body.n or 1
     _check_best_of(body.best_of, n)
@@ -188,13 +202,23 @@ def parse_chat_request(
         )
     messages = chat_messages(body.messages, body.tools)
     tok = tokenizer if tokenizer is not None else BYTE_TOKENIZER
-    try:
-        prompt_tokens = tok.count_chat(messages, body.tools)
-    except ChatTemplateError as exc:
-        raise invalid_value("messages", truncate_echo(str(exc))) from None
     max_tokens = body.max_completion_tokens
     if max_tokens is None:
         max_tokens = body.max_tokens if body.max_tokens is not None else default_max_tokens
+    stop = _stop_fields(body.stop, max_tokens)
+    hashed: dict[str, Any] = {}
+    try:
+        if hashing is None:
+            prompt_tokens = tok.count_chat(messages, body.tools)
+        else:
+            answer, answer_tokens = hashing.answer(
+                max_tokens, stop.get("stop_after"), stop.get("stop_chars")
+            )
+            result = hash_chat(tok, messages, body.tools, answer, answer_tokens, hashing)
+            prompt_tokens = result.count
+            hashed = {"block_hashes": result.hashes, "hashed_tokens": result.tokens}
+    except ChatTemplateError as exc:
+        raise invalid_value("messages", truncate_echo(str(exc))) from None
     stream = bool(body.stream)
     return ParsedRequest(
         kind="chat",
@@ -206,7 +230,8 @@ def parse_chat_request(
         priority=body.priority or 0,
         n=n,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        **_stop_fields(body.stop, max_tokens),
+        **stop,
+        **hashed,
     )
 
 
@@ -215,10 +240,15 @@ def _token_echo(ids: tuple[int, ...]) -> str:
 
 
 def parse_completion_request(
-    raw: dict[str, Any], default_max_tokens: int, *, tokenizer: Tokenizer | None = None
+    raw: dict[str, Any],
+    default_max_tokens: int,
+    *,
+    tokenizer: Tokenizer | None = None,
+    hashing: PromptHashing | None = None,
 ) -> ParsedRequest:
     """Validate a ``/v1/completions`` body and count its prompt with ``tokenizer`` (None:
-    the byte rule; token ids count exactly); raises :class:`ApiError` (400)."""
+    the byte rule; token ids count exactly), hashing it with ``hashing`` (Rule 4); raises
+    :class:`ApiError` (400)."""
     body: CompletionBody = structure(raw, CompletionBody)
     n = body.n or 1
     _check_best_of(body.best_of, n)
@@ -229,8 +259,20 @@ def parse_completion_request(
         )
     prompt = prompts[0]
     tok = tokenizer if tokenizer is not None else BYTE_TOKENIZER
+    max_tokens = body.max_tokens if body.max_tokens is not None else default_max_tokens
+    stop = _stop_fields(body.stop, max_tokens)
+    hashed: dict[str, Any] = {}
+    if hashing is not None:
+        answer, answer_tokens = hashing.answer(
+            max_tokens, stop.get("stop_after"), stop.get("stop_chars")
+        )
+        if isinstance(prompt, str):
+            result = hash_text(tok, prompt, answer, answer_tokens, hashing)
+        else:
+            result = hash_token_ids(tok, prompt, answer, answer_tokens, hashing)
+        hashed = {"block_hashes": result.hashes, "hashed_tokens": result.tokens}
     if isinstance(prompt, str):
-        tokens = tok.count(prompt)
+        tokens = tok.count(prompt) if hashing is None else result.count
         echo_text = prompt
     else:
         tokens = len(prompt)
@@ -241,7 +283,6 @@ def parse_completion_request(
                 raise invalid_value("prompt", f"prompt: {exc}") from None
         else:  # the byte rule gives token ids no text: they echo as placeholder words
             echo_text = _token_echo(prompt)
-    max_tokens = body.max_tokens if body.max_tokens is not None else default_max_tokens
     stream = bool(body.stream)
     return ParsedRequest(
         kind="completions",
@@ -254,7 +295,8 @@ def parse_completion_request(
         echo_text=echo_text if body.echo else "",
         n=n,
         logprobs=body.logprobs,
-        **_stop_fields(body.stop, max_tokens),
+        **stop,
+        **hashed,
     )
 
 

@@ -353,6 +353,11 @@ class _RealTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether chat prompts are rendered by the model's own template (Rule 4)."""
+        return self._template is not None
+
     def count(self, text: str, *, add_special_tokens: bool = True) -> int:
         return len(self.encode(text, add_special_tokens=add_special_tokens))
 

@@ -37,6 +37,7 @@ from inference_lab.cli_args import (
 
 if TYPE_CHECKING:
     from .load import LoadConfig, LoadResult, RequestRecord, Sample
+    from .replay import ReplayConfig
 
 __all__ = ["add_parser", "run"]
 
@@ -54,7 +55,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "load",
         description="Load generator for an OpenAI-compatible server: closed loop "
         "(--concurrency), open loop (--rate) or adaptive (--adaptive aimd), bounded by "
-        "--duration or --requests.",
+        "--duration or --requests; or a replay of multi-turn sessions (--sessions) or of a "
+        "trace (--trace).",
     )
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8080")
     p.add_argument(
@@ -78,7 +80,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="N",
         help="with --rate: cap on requests in flight; with --adaptive: the ceiling (1024)",
     )
-    bound = p.add_mutually_exclusive_group(required=True)
+    bound = p.add_mutually_exclusive_group()
     bound.add_argument(
         "--duration", type=_positive_float, metavar="S", help="send requests for S seconds"
     )
@@ -154,6 +156,36 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--plot", type=Path, metavar="PNG", help="draw limit, latency and 529 rate over time"
     )
+    r = p.add_argument_group("replaying traffic (instead of --rate / --duration / --requests)")
+    src = r.add_mutually_exclusive_group()
+    src.add_argument(
+        "--sessions",
+        type=Path,
+        metavar="FILE",
+        help="replay multi-turn sessions (a session file: `inference-lab sim --write-sessions`):"
+        " each turn resends the conversation after its think time; TTFT per turn. With "
+        "--concurrency N, N users take the sessions in turn; else each starts at its time",
+    )
+    src.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE",
+        help="replay a trace at its times (mooncake / openai_batch JSONL, azure / burstgpt CSV)",
+    )
+    r.add_argument(
+        "--trace-format",
+        choices=("mooncake", "azure", "burstgpt", "openai_batch"),
+        help="the trace's format (default: told from its first line)",
+    )
+    r.add_argument(
+        "--speedup", type=_positive_float, metavar="X", help="replay the trace X times faster"
+    )
+    r.add_argument(
+        "--trace-window",
+        type=_window,
+        metavar="START:END",
+        help="replay only the trace's requests from START to END seconds (END may be empty)",
+    )
     x = p.add_argument_group("bounds and sampling")
     x.add_argument(
         "--request-timeout",
@@ -182,11 +214,72 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _window(text: str) -> tuple[float, float | None]:
+    """``START:END`` seconds (END may be empty)."""
+    start_text, sep, end_text = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        start = float(start_text) if start_text.strip() else 0.0
+        end = float(end_text) if end_text.strip() else None
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be START:END seconds, got {text!r}") from None
+    if start < 0 or (end is not None and not end > start):
+        raise argparse.ArgumentTypeError(f"needs 0 <= START < END, got {text!r}")
+    return start, end
+
+
+_REPLAY_ONLY = ("trace_format", "speedup", "trace_window")
+_NOT_WITH_REPLAY = (
+    "rate",
+    "max_concurrency",
+    "duration",
+    "requests",
+    "adaptive",
+    "window",
+    "backoff",
+    "max_retries",
+    "plot",
+)
+
+
+def _replay_config_from_args(args: argparse.Namespace) -> ReplayConfig:
+    """The replay's config (``--sessions`` / ``--trace``); ValueError (one line) for
+    flags that do not go with it."""
+    from .replay import ReplayConfig
+
+    for flag in _NOT_WITH_REPLAY:
+        if getattr(args, flag, None) not in (None, False):
+            raise ValueError(f"--{flag.replace('_', '-')} does not go with --sessions / --trace")
+    if args.warmup or args.prompt_tokens != 50 or args.max_tokens != 200 or args.no_stream:
+        raise ValueError(
+            "--warmup, --prompt-tokens, --max-tokens and --no-stream do not go with "
+            "--sessions / --trace (the traffic sets the lengths; replays stream)"
+        )
+    return ReplayConfig(
+        url=args.url,
+        model=args.model,
+        sessions=args.sessions,
+        trace=args.trace,
+        concurrency=args.concurrency,
+        endpoint=args.endpoint,
+        trace_format=args.trace_format,
+        speedup=args.speedup if args.speedup is not None else 1.0,
+        window=args.trace_window,
+        request_timeout=args.request_timeout,
+        connect_timeout=10.0,
+        check_model=not args.no_model_check,
+    )
+
+
 def _config_from_args(args: argparse.Namespace) -> LoadConfig:
     """Build the run's config (called by :func:`run`); ``ValueError`` (one line) for
     combinations argparse allows but the run does not."""
     from .load import LoadConfig
 
+    for flag in _REPLAY_ONLY:
+        if getattr(args, flag, None) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')} needs --trace")
     if args.adaptive is None:
         for flag in ("window", "backoff", "max_retries"):
             if getattr(args, flag) is not None:
@@ -326,8 +419,84 @@ async def _drive(config: LoadConfig, progress: _Progress) -> LoadResult:
     return result
 
 
+def _run_replay(args: argparse.Namespace) -> int:
+    """``--sessions`` / ``--trace``: replay the traffic, print the per-turn report."""
+    try:
+        config = _replay_config_from_args(args)
+    except ValueError as exc:
+        return fail(PROG, str(exc), EXIT_USAGE)
+    try:
+        check_output("-o", args.output)
+        check_output("--csv", args.csv)
+    except ValueError as exc:
+        return fail(PROG, str(exc))
+    import json
+    import signal
+
+    import trio
+
+    from inference_lab.errors import ConfigError
+
+    from .replay import (
+        ReplayError,
+        format_replay,
+        load_traffic,
+        run_replay,
+        summarize_replay,
+        write_replay_csv,
+    )
+
+    try:
+        traffic = load_traffic(config)
+    except (ConfigError, ValueError) as exc:
+        return fail(PROG, str(exc))
+
+    async def drive() -> Any:
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            if threading.current_thread() is threading.main_thread():
+
+                async def sigint(*, task_status: trio.TaskStatus[None]) -> None:
+                    with trio.open_signal_receiver(signal.SIGINT) as signals:
+                        task_status.started()
+                        async for _ in signals:
+                            stop.set()
+                            return
+
+                await nursery.start(sigint)
+            try:
+                result: Any = await run_replay(config, traffic, stop=stop)
+            except ReplayError as exc:
+                result = exc
+            nursery.cancel_scope.cancel()
+        return result
+
+    result = trio.run(drive)
+    if isinstance(result, ReplayError):
+        return fail(PROG, str(result))
+    summary = summarize_replay(result)
+    print(format_replay(result, summary), flush=True)
+    try:
+        if args.output is not None:
+            with open(args.output, "w", encoding="utf-8") as fh:
+                json.dump(summary, fh, indent=2)
+                fh.write("\n")
+        if args.csv is not None:
+            write_replay_csv(args.csv, result)
+    except OSError as exc:
+        return fail(PROG, f"cannot write result: {exc}")
+    if result.interrupted:
+        return EXIT_INTERRUPTED
+    if not summary["outcomes"].get("ok"):
+        why = f" (first: {summary['first_error']})" if summary["first_error"] else ""
+        return fail(PROG, f"all {summary['requests']} requests failed{why}", EXIT_ERROR)
+    return EXIT_OK
+
+
 def run(args: argparse.Namespace) -> int:
     """Execute a parsed ``load`` command; returns the exit code (Rule 2)."""
+    if getattr(args, "sessions", None) is not None or getattr(args, "trace", None) is not None:
+        return _run_replay(args)
     try:
         config = _config_from_args(args)
     except ValueError as exc:

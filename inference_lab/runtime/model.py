@@ -28,6 +28,9 @@ Rule 6: after every change the runtime publishes a frozen :class:`RuntimeSnapsho
 Rule 7: an engine failure stops only this model: the inbox is closed (new requests get
         503), every live request is told ``on_failed``, and the exception does not leave
         the runtime's nursery.
+Rule 8: with a ``kv_events`` sink the engine records its KV-cache events, and the engine
+        task hands them over once per wake-up that stepped, in one synchronous call that
+        must not block (the serve app's publisher queues them for its own thread).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import attrs
@@ -44,6 +48,7 @@ import trio
 from inference_lab.core.admission import Admission
 from inference_lab.core.config import Deployment
 from inference_lab.core.engine import Engine, EngineStatistics, Finished, RequestSpec, StepEvents
+from inference_lab.core.kv_cache import KVEvent
 from inference_lab.errors import EngineUnavailable, QueueFull, RequestRefused
 from inference_lab.runtime.calibration import EarlyWake, PacingCalibration
 from inference_lab.runtime.lag import LagMeter, LagStatistics
@@ -52,6 +57,7 @@ from inference_lab.runtime.timer import Timer
 __all__ = [
     "CapacityChange",
     "EngineKilled",
+    "KVEventSink",
     "LengthSampler",
     "ModelRuntime",
     "RequestHandle",
@@ -88,6 +94,10 @@ class RequestSink(Protocol):
     def on_finished(self, finished: Finished) -> None: ...
 
     def on_failed(self, message: str) -> None: ...
+
+
+#: Takes the KV-cache events of a wake-up (synchronous, must not block: Rule 8).
+KVEventSink = Callable[[tuple[KVEvent, ...]], None]
 
 
 class LengthSampler(Protocol):
@@ -264,10 +274,13 @@ class ModelRuntime:
         *,
         output_lengths: LengthSampler | None = None,
         rng: np.random.Generator | None = None,
+        kv_events: KVEventSink | None = None,
     ) -> None:
         self.deployment = deployment
         self.name = deployment.model.name
-        self.engine: Engine = Engine(deployment)
+        #: Told the engine's KV-cache events after each wake-up that stepped (Rule 8).
+        self.kv_events = kv_events
+        self.engine: Engine = Engine(deployment, record_kv_events=kv_events is not None)
         self.epoch = 0.0
         self._output_lengths = output_lengths
         self._rng = rng if rng is not None else np.random.default_rng(0)
@@ -379,6 +392,7 @@ class ModelRuntime:
         arrival: float | None = None,
         n: int = 1,
         limit: int | None = None,
+        block_hashes: tuple[int, ...] = (),
     ) -> RequestHandle:
         """The single entry into the engine. Synchronous, no checkpoint.
 
@@ -388,12 +402,16 @@ class ModelRuntime:
         time at which the server received the request, or now), draws the response length
         (``--workload``; at most ``limit``, where a stop string ends the output, and
         ``max_tokens``) and queues the arrival of its ``n`` sequences for the engine task.
+        ``block_hashes`` (its prompt's and answer's hash chain, :mod:`inference_lab.api.hashing`)
+        go with it, so the router and the prefix cache see them.
         """
         if not self._alive:
             if self.observer is not None:
                 self.observer.on_refused("engine_unavailable")
             raise EngineUnavailable(self.name)
-        asked = RequestSpec(prompt_tokens=prompt_tokens, max_tokens=max_tokens, n=n)
+        asked = RequestSpec(
+            prompt_tokens=prompt_tokens, max_tokens=max_tokens, n=n, block_hashes=block_hashes
+        )
         handle = RequestHandle(runtime=self, spec=asked, sink=sink)
         claim = self._admission.admit(handle, asked)
         if claim is None:
@@ -417,6 +435,7 @@ class ModelRuntime:
             n=n,
             arrival_time=(trio.current_time() if arrival is None else arrival) - self.epoch,
             worker=claim.worker,
+            block_hashes=block_hashes,
         )
         try:
             self._inbox_send.send_nowait(_Arrival(handle))
@@ -641,6 +660,10 @@ class ModelRuntime:
             if observer is not None:
                 observer.on_step(events, lag)
         lag_meter.tick(now)
+        if self.kv_events is not None:
+            kv = engine.take_kv_events()
+            if kv:
+                self.kv_events(kv)
         self._publish()
 
     def _deliver(self, events: StepEvents) -> None:

@@ -77,8 +77,9 @@ async def _prepare_process(state: ServeState) -> None:
     """Warm the completion path on a throwaway state (its runtimes' pacing calibration is
     handed to the served ones), then freeze everything loaded so far (it lives as long as
     the process: the rare full collections stay short) and raise the thresholds."""
-    # (without [fault] tables: a warm-up stream must not stall or be cut)
-    learned = await warm_up(attrs.evolve(state.settings, faults=()))
+    # (without [fault] tables: a warm-up stream must not stall or be cut; without KV
+    # events: the served state's publishers hold the sockets)
+    learned = await warm_up(attrs.evolve(state.settings, faults=(), kv_events=None))
     for name, calibration in learned.items():
         state.runtimes[name].adopt_calibration(calibration)
     gc.freeze()
@@ -91,6 +92,9 @@ def create_app(
     """The serve app. With ``settings`` None it is configured from the environment
     (:func:`settings_from_env`), for ``hypercorn 'inference_lab.serve:create_app()'``.
 
+    Raises ConfigError when a KV-events socket cannot be used (an environment-configured
+    app ends its process with that one line instead).
+
     ``server_process`` (default: only for an environment-configured app, i.e. a whole
     server process) warms the completion path when serving starts
     (:mod:`inference_lab.serve.warmup`), then freezes the objects loaded so far and raises
@@ -98,6 +102,7 @@ def create_app(
     """
     if server_process is None:
         server_process = settings is None
+    settings_given = settings is not None
     if settings is None:
         exit_with_parent()
         try:
@@ -113,7 +118,12 @@ def create_app(
     # not Quart's automatic 200 (set before any route is registered).
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
-    state = ServeState.build(settings)
+    try:
+        state = ServeState.build(settings)  # binds the KV-event sockets, if any
+    except ConfigError as exc:
+        if not server_process or settings_given:
+            raise
+        fail_launch(str(exc))
     app.extensions[STATE_KEY] = state
     # The live dashboard's sampler (serve/dashboard.py), one per app; off: no routes.
     sampler = Sampler(state) if settings.dashboard else None

@@ -27,6 +27,7 @@ from inference_lab.serve import (
     DEFAULT_MAX_TOKENS,
     ServeSettings,
     create_app,
+    get_state,
     load_settings,
     parse_int_setting,
 )
@@ -188,6 +189,27 @@ def _add_hardening_flags(parser: argparse.ArgumentParser) -> None:
         help=f"a request body must arrive within this many seconds, else 408 "
         f"(default: {DEFAULT_BODY_TIMEOUT:g})",
     )
+    kv = parser.add_argument_group("KV-cache events (vLLM's ZeroMQ layout; the kv-events extra)")
+    kv.add_argument(
+        "--kv-events-endpoint",
+        metavar="ENDPOINT",
+        help="publish each prefix-caching model's KV-cache events on this ZeroMQ PUB endpoint: "
+        "bound when it has a wildcard (tcp://*:5557, tcp://127.0.0.1:*) or is ipc:// or "
+        "inproc://, connected otherwise (tcp://indexer:5557); the k-th model's port + k",
+    )
+    kv.add_argument(
+        "--kv-events-replay-endpoint",
+        metavar="ENDPOINT",
+        help="bind a ROUTER socket here that replays missed batches by sequence number "
+        "(tcp://*:5558)",
+    )
+    kv.add_argument(
+        "--kv-events-topic",
+        default="",
+        metavar="TOPIC",
+        help="the topic frame of every message; {model} is replaced by the model's name "
+        "(default: empty)",
+    )
     parser.add_argument(
         "--shutdown-grace",
         type=number(ge=0),
@@ -224,7 +246,9 @@ def _url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _banner(settings: ServeSettings, hardware: str, url: str) -> str:
+def _banner(
+    settings: ServeSettings, hardware: str, url: str, kv_lines: list[str] | None = None
+) -> str:
     lines = [f"inference-lab serve: {len(settings.deployments)} model(s) on {hardware}"]
     width = max(len(d.model.name) for d in settings.deployments)
     for dep in settings.deployments:
@@ -237,6 +261,7 @@ def _banner(settings: ServeSettings, hardware: str, url: str) -> str:
         )
     if settings.workload is not None:
         lines.append("  response lengths: min(workload output_len_dist sample, max_tokens)")
+    lines.extend(kv_lines or ())
     lines.append(f"listening on {url}  (Ctrl-C to stop)")
     return "\n".join(lines)
 
@@ -287,6 +312,9 @@ def run(args: argparse.Namespace) -> int:
             body_timeout=args.body_timeout,
             api_key=from_env["api_key"],
             allowed_origins=from_env["allowed_origins"],
+            kv_events_endpoint=args.kv_events_endpoint,
+            kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+            kv_events_topic=args.kv_events_topic,
             on_skip=skip,
             labels=labels,
         )
@@ -297,8 +325,14 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         return _fail(f"cannot listen on {args.host}:{port}: {exc.strerror or exc}")
     raise_fd_limit()
-    app = create_app(settings, server_process=True)
-    banner = _banner(settings, args.hardware, _url(sock))
+    try:
+        app = create_app(settings, server_process=True)
+    except ConfigError as exc:  # a KV-events socket that cannot be bound
+        sock.close()
+        return _fail(str(exc))
+    hub = get_state(app).kv_events
+    kv_lines = hub.describe() if hub is not None else []
+    banner = _banner(settings, args.hardware, _url(sock), kv_lines)
     if settings.enable_test_harness:
         print(
             f"{PROG}: test harness on: requests can inject faults and script answers, and "

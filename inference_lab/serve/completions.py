@@ -249,10 +249,15 @@ async def complete(
             # the model's tokenizer counts the prompt (validation still answers first)
             model = raw.get("model")  # any JSON value: validation refuses a non-string
             tokenizer = state.settings.tokenizers.get(model) if type(model) is str else None
+            hashing = state.hashing.get(model) if type(model) is str else None  # prefix caching
             if kind == "chat":
-                parsed = parse_chat_request(raw, default_max_tokens, tokenizer=tokenizer)
+                parsed = parse_chat_request(
+                    raw, default_max_tokens, tokenizer=tokenizer, hashing=hashing
+                )
             else:
-                parsed = parse_completion_request(raw, default_max_tokens, tokenizer=tokenizer)
+                parsed = parse_completion_request(
+                    raw, default_max_tokens, tokenizer=tokenizer, hashing=hashing
+                )
             runtime = state.runtimes.get(parsed.model)
             if runtime is None:
                 raise state.model_not_found(parsed.model)
@@ -286,7 +291,10 @@ async def complete(
                 arrival=exchange.arrival,
                 n=parsed.n,
                 limit=parsed.output_cap,
+                block_hashes=parsed.block_hashes,
             )
+            if parsed.hashed_tokens is not None:  # the KV-events publisher names blocks' tokens
+                state.remember_tokens(parsed)
             if isinstance(sink, StreamSink):
                 sink.last = handle.length  # below it, tokens are mid-stream (streaming Rule 7)
         except (ApiError, QueueFull, EngineUnavailable) as exc:
@@ -368,6 +376,7 @@ async def _respond(
                     created=created,
                     completion_tokens=finished.output_tokens,
                     finish_reason=finished.finish_reason,
+                    cached_tokens=finished.cached_tokens,
                 ),
             )
             return
@@ -380,6 +389,7 @@ async def _respond(
                     created=created,
                     completion_tokens=finished.output_tokens,
                     finish_reason=finished.finish_reason,
+                    cached_tokens=finished.cached_tokens,
                 ),
             )
         elif not sink.gone and state.shutdown_message is not None:

@@ -24,6 +24,13 @@ Rule 5: with fine buckets (``--fine-latency-buckets``) the TTFT, ITL / TPOT, E2E
         for vLLM's buckets still finds each of its ``le`` values, and
         ``histogram_quantile`` reads millisecond latencies instead of interpolating inside
         vLLM's first bucket.
+Rule 6: the prefix cache is exported as vLLM exports it, per engine core: our replicas
+        are vLLM's data-parallel engines (label ``engine``, the replica's index).
+        ``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits`` count tokens (the
+        engine's own counters); ``vllm:cache_config_info`` is a gauge at 1 whose labels
+        carry the cache's configuration (``block_size``, ``num_gpu_blocks``,
+        ``enable_prefix_caching``, ``gpu_memory_utilization``, written as vLLM writes
+        them: ``str()`` of the value).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from inference_lab.core.engine import EngineStatistics, Finished, StepEvents
-from inference_lab.runtime.model import ModelRuntime
+from inference_lab.runtime.model import ModelRuntime, RuntimeSnapshot
 
 __all__ = [
     "E2E_BUCKETS",
@@ -311,6 +318,7 @@ class _Collector:
             "Number of generation tokens processed (of finished requests).",
             [m.generation_tokens for _, m, _, _ in rows],
         )
+        yield from _prefix_cache_families(rows)
         yield counter(
             "vllm:num_preemptions",
             "Cumulative number of preemption from the engine.",
@@ -353,6 +361,54 @@ class _Collector:
             "1 while the model's engine task runs, 0 once it stopped or failed.",
             [1.0 if snap.alive else 0.0 for _, _, snap, _ in rows],
         )
+
+
+def _prefix_cache_families(
+    rows: list[tuple[str, ModelMetrics, RuntimeSnapshot, EngineStatistics | None]],
+) -> Iterator[Metric]:
+    """Rule 6: the prefix-cache counters and the cache's configuration, per replica."""
+    labels = [*_LABEL, "engine"]
+    queries = CounterMetricFamily(
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        labels=labels,
+    )
+    hits = CounterMetricFamily(
+        "vllm:prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+        labels=labels,
+    )
+    info_labels = [
+        *labels,
+        "block_size",
+        "num_gpu_blocks",
+        "enable_prefix_caching",
+        "gpu_memory_utilization",
+    ]
+    info = GaugeMetricFamily(
+        "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=info_labels
+    )
+    for name, m, _, _ in rows:
+        # the engine's counters, alive or not (Rule 4: counters keep their values)
+        stats = m.runtime.engine.statistics()
+        sched = m.runtime.deployment.scheduler
+        for engine, w in enumerate(stats.workers):
+            queries.add_metric([name, str(engine)], w.prefix_cache_queries)
+            hits.add_metric([name, str(engine)], w.prefix_cache_hits)
+            info.add_metric(
+                [
+                    name,
+                    str(engine),
+                    str(sched.block_size),
+                    str(w.kv_total_blocks),
+                    str(sched.enable_prefix_caching),
+                    str(sched.gpu_memory_utilization),
+                ],
+                1.0,
+            )
+    yield queries
+    yield hits
+    yield info
 
 
 #: (name, documentation, ModelMetrics attribute) of every histogram, in exposition order.

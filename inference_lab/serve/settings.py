@@ -36,6 +36,7 @@ from inference_lab.core.config import (
 )
 from inference_lab.errors import ConfigError
 from inference_lab.resources import resolve_shipped, shipped_dir
+from inference_lab.serve.kv_events import KVEventsSettings, check_endpoint
 
 __all__ = [
     "DEFAULT_BODY_TIMEOUT",
@@ -71,6 +72,9 @@ ENV_LABELS: Mapping[str, str] = MappingProxyType(
             "api_key",
             "allowed_origins",
             "enable_test_harness",
+            "kv_events_endpoint",
+            "kv_events_replay_endpoint",
+            "kv_events_topic",
         )
     }
 )
@@ -113,6 +117,8 @@ class ServeSettings:
     dashboard: bool = True
     #: Finer TTFT / ITL / E2E / queue histogram buckets on ``/metrics`` (vLLM's and more).
     fine_latency_buckets: bool = False
+    #: Publish KV-cache events over ZeroMQ (``serve/kv_events.py``); None: no events.
+    kv_events: KVEventsSettings | None = None
 
 
 def _default_config_path(config: str | os.PathLike[str]) -> Path:
@@ -143,6 +149,9 @@ def load_settings(
     should_retry_header: bool = True,
     dashboard: bool = True,
     fine_latency_buckets: bool = False,
+    kv_events_endpoint: str | None = None,
+    kv_events_replay_endpoint: str | None = None,
+    kv_events_topic: str = "",
     on_skip: Callable[[str], None] | None = None,
     labels: Mapping[str, str] | None = None,
 ) -> ServeSettings:
@@ -187,6 +196,20 @@ def load_settings(
         raise ConfigError(f"{label('max_num_seqs')}: must be >= 1, got {max_num_seqs}")
     if default_max_tokens < 1:
         raise ConfigError(f"{label('default_max_tokens')}: must be >= 1, got {default_max_tokens}")
+    kv_events = None
+    if kv_events_endpoint is not None:
+        replay = kv_events_replay_endpoint
+        kv_events = KVEventsSettings(
+            endpoint=check_endpoint(kv_events_endpoint, label("kv_events_endpoint")),
+            replay_endpoint=check_endpoint(replay, label("kv_events_replay_endpoint"))
+            if replay is not None
+            else None,
+            topic=kv_events_topic,
+        )
+    elif kv_events_replay_endpoint is not None:
+        raise ConfigError(
+            f"{label('kv_events_replay_endpoint')}: needs {label('kv_events_endpoint')}"
+        )
     path = _default_config_path(config)
     if not path.exists():
         path = resolve_shipped(config, "config", label("config"))
@@ -258,6 +281,7 @@ def load_settings(
         should_retry_header=should_retry_header,
         dashboard=dashboard,
         fine_latency_buckets=fine_latency_buckets,
+        kv_events=kv_events,
     )
 
 
@@ -390,7 +414,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
     ``_WORKLOAD``, ``_SEED``, ``_DEFAULT_MAX_TOKENS``, ``_TOKENIZER``, ``_CONTROL_TOKEN``,
     ``_BODY_TIMEOUT``,
     ``_API_KEY``, ``_ALLOWED_ORIGINS``, ``_ENABLE_TEST_HARNESS``,
-    ``_NO_SHOULD_RETRY_HEADER``, ``_NO_DASHBOARD``, ``_FINE_LATENCY_BUCKETS``."""
+    ``_NO_SHOULD_RETRY_HEADER``, ``_NO_DASHBOARD``, ``_FINE_LATENCY_BUCKETS``,
+    ``_KV_EVENTS_ENDPOINT``, ``_KV_EVENTS_REPLAY_ENDPOINT``, ``_KV_EVENTS_TOPIC``."""
     env = os.environ if environ is None else environ
     enable_test_harness = _env_flag(env, "INFERENCE_LAB_ENABLE_TEST_HARNESS")
     default_max_tokens = _env_int(env, "INFERENCE_LAB_DEFAULT_MAX_TOKENS", 1)
@@ -411,6 +436,9 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
         should_retry_header=not _env_flag(env, "INFERENCE_LAB_NO_SHOULD_RETRY_HEADER"),
         dashboard=not _env_flag(env, "INFERENCE_LAB_NO_DASHBOARD"),
         fine_latency_buckets=_env_flag(env, "INFERENCE_LAB_FINE_LATENCY_BUCKETS"),
+        kv_events_endpoint=env.get("INFERENCE_LAB_KV_EVENTS_ENDPOINT") or None,
+        kv_events_replay_endpoint=env.get("INFERENCE_LAB_KV_EVENTS_REPLAY_ENDPOINT") or None,
+        kv_events_topic=env.get("INFERENCE_LAB_KV_EVENTS_TOPIC") or "",
         on_skip=lambda line: print(f"inference-lab: {line}", file=sys.stderr),
         labels=ENV_LABELS,
     )

@@ -11,7 +11,13 @@ Rule 3: a shutdown (:meth:`ServeState.drain`) first stops admitting (``draining`
         an answer naming the shutdown; only then may the HTTP server cancel connections.
 Rule 4: a restart (the test harness: :meth:`ServeState.restart_runtime`) stops one model's
         runtime and starts a fresh one in the same nursery, so :meth:`ServeState.stop`
-        still ends it; the model's metrics carry over.
+        still ends it; the model's metrics carry over, and its KV-event subscribers are
+        told every block was cleared (the fresh engine's cache is empty).
+Rule 5: a model whose deployment caches prefixes has a
+        :class:`~inference_lab.api.hashing.PromptHashing` (``hashing``): its requests are
+        hashed when parsed. With ``--kv-events-endpoint`` its runtime's KV-cache events go
+        to its publisher (:mod:`inference_lab.serve.kv_events`), whose sockets are bound
+        when the state is built and whose thread runs while the runtimes do.
 """
 
 from __future__ import annotations
@@ -23,10 +29,14 @@ import attrs
 import numpy as np
 import trio
 
+from inference_lab.api.hashing import PromptHashing
+from inference_lab.api.requests import ParsedRequest
 from inference_lab.core.config import Deployment
+from inference_lab.core.kv_cache import AllBlocksCleared
 from inference_lab.errors import ApiError, truncate_echo
 from inference_lab.runtime.model import ModelRuntime
 from inference_lab.serve.harness.intercept import Harness
+from inference_lab.serve.kv_events import KVEventsHub
 from inference_lab.serve.metrics import ServeMetrics
 from inference_lab.serve.responses import SHUTDOWN_MESSAGE
 from inference_lab.serve.settings import ServeSettings
@@ -61,12 +71,30 @@ class ServeState:
     #: Called by :meth:`stop` once the runtimes have ended (synchronous, idempotent): the
     #: dashboard's sampler, whose event streams then end before the connections are cut.
     stop_hooks: list[Callable[[], None]] = attrs.field(factory=list)
+    #: Model name -> how its requests are hashed (Rule 5); absent: not hashed.
+    hashing: dict[str, PromptHashing] = attrs.field(factory=dict)
+    #: The KV-event publishers (``--kv-events-endpoint``; Rule 5), or None.
+    kv_events: KVEventsHub | None = None
 
     @classmethod
     def build(cls, settings: ServeSettings) -> ServeState:
+        """The state of a new app. Raises ConfigError when a KV-events socket cannot be
+        bound (or pyzmq is missing)."""
+        hub = (
+            KVEventsHub(settings.kv_events, settings.deployments)
+            if settings.kv_events is not None
+            else None
+        )
         runtimes: dict[str, ModelRuntime] = {}
+        hashing: dict[str, PromptHashing] = {}
         for dep in settings.deployments:
-            runtimes[dep.model.name] = cls._new_runtime(settings, dep)
+            runtimes[dep.model.name] = cls._new_runtime(settings, dep, hub)
+            if dep.scheduler.enable_prefix_caching:
+                hashing[dep.model.name] = PromptHashing(
+                    block_size=dep.scheduler.block_size,
+                    max_positions=dep.model.max_seq_len,
+                    keep_tokens=hub is not None,
+                )
         return cls(
             settings=settings,
             runtimes=runtimes,
@@ -77,10 +105,14 @@ class ServeState:
                 faults=settings.faults,
                 seed=settings.seed or 0,
             ),
+            hashing=hashing,
+            kv_events=hub,
         )
 
     @staticmethod
-    def _new_runtime(settings: ServeSettings, dep: Deployment) -> ModelRuntime:
+    def _new_runtime(
+        settings: ServeSettings, dep: Deployment, hub: KVEventsHub | None = None
+    ) -> ModelRuntime:
         workload = settings.workload
         return ModelRuntime(
             dep,
@@ -88,12 +120,24 @@ class ServeState:
             rng=np.random.default_rng(workload.seed if settings.seed is None else settings.seed)
             if workload is not None
             else None,
+            kv_events=hub.sink(dep.model.name) if hub is not None else None,
         )
 
+    def remember_tokens(self, parsed: ParsedRequest) -> None:
+        """Keep an admitted request's hashed stream for its model's KV-event publisher
+        (the token ids of the blocks it stores); nothing without one."""
+        if self.kv_events is not None:
+            publisher = self.kv_events.publishers.get(parsed.model)
+            if publisher is not None:
+                publisher.remember(parsed.block_hashes, parsed.hashed_tokens)
+
     async def start(self, nursery: trio.Nursery) -> None:
-        """Start the delivery task and every model's runtime in ``nursery``."""
+        """Start the delivery task, the KV-event publishers and every model's runtime in
+        ``nursery``."""
         self._nursery = nursery
         await nursery.start(self.delivery.run)
+        if self.kv_events is not None:
+            self.kv_events.start()
         for runtime in self.runtimes.values():
             await nursery.start(runtime.run)
 
@@ -107,8 +151,11 @@ class ServeState:
         old = self.runtimes[name]
         old.stop()
         await old.wait_stopped()
-        fresh = self._new_runtime(self.settings, old.deployment)
+        fresh = self._new_runtime(self.settings, old.deployment, self.kv_events)
         fresh.adopt_calibration(old.calibration())  # the machine did not change
+        if fresh.kv_events is not None:  # the fresh engine caches nothing (Rule 4)
+            replicas = old.deployment.hardware.replicas
+            fresh.kv_events(tuple(AllBlocksCleared(worker=w) for w in range(replicas)))
         metrics = self.metrics.models.get(name)
         if metrics is not None:  # the model's counters go on across restarts
             metrics.runtime = fresh
@@ -127,6 +174,9 @@ class ServeState:
             await runtime.wait_stopped()
         for hook in self.stop_hooks:
             hook()
+        hub, self.kv_events = self.kv_events, None
+        if hub is not None:  # send what is queued, then close the sockets
+            await trio.to_thread.run_sync(hub.close)
 
     def live_requests(self) -> int:
         """Requests admitted and not yet ended, plus streams still being written."""

@@ -157,7 +157,9 @@ class StreamSink:
         return not self.unsent
 
     def on_finished(self, finished: Finished) -> None:
-        self.closing = self.encoder.closing(finished.finish_reason, finished.output_tokens)
+        self.closing = self.encoder.closing(
+            finished.finish_reason, finished.output_tokens, finished.cached_tokens
+        )
         self.finished = True
         self._end()
 

@@ -132,6 +132,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="simulated seconds per point of --report's and --timeseries' series (default 0.5)",
     )
     parser.add_argument(
+        "--write-sessions",
+        type=Path,
+        metavar="PATH",
+        help="a session workload: write its sessions (starts, turns, think times) as JSONL "
+        "for `inference-lab load --sessions`",
+    )
+    parser.add_argument(
         "--seed", type=integer(ge=0), metavar="N", help="override the workload's seed"
     )
     parser.add_argument(
@@ -242,11 +249,14 @@ def run(args: argparse.Namespace) -> int:
         check_output("--request-csv", args.request_csv)
         check_output("--report", args.report)
         check_output("--timeseries", args.timeseries)
+        check_output("--write-sessions", args.write_sessions)
     except ValueError as exc:
         return fail(PROG, str(exc))
     wants_series = args.report is not None or args.timeseries is not None
     if args.series_interval is not None and not wants_series:
         return fail(PROG, "--series-interval applies to --report and --timeseries only", 2)
+    if args.write_sessions is not None and args.workload is None:
+        return fail(PROG, "--write-sessions applies to a --workload with [sessions]", 2)
     if args.workload is not None:
         for flag, value in (
             ("--trace-format", args.trace_format),
@@ -277,6 +287,13 @@ def run(args: argparse.Namespace) -> int:
             workload = load_workload(workload_path)
             source = str(workload_path)
             seed = workload.seed if args.seed is None else args.seed
+            if args.write_sessions is not None:
+                if workload.sessions is None:
+                    return fail(PROG, f"--write-sessions: {source} has no [sessions] table")
+                from inference_lab.sim.workload import session_records
+                from inference_lab.traffic.sessions import write_sessions
+
+                write_sessions(args.write_sessions, session_records(workload, args.seed))
         if not args.quiet:
             print(format_config(deployment, workload, source, seed), flush=True)
         progress: Callable[[Progress], None] | None = None

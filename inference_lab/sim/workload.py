@@ -43,7 +43,7 @@ from inference_lab.core.config import Workload
 from inference_lab.errors import ConfigError
 from inference_lab.traffic.hashing import token_block_hashes, trace_block_hashes
 from inference_lab.traffic.schedules import arrival_times
-from inference_lab.traffic.sessions import SessionPlan, Turn, shared_prefix
+from inference_lab.traffic.sessions import SessionPlan, SessionRecord, Turn, shared_prefix
 from inference_lab.traffic.traces import MOONCAKE_BLOCK, Trace
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "TraceGenerator",
     "make_generator",
     "make_rng",
+    "session_records",
 ]
 
 #: Samples are drawn this many at a time (Rule 2). Changing it changes every workload's
@@ -407,6 +408,46 @@ class SessionGenerator(ArrivalGenerator):
         if self.closed_loop:
             return self._start(time, arrival.user)
         return None
+
+
+def session_records(workload: Workload, seed: int | None = None) -> list[SessionRecord]:
+    """The sessions a run of ``workload`` (with ``seed``) draws, as session-file records
+    (``traffic.sessions``, Rule 3): the same plans, in session order, and for an open loop
+    the same start times; a closed loop's sessions have no start (each user takes the
+    next one when its previous one ends). Sessions are drawn until ``num_sessions``, or
+    until their turns reach ``num_requests``; an open loop stops at ``duration_secs``.
+    For ``sim --write-sessions`` (``inference-lab load --sessions`` replays the file)."""
+    gen = SessionGenerator(workload, make_rng(workload, seed), None)
+    cfg = gen._config
+    if gen.closed_loop:
+        if cfg.num_sessions is None and workload.num_requests is None:
+            raise ConfigError(
+                "workload: writing a closed loop's sessions needs num_sessions or num_requests"
+            )
+        limit = gen._max_sessions
+        wl = workload
+        users = wl.num_concurrent_users or 1
+        if wl.closed_loop_jitter_secs > 0:
+            gen._rng.uniform(0.0, wl.closed_loop_jitter_secs, users)  # as initial() draws
+        starts: list[float | None] = []
+    else:
+        starts = list(gen._start_times())
+        limit = len(starts)
+    out: list[SessionRecord] = []
+    turns = 0
+    while len(out) < limit and turns < gen._max_requests:
+        plan = gen._plan()
+        out.append(
+            SessionRecord(
+                session=plan.session,
+                start=starts[len(out)] if starts else None,
+                system_prompt_tokens=cfg.system_prompt_tokens,
+                shared_system_prompt=cfg.shared_system_prompt,
+                turns=plan.turns,
+            )
+        )
+        turns += len(plan.turns)
+    return out
 
 
 def _lengths(values: npt.NDArray[np.int64]) -> list[int]:
