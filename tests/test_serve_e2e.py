@@ -323,6 +323,15 @@ def test_a_plain_hypercorn_launch_that_cannot_start_exits_non_zero(
     assert result.returncode != 0, result.stderr
     most = max(1, int(workers[1]) if workers else 1)
     lines = result.stderr.splitlines()
+    if most > 1:
+        # A second worker ended by its parent's death mid-start can leave Python's
+        # multiprocessing resource tracker a semaphore to report (its two lines): the
+        # tracker's words, not the launch's.
+        lines = [
+            line
+            for line in lines
+            if "resource_tracker" not in line and not line.startswith("  warnings.warn(")
+        ]
     assert 1 <= len(lines) <= most and set(lines) == {line}, result.stderr
     assert result.stdout == ""
 
