@@ -315,3 +315,107 @@ async def test_chat_still_works(serve: ServeFactory) -> None:
     async with serve() as s:
         response = await s.post("/v1/chat/completions", chat_body())
         assert response.status_code == 200
+
+
+# -- out of file descriptors -------------------------------------------------------------------
+
+
+def test_the_accept_filter_keeps_one_short_line_a_second() -> None:
+    """trio's "accept returned EMFILE" error with its traceback, ten times a second,
+    becomes one line without a traceback per second, saying how many it dropped; other
+    records pass untouched."""
+    import logging
+
+    from inference_lab.serve.transport.accept_log import AcceptCapacityFilter
+
+    now = [0.0]
+    f = AcceptCapacityFilter(every=1.0, clock=lambda: now[0])
+
+    def record(msg: str, *args: object) -> logging.LogRecord:
+        try:
+            raise OSError(24, "Too many open files")
+        except OSError:
+            import sys as _sys
+
+            info = _sys.exc_info()
+        return logging.LogRecord("trio.serve_listeners", logging.ERROR, "x", 1, msg, args, info)
+
+    kept = []
+    for tick in range(25):  # 2.5 s of retries every 0.1 s
+        now[0] = tick / 10
+        r = record("accept returned %s (%s); retrying in %s seconds", "EMFILE", "x", 0.1)
+        if f.filter(r):
+            kept.append(r)
+    assert len(kept) == 3
+    assert all(r.exc_info is None and r.levelname == "WARNING" for r in kept)
+    assert "EMFILE" in kept[0].getMessage() and "repeats" not in kept[0].getMessage()
+    assert "(9 repeats not logged)" in kept[1].getMessage()
+    other = record("something else")
+    assert f.filter(other) and other.exc_info is not None
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_NOFILE and /proc are Linux's here")
+async def test_a_server_out_of_descriptors_logs_quietly_and_accepts_again() -> None:
+    """A real server limited to 128 descriptors, sent 200 idle connections: its log holds
+    no traceback and at most a line a second about it, and once the connections close it
+    answers again."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INFERENCE_LAB_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    with trio.fail_after(90):
+        proc = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "inference_lab.cli", "serve", "--port", "0",
+             "--config", "configs/gpt-oss-20b.toml"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            preexec_fn=limit,
+        )  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        out = b""
+        while b"listening on" not in out:
+            chunk = await proc.stdout.receive_some(4096)
+            assert chunk, "the server ended before it served"
+            out += chunk
+        port = int(out.split(b"listening on http://127.0.0.1:")[1].split()[0])
+        held: list[trio.SocketStream] = []
+        try:
+            for _ in range(200):
+                try:
+                    held.append(await trio.open_tcp_stream("127.0.0.1", port))
+                except OSError:
+                    break
+            await trio.sleep(3.0)  # the accept loop retries meanwhile
+            for stream in held:
+                await stream.aclose()
+            held.clear()
+            answered = False
+            for _ in range(50):
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                await stream.send_all(
+                    b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+                )
+                with trio.move_on_after(2):
+                    answered = (await stream.receive_some(4096)).startswith(b"HTTP/1.1 200")
+                await stream.aclose()
+                if answered:
+                    break
+            assert answered
+        finally:
+            for stream in held:
+                await stream.aclose()
+            proc.send_signal(signal.SIGTERM)
+            with trio.move_on_after(10):
+                await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        err = b""
+        while chunk := await proc.stderr.receive_some(65536):
+            err += chunk
+    text = err.decode(errors="replace")
+    lines = [line for line in text.splitlines() if "cannot accept connections" in line]
+    assert "Traceback" not in text and "accept returned" not in text
+    assert 1 <= len(lines) <= 6, text[-2000:]
