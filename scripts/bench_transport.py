@@ -1,22 +1,40 @@
-"""What each of the transport's hooks buys: CPU instructions per unit, the hook on vs off.
+"""What each of the transport's hooks buys: the cost of a unit, the hook on against off.
 
 Each workload runs the serve app's transport in-process -- hypercorn's connection server
-as the transport hooks it, over a local socket pair, with a client in the same trio loop
--- once with every hook on and once with one hook off. A figure is what one unit costs
-the whole process (server and client): a keep-alive request, a connection, a mid-stream
-write, a token handed to a parked stream.
+as the transport hooks it (``inference_lab/serve/transport``), over a local socket pair,
+with a client in the same trio loop -- once with every hook on and once per hook with
+that hook off. A figure is what one unit costs the whole process (server and client):
+
+- **request**: a keep-alive request answered the way a completion route answers (the
+  arrival stamp, the close watch, the body read, one whole reply);
+- **write**: a stream's mid-stream write of one SSE frame;
+- **token**: a mid-stream token handed to one of 24 streams parked for frames, the way
+  the engine task hands tokens over (``StreamSink.on_tokens``);
+- **connection**: a connection carrying one request (``Connection: close``).
+
+The hooks (``docs/internals.md``, "The transport"): ``idle_timer`` (hypercorn's
+``TrioSingleTask`` when off), ``nowait`` (every write under hypercorn's send lock through
+trio's ``send_all`` when off), ``one_write`` (one socket write per protocol event when
+off), ``close_watch`` (a task per request waiting for ``http.disconnect`` when off),
+``chunk_writer`` (body messages through hypercorn and h11 when off), ``handover`` (the
+engine's hand-over wakes the stream's writer when off), ``unlink``, and ``stamp`` (the
+arrival stamp: fidelity, kept whatever it costs; off, reads are plain reads).
 
 Instructions are counted by valgrind (``cachegrind``, no cache simulation): the same
 whatever else the machine runs. Each (workload, hook) pair is run for ``N`` and ``3N``
-units, and the difference divided by ``2N`` is the cost of one unit (the start-up cancels
+units and the difference divided by ``2N`` is the cost of one unit (the start-up cancels
 out). ``--cpu`` measures CPU time (``time.process_time``) in-process instead, best of
 ``--repeats``, for a machine without valgrind (noisy where other work shares the CPU).
+Two figures are not costs and are measured without valgrind: the objects a connection
+leaves to the cycle collector with ``unlink`` on and off, and how long before the app is
+called the arrival stamp puts a request's arrival (and hypercorn's own parse time), for
+requests to an idle server over TCP on 127.0.0.1.
 
     python scripts/bench_transport.py
-    python scripts/bench_transport.py --units 400 --jobs 2
-    python scripts/bench_transport.py --cpu --units 3000
+    python scripts/bench_transport.py --units 300 --jobs 2
+    python scripts/bench_transport.py --cpu --units 3000 --only request
 
-Nothing listens; no traffic leaves the process.
+Only 127.0.0.1 is contacted (the stamp's figure); everything else stays in the process.
 """
 
 from __future__ import annotations
@@ -27,6 +45,7 @@ import gc
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -35,8 +54,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import trio
+import trio.testing
 
-#: Request of the keep-alive and connection workloads.
 REQUEST = b"POST /v1/x HTTP/1.1\r\nhost: localhost\r\ncontent-length: 2\r\n\r\n{}"
 CLOSING = (
     b"POST /v1/x HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\ncontent-length: 2\r\n\r\n{}"
@@ -81,40 +100,6 @@ def _off_nowait() -> None:
     connection.LabTCPServer._write = write  # type: ignore[method-assign]
 
 
-def _off_untimed_read() -> None:
-    from hypercorn.trio.tcp_server import TCPServer
-
-    from inference_lab.serve.transport import connection
-
-    async def read(self: Any) -> None:
-        await TCPServer._read_data(self)
-
-    connection.LabTCPServer._read_untimed = read  # type: ignore[method-assign]
-
-
-def _off_plain_run() -> None:
-    from hypercorn.trio.tcp_server import TCPServer
-
-    from inference_lab.serve.transport import connection
-
-    async def run(self: Any) -> None:
-        await TCPServer.run(self)
-
-    connection.LabTCPServer._run_plain = run  # type: ignore[method-assign]
-
-
-def _off_h11_short() -> None:
-    from inference_lab.serve.transport import connection
-
-    connection.adopt = lambda protocol: None
-
-
-def _off_unlink() -> None:
-    from inference_lab.serve.transport import connection
-
-    connection.LabTCPServer._unlink = lambda self: None  # type: ignore[method-assign]
-
-
 def _off_one_write() -> None:
     from inference_lab.serve.transport import connection
 
@@ -124,60 +109,48 @@ def _off_one_write() -> None:
     connection.OneWrite.__aenter__ = enter  # type: ignore[method-assign]
 
 
-def _off_listener_stamps() -> None:
-    pass  # the connection workload's configuration says so
+def _off_unlink() -> None:
+    from inference_lab.serve.transport import connection
+
+    connection.LabTCPServer._unlink = lambda self: None  # type: ignore[method-assign]
 
 
 def _off_stamp() -> None:
     from inference_lab.serve.transport import connection
 
-    plain_init = connection.ReceiptStream.__init__
-
-    def init(self: Any, stream: Any, *, stamped: bool = False) -> None:
-        plain_init(self, stream, stamped=True)  # asks nothing
-        self.stamped = False
-
-    connection.ReceiptStream.__init__ = init  # type: ignore[method-assign]
+    connection.enable_receive_timestamps = lambda sock: False
     connection.ReceiptStream.note_waiting = lambda self: None  # type: ignore[method-assign]
+
+
+def _off_in_the_workload() -> None:
+    pass  # the workload itself asks (``off``)
 
 
 OFF: dict[str, Callable[[], None]] = {
     "idle_timer": _off_idle_timer,
     "nowait": _off_nowait,
-    "untimed_read": _off_untimed_read,
-    "plain_run": _off_plain_run,
-    "h11_short": _off_h11_short,
-    "unlink": _off_unlink,
     "one_write": _off_one_write,
-    "listener_stamps": _off_listener_stamps,
+    "unlink": _off_unlink,
     "stamp": _off_stamp,
-    "close_watch": lambda: None,  # the workloads' app asks
-    "chunk_writer": lambda: None,
-    "handover": lambda: None,
+    "close_watch": _off_in_the_workload,
+    "chunk_writer": _off_in_the_workload,
+    "handover": _off_in_the_workload,
 }
 
 #: workload -> the hooks it measures (each against every hook on).
 PLAN: dict[str, tuple[str, ...]] = {
-    "request": (
-        "idle_timer",
-        "nowait",
-        "untimed_read",
-        "h11_short",
-        "one_write",
-        "close_watch",
-        "stamp",
-    ),
-    "connection": ("plain_run", "unlink", "listener_stamps", "h11_short"),
+    "request": ("idle_timer", "nowait", "one_write", "close_watch", "stamp"),
     "write": ("chunk_writer", "nowait"),
-    "token": ("handover", "chunk_writer", "nowait"),
+    "token": ("handover", "chunk_writer"),
+    "connection": ("unlink", "stamp"),
 }
 UNIT = {
     "request": "keep-alive request",
-    "connection": "connection (one request)",
     "write": "mid-stream write",
-    "token": f"token handed to {STREAMS} parked streams",
+    "token": f"token handed to one of {STREAMS} parked streams",
+    "connection": "connection (one request)",
 }
-#: Tokens per unit of a workload (a token round hands one to every stream).
+#: Units per counted unit of a workload (a token round hands one to every stream).
 PER_UNIT = {"token": STREAMS}
 
 
@@ -185,7 +158,7 @@ PER_UNIT = {"token": STREAMS}
 def _app(off: str) -> Callable[..., Awaitable[None]]:
     """A completion route's shape: the arrival stamp, the close watch (or a task waiting
     for ``http.disconnect``), the body, one whole reply."""
-    from inference_lab.serve.transport import connection
+    from inference_lab.serve import transport
 
     async def watch(receive: Any) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -194,16 +167,16 @@ def _app(off: str) -> Callable[..., Awaitable[None]]:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
-        connection.received_at(send)
+        transport.received_at(send)
         while (await receive()).get("more_body"):
             pass
-        server = None if off == "close_watch" else connection.connection_server(send)
-        if server is not None:
-            server.watch_close(lambda: None)
+        closes = None if off == "close_watch" else transport.close_watch(send)
+        if closes is not None:
+            closes.watch_close(lambda: None)
             try:
                 await _reply(send)
             finally:
-                server.unwatch_close()
+                closes.unwatch_close()
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch, receive)
@@ -216,20 +189,19 @@ def _app(off: str) -> Callable[..., Awaitable[None]]:
 
 
 async def _reply(send: Any) -> None:
-    from inference_lab.serve.transport import connection
+    from inference_lab.serve import transport
 
-    async with connection.one_write(send):
+    async with transport.one_write(send):
         await send({"type": "http.response.start", "status": 200, "headers": REPLY_HEADERS})
         await send({"type": "http.response.body", "body": BODY, "more_body": False})
 
 
-def _config(off: str) -> Any:
-    from inference_lab.serve.transport.connection import LabConfig
+def _config() -> Any:
+    from hypercorn.config import Config
 
-    config = LabConfig()
+    config = Config()
     config.accesslog = None
     config.keep_alive_max_requests = 1 << 30
-    config.listener_stamps = off != "listener_stamps"
     return config
 
 
@@ -243,9 +215,9 @@ async def _read_until(client: trio.SocketStream, end: bytes) -> None:
 
 
 async def request(units: int, off: str) -> None:
-    from inference_lab.serve.transport.connection import local_connection
+    from inference_lab.serve.transport import local_connection
 
-    server, client = local_connection(_app(off), _config(off))
+    server, client = local_connection(_app(off), _config())
     async with trio.open_nursery() as nursery:
         nursery.start_soon(server.run)
         for _ in range(units):
@@ -254,10 +226,10 @@ async def request(units: int, off: str) -> None:
         await client.aclose()
 
 
-async def connection_(units: int, off: str) -> None:
-    from inference_lab.serve.transport.connection import local_connection
+async def connection(units: int, off: str) -> None:
+    from inference_lab.serve.transport import local_connection
 
-    app, config = _app(off), _config(off)
+    app, config = _app(off), _config()
     for _ in range(units):
         server, client = local_connection(app, config)
         async with trio.open_nursery() as nursery:
@@ -269,7 +241,7 @@ async def connection_(units: int, off: str) -> None:
 
 
 async def write(units: int, off: str) -> None:
-    from inference_lab.serve.transport.connection import chunk_writer, local_connection
+    from inference_lab.serve.transport import chunk_writer, local_connection
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -283,7 +255,7 @@ async def write(units: int, off: str) -> None:
                 await chunks(FRAME)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    server, client = local_connection(app, _config(off))
+    server, client = local_connection(app, _config())
     async with trio.open_nursery() as nursery:
         nursery.start_soon(server.run)
         await client.send_all(REQUEST)
@@ -295,7 +267,7 @@ async def token(units: int, off: str) -> None:
     from inference_lab.api.openai import StreamEncoder, parse_completion_request
     from inference_lab.serve import streaming
     from inference_lab.serve.streaming import Delivery, StreamSink, write_stream
-    from inference_lab.serve.transport.connection import local_connection
+    from inference_lab.serve.transport import local_connection
 
     if off == "chunk_writer":
         streaming.chunk_writer = lambda send: None  # type: ignore[assignment]
@@ -322,7 +294,7 @@ async def token(units: int, off: str) -> None:
             while await client.receive_some(1 << 20):
                 pass
 
-    config = _config(off)
+    config = _config()
     async with trio.open_nursery() as nursery:
         for _ in range(STREAMS):
             server, client = local_connection(app, config)
@@ -330,8 +302,7 @@ async def token(units: int, off: str) -> None:
             await client.send_all(REQUEST)
             nursery.start_soon(drain, client)
         await parked.wait()
-        for _ in range(50):  # every writer parked for frames
-            await trio.testing.wait_all_tasks_blocked()
+        await trio.testing.wait_all_tasks_blocked()  # every writer parked for frames
         for _ in range(units):
             for sink in sinks:
                 sink.on_tokens(1)
@@ -342,26 +313,95 @@ async def token(units: int, off: str) -> None:
 
 WORKLOADS: dict[str, Callable[[int, str], Awaitable[None]]] = {
     "request": request,
-    "connection": connection_,
     "write": write,
     "token": token,
+    "connection": connection,
 }
 
 
 def _child(workload: str, off: str, units: int) -> float:
     """Run ``workload`` for ``units`` with hook ``off`` switched off ("none": every hook
-    on); the CPU seconds the units took."""
-    import trio.testing  # noqa: F401 - (wait_all_tasks_blocked)
+    on), as a server process runs (the heap frozen, the collector's thresholds raised);
+    the CPU seconds the units took."""
+    from inference_lab.serve.app import GC_THRESHOLDS
 
     if off != "none":
         OFF[off]()
-    trio.run(WORKLOADS[workload], 20, off)  # warm every path once
+    trio.run(WORKLOADS[workload], 20, off)  # every path run once
     gc.collect()
-    gc.freeze()  # as a server process does (serve/app.py)
-    gc.set_threshold(50_000, 20, 20)
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
     start = time.process_time()
     trio.run(WORKLOADS[workload], units, off)
     return time.process_time() - start
+
+
+# ---------------------------------------------------------------- not costs
+def cyclic_garbage(connections: int, off: str) -> float:
+    """Objects per connection that only the cycle collector would free."""
+    if off != "none":
+        OFF[off]()
+    trio.run(connection, 20, "none")
+    gc.collect()
+    gc.disable()
+    try:
+        trio.run(connection, connections, "none")
+        return gc.collect() / connections
+    finally:
+        gc.enable()
+
+
+def stamp_lead(requests: int) -> tuple[float, float]:
+    """Medians over ``requests`` to an idle server on 127.0.0.1 (one at a time, each on a
+    connection of its own, as ``inference-lab serve`` serves them) of how long before the
+    app is called the request arrived by the arrival stamp, and by hypercorn's own parse
+    time; seconds."""
+    from inference_lab.serve import transport
+    from inference_lab.serve.server import bind_socket
+
+    transport.install_connection_hook()
+    leads: list[tuple[float, float]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        now, wall = trio.current_time(), time.time()
+        parsed = now - (wall - send.__self__.start_time)
+        leads.append((now - transport.received_at(send), now - parsed))
+        await _reply(send)
+
+    async def main() -> None:
+        stop = trio.Event()
+        sock = bind_socket("127.0.0.1", 0)
+        port = sock.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                lambda task_status: transport.serve(
+                    app,
+                    sock,
+                    shutdown_trigger=stop.wait,
+                    flush_timeout=1.0,
+                    keep_alive_timeout=5.0,
+                    backlog=16,
+                    task_status=task_status,
+                )
+            )
+            for _ in range(requests + 20):
+                stream = await trio.open_tcp_stream("127.0.0.1", port)
+                await stream.send_all(CLOSING)
+                while await stream.receive_some(65536):
+                    pass
+                await stream.aclose()
+                await trio.sleep(0.002)  # the server idle when the next one comes
+            stop.set()
+
+    trio.run(main)
+    stamped = [a for a, _ in leads[20:]]
+    parsed = [p for _, p in leads[20:]]
+    return statistics.median(stamped), statistics.median(parsed)
 
 
 # ---------------------------------------------------------------- the parent
@@ -390,15 +430,13 @@ def _instructions(workload: str, off: str, units: int) -> int:
 
 
 def _per_unit_instructions(workload: str, off: str, units: int) -> float:
-    return (_instructions(workload, off, 3 * units) - _instructions(workload, off, units)) / (
-        2 * units
-    )
+    few, more = _instructions(workload, off, units), _instructions(workload, off, 3 * units)
+    return (more - few) / (2 * units)
 
 
-def _per_unit_cpu(workload: str, off: str, units: int) -> float:
-    command = [sys.executable, __file__, "--child", workload, off, str(units)]
-    done = subprocess.run(command, capture_output=True, check=True, text=True)
-    return float(done.stdout) / units
+def _run_child(*args: str) -> str:
+    command = [sys.executable, __file__, *args]
+    return subprocess.run(command, capture_output=True, check=True, text=True).stdout
 
 
 def main() -> int:
@@ -409,39 +447,59 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1, help="valgrind runs at once")
     parser.add_argument("--only", choices=sorted(PLAN), action="append", help="workloads to run")
     parser.add_argument("--child", nargs=3, metavar=("WORKLOAD", "OFF", "UNITS"), help="internal")
+    parser.add_argument("--garbage", nargs=2, metavar=("OFF", "UNITS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         workload, off, units = args.child
         print(_child(workload, off, int(units)))
         return 0
+    if args.garbage:
+        print(cyclic_garbage(int(args.garbage[1]), args.garbage[0]))
+        return 0
     if min(args.units, args.repeats, args.jobs) < 1:
         parser.error("--units, --repeats and --jobs must be at least 1")
     if not args.cpu and shutil.which("valgrind") is None:
         parser.error("valgrind is not installed (apt-get install valgrind), or use --cpu")
-    pairs = [(w, off) for w in args.only or PLAN for off in ("none", *PLAN[w])]
+    workloads = args.only or list(PLAN)
+    pairs = [(w, off) for w in workloads for off in ("none", *PLAN[w])]
 
     def measure(pair: tuple[str, str]) -> float:
         workload, off = pair
         if args.cpu:
-            return min(_per_unit_cpu(workload, off, args.units) for _ in range(args.repeats))
+            runs = (
+                float(_run_child("--child", workload, off, str(args.units)))
+                for _ in "_" * args.repeats
+            )
+            return min(runs) / args.units
         return _per_unit_instructions(workload, off, args.units)
 
     with ThreadPoolExecutor(max_workers=1 if args.cpu else args.jobs) as pool:
         figures = dict(zip(pairs, pool.map(measure, pairs), strict=True))
     what = "us of CPU" if args.cpu else "instructions"
     scale = 1e6 if args.cpu else 1.0
-    for workload in args.only or PLAN:
-        for pair in figures:
-            if pair[0] == workload:
-                figures[pair] /= PER_UNIT.get(workload, 1)
-        base = figures[workload, "none"]
+    for workload in workloads:
+        per = PER_UNIT.get(workload, 1)
+        base = figures[workload, "none"] / per
         print(f"per {UNIT[workload]}: {base * scale:,.1f} {what} with every hook on")
         for off in PLAN[workload]:
-            value = figures[workload, off]
+            value = figures[workload, off] / per
             print(
-                f"  {off:16} off: {value * scale:,.1f} ({(value - base) * scale:+,.1f}, "
-                f"{(value - base) / base:+.1%}: what the hook saves)"
+                f"  {off} off: {value * scale:,.1f} ({(value - base) * scale:+,.1f}, "
+                f"{(value - base) / base:+.1%})"
             )
+    if "connection" in workloads:
+        kept, left = (float(_run_child("--garbage", off, "500")) for off in ("none", "unlink"))
+        print(
+            f"objects a connection leaves to the cycle collector: {kept:.2f} "
+            f"(unlink off: {left:.2f})"
+        )
+    if "request" in workloads:
+        stamped, parsed = stamp_lead(200)
+        print(
+            f"arrival before the app is called (median of 200 lone requests on 127.0.0.1): "
+            f"{stamped * 1e6:.0f} us by the arrival stamp, {parsed * 1e6:.0f} us by "
+            f"hypercorn's parse time"
+        )
     return 0
 
 

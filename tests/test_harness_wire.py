@@ -27,9 +27,9 @@ import trio
 from inference_lab.core.config import FAULT_MODES
 from inference_lab.serve import ServeState, create_app, get_state
 from inference_lab.serve.harness.core import CANCELLED_499, ERROR_400_IN_SSE, ERROR_ENVELOPE_200
-from inference_lab.serve.server import bind_socket, serve_app
 from tests.conftest import GPT, ROOT, make_settings
-from tests.test_harness import assert_idle, chat_frame, content_frames, head_of
+from tests.harness_util import chat_frame, content_frames, head_of
+from tests.serve_util import assert_idle, serving
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux sockets")
 
@@ -41,19 +41,8 @@ DOCS = ROOT / "docs" / "test-harness.md"
 async def harness_server() -> AsyncIterator[tuple[str, int, ServeState]]:
     """A real server in this process with the harness on: (base URL, port, state)."""
     app = create_app(attrs.evolve(make_settings(), enable_test_harness=True))
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        sock = bind_socket("127.0.0.1", 0)
-        port = sock.getsockname()[1]
-        await nursery.start(
-            lambda task_status: serve_app(
-                app, sock, shutdown_trigger=stop.wait, task_status=task_status
-            )
-        )
-        try:
-            yield f"http://127.0.0.1:{port}", port, get_state(app)
-        finally:
-            stop.set()
+    async with serving(app) as port:
+        yield f"http://127.0.0.1:{port}", port, get_state(app)
 
 
 @attrs.frozen

@@ -26,7 +26,7 @@ from inference_lab.serve.harness.core import register_harness_routes
 from inference_lab.serve.routes import register_routes
 from inference_lab.serve.settings import ServeSettings, settings_from_env
 from inference_lab.serve.state import ServeState
-from inference_lab.serve.transport.connection import install_receipt_hook
+from inference_lab.serve.transport import install_connection_hook
 from inference_lab.serve.warmup import warm_up
 
 __all__ = ["GC_THRESHOLDS", "create_app"]
@@ -71,7 +71,7 @@ def create_app(
             # A plain hypercorn launch: one line, and the server does not start.
             print(f"inference-lab: error: {exc}", file=sys.stderr)
             raise SystemExit(1) from None
-    install_receipt_hook()  # serve/connection.py: arrival stamps, single writes
+    install_connection_hook()  # the transport's hooks: arrival stamps, close watch, writes
     app = InferenceLabApp(__name__)
     # OPTIONS is answered by the gate (CORS preflights from allowed origins) or is a 405,
     # not Quart's automatic 200 (set before any route is registered).
