@@ -5,9 +5,13 @@ as the transport hooks it (``inference_lab/serve/transport``), over a local sock
 with a client in the same trio loop -- once with every hook on and once per hook with
 that hook off. A figure is what one unit costs the whole process (server and client):
 
-- **request**: a keep-alive request answered the way a completion route answers (the
-  arrival stamp, the close watch, the body read, one whole reply);
-- **write**: a stream's mid-stream write of one SSE frame;
+- **request**: a keep-alive request answered the way a completion route answers a
+  refusal (the arrival stamp, the close watch, the body read, one whole reply);
+- **stream**: a keep-alive request answered the way a one-token stream is (the same,
+  then a stream's response start, one mid-stream chunk, and the last chunk with the end
+  of the body in one write);
+- **write**: a stream's mid-stream write of one SSE frame, the writer passing through
+  the scheduler after each (as a stream does, waiting for its next token);
 - **token**: a mid-stream token handed to one of 24 streams parked for frames, the way
   the engine task hands tokens over (``StreamSink.on_tokens``);
 - **connection**: a connection carrying one request (``Connection: close``).
@@ -66,6 +70,12 @@ REPLY_HEADERS = [
     (b"content-length", b"%d" % len(BODY)),
     (b"x-request-id", b"cmpl-0123456789abcdef0123456789abcdef"),
 ]
+STREAM_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-request-id", b"cmpl-0123456789abcdef0123456789abcdef"),
+]
+DONE = b"data: [DONE]\n\n"
 FRAME = (
     b'data: {"id":"cmpl-0123456789abcdef","object":"text_completion","created":1764500000,'
     b'"model":"gpt-oss-20b","choices":[{"text":"word ","index":0}]}\n\n'
@@ -140,12 +150,14 @@ OFF: dict[str, Callable[[], None]] = {
 #: workload -> the hooks it measures (each against every hook on).
 PLAN: dict[str, tuple[str, ...]] = {
     "request": ("idle_timer", "nowait", "one_write", "close_watch", "stamp"),
+    "stream": ("idle_timer", "nowait", "one_write", "close_watch", "chunk_writer"),
     "write": ("chunk_writer", "nowait"),
     "token": ("handover", "chunk_writer"),
     "connection": ("unlink", "stamp"),
 }
 UNIT = {
     "request": "keep-alive request",
+    "stream": "keep-alive one-token stream",
     "write": "mid-stream write",
     "token": f"token handed to one of {STREAMS} parked streams",
     "connection": "connection (one request)",
@@ -155,9 +167,9 @@ PER_UNIT = {"token": STREAMS}
 
 
 # ---------------------------------------------------------------- the workloads
-def _app(off: str) -> Callable[..., Awaitable[None]]:
+def _app(off: str, stream: bool = False) -> Callable[..., Awaitable[None]]:
     """A completion route's shape: the arrival stamp, the close watch (or a task waiting
-    for ``http.disconnect``), the body, one whole reply."""
+    for ``http.disconnect``), the body, then one whole reply or a one-token stream."""
     from inference_lab.serve import transport
 
     async def watch(receive: Any) -> None:
@@ -170,30 +182,49 @@ def _app(off: str) -> Callable[..., Awaitable[None]]:
         transport.received_at(send)
         while (await receive()).get("more_body"):
             pass
+        answer = _stream if stream else _reply
         closes = None if off == "close_watch" else transport.close_watch(send)
         if closes is not None:
             closes.watch_close(lambda: None)
             try:
-                await _reply(send)
+                await answer(send, off)
             finally:
                 closes.unwatch_close()
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch, receive)
             try:
-                await _reply(send)
+                await answer(send, off)
             finally:
                 nursery.cancel_scope.cancel()
 
     return app
 
 
-async def _reply(send: Any) -> None:
+async def _reply(send: Any, off: str = "none") -> None:
     from inference_lab.serve import transport
 
     async with transport.one_write(send):
         await send({"type": "http.response.start", "status": 200, "headers": REPLY_HEADERS})
         await send({"type": "http.response.body", "body": BODY, "more_body": False})
+
+
+async def _stream(send: Any, off: str) -> None:
+    from inference_lab.serve import transport
+
+    await send({"type": "http.response.start", "status": 200, "headers": STREAM_HEADERS})
+    chunks = None if off == "chunk_writer" else transport.chunk_writer(send)
+
+    async def frame() -> None:
+        if chunks is None:
+            await send({"type": "http.response.body", "body": FRAME, "more_body": True})
+        else:
+            await chunks(FRAME)
+
+    await frame()
+    async with transport.one_write(send):  # the last frame with the end of the body
+        await frame()
+        await send({"type": "http.response.body", "body": DONE, "more_body": False})
 
 
 def _config() -> Any:
@@ -226,6 +257,18 @@ async def request(units: int, off: str) -> None:
         await client.aclose()
 
 
+async def stream(units: int, off: str) -> None:
+    from inference_lab.serve.transport import local_connection
+
+    server, client = local_connection(_app(off, stream=True), _config())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.run)
+        for _ in range(units):
+            await client.send_all(REQUEST)
+            await _read_until(client, b"0\r\n\r\n")
+        await client.aclose()
+
+
 async def connection(units: int, off: str) -> None:
     from inference_lab.serve.transport import local_connection
 
@@ -253,6 +296,7 @@ async def write(units: int, off: str) -> None:
                 await send({"type": "http.response.body", "body": FRAME, "more_body": True})
             else:
                 await chunks(FRAME)
+            await trio.lowlevel.checkpoint()  # as a stream waits for its next token
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     server, client = local_connection(app, _config())
@@ -313,6 +357,7 @@ async def token(units: int, off: str) -> None:
 
 WORKLOADS: dict[str, Callable[[int, str], Awaitable[None]]] = {
     "request": request,
+    "stream": stream,
     "write": write,
     "token": token,
     "connection": connection,
