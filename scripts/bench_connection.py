@@ -10,7 +10,8 @@ four servers, each started as a process of its own and warmed up first:
 - ``hypercorn``: hypercorn's trio worker, as shipped, serving a minimal ASGI app that
   answers 529 (no Quart, no route, no engine);
 - ``hooked``: the same, with inference-lab's connection server in place
-  (``install_receipt_hook``: arrival stamps, single writes, the idle timer);
+  (``install_connection_hook``: arrival stamps, close watch, single writes, the idle
+  timer);
 - ``serve``: ``inference-lab serve`` refusing a completion with 529 for real (JSON,
   validation, the depth check) on Llama-3-70B held full (``max_num_seqs 1, max_waiting
   1``, one long request running, one waiting; its 17.5 ms steps cost next to nothing).
@@ -122,9 +123,9 @@ def _child(kind: str) -> int:
     from hypercorn.trio import serve
 
     if kind == "hooked":
-        from inference_lab.serve.transport.connection import install_receipt_hook
+        from inference_lab.serve.transport import install_connection_hook
 
-        install_receipt_hook()
+        install_connection_hook()
     config = Config()
     config.bind = [f"fd://{sock.detach()}"]
     config.accesslog = None

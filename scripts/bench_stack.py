@@ -1,7 +1,7 @@
 """What the HTTP stack costs per write and per request, in-process.
 
-Runs the serve app's hooked hypercorn connection server (``LabTCPServer``) over a local
-socket pair with a minimal ASGI app — no engine, no pacing — and a reader in the same
+Runs the serve app's transport (hypercorn's connection server as the transport hooks it,
+``transport.local_connection``) over a local socket pair with a minimal ASGI app — no engine, no pacing — and a reader in the same
 trio loop, and prints the CPU time (``time.process_time``) per unit:
 
 - **per write**: one streaming response writing N mid-stream chunks of one SSE frame
@@ -18,11 +18,6 @@ trio loop, and prints the CPU time (``time.process_time``) per unit:
   (``StreamSink.on_tokens``) — with the hand-over writing the token itself (streaming
   Rule 7, as served) and, as the baseline of the same run, with it waking each stream's
   writer to write it (``Delivery.direct`` off);
-- **per response start**: N response starts of a stream (its three headers plus
-  hypercorn's two), each on a connection whose h11 has just read a request, written by
-  the serve app's protocol (``LabH11Protocol``: the headers validated once) and, as the
-  baseline of the same run, by hypercorn's own (an ``h11.Response`` through h11's
-  ``send``, which re-validates them for each framing header it sets);
 - **per request after a pause**: the same keep-alive request, each timed on its own
   (median), sent back to back and after a pause of 0.1, 2 and 10 ms spent asleep (the
   loop idle in its I/O wait, as a server between requests) or spinning (the process on
@@ -44,28 +39,19 @@ import sys
 import time
 from typing import Any
 
-import h11
 import trio
 from hypercorn.config import Config as HyperConfig
-from hypercorn.protocol.events import Response
-from hypercorn.protocol.h11 import H11Protocol
-from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.typing import ConnectionState
 
 from inference_lab.api.encoding import StreamEncoder
 from inference_lab.api.requests import parse_completion_request
-from inference_lab.serve.responses import STREAM_HEADERS
 from inference_lab.serve.streaming import Delivery, StreamSink, write_stream
-from inference_lab.serve.transport.connection import chunk_writer, local_connection
-from inference_lab.serve.transport.protocol import LabH11Protocol
+from inference_lab.serve.transport import chunk_writer, local_connection
 
 FRAME = (
     b'data: {"id":"cmpl-0123456789abcdef","object":"text_completion","created":1764500000,'
     b'"model":"gpt-oss-20b","choices":[{"text":"word ","index":0}]}\n\n'
 )
 REQUEST = b"GET /x HTTP/1.1\r\nhost: localhost\r\n\r\n"
-#: A stream's response start (``per_start``): what the completion routes send.
-START_HEADERS = [*STREAM_HEADERS, (b"x-request-id", b"cmpl-0123456789abcdef0123456789abcdef")]
 #: Seconds between requests for ``per_request_after``.
 PAUSES = (0.0001, 0.002, 0.01)
 
@@ -169,38 +155,6 @@ async def per_request_after(requests: int, pause: float, spin: bool) -> float:
     return statistics.median(spent)
 
 
-async def _discard(event: Any) -> None:
-    pass
-
-
-async def per_start(starts: int, short: bool) -> float:
-    """CPU seconds per response start written by the serve app's HTTP/1.1 protocol
-    (``short``) or by hypercorn's own, each on a connection that has just read a request."""
-    config = HyperConfig()
-    protocols = []
-    for _ in range(starts):
-        protocol = (LabH11Protocol if short else H11Protocol)(
-            None,  # type: ignore[arg-type]
-            config,
-            WorkerContext(None),
-            None,  # type: ignore[arg-type]
-            ConnectionState({}),
-            False,
-            None,
-            None,
-            _discard,
-        )
-        protocol.connection.receive_data(REQUEST)
-        while protocol.connection.next_event() is not h11.NEED_DATA:
-            pass
-        protocols.append(protocol)
-    event = Response(stream_id=1, status_code=200, headers=START_HEADERS)
-    start = time.process_time()
-    for protocol in protocols:
-        await protocol.stream_send(event)
-    return (time.process_time() - start) / starts
-
-
 async def per_token(streams: int, rounds: int, direct: bool) -> float:
     """CPU seconds per mid-stream token handed to a parked stream writer (``direct``:
     written by the hand-over itself; else by the writer it wakes)."""
@@ -270,10 +224,6 @@ def main() -> int:
     for _ in range(args.repeats):  # interleaved, so both see the same machine
         for direct in (False, True):
             handed[direct].append(trio.run(per_token, args.streams, args.rounds, direct))
-    started: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(args.repeats):
-        for short in (False, True):
-            started[short].append(trio.run(per_start, args.requests, short))
     back_to_back = trio.run(per_request_after, args.paused, 0.0, False)
     paused = {
         (pause, spin): trio.run(per_request_after, args.paused, pause, spin)
@@ -298,13 +248,6 @@ def main() -> int:
         f"written by the hand-over (all {', '.join(f'{t * 1e6:.1f}' for t in handed[True])}); "
         f"{woken * 1e6:.1f} us waking the writer (all "
         f"{', '.join(f'{t * 1e6:.1f}' for t in handed[False])}): x{written / woken:.2f}"
-    )
-    ours, h11s = min(started[True]), min(started[False])
-    print(
-        f"per response start: {ours * 1e6:.1f} us of CPU written by the serve app's protocol "
-        f"(all {', '.join(f'{t * 1e6:.1f}' for t in started[True])}); {h11s * 1e6:.1f} us "
-        f"through h11's send (all {', '.join(f'{t * 1e6:.1f}' for t in started[False])}): "
-        f"x{ours / h11s:.2f}"
     )
     print(
         f"per request timed on its own (median of {args.paused}): "

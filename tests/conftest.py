@@ -5,6 +5,12 @@ gives a :class:`Served` handle with the test client; ``settings_for(...)`` build
 settings from the shipped configs. Time-dependent tests add pytest-trio's
 ``autojump_clock`` fixture (``MockClock(autojump_threshold=0)``): a paced stream then takes
 microseconds and virtual times are exact. Never combine that clock with real sockets.
+
+``serve_both(settings)`` is ``serve`` run twice, once in memory and once on a real
+socket (``tests/serve_util.py``: the app served as ``inference-lab serve`` serves it, so
+the transport's hooks are on the path); a test using it is written against what both
+handles offer (``post``, ``post_raw``, ``get_json``, ``stream``, ``runtime``, ``state``)
+and runs on the real clock.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import trio
 from inference_lab.core.config import load_deployment, load_workload
 from inference_lab.runtime.model import ModelRuntime
 from inference_lab.serve import ServeSettings, ServeState, create_app, get_state
+from tests.serve_util import SocketServed, StreamFrames, serving
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -69,20 +76,7 @@ def chat_body(content: str = "hello world", max_tokens: int = 4, **extra: Any) -
     return body
 
 
-def split_frames(data: bytes) -> list[bytes]:
-    """The payloads of an SSE byte stream, asserting each event is exactly
-    ``data: <payload>\\n\\n``."""
-    assert data.endswith(b"\n\n"), data[-80:]
-    events = data[:-2].split(b"\n\n")
-    payloads = []
-    for event in events:
-        assert event.startswith(b"data: "), event
-        assert b"\n" not in event, event
-        payloads.append(event[len(b"data: ") :])
-    return payloads
-
-
-class Stream:
+class Stream(StreamFrames):
     """One request on an in-memory ASGI connection (no sockets): the app runs in its own
     task; what it sends lands in a channel of ``window`` messages, so a test that stops
     reading stalls the app's writes as a full socket would. Quart's own test connection
@@ -152,42 +146,6 @@ class Stream:
                 self.chunks.append((trio.current_time(), data))
                 return data
         return None
-
-    async def read_all(self) -> list[tuple[float, bytes]]:
-        while await self.next_chunk() is not None:
-            pass
-        return self.chunks
-
-    async def next_frames(self) -> list[bytes]:
-        data = await self.next_chunk()
-        assert data is not None, "the stream ended"
-        return split_frames(data)
-
-    def body_bytes(self) -> bytes:
-        return b"".join(data for _, data in self.chunks)
-
-    def frames(self) -> list[bytes]:
-        return split_frames(self.body_bytes())
-
-    def frame_times(self) -> list[tuple[float, dict[str, Any] | str]]:
-        """(arrival time, decoded payload) per frame; ``[DONE]`` stays a string."""
-        out: list[tuple[float, dict[str, Any] | str]] = []
-        for t, data in self.chunks:
-            for payload in split_frames(data):
-                out.append((t, "[DONE]" if payload == b"[DONE]" else json.loads(payload)))
-        return out
-
-    def token_times(self) -> list[float]:
-        """Arrival times of the content frames (one per token)."""
-        times = []
-        for t, frame in self.frame_times():
-            if isinstance(frame, dict) and frame.get("choices"):
-                choice = frame["choices"][0]
-                if choice.get("delta", {}).get("content") or (
-                    choice.get("text") and "finish_reason" not in choice
-                ):
-                    times.append(t)
-        return times
 
     async def disconnect(self) -> None:
         """The client goes away: the app sees ``http.disconnect``; its output is dropped."""
@@ -263,6 +221,20 @@ async def _serve(settings: ServeSettings | None = None) -> AsyncIterator[Served]
 def serve() -> ServeFactory:
     """``async with serve(settings) as s:`` runs a fresh app (one app object per server)."""
     return _serve
+
+
+@asynccontextmanager
+async def _serve_on_socket(settings: ServeSettings | None = None) -> AsyncIterator[SocketServed]:
+    app = create_app(settings if settings is not None else make_settings())
+    async with serving(app) as port:
+        yield SocketServed(app=app, port=port, state=get_state(app))
+
+
+@pytest.fixture(params=["memory", "socket"])
+def serve_both(request: pytest.FixtureRequest) -> ServeFactory:
+    """``async with serve_both(settings) as s:`` runs a fresh app in memory, and in the
+    test's second run on a real socket (never with the autojump clock)."""
+    return _serve if request.param == "memory" else _serve_on_socket
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ import trio.testing
 from inference_lab.api.text import VOCABULARY
 from inference_lab.core.config import FAULT_MODES, FaultConfig, load_model_config
 from inference_lab.errors import ApiError, ConfigError
-from inference_lab.runtime.model import ModelRuntime
 from inference_lab.serve import ServeSettings, load_settings, settings_from_env
 from inference_lab.serve.harness.answers import FLUSH_GRACE
 from inference_lab.serve.harness.control import parse_engine_command
@@ -42,6 +41,8 @@ from tests.conftest import (
     chat_body,
     make_settings,
 )
+from tests.harness_util import chat_frame, content_frames, head_of
+from tests.serve_util import assert_idle
 
 DONE = b"data: [DONE]\n\n"
 
@@ -73,25 +74,6 @@ async def run_fault(
     return st
 
 
-def head_of(first_frame: bytes) -> bytes:
-    """The head every frame of a stream starts with (``data: {"id":..,"model":..,``)."""
-    return first_frame[: first_frame.index(b'"choices"')]
-
-
-def chat_frame(head: bytes, delta: dict[str, Any], tail: bytes = b"") -> bytes:
-    return (
-        head
-        + b'"choices":[{"index":0,"delta":'
-        + json.dumps(delta, separators=(",", ":")).encode()
-        + tail
-        + b"}]}\n\n"
-    )
-
-
-def content_frames(head: bytes, count: int) -> list[bytes]:
-    return [chat_frame(head, {"content": VOCABULARY[i] + " "}) for i in range(count)]
-
-
 def token_times(st: Stream) -> list[float]:
     """Arrival times of the content frames, torn writes left out."""
     return [
@@ -101,14 +83,6 @@ def token_times(st: Stream) -> list[float]:
         for frame in data.split(b"\n\n")
         if b'"delta":{"content"' in frame
     ]
-
-
-def assert_idle(rt: ModelRuntime) -> None:
-    """No KV block, batch slot, queue slot or pending slot is held."""
-    st = rt.engine.statistics()
-    assert (st.kv_used_blocks, st.running, st.waiting, st.pending_arrivals) == (0, 0, 0, 0)
-    snap = rt.snapshot()
-    assert (snap.running, snap.waiting, snap.pending, snap.depth) == (0, 0, 0, 0)
 
 
 async def post_json(s: Served, path: str, body: Any, **headers: str) -> tuple[int, Any]:

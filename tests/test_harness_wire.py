@@ -27,9 +27,9 @@ import trio
 from inference_lab.core.config import FAULT_MODES
 from inference_lab.serve import ServeState, create_app, get_state
 from inference_lab.serve.harness.frames import CANCELLED_499, ERROR_400_IN_SSE, ERROR_ENVELOPE_200
-from inference_lab.serve.server import bind_socket, serve_app
 from tests.conftest import GPT, ROOT, make_settings
-from tests.test_harness import assert_idle, chat_frame, content_frames, head_of
+from tests.harness_util import chat_frame, content_frames, head_of
+from tests.serve_util import assert_idle, serving
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux sockets")
 
@@ -41,19 +41,8 @@ DOCS = ROOT / "docs" / "test-harness.md"
 async def harness_server() -> AsyncIterator[tuple[str, int, ServeState]]:
     """A real server in this process with the harness on: (base URL, port, state)."""
     app = create_app(attrs.evolve(make_settings(), enable_test_harness=True))
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        sock = bind_socket("127.0.0.1", 0)
-        port = sock.getsockname()[1]
-        await nursery.start(
-            lambda task_status: serve_app(
-                app, sock, shutdown_trigger=stop.wait, task_status=task_status
-            )
-        )
-        try:
-            yield f"http://127.0.0.1:{port}", port, get_state(app)
-        finally:
-            stop.set()
+    async with serving(app) as port:
+        yield f"http://127.0.0.1:{port}", port, get_state(app)
 
 
 @attrs.frozen
@@ -238,13 +227,13 @@ async def test_every_mode_on_the_wire_byte_for_byte() -> None:
 async def test_reset_is_a_tcp_rst_under_the_real_server() -> None:
     """``reset`` finds the connection's socket under hypercorn's trio worker (the server
     ``inference-lab serve`` runs) and the client sees ECONNRESET, not a FIN. If this fails,
-    :func:`inference_lab.serve.harness.wire.connection_stream` no longer finds the socket
-    (hypercorn or trio changed how a connection's task holds its stream)."""
+    :func:`inference_lab.serve.transport.connection_socket` does not find the socket
+    (the transport's ``connection_socket`` no longer reaches the connection's socket)."""
     with trio.fail_after(10):
         async with harness_server() as (_, port, _state):
             wire = await wire_request(port, body_for(), "reset;delay_ms=0;after_chunks=1")
     assert wire.ending == "reset", (
-        "the reset fault closed with a FIN: connection_stream() did not find the socket "
+        "the reset fault closed with a FIN: connection_socket() did not find the socket "
         "of the connection under the real server"
     )
     assert len(wire.chunks) == 2 and not wire.terminated

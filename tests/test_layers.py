@@ -2,7 +2,8 @@
 
 Dependencies point one way: ``core`` (pure) <- ``sim`` / ``runtime`` / ``api`` <- ``serve``
 <- the CLI; the load client talks to a server only over HTTP; hypercorn and h11 are
-touched only by ``serve/transport``.
+touched only by ``serve/transport``, which the rest of the server reaches through its
+interface (the package's ``__init__``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,39 @@ CLIENT_MAY_IMPORT = (
     "inference_lab.validation",
     "inference_lab.jsonbytes",
 )
+
+TRANSPORT = "inference_lab.serve.transport"
+
+
+def _past_the_interface(graph_: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, transport module) for every import of one of the transport's modules
+    from outside the transport."""
+    return sorted(
+        (mod, dep)
+        for mod, deps in graph_.items()
+        if not (mod == TRANSPORT or mod.startswith(TRANSPORT + "."))
+        for dep in deps
+        if dep.startswith(TRANSPORT + ".")
+    )
+
+
+def test_the_server_reaches_the_transport_only_through_its_interface() -> None:
+    """Outside ``serve/transport/`` the package imports the transport's interface (the
+    package ``inference_lab.serve.transport``), never one of its modules."""
+    assert _past_the_interface(GRAPH) == []
+    assert any(TRANSPORT in deps for deps in GRAPH.values())  # the interface is used
+
+
+def test_the_interface_check_can_fail() -> None:
+    """An import of a transport module from outside, made by hand, is reported; the
+    transport's own imports of its modules are not."""
+    fake = {
+        "inference_lab.serve.streaming": {TRANSPORT + ".connection"},
+        TRANSPORT: {TRANSPORT + ".connection", TRANSPORT + ".launch"},
+    }
+    assert _past_the_interface(fake) == [
+        ("inference_lab.serve.streaming", TRANSPORT + ".connection")
+    ]
 
 
 def test_client_depends_only_on_the_http_api() -> None:

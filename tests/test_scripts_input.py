@@ -25,6 +25,7 @@ CASES = [
     ("bench_tokenize.py", ["--tokenizer", "no-such.json"], "no such tokenizer file"),
     ("bench_stack.py", ["--streams", "0"], "must be at least 1"),
     ("bench_stack.py", ["--paused", "0"], "--paused and --repeats must be at least 1"),
+    ("bench_transport.py", ["--units", "0"], "--units, --repeats and --jobs must be at least 1"),
     ("capacity_experiment.py", ["--config", "no-such.toml", "--out", "OUT"], "no such file"),
     ("adaptive_experiment.py", ["--hardware", "zz", "--out", "OUT"], "hardware.zz: no such"),
 ]
@@ -69,11 +70,29 @@ def test_bench_stack_prints_every_figure(tmp_path: Path) -> None:
         "the same as body messages through hypercorn and h11: ",
         "per request (start + one body, keep-alive): ",
         "per token handed to 2 parked streams: ",
-        "per response start: ",
-        "through h11's send",
         "per request timed on its own (median of 3): ",
     ):
         assert figure in out, out
     for how in ("asleep", "spinning"):
         line = next(line for line in out.splitlines() if f"after a pause {how}: " in line)
         assert " us after 0.1 / 2 / 10 ms (x" in line, line
+
+
+def test_bench_transport_prints_every_figure_of_a_workload(tmp_path: Path) -> None:
+    """A tiny CPU-time run of the transport benchmark's request workload prints the cost
+    with every hook on, one line per hook it switches off, and the arrival stamp's lead
+    (the numbers are the machine's: only their presence and form are checked)."""
+    args = ["--cpu", "--only", "request", "--units", "3", "--repeats", "1"]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_transport.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("per keep-alive request: ") and "us of CPU" in lines[0]
+    for hook in ("idle_timer", "nowait", "one_write", "close_watch", "stamp"):
+        assert any(line.startswith(f"  {hook} off: ") for line in lines), done.stdout
+    assert lines[-1].startswith("arrival before the app is called"), done.stdout

@@ -1,20 +1,23 @@
 """hypercorn's hooked connection server (inference_lab/serve/transport/connection.py): the
-keep-alive idle timer (Rule 3) and the writes (Rule 4)."""
+keep-alive idle timer (Rule 3), the writes (Rules 2, 4, 7), the close watch (Rule 6), the
+unlinking (Rule 5) and the connection's socket."""
 
 from __future__ import annotations
 
 import gc
 import socket
+import struct
 import weakref
 from typing import Any
 
 import attrs
-import h11
 import pytest
 import trio
 import trio.testing
+from hypercorn.config import Config
 from hypercorn.events import RawData
 from hypercorn.protocol import ProtocolWrapper
+from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.typing import ConnectionState
 
 from inference_lab.serve.transport.connection import (
@@ -22,12 +25,16 @@ from inference_lab.serve.transport.connection import (
     LabTCPServer,
     ReceiptStream,
     chunk_writer,
+    close_watch,
     connection_server,
+    connection_socket,
+    install_connection_hook,
     local_connection,
     one_write,
 )
-from tests.conftest import GPT
-from tests.test_serve_e2e import http_request, read_until_eof, running_server
+from tests.conftest import GPT, make_settings
+from tests.serve_util import http_request, read_until_eof, running_server
+from tests.transport_util import answer_on_local_connection, h11_answers, record_h11_sends
 
 
 @attrs.define
@@ -125,19 +132,22 @@ async def test_finish_ends_the_watcher_without_closing(
 
 
 async def test_a_keep_alive_connection_serves_a_request_longer_than_the_timeout() -> None:
-    """With keep_alive_timeout 0.3 s, a 0.7 s request and then another after a 0.2 s
-    pause, all on one connection: both answered; then the idle connection is closed."""
-    body = {"model": GPT, "prompt": "x", "max_tokens": 1500}
-    with trio.fail_after(20):
-        async with running_server(keep_alive_timeout=0.3) as (_, port, _state):
+    """With keep_alive_timeout 1 s, a request that runs for longer than that (its steps
+    priced at 20 times the model's) and then another at once, all on one connection: both
+    answered; then the idle connection is closed."""
+    body = {"model": GPT, "prompt": "x", "max_tokens": 200}
+    with trio.fail_after(30):
+        async with running_server(make_settings(), keep_alive_timeout=1.0) as (_, port, state):
+            state.runtimes[GPT].set_step_time_factor(20.0)
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             await stream.send_all(http_request("POST", "/v1/completions", body))
+            started = trio.current_time()
             first = b""
             while b'"finish_reason"' not in first:
                 first += await stream.receive_some(65536)
-            await trio.sleep(0.2)
+            assert trio.current_time() - started > 1.0  # longer than the idle timeout
             await stream.send_all(http_request("GET", "/health"))
-            rest = await read_until_eof(stream)  # the server closes once idle 0.3 s
+            rest = await read_until_eof(stream)  # the server closes once idle 1 s
             await stream.aclose()
     assert first.startswith(b"HTTP/1.1 200")
     assert rest.startswith(b"HTTP/1.1 200")
@@ -377,77 +387,113 @@ async def test_a_request_is_told_when_its_client_leaves_and_only_once() -> None:
     registered: list[bool] = []
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        server = connection_server(send)
-        assert server is not None
-        assert server.watch_close(lambda: calls.append("removed"))
-        server.unwatch_close()
-        assert server.watch_close(lambda: (calls.append("left"), left.set()))
+        watch = close_watch(send)
+        assert watch is not None
+        assert watch.watch_close(lambda: calls.append("removed"))
+        watch.unwatch_close()
+        assert watch.watch_close(lambda: (calls.append("left"), left.set()))
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await left.wait()
-        registered.append(server.watch_close(lambda: calls.append("too late")))
+        registered.append(watch.watch_close(lambda: calls.append("too late")))
 
     answer = await answer_on_local_connection(app, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 200")
     assert calls == ["left"] and registered == [False]
 
 
-async def answer_on_local_connection(app: Any, request: bytes) -> bytes:
-    """Serve ``app`` on a hooked connection over a socket pair, send ``request``, read the
-    answer up to the end of its head, close the client's end; returns once the
-    connection's server is done."""
-    server, client = local_connection(app)
-    with trio.fail_after(10):
+async def _tcp_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    """Both ends of a TCP connection on 127.0.0.1: (the server's, the client's)."""
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    client = trio.socket.socket()
+    await client.connect(listener.getsockname())
+    accepted, _ = await listener.accept()
+    listener.close()
+    return trio.SocketStream(accepted), trio.SocketStream(client)
+
+
+@pytest.mark.parametrize("how", ["client closes", "client resets", "server closes", "cancelled"])
+async def test_the_reading_ends_once_whichever_way_the_connection_ends(how: str) -> None:
+    """Rule 6: the connection's stream tells the server (``on_end``: the idle timer) and the
+    watching request, once each, when its reading ends -- a read that returns the end of
+    the stream, or one that raises (a reset, the stream closed under it, a cancelled
+    read); the request's watch is refused from then on."""
+    ours, theirs = await _tcp_pair()
+    ends: list[str] = []
+    receipt = ReceiptStream(ours, on_end=lambda: ends.append("server"))
+    assert receipt.watch_close(lambda: ends.append("request"))
+
+    async def read() -> None:
+        try:
+            while await receipt.receive_some(100):
+                pass
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    with trio.fail_after(5):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(server.run)
-            await client.send_all(request)
-            answer = b""
-            while b"\r\n\r\n" not in answer:
-                answer += await client.receive_some(4096)
-            await client.aclose()
-    return answer
-
-
-def record_h11_sends(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """From now on, the names of the events every server-side h11 connection records as
-    its own (its state machine's ``_process_event``: what ``send`` records, and what the
-    protocol's short path for a response start records without ``send``), in order."""
-    sent: list[str] = []
-    plain_process = h11.Connection._process_event
-
-    def recording_process(self: h11.Connection, role: Any, event: Any) -> None:
-        if self.our_role is h11.SERVER and role is h11.SERVER:
-            sent.append(type(event).__name__)
-        plain_process(self, role, event)
-
-    monkeypatch.setattr(h11.Connection, "_process_event", recording_process)
-    return sent
-
-
-def h11_answers(raw: bytes, requests: int) -> list[tuple[int, list[tuple[bytes, bytes]], bytes]]:
-    """Parse ``raw`` as ``requests`` HTTP/1.1 answers with h11's own client (strict about
-    the framing): (status, headers, body) each."""
-    client = h11.Connection(h11.CLIENT)
-    answers = []
-    for i in range(requests):
-        if i:
-            client.start_next_cycle()
-        client.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
-        client.send(h11.EndOfMessage())
-        if i == 0:
-            client.receive_data(raw)
-        status, headers, body = 0, [], b""
-        while True:
-            event = client.next_event()
-            if isinstance(event, h11.Response):
-                status, headers = event.status_code, list(event.headers)
-            elif isinstance(event, h11.Data):
-                body += bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                break
+            nursery.start_soon(read)
+            await trio.testing.wait_all_tasks_blocked()
+            assert ends == []  # a read waiting for bytes has not ended anything
+            if how == "client closes":
+                await theirs.aclose()
+            elif how == "client resets":
+                theirs.socket.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
+                await theirs.aclose()
+            elif how == "server closes":
+                await receipt.aclose()
             else:
-                raise AssertionError(f"unexpected {event!r}")
-        answers.append((status, headers, body))
-    return answers
+                nursery.cancel_scope.cancel()
+    assert ends == ["server", "request"]
+    assert not receipt.watch_close(lambda: ends.append("too late"))
+    assert not receipt.reading
+    await receipt.aclose()
+    await theirs.aclose()
+
+
+async def test_the_connections_socket_is_found_through_the_transport() -> None:
+    """``connection_socket(send)`` is the trio socket stream of the request's connection
+    (its peer is the request's client), through which a reset (``SO_LINGER`` 0, then a
+    close) reaches the client; off a hooked connection there is none."""
+    install_connection_hook()
+    found: list[tuple[Any, Any]] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        stream = connection_socket(send)
+        assert isinstance(stream, trio.SocketStream)
+        found.append((stream.socket.getpeername(), scope["client"]))
+        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await stream.aclose()
+
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(hypercorn_serve, app, config)
+            port = int(binds[0].rsplit(":", 1)[1])
+            client = await trio.open_tcp_stream("127.0.0.1", port)
+            await client.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            with pytest.raises(trio.BrokenResourceError):  # ECONNRESET
+                while await client.receive_some(4096):
+                    pass
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+    [(peer, client_address)] = found
+    assert tuple(peer) == tuple(client_address)
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    assert connection_socket(send) is None
 
 
 async def test_pre_framed_chunks_skip_h11_and_keep_the_connection_usable(

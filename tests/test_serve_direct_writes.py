@@ -28,8 +28,8 @@ from inference_lab.serve.asgi import get_state
 from inference_lab.serve.streaming import Delivery, StreamSink, write_stream
 from inference_lab.serve.transport.connection import ReceiptStream, local_connection
 from tests.conftest import GPT, make_settings
-from tests.test_serve_connection import h11_answers
-from tests.test_serve_stack import _post_closing, _writes_of, serving
+from tests.serve_util import post_closing, serving
+from tests.transport_util import h11_answers, writes_of
 
 REQUEST = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
 LAST = 5
@@ -264,8 +264,8 @@ async def test_served_streams_write_mid_stream_tokens_from_the_engine_task(
         return sent
 
     monkeypatch.setattr(ReceiptStream, "send_nowait", recording)
-    stream = _post_closing({"model": GPT, "prompt": "x", "max_tokens": LAST, "stream": True})
-    [writes] = await _writes_of([stream], monkeypatch, interval=0.0, slowdown=100.0)
+    stream = post_closing({"model": GPT, "prompt": "x", "max_tokens": LAST, "stream": True})
+    [writes] = await writes_of([stream], monkeypatch, interval=0.0, slowdown=100.0)
     assert len(writes) == LAST + 1  # the start, LAST - 1 tokens, the last token with the end
     ours = [(task, data) for task, data in writers if data in writes]
     assert [task for task, _ in ours[1:-1]] == ["_engine_task"] * (LAST - 1)
@@ -310,14 +310,14 @@ async def _start_and_take(
             for _ in range(others + 1):
                 clients.append(await trio.open_tcp_stream("127.0.0.1", port))
             for client in clients[:others]:
-                await client.send_all(_post_closing(body))
+                await client.send_all(post_closing(body))
                 received = b""
                 while b'"text"' not in received:  # its first token: it is in the engine
                     received += await client.receive_some(65536)
             assert runtime.snapshot().running == others
             monkeypatch.setattr(runtime_module.ModelRuntime, "_handle", taking)
             monkeypatch.setattr(ReceiptStream, "send_nowait", recording)
-            await clients[-1].send_all(_post_closing(body))
+            await clients[-1].send_all(post_closing(body))
             while not first_token:
                 await clients[-1].receive_some(65536)
             monkeypatch.undo()

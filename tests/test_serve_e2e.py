@@ -11,57 +11,16 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import openai
 import pytest
 import trio
 
-from inference_lab.serve import ServeSettings, ServeState, create_app, get_state
-from inference_lab.serve.server import bind_socket, serve_app
 from tests.conftest import GPT, ROOT, make_settings
+from tests.serve_util import http_request, read_until_eof, running_server
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux sockets and signals")
-
-
-@asynccontextmanager
-async def running_server(
-    settings: ServeSettings | None = None, **serve_kwargs: Any
-) -> AsyncIterator[tuple[str, int, ServeState]]:
-    """A real server in this process: (base URL, port, state); shut down on exit."""
-    app = create_app(settings or make_settings())
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        sock = bind_socket("127.0.0.1", 0)
-        port = sock.getsockname()[1]
-        await nursery.start(
-            lambda task_status: serve_app(
-                app, sock, shutdown_trigger=stop.wait, task_status=task_status, **serve_kwargs
-            )
-        )
-        try:
-            yield f"http://127.0.0.1:{port}", port, get_state(app)
-        finally:
-            stop.set()
-
-
-async def read_until_eof(stream: trio.SocketStream) -> bytes:
-    data = bytearray()
-    while chunk := await stream.receive_some(65536):
-        data += chunk
-    return bytes(data)
-
-
-def http_request(method: str, path: str, body: Any = None, *, close: bool = False) -> bytes:
-    payload = json.dumps(body).encode() if body is not None else b""
-    head = f"{method} {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: {len(payload)}\r\n"
-    if payload:
-        head += "content-type: application/json\r\n"
-    if close:
-        head += "connection: close\r\n"
-    return head.encode() + b"\r\n" + payload
 
 
 # -- the official client -------------------------------------------------------------------------
@@ -69,7 +28,7 @@ def http_request(method: str, path: str, body: Any = None, *, close: bool = Fals
 
 async def test_openai_client_streams_with_usage_and_completes() -> None:
     with trio.fail_after(20):
-        async with running_server() as (url, _, state):
+        async with running_server(make_settings()) as (url, _, state):
             client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
             stream = await client.chat.completions.create(
                 model=GPT,
@@ -144,7 +103,7 @@ async def test_connection_close_is_honoured() -> None:
     """The server closes a `Connection: close` exchange (non-streaming and streaming):
     the final send is shielded from quart-trio's disconnect cancellation (hypercorn #330)."""
     with trio.fail_after(10):
-        async with running_server() as (_, port, _state):
+        async with running_server(make_settings()) as (_, port, _state):
             for request in (
                 http_request("GET", "/health", close=True),
                 http_request(
@@ -171,7 +130,7 @@ async def test_idle_keep_alive_connection_is_reaped() -> None:
     """After a complete response on a keep-alive connection, the idle timer is re-armed
     (the final send is shielded) and the server closes the idle socket."""
     with trio.fail_after(10):
-        async with running_server(keep_alive_timeout=0.3) as (_, port, _state):
+        async with running_server(make_settings(), keep_alive_timeout=0.3) as (_, port, _state):
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             await stream.send_all(http_request("GET", "/health"))
             await stream.send_all(http_request("GET", "/v1/models"))
@@ -198,7 +157,7 @@ class AbortSpy:
 
 async def test_client_leaving_a_real_socket_aborts_its_request() -> None:
     with trio.fail_after(10):
-        async with running_server() as (_, port, state):
+        async with running_server(make_settings()) as (_, port, state):
             rt = state.runtimes[GPT]
             spy = AbortSpy(rt.engine)
             rt.engine = spy  # type: ignore[assignment]

@@ -20,8 +20,8 @@ from inference_lab.errors import ConfigError
 from inference_lab.serve import ServeSettings, create_app, load_settings, settings_from_env
 from inference_lab.serve import cli as serve_cli
 from inference_lab.serve.gate import MAX_REQUEST_ID
-from inference_lab.serve.server import bind_socket, serve_app
 from tests.conftest import CONFIGS, GPT, LLAMA, ServeFactory, Stream, chat_body, make_settings
+from tests.serve_util import serving
 
 KEY = "sk-lab-test-key"
 ORIGIN = "http://localhost:3000"
@@ -377,43 +377,32 @@ async def test_openai_client_behind_an_api_key_sees_request_ids_and_retrieves_mo
     /metrics (no key) counts the completion's tokens."""
     settings = with_(make_settings(), api_key=KEY)
     app = create_app(settings)
-    stop = trio.Event()
     with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            sock = bind_socket("127.0.0.1", 0)
-            port = sock.getsockname()[1]
-            await nursery.start(
-                lambda task_status: serve_app(
-                    app, sock, shutdown_trigger=stop.wait, task_status=task_status
-                )
-            )
+        async with serving(app) as port:
             url = f"http://127.0.0.1:{port}"
-            try:
-                client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
-                completion = await client.chat.completions.create(
-                    model=GPT, messages=[{"role": "user", "content": "hello world"}], max_tokens=3
-                )
-                assert completion._request_id == completion.id
-                model = await client.models.retrieve(GPT)
-                assert model.id == GPT
-                assert (model.model_extra or {})["max_model_len"] == (
-                    settings.deployments[0].model.max_seq_len
-                )
-                wrong = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0)
-                with pytest.raises(openai.AuthenticationError):
-                    await wrong.models.list()
-                await client.close()
-                await wrong.close()
-                stream = await trio.open_tcp_stream("127.0.0.1", port)
-                await stream.send_all(
-                    b"GET /metrics HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n"
-                )
-                raw = bytearray()
-                while chunk := await stream.receive_some(65536):
-                    raw += chunk
-                await stream.aclose()
-            finally:
-                stop.set()
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+            completion = await client.chat.completions.create(
+                model=GPT, messages=[{"role": "user", "content": "hello world"}], max_tokens=3
+            )
+            assert completion._request_id == completion.id
+            model = await client.models.retrieve(GPT)
+            assert model.id == GPT
+            assert (model.model_extra or {})["max_model_len"] == (
+                settings.deployments[0].model.max_seq_len
+            )
+            wrong = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                await wrong.models.list()
+            await client.close()
+            await wrong.close()
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(
+                b"GET /metrics HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n"
+            )
+            raw = bytearray()
+            while chunk := await stream.receive_some(65536):
+                raw += chunk
+            await stream.aclose()
     head, _, body = bytes(raw).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200")
     samples = {

@@ -1,5 +1,7 @@
-"""The HTTP surface through the in-memory Quart client: endpoints, error envelopes and
-their check order, and the exact streaming / non-streaming wire formats."""
+"""The HTTP surface: endpoints, error envelopes and their check order, and the exact
+streaming / non-streaming wire formats. Through the in-memory Quart client; the
+completion routes' answers also through a real socket (the ``serve_both`` fixture), the
+path ``inference-lab serve`` takes."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import pytest
 import trio
 import trio.testing
 
-from tests.conftest import GPT, LLAMA, ServeFactory, chat_body, make_settings, split_frames
+from tests.conftest import GPT, LLAMA, ServeFactory, chat_body, make_settings
+from tests.serve_util import split_frames
 
 JSON = "application/json"
 QUICK_WORKLOAD = str(Path(__file__).resolve().parent.parent / "configs/workloads/quick.toml")
@@ -83,32 +86,32 @@ async def test_wrong_method_is_405_method_not_allowed(serve: ServeFactory) -> No
         await expect_error(response, 405, "method_not_allowed", None)
 
 
-async def test_body_over_2_mib_is_413(serve: ServeFactory) -> None:
-    async with serve() as s:
+async def test_body_over_2_mib_is_413(serve_both: ServeFactory) -> None:
+    async with serve_both() as s:
         response = await s.post_raw("/v1/chat/completions", b" " * (2 * 1024 * 1024 + 1))
         error = await expect_error(response, 413, "request_too_large", None)
     assert error["message"] == "Request body exceeds 2097152 bytes"
 
 
-async def test_body_of_exactly_2_mib_is_read(serve: ServeFactory) -> None:
+async def test_body_of_exactly_2_mib_is_read(serve_both: ServeFactory) -> None:
     """The limit is inclusive: a 2 MiB body is parsed (and here fails as not-an-object)."""
-    async with serve() as s:
+    async with serve_both() as s:
         response = await s.post_raw(
             "/v1/chat/completions", b"[" + b" " * (2 * 1024 * 1024 - 2) + b"]"
         )
         await expect_error(response, 400, "invalid_json", None)
 
 
-async def test_invalid_json_is_400(serve: ServeFactory) -> None:
-    async with serve() as s:
+async def test_invalid_json_is_400(serve_both: ServeFactory) -> None:
+    async with serve_both() as s:
         error = await expect_error(
             await s.post_raw("/v1/completions", b"nope"), 400, "invalid_json", None
         )
     assert error["message"].startswith("Request body must be a JSON object: Expecting value")
 
 
-async def test_invalid_field_is_400_with_param(serve: ServeFactory) -> None:
-    async with serve() as s:
+async def test_invalid_field_is_400_with_param(serve_both: ServeFactory) -> None:
+    async with serve_both() as s:
         response = await s.post("/v1/chat/completions", chat_body(max_tokens=10.5))
         error = await expect_error(response, 400, "invalid_value", "max_tokens")
     assert error["message"] == "max_tokens must be an integer in 1..2147483647, got 10.5"
@@ -123,8 +126,8 @@ async def test_best_of_and_prompt_count_errors(serve: ServeFactory) -> None:
     assert error["message"] == "expected exactly 1 prompt, got 2"
 
 
-async def test_unknown_model_is_404_listing_the_models(serve: ServeFactory) -> None:
-    async with serve(make_settings(GPT, LLAMA)) as s:
+async def test_unknown_model_is_404_listing_the_models(serve_both: ServeFactory) -> None:
+    async with serve_both(make_settings(GPT, LLAMA)) as s:
         response = await s.post("/v1/chat/completions", chat_body(model="x"))
         error = await expect_error(response, 404, "model_not_found", "model")
     assert error["message"] == f"Model 'x' not found. Available models: {GPT}, {LLAMA}"
@@ -147,10 +150,10 @@ async def test_request_over_the_kv_cache_is_400(serve: ServeFactory) -> None:
     assert "KV" in error["message"] and "10" in error["message"]
 
 
-async def test_check_order_validation_model_fit_alive(serve: ServeFactory) -> None:
+async def test_check_order_validation_model_fit_alive(serve_both: ServeFactory) -> None:
     """validation (400) -> model (404) -> fit (400) -> engine alive (503): the first
     failing check answers."""
-    async with serve() as s:
+    async with serve_both() as s:
         s.runtime().stop()
         bad_everything = chat_body(model="x", max_tokens=1.5)
         await expect_error(
@@ -189,12 +192,12 @@ def _chunk_head(frame: dict[str, Any], obj: str) -> None:
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
-async def test_chat_stream_frames(serve: ServeFactory, include_usage: bool) -> None:
+async def test_chat_stream_frames(serve_both: ServeFactory, include_usage: bool) -> None:
     """role frame, one content frame per token (the last one's word without its trailing
     space, so the streamed text is the non-streaming text), finish frame, usage frame only
     when asked for, then [DONE]; every event exactly `data: <compact JSON>\\n\\n`; one id."""
     body = chat_body(max_tokens=3, stream=True, stream_options={"include_usage": include_usage})
-    async with serve() as s, s.stream(body) as stream:
+    async with serve_both() as s, s.stream(body) as stream:
         await stream.read_all()
         assert stream.status == 200
         assert stream.headers["content-type"] == "text/event-stream"
@@ -225,7 +228,7 @@ async def test_chat_stream_frames(serve: ServeFactory, include_usage: bool) -> N
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
-async def test_completions_stream_frames(serve: ServeFactory, include_usage: bool) -> None:
+async def test_completions_stream_frames(serve_both: ServeFactory, include_usage: bool) -> None:
     body = {
         "model": GPT,
         "prompt": "hello world",
@@ -233,7 +236,7 @@ async def test_completions_stream_frames(serve: ServeFactory, include_usage: boo
         "stream": True,
         "stream_options": {"include_usage": include_usage},
     }
-    async with serve() as s, s.stream(body, "/v1/completions") as stream:
+    async with serve_both() as s, s.stream(body, "/v1/completions") as stream:
         await stream.read_all()
     payloads = stream.frames()
     assert payloads[-1] == b"[DONE]"
@@ -256,17 +259,17 @@ async def test_completions_stream_frames(serve: ServeFactory, include_usage: boo
     assert len(frames) == (4 if include_usage else 3)
 
 
-async def test_completions_stream_echo_sends_the_prompt_first(serve: ServeFactory) -> None:
+async def test_completions_stream_echo_sends_the_prompt_first(serve_both: ServeFactory) -> None:
     body = {"model": GPT, "prompt": "hi", "max_tokens": 1, "stream": True, "echo": True}
-    async with serve() as s, s.stream(body, "/v1/completions") as stream:
+    async with serve_both() as s, s.stream(body, "/v1/completions") as stream:
         await stream.read_all()
     frames = [json.loads(p) for p in stream.frames()[:-1]]
     assert frames[0]["choices"] == [{"text": "hi", "index": 0}]
     assert frames[1]["choices"] == [{"text": "the", "index": 0}]
 
 
-async def test_chat_non_streaming_body(serve: ServeFactory) -> None:
-    async with serve() as s:
+async def test_chat_non_streaming_body(serve_both: ServeFactory) -> None:
+    async with serve_both() as s:
         response = await s.post("/v1/chat/completions", chat_body(max_completion_tokens=3))
         assert response.status_code == 200
         assert response.headers["content-type"] == JSON
@@ -290,8 +293,8 @@ async def test_chat_non_streaming_body(serve: ServeFactory) -> None:
     }
 
 
-async def test_completions_non_streaming_body_with_echo(serve: ServeFactory) -> None:
-    async with serve() as s:
+async def test_completions_non_streaming_body_with_echo(serve_both: ServeFactory) -> None:
+    async with serve_both() as s:
         response = await s.post(
             "/v1/completions",
             {"model": GPT, "prompt": "hello world", "max_tokens": 2, "echo": True},
@@ -307,8 +310,8 @@ async def test_completions_non_streaming_body_with_echo(serve: ServeFactory) -> 
     }
 
 
-async def test_default_max_tokens_sets_the_response_length(serve: ServeFactory) -> None:
-    async with serve(make_settings(default_max_tokens=7)) as s:
+async def test_default_max_tokens_sets_the_response_length(serve_both: ServeFactory) -> None:
+    async with serve_both(make_settings(default_max_tokens=7)) as s:
         response = await s.post("/v1/chat/completions", chat_body(max_tokens=None))
         body = json.loads(await response.get_data())
     assert body["usage"]["completion_tokens"] == 7

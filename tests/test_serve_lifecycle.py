@@ -1,6 +1,12 @@
 """Resources come back: a client that leaves (waiting, prefilling, decoding; streaming or
 not) frees its queue slot, batch slot and KV blocks; an engine crash stops only its model,
-ends its streams with the engine_failed frame and answers 503 from then on."""
+ends its streams with the engine_failed frame and answers 503 from then on.
+
+The disconnect tests run through the in-memory client and through a real socket (the
+``serve_both`` fixture: there the client closes its connection and the transport's close
+watch tells the request), on the real clock with the engine's steps priced at
+:data:`SLOW` times the model's, so a request is still running when its client leaves.
+"""
 
 from __future__ import annotations
 
@@ -10,27 +16,22 @@ from typing import Any
 import trio
 import trio.testing
 
-from inference_lab.runtime.model import ModelRuntime
 from tests.conftest import GPT, LLAMA, ServeFactory, chat_body, make_settings
+from tests.serve_util import assert_idle
 
-
-def assert_idle(rt: ModelRuntime) -> None:
-    """No KV block, batch slot, queue slot or pending slot is held."""
-    st = rt.engine.statistics()
-    assert (st.kv_used_blocks, st.running, st.waiting, st.pending_arrivals) == (0, 0, 0, 0)
-    snap = rt.snapshot()
-    assert (snap.running, snap.waiting, snap.pending, snap.depth) == (0, 0, 0, 0)
+#: The step-time factor of the disconnect tests on the real clock (a decode step of
+#: gpt-oss-20b on b200 then takes ~10 ms).
+SLOW = 20.0
 
 
 async def settle() -> None:
     await trio.testing.wait_all_tasks_blocked()
 
 
-async def test_disconnect_while_waiting_leaves_the_queue(
-    serve: ServeFactory, autojump_clock: trio.testing.MockClock
-) -> None:
-    async with serve(make_settings(max_num_seqs=1)) as s:
+async def test_disconnect_while_waiting_leaves_the_queue(serve_both: ServeFactory) -> None:
+    async with serve_both(make_settings(max_num_seqs=1)) as s:
         rt = s.runtime()
+        rt.set_step_time_factor(SLOW)
         async with s.stream(chat_body(max_tokens=50, stream=True)) as a:
             await a.next_chunk()  # role frame: admitted
             async with s.stream(chat_body(max_tokens=50, stream=True)) as b:
@@ -66,11 +67,10 @@ async def test_disconnect_while_prefilling_frees_blocks_at_once(
             assert a.token_times() == []
 
 
-async def test_disconnect_while_decoding_frees_blocks(
-    serve: ServeFactory, autojump_clock: trio.testing.MockClock
-) -> None:
-    async with serve() as s:
+async def test_disconnect_while_decoding_frees_blocks(serve_both: ServeFactory) -> None:
+    async with serve_both() as s:
         rt = s.runtime()
+        rt.set_step_time_factor(SLOW)
         async with s.stream(chat_body(max_tokens=100, stream=True)) as a:
             while len(a.token_times()) < 3:
                 await a.next_chunk()
@@ -80,11 +80,10 @@ async def test_disconnect_while_decoding_frees_blocks(
         assert rt.engine.statistics().finished == 0
 
 
-async def test_non_streaming_disconnect_aborts_the_request(
-    serve: ServeFactory, autojump_clock: trio.testing.MockClock
-) -> None:
-    async with serve() as s:
+async def test_non_streaming_disconnect_aborts_the_request(serve_both: ServeFactory) -> None:
+    async with serve_both() as s:
         rt = s.runtime()
+        rt.set_step_time_factor(SLOW)
         async with s.stream(chat_body(max_tokens=100)) as a:
             await settle()
             assert rt.snapshot().running == 1
@@ -95,11 +94,12 @@ async def test_non_streaming_disconnect_aborts_the_request(
 
 
 async def test_disconnected_waiting_request_frees_its_queue_slot_for_another(
-    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+    serve_both: ServeFactory,
 ) -> None:
     """max_waiting = 1: a second waiter is refused while the first waits, admitted once
     the first has left."""
-    async with serve(make_settings(max_num_seqs=1, max_waiting=1)) as s:
+    async with serve_both(make_settings(max_num_seqs=1, max_waiting=1)) as s:
+        s.runtime().set_step_time_factor(SLOW)
         async with s.stream(chat_body(max_tokens=50, stream=True)) as running:
             await running.next_chunk()
             await settle()
@@ -118,11 +118,9 @@ async def test_disconnected_waiting_request_frees_its_queue_slot_for_another(
         assert_idle(s.runtime())
 
 
-async def test_many_disconnects_leak_nothing(
-    serve: ServeFactory, autojump_clock: trio.testing.MockClock
-) -> None:
+async def test_many_disconnects_leak_nothing(serve_both: ServeFactory) -> None:
     """Twenty streams, each leaving at a different point, over a small batch cap."""
-    async with serve(make_settings(max_num_seqs=3)) as s:
+    async with serve_both(make_settings(max_num_seqs=3)) as s:
 
         async def client(i: int) -> None:
             async with s.stream(chat_body(max_tokens=30, stream=True)) as st:

@@ -35,8 +35,7 @@ from inference_lab.serve.launch import fail_launch
 from inference_lab.serve.routes import register_routes
 from inference_lab.serve.settings import ServeSettings, settings_from_env, startup_warnings
 from inference_lab.serve.state import ServeState
-from inference_lab.serve.transport.accept_log import install_accept_log_filter
-from inference_lab.serve.transport.connection import install_receipt_hook
+from inference_lab.serve.transport import install_connection_hook
 from inference_lab.serve.warmup import warm_up
 
 __all__ = ["GC_THRESHOLDS", "SAMPLER_KEY", "create_app"]
@@ -113,8 +112,7 @@ def create_app(
             fail_launch(str(exc))
         for line in startup_warnings(settings):
             print(f"inference-lab: warning: {line}", file=sys.stderr)
-    install_receipt_hook()  # serve/connection.py: arrival stamps, single writes
-    install_accept_log_filter()  # out of descriptors: one quiet line a second
+    install_connection_hook()  # the transport's hooks: arrival stamps, close watch, writes
     app = InferenceLabApp(__name__)
     # OPTIONS is answered by the gate (CORS preflights from allowed origins) or is a 405,
     # not Quart's automatic 200 (set before any route is registered).

@@ -1,7 +1,7 @@
 """The app's ASGI connection: where every HTTP request enters, and two stack fixes.
 
 Rule 1: a request's arrival is the moment the server received it
-        (:func:`inference_lab.serve.transport.connection.received_at`).
+        (:func:`inference_lab.serve.transport.received_at`).
 Rule 2: every request passes :mod:`inference_lab.serve.gate` first (once a shutdown has
         begun, every request is refused there with a 503); then ``POST`` on a
         completion path goes straight to :func:`inference_lab.serve.completions.complete`,
@@ -40,7 +40,7 @@ from inference_lab.serve.responses import (
     websocket_refused_reply,
 )
 from inference_lab.serve.state import ServeState
-from inference_lab.serve.transport.connection import received_at
+from inference_lab.serve.transport import received_at
 
 __all__ = ["InferenceLabApp", "LabHTTPConnection", "STATE_KEY", "get_state"]
 

@@ -11,7 +11,7 @@ Rule 1: checks run in the order body (413/408/400) -> validation (400) -> model 
         before any response starts. Between model and fit the test harness may take
         the request over (:mod:`inference_lab.serve.harness`).
 Rule 2: a request's arrival is the exchange's (``Exchange.arrival``: when the server
-        received it, :func:`inference_lab.serve.transport.connection.received_at`), before its body
+        received it, :func:`inference_lab.serve.transport.received_at`), before its body
         was read and parsed, as a real engine's API server stamps it.
         Its body must be whole by the arrival plus ``body_timeout`` (else 408): only a
         wait for a piece is bounded by that deadline, so a body that came with its
@@ -19,10 +19,9 @@ Rule 2: a request's arrival is the exchange's (``Exchange.arrival``: when the se
 Rule 3: an admitted request is closed (aborted unless it finished) exactly when its
         exchange ends, whatever ends it: the ``finally`` here is synchronous and
         idempotent, and a client that leaves wakes the writer or collector at once.
-Rule 4: a client that leaves is noticed by its connection when hypercorn's connection is
-        the hooked one (:meth:`inference_lab.serve.transport.connection.LabTCPServer.watch_close`:
-        a synchronous call); otherwise by a task per request waiting for hypercorn's
-        ``http.disconnect`` message.
+Rule 4: a client that leaves is noticed by its connection where the transport offers a
+        close watch (:func:`inference_lab.serve.transport.close_watch`: a synchronous
+        call); otherwise by a task per request waiting for the ``http.disconnect`` message.
 Rule 5: what one request may ask for is bounded at parse time
         (``api.requests.MAX_RESPONSE_WORK``: n x max_tokens x (1 + logprobs)).
 Rule 6: a non-streaming body larger than ``LARGE_BODY`` token entries is sent in pieces
@@ -72,7 +71,7 @@ from inference_lab.serve.responses import (
 )
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.streaming import CollectSink, StreamSink, write_stream
-from inference_lab.serve.transport.connection import connection_server
+from inference_lab.serve.transport import close_watch
 
 __all__ = ["COMPLETION_ROUTES", "complete", "read_body"]
 
@@ -301,14 +300,14 @@ async def complete(
             reply = error_reply(exc, should_retry_header=state.settings.should_retry_header)
             await send_reply(send, reply, exchange.headers)
             return
-        server = connection_server(send)
-        if server is not None:  # told by the connection when the client leaves (Rule 4)
-            if not server.watch_close(lambda: _gone(handle, sink)):
+        watch = close_watch(send)
+        if watch is not None:  # told by the connection when the client leaves (Rule 4)
+            if not watch.watch_close(lambda: _gone(handle, sink)):
                 _gone(handle, sink)  # it has already left
             try:
                 await _respond(state, exchange, send, handle, sink, parsed, request_id, created)
             finally:
-                server.unwatch_close()
+                watch.unwatch_close()
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch, receive, sink, handle)

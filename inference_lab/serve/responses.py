@@ -31,7 +31,7 @@ from inference_lab.errors import (
 )
 from inference_lab.jsonbytes import dumps
 from inference_lab.serve.exchange import Send
-from inference_lab.serve.transport.connection import one_write
+from inference_lab.serve.transport import one_write
 
 __all__ = [
     "send_reply",
@@ -304,7 +304,7 @@ def stream_shutdown_frames() -> bytes:
 async def send_reply(send: Send, reply: Reply, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
     """Send ``reply`` on ASGI ``send``, ``headers`` added: the start, then the body, which
     ends the response, in one socket write where the connection allows it
-    (:func:`~inference_lab.serve.transport.connection.one_write`). Every whole reply the app sends
+    (:func:`~inference_lab.serve.transport.one_write`). Every whole reply the app sends
     outside Quart goes through it."""
     headers = reply.header_list(headers)
     async with one_write(send):

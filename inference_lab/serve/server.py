@@ -25,8 +25,8 @@ from typing import Any
 
 import trio
 
+from inference_lab.serve import transport
 from inference_lab.serve.asgi import get_state
-from inference_lab.serve.transport import launch
 
 __all__ = [
     "DEFAULT_BACKLOG",
@@ -67,7 +67,7 @@ def bind_socket(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if hasattr(socket, "TCP_USER_TIMEOUT"):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, TCP_USER_TIMEOUT_MS)
-        launch.enable_receive_timestamps(sock)  # arrivals stamped by the kernel
+        transport.enable_receive_timestamps(sock)  # arrivals stamped by the kernel
         sock.bind(address)
         sock.listen(backlog)
     except OSError:
@@ -127,7 +127,7 @@ async def serve_app(
             await state.drain(graceful_timeout)
 
         trigger = drain_then_stop
-    await launch.serve(
+    await transport.serve(
         app,
         sock,
         shutdown_trigger=trigger,

@@ -27,10 +27,10 @@ Rule 5: a stream's response start shares the socket write of its first frames wh
         takes that one moves none of its steps, so its start is sent first, and its first
         token can then be written by the hand-over (Rule 7) instead of by a writer woken
         to send it with the start.
-Rule 6: on a connection that takes them (:func:`~inference_lab.serve.transport.connection.chunk_writer`:
-        hypercorn's, HTTP/1.1, chunked), frames are written as pre-framed chunks straight
-        to the connection; only the response start and the end of the body go through
-        hypercorn's request stream and h11.
+Rule 6: on a connection that takes them (:func:`~inference_lab.serve.transport.chunk_writer`:
+        the hooked transport's, HTTP/1.1, chunked), frames are written as pre-framed
+        chunks straight to the connection; only the response start and the end of the
+        body go through the HTTP stack's own state machines.
 Rule 7: a mid-stream token handed to a stream whose writer is parked for frames is
         written by the hand-over itself (:meth:`StreamSink.on_tokens`, synchronously, on
         the engine task) when the response has started on a connection that takes
@@ -57,7 +57,7 @@ import trio
 from inference_lab.api.encoding import StreamEncoder
 from inference_lab.core.engine import Finished
 from inference_lab.serve.responses import stream_failure_frames
-from inference_lab.serve.transport.connection import ChunkWriter, chunk_writer, one_write
+from inference_lab.serve.transport import ChunkWriter, chunk_writer, one_write
 
 __all__ = ["CollectSink", "Delivery", "LoopMonitor", "StreamSink", "write_stream"]
 

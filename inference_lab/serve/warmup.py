@@ -10,10 +10,10 @@ Rule 1: the warm-up runs on a throwaway :class:`ServeState` built from the same 
         untouched), and it is stopped before serving starts.
 Rule 2: it drives :func:`inference_lab.serve.completions.complete` exactly as the app's
         ASGI connection does, first with in-memory ``receive``/``send`` callables, then
-        through hypercorn's own HTTP/1.1 connection server (the hooked
-        :class:`~inference_lab.serve.transport.connection.LabTCPServer`) over a local socket pair,
-        so that hypercorn's request path, the arrival stamp and the single writes do not
-        run cold either. Nothing listens and nothing leaves the process.
+        through the transport's hooked HTTP/1.1 connection server over a local socket
+        pair (:func:`inference_lab.serve.transport.local_connection`), so that the HTTP
+        stack's request path, the arrival stamp and the single writes do not run cold
+        either. Nothing listens and nothing leaves the process.
 Rule 3: what the warm-up's runtimes learned of this machine's timer lateness (their
         pacers' early wake, runtime Rule 2) is handed to the served runtimes, so that the
         first request's tokens are released on time too, not late while a fresh runtime
@@ -33,7 +33,7 @@ from inference_lab.serve.completions import COMPLETION_ROUTES, Kind, complete
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.settings import ServeSettings
 from inference_lab.serve.state import ServeState
-from inference_lab.serve.transport.connection import local_connection, received_at
+from inference_lab.serve.transport import local_connection, received_at
 
 __all__ = ["warm_up"]
 

@@ -71,7 +71,7 @@ async def _end(
             await send_more(send, frames.torn(tokens))
         await trio.sleep(FLUSH_GRACE)
         if mode == "reset":
-            await reset_connection(exchange.scope)
+            await reset_connection(send)
         return  # no last body message: the server closes without the chunked terminator
     if mode == "stall":
         await trio.sleep_forever()  # until the client leaves

@@ -6,9 +6,10 @@ Rule 1: :func:`serve_stream` starts a 200 event stream and runs its writer until
         message ends the stream abruptly (the server closes without the chunked
         terminator).
 Rule 2: :func:`reset_connection` arms ``SO_LINGER`` 0 on the connection's socket and closes
-        it (a TCP RST) when :func:`connection_stream` finds it (hypercorn's trio worker:
-        ``inference-lab serve`` and a plain hypercorn launch); elsewhere (an in-memory
-        test client) the caller's plain close is all there is.
+        it (a TCP RST) when the transport has one for the request
+        (``transport.connection_socket``: ``inference-lab serve`` and a plain hypercorn
+        launch); elsewhere (an in-memory test client) the caller's plain close is all
+        there is.
 """
 
 from __future__ import annotations
@@ -16,16 +17,15 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import trio
 
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.responses import STREAM_HEADERS
+from inference_lab.serve.transport import connection_socket
 
 __all__ = [
-    "connection_stream",
     "reset_connection",
     "send_last",
     "send_more",
@@ -44,58 +44,11 @@ async def send_last(send: Send, data: bytes) -> None:
         await send({"type": "http.response.body", "body": data, "more_body": False})
 
 
-def _socket_stream(value: Any) -> trio.SocketStream | None:
-    if isinstance(value, trio.SocketStream):
-        return value
-    if isinstance(value, trio.SSLStream) and isinstance(value.transport_stream, trio.SocketStream):
-        return value.transport_stream
-    return None
-
-
-def _peer(stream: trio.SocketStream) -> tuple[str, int] | None:
-    try:
-        name = stream.socket.getpeername()
-    except OSError:
-        return None
-    return (str(name[0]), int(name[1])) if isinstance(name, tuple) else None
-
-
-def connection_stream(scope: Mapping[str, Any]) -> trio.SocketStream | None:
-    """The trio stream of the TCP connection the current task's request came on, or None.
-
-    hypercorn's trio worker serves each connection in a task started by
-    ``trio.serve_listeners``, whose coroutine holds the accepted stream (the same object
-    as hypercorn's ``TCPServer.stream``), and runs the ASGI app in a task below it. So
-    this walks from the current task up the task tree and looks at the local variables of
-    each task's coroutine chain for a socket stream whose peer is ``scope["client"]``.
-    """
-    client = scope.get("client")
-    if not client:
-        return None
-    want = (str(client[0]), int(client[1]))
-    task: trio.lowlevel.Task | None = trio.lowlevel.current_task()
-    while task is not None:
-        coro: Any = task.coro
-        for _ in range(64):  # the coroutine chain (cr_await), bounded
-            frame = getattr(coro, "cr_frame", None)
-            if frame is not None:
-                for value in list(frame.f_locals.values()):
-                    stream = _socket_stream(value)
-                    if stream is not None and _peer(stream) == want:
-                        return stream
-            coro = getattr(coro, "cr_await", None)
-            if coro is None:
-                break
-        nursery = task.parent_nursery
-        task = nursery.parent_task if nursery is not None else None
-    return None
-
-
-async def reset_connection(scope: Mapping[str, Any]) -> bool:
-    """Close the request's connection with a TCP RST (``SO_LINGER`` 0, then a close
-    through trio, which wakes the server's reader). False when the socket was not found
-    (then the caller's plain close is all there is)."""
-    stream = connection_stream(scope)
+async def reset_connection(send: Send) -> bool:
+    """Close the connection of the request ``send`` answers with a TCP RST (``SO_LINGER``
+    0, then a close through trio, which wakes the server's reader). False when the
+    transport has no socket for it (then the caller's plain close is all there is)."""
+    stream = connection_socket(send)
     if stream is None:
         logger.warning("reset fault: the connection's socket was not found; closing with FIN")
         return False

@@ -1,11 +1,13 @@
-"""hypercorn's per-connection server, hooked: arrival receipts and single writes.
+"""hypercorn's per-connection server, hooked: arrival stamps, single writes, close watch.
 
 hypercorn's trio worker serves each accepted connection with a ``TCPServer``; the app
-puts a subclass in its place (:func:`install_receipt_hook`, called by ``create_app``, so
-under ``inference-lab serve`` and a plain hypercorn launch alike). From a request's
+puts a subclass in its place (:func:`install_connection_hook`, called by ``create_app``,
+so under ``inference-lab serve`` and a plain hypercorn launch alike). From a request's
 ``send`` the chain to it is: hypercorn's per-request stream (``send.__self__``) -> its
 ``send``, a bound method of the HTTP/1.1 protocol -> the protocol's ``send``, a bound
-method of the connection server (:func:`connection_server`).
+method of the connection server (:func:`connection_server`). What each hook saves is
+measured by ``scripts/bench_transport.py``; the figures are in ``docs/internals.md``
+("The transport").
 
 Rule 1: a request's arrival is the moment the server received it (:func:`received_at`):
         when the kernel received the bytes that the socket read bringing the request in
@@ -18,39 +20,33 @@ Rule 2: the bytes of a whole reply (response start, body, end of body) and of a 
         write (:meth:`LabTCPServer.one_write`), not one per protocol event.
 Rule 3: the keep-alive idle timer is one task per connection sleeping until a deadline
         that the start and end of each request move (:class:`IdleTimer`), not a task
-        spawned for every idle period and cancelled by the next request (~125 µs a
-        request); an idle connection is still closed after ``keep_alive_timeout`` or
-        when the server terminates, and the timer ends with the connection's reading.
+        started for every idle period and cancelled by the next request; an idle
+        connection is still closed after ``keep_alive_timeout`` or when the server
+        terminates, and the timer ends with the connection's reading.
 Rule 4: a write goes to the socket without a scheduling point when the connection's
         send lock is free and the socket's buffer takes the bytes at once (hypercorn's
-        ``async with`` on the lock and trio's ``send_all`` cost up to three trips through
-        the scheduler per write); the rest of a write the buffer did not take goes under
+        ``async with`` on the lock and trio's ``send_all`` cost trips through the
+        scheduler per write); the rest of a write the buffer did not take goes under
         the lock, and a busy lock or a cancelled task goes hypercorn's own way.
 Rule 5: when a connection ends, the links between its server, hypercorn's protocol and
         the idle timer are dropped, so reference counting frees the connection's objects
-        at once: left in their reference cycles, ~30 objects a connection waited for the
-        cycle collector, whose young collections then took 5-11 ms each (a stall of the
-        whole loop) under a churn of short connections such as refused clients.
+        at once: left in their reference cycles they would wait for the cycle collector,
+        whose collections stall the whole loop, under a churn of short connections such
+        as refused clients.
 Rule 6: a request can be told synchronously that its client has gone
-        (:meth:`LabTCPServer.watch_close`) rather than by a task of its own waiting for
+        (:meth:`ReceiptStream.watch_close`) rather than by a task of its own waiting for
         hypercorn's ``http.disconnect`` message (a task, a nursery and a cancellation per
-        request).
+        request). The connection's stream tells it: its reading has ended when a read
+        returns the end of the stream or fails in any way (closed, reset, cancelled, timed
+        out), and hypercorn's reader then stops too.
 Rule 7: a streamed response's mid-body chunks can be written pre-framed, straight to the
         connection (:func:`chunk_writer`): hypercorn's request stream and h11 keep no
-        state for one and cost ~half of a chunk's write (~8 of ~16 µs in
-        ``scripts/bench_stack.py``); the response start and the end of the body still
-        pass through them, so their state machines see the whole exchange. Such a chunk
-        can also be written synchronously, as far as the socket's buffer takes it, by
-        code that cannot await (:meth:`ChunkWriter.write_nowait`, under Rule 4's
-        conditions and outside a gathered write): the engine's hand-over of tokens.
-Rule 8: per connection, nothing is done that cannot matter to it: no TLS handshake is
-        attempted on a plain socket stream, no cancel scope is put around a read when no
-        read timeout is configured (hypercorn's default), and where the configuration
-        (:class:`LabConfig`) says the listening sockets stamp arrivals, a connection
-        neither asks for stamping again nor notes when its first bytes were waiting.
-Rule 9: a plain connection's HTTP/1.1 protocol is :class:`~inference_lab.serve.transport.protocol.
-        LabH11Protocol`, whose plain response starts have their headers validated once
-        rather than by h11 three or four times (its module's Rules).
+        state for one, and passing through them costs more than the write itself; the
+        response start and the end of the body still pass through them, so their state
+        machines see the whole exchange. Such a chunk can also be written synchronously,
+        as far as the socket's buffer takes it, by code that cannot await
+        (:meth:`ChunkWriter.write_nowait`, under Rule 4's conditions and outside a
+        gathered write): the engine's hand-over of tokens.
 """
 
 from __future__ import annotations
@@ -67,35 +63,35 @@ import sys
 import termios
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import h11
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HyperConfig
 from hypercorn.events import Closed, Event, RawData
-from hypercorn.protocol import ProtocolWrapper
 from hypercorn.trio import run as hypercorn_run
-from hypercorn.trio.task_group import TaskGroup
-from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
+from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
-from hypercorn.utils import parse_socket_addr
 
-from inference_lab.serve.transport.protocol import adopt
+from inference_lab.serve.transport.accept_log import install_accept_log_filter
 
 __all__ = [
     "ChunkWriter",
+    "CloseWatch",
     "IdleTimer",
-    "LabConfig",
     "LabTCPServer",
     "MAX_RECEIPT_AGE",
+    "OneWrite",
     "ReceiptStream",
     "chunk_writer",
+    "close_watch",
     "connection_server",
+    "connection_socket",
     "enable_receive_timestamps",
+    "install_connection_hook",
     "local_connection",
-    "install_receipt_hook",
     "one_write",
     "received_at",
     "receives_timestamps",
@@ -145,14 +141,6 @@ def receives_timestamps(sock: Any) -> bool:
         return False
 
 
-class LabConfig(HyperConfig):
-    """hypercorn's configuration, plus what the hooked connection server may rely on."""
-
-    #: Every listening socket stamps what it receives (:func:`enable_receive_timestamps`):
-    #: the connections accepted on them inherit that, so none asks again (Rule 8).
-    listener_stamps = False
-
-
 def _kernel_receipt(ancillary: list[tuple[int, int, bytes]]) -> float | None:
     """The trio time of the receive timestamp in ``recvmsg``'s ancillary data, or None
     (no stamp, or one not within MAX_RECEIPT_AGE before now: a clock step)."""
@@ -166,29 +154,52 @@ def _kernel_receipt(ancillary: list[tuple[int, int, bytes]]) -> float | None:
 
 
 class ReceiptStream:
-    """A connection's trio stream that notes when the server had each read's bytes.
+    """A connection's trio stream that notes when the server had each read's bytes, and
+    tells when the connection's reading has ended.
 
     ``received`` is the trio time at which the kernel received the bytes the latest
     ``receive_some`` returned, when the connection is a plain socket stream whose socket
-    stamps what it receives (:func:`enable_receive_timestamps`, asked here; the read is
-    then a ``recvmsg``). Otherwise it is when that read returned (or, for the end of the
-    stream, when it was seen) -- except for a connection's first read when its bytes were
-    already waiting in the kernel when the server took the connection up
-    (:meth:`note_waiting`): then it is that moment, before the server's own set-up of
-    the connection. Everything else is the wrapped stream's.
+    stamps what it receives (:func:`enable_receive_timestamps`, asked here and inherited
+    from a listening socket that asked; the read is then a ``recvmsg``). Otherwise it is
+    when that read returned (or, for the end of the stream, when it was seen) -- except
+    for a connection's first read when its bytes were already waiting in the kernel when
+    the server took the connection up (:meth:`note_waiting`): then it is that moment,
+    before the server's own set-up of the connection.
+
+    The reading has ended once a read returned the end of the stream or raised (Rule 6):
+    then ``on_end`` (the connection server's) and the callback of :meth:`watch_close`
+    (a request's) are called, once each, synchronously. Everything else is the wrapped
+    stream's.
     """
 
-    __slots__ = ("_stream", "received", "_waiting_since", "stamped", "plain")
+    __slots__ = (
+        "_stream",
+        "received",
+        "_waiting_since",
+        "stamped",
+        "plain",
+        "reading",
+        "_on_end",
+        "_on_close",
+    )
 
-    def __init__(self, stream: Any, *, stamped: bool = False) -> None:
+    def __init__(self, stream: Any, on_end: Callable[[], None] | None = None) -> None:
         self._stream = stream
         self.received = -math.inf
         self._waiting_since: float | None = None
         #: Whether the stream is a plain trio socket stream (its socket is ``socket``).
         self.plain = type(stream) is trio.SocketStream
-        #: Whether its socket stamps what it receives: asked here, unless ``stamped``
-        #: says its listening socket does already (the connection inherited that).
-        self.stamped = self.plain and (stamped or enable_receive_timestamps(stream.socket))
+        #: Whether its socket stamps what it receives.
+        self.stamped = self.plain and enable_receive_timestamps(stream.socket)
+        #: False once the reading has ended.
+        self.reading = True
+        self._on_end = on_end
+        self._on_close: Callable[[], None] | None = None
+
+    @property
+    def wrapped(self) -> Any:
+        """The stream this one reads and writes through (hypercorn's accepted stream)."""
+        return self._stream
 
     def note_waiting(self) -> None:
         """If bytes are waiting on the connection now, the first read's bytes were there
@@ -203,15 +214,48 @@ class ReceiptStream:
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         stamp: float | None = None
-        if self.stamped:
-            data, stamp = await self._receive_stamped(max_bytes)
-        else:
-            data = await self._stream.receive_some(max_bytes)
+        try:
+            if self.stamped:
+                data, stamp = await self._receive_stamped(max_bytes)
+            else:
+                data = await self._stream.receive_some(max_bytes)
+        except BaseException:
+            self._end()
+            raise
         since, self._waiting_since = self._waiting_since, None
         if stamp is None:
             stamp = trio.current_time() if since is None else since
         self.received = stamp
+        if not data:
+            self._end()
         return data
+
+    def watch_close(self, callback: Callable[[], None]) -> bool:
+        """Have ``callback`` called once, synchronously, when this connection's reading
+        ends -- the client closed or reset it, or the server closed it -- which is when
+        hypercorn tells the request's app ``http.disconnect`` (Rule 6). One callback at a
+        time (HTTP/1.1 serves one request at a time); :meth:`unwatch_close` removes it.
+        False, and nothing registered, when the reading has already ended."""
+        if not self.reading:
+            return False
+        self._on_close = callback
+        return True
+
+    def unwatch_close(self) -> None:
+        self._on_close = None
+
+    def _end(self) -> None:
+        if not self.reading:
+            return
+        self.reading = False
+        for callback in (self._on_end, self._on_close):
+            if callback is None:
+                continue
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - the connection's teardown goes on
+                logger.exception("a connection's close callback failed")
+        self._on_end = self._on_close = None
 
     async def _receive_stamped(self, max_bytes: int | None) -> tuple[bytes, float | None]:
         """``trio.SocketStream.receive_some`` as a ``recvmsg`` that also reads the receive
@@ -327,57 +371,20 @@ class LabTCPServer(TCPServer):
     able to gather the writes of several protocol events into one (:meth:`one_write`)."""
 
     def __init__(self, app: Any, config: Any, context: Any, state: Any, stream: Any) -> None:
-        listener_stamps = bool(getattr(config, "listener_stamps", False))
-        receipt = ReceiptStream(stream, stamped=listener_stamps)
-        if not listener_stamps:  # (stamping asked only now may miss the first bytes)
-            receipt.note_waiting()
+        timer = IdleTimer(self)
+        receipt = ReceiptStream(stream, on_end=timer.finish)
+        receipt.note_waiting()
         super().__init__(app, config, context, state, receipt)  # type: ignore[arg-type]
         self._receipt = receipt
         self._gathered: list[bytes] | None = None
-        self._idle_timer = IdleTimer(self)
-        self.idle_task = self._idle_timer  # type: ignore[assignment]
-        self._reading = True
-        self._on_close: Callable[[], None] | None = None
+        self._idle_timer = timer
+        self.idle_task = timer  # type: ignore[assignment]
 
     async def run(self) -> None:
         try:
-            if self._receipt.plain:
-                await self._run_plain()
-            else:
-                await super().run()
+            await super().run()
         finally:
             self._unlink()
-
-    async def _run_plain(self) -> None:
-        """hypercorn's ``run`` for a connection that is a plain socket stream (Rule 8):
-        the same set-up, protocol and teardown, without the TLS handshake attempt (a
-        cancel scope and an AttributeError per connection in hypercorn's own)."""
-        sock = self._receipt.socket
-        try:
-            client = parse_socket_addr(sock.family, sock.getpeername())
-            server = parse_socket_addr(sock.family, sock.getsockname())
-            async with TaskGroup() as task_group:
-                self._task_group = task_group
-                self.protocol = ProtocolWrapper(
-                    self.app,
-                    self.config,
-                    self.context,
-                    task_group,
-                    ConnectionState(self.state),
-                    False,
-                    client,
-                    server,
-                    self.protocol_send,
-                    "http/1.1",
-                )
-                adopt(self.protocol.protocol)
-                await self.protocol.initiate()
-                await self.idle_task.restart(self._task_group, self._idle_timeout)
-                await self._read_data()
-        except OSError:
-            pass
-        finally:
-            await self._close()
 
     def _unlink(self) -> None:
         """Drop the links by which the connection's objects refer back to this server
@@ -387,52 +394,6 @@ class LabTCPServer(TCPServer):
         self.__dict__.pop("_task_group", None)
         self._idle_timer._server = None  # type: ignore[assignment]
         self.idle_task = None  # type: ignore[assignment]
-
-    async def _read_data(self) -> None:
-        try:
-            if self.config.read_timeout:
-                await super()._read_data()
-            else:
-                await self._read_untimed()
-        finally:
-            self._reading = False
-            callback, self._on_close = self._on_close, None
-            if callback is not None:
-                try:
-                    callback()
-                except Exception:  # noqa: BLE001 - the connection's teardown goes on
-                    logger.exception("a connection's close callback failed")
-            self._idle_timer.finish()
-
-    async def _read_untimed(self) -> None:
-        """hypercorn's ``_read_data`` where no read timeout is configured (its default):
-        the same reads and protocol events, without a cancel scope with an infinite
-        deadline around every read (Rule 8)."""
-        receive_some = self.stream.receive_some
-        handle = self.protocol.handle
-        while True:
-            try:
-                data = await receive_some(MAX_RECV)
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                break
-            await handle(RawData(bytes(data)))
-            if data == b"":
-                break
-        await handle(Closed())
-
-    def watch_close(self, callback: Callable[[], None]) -> bool:
-        """Have ``callback`` called once, synchronously, when this connection's reading
-        ends -- the client closed or reset it, or the server closed it -- which is when
-        hypercorn tells the request's app ``http.disconnect`` (Rule 6). One callback at a
-        time (HTTP/1.1 serves one request at a time); :meth:`unwatch_close` removes it.
-        False, and nothing registered, when the reading has already ended."""
-        if not self._reading:
-            return False
-        self._on_close = callback
-        return True
-
-    def unwatch_close(self) -> None:
-        self._on_close = None
 
     async def protocol_send(self, event: Event) -> None:
         gathered = self._gathered
@@ -519,13 +480,15 @@ class OneWrite:
             server._gathered = None
 
 
-def install_receipt_hook() -> bool:
-    """Have hypercorn's trio worker serve each connection it accepts from then on over a
-    :class:`ReceiptStream` (idempotent; called by ``create_app``). It builds one
+def install_connection_hook() -> bool:
+    """Have hypercorn's trio worker serve each connection it accepts from then on with a
+    :class:`LabTCPServer` (idempotent; called by ``create_app``). It builds one
     ``TCPServer(app, config, context, state, stream)`` per connection, looking the class
     up in ``hypercorn.trio.run`` when it starts serving; the hook puts
     :class:`LabTCPServer` there. False (and nothing changed) when that name is not
-    hypercorn's own class: another hook is in place, or hypercorn changed."""
+    hypercorn's own class: another hook is in place, or hypercorn changed. Also quiets the
+    accept loop when file descriptors run out (:mod:`.accept_log`)."""
+    install_accept_log_filter()
     current = getattr(hypercorn_run, "TCPServer", None)
     if current is LabTCPServer:
         return True
@@ -541,13 +504,13 @@ def received_at(send: Any) -> float:
     hypercorn's ``send`` is a bound method of its per-request stream, which notes the
     wall-clock time (``time.time()``) at which it parsed the request, before it built the
     scope and started the app (``start_time``). Earlier still, the socket read that
-    brought the request in returned: with :func:`install_receipt_hook` the connection's
+    brought the request in returned: with :func:`install_connection_hook` the connection's
     stream notes that (the chain is request stream -> ``send`` of the HTTP/1.1 protocol
     -> ``send`` of the connection server -> its ``stream``). The read is used when it came
     before the parse (a body read later, or a read with no request, leaves the parse
-    time); that is ~0.3-0.5 ms of the server's own work earlier than the parse, and the
-    parse ~0.2-0.3 ms earlier than the ASGI call. Any other server (or a test client)
-    gives no such time: then it is now.
+    time): the server's own work of waking, reading and parsing then counts inside the
+    request's latency, as it would in a real engine's server. Any other server (or a test
+    client) gives no such time: then it is now.
     """
     now = trio.current_time()
     request_stream = getattr(send, "__self__", None)
@@ -580,6 +543,40 @@ def connection_server(send: Any) -> LabTCPServer | None:
     (another server, a test client, or the hook not installed)."""
     chain = _hooked_chain(send)
     return None if chain is None else chain[2]
+
+
+class CloseWatch(Protocol):
+    """A connection that tells a request synchronously when its client has gone."""
+
+    def watch_close(self, callback: Callable[[], None]) -> bool:
+        """Call ``callback`` once the client has gone; False (nothing registered) when it
+        has already gone."""
+        ...
+
+    def unwatch_close(self) -> None:
+        """Remove the callback."""
+        ...
+
+
+def close_watch(send: Any) -> CloseWatch | None:
+    """The stream of the hooked connection behind ``send``, whose ``watch_close`` tells a
+    request synchronously that its client has gone (Rule 6); None where ``send`` is not a
+    hooked connection's (the caller then waits for ``http.disconnect``)."""
+    server = connection_server(send)
+    return None if server is None else server._receipt
+
+
+def connection_socket(send: Any) -> trio.SocketStream | None:
+    """The trio socket stream of the TCP connection behind ``send`` (the one hypercorn
+    accepted; for a TLS connection, the stream under it), found through the hooked
+    connection server; None where there is none (another server, the in-memory client)."""
+    server = connection_server(send)
+    if server is None:
+        return None
+    stream = server._receipt.wrapped
+    if isinstance(stream, trio.SSLStream):
+        stream = stream.transport_stream
+    return stream if isinstance(stream, trio.SocketStream) else None
 
 
 #: Response headers that fix a body's framing themselves (then it is not chunked).
@@ -671,12 +668,11 @@ def one_write(send: Any) -> OneWrite:
     return OneWrite(connection_server(send))
 
 
-def local_connection(
-    app: Any, config: HyperConfig | None = None
-) -> tuple[LabTCPServer, trio.SocketStream]:
+def local_connection(app: Any, config: Any = None) -> tuple[LabTCPServer, trio.SocketStream]:
     """A hooked connection server for the ASGI ``app`` over a local socket pair, not yet
     running (``await server.run()``), and the client's end of the pair (a trio socket
-    stream). For the start-up warm-up and the stack benchmark: nothing listens."""
+    stream); ``config`` is hypercorn's configuration (default: hypercorn's, no access
+    log). For the start-up warm-up, tests and benchmarks: nothing listens."""
     if config is None:
         config = HyperConfig()
         config.accesslog = None

@@ -2,8 +2,9 @@
 
 Rule 1: hypercorn adopts the socket by file descriptor and owns (and closes) it from
         then on; it calls ``listen`` on it again, with the backlog given here.
-Rule 2: the connections accepted inherit the listener's arrival stamps (the connection
-        module's Rule 8): where the listening socket stamps, no connection asks again.
+Rule 2: the connections accepted inherit the listener's arrival stamps
+        (:func:`~inference_lab.serve.transport.connection.enable_receive_timestamps`,
+        asked by the caller before it listens), so their first bytes are stamped too.
 """
 
 from __future__ import annotations
@@ -13,22 +14,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
+from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
-from inference_lab.serve.transport.connection import (
-    LabConfig,
-    enable_receive_timestamps,
-    receives_timestamps,
-)
-
-__all__ = ["enable_receive_timestamps", "serve"]
+__all__ = ["serve"]
 
 
 def _config(
     sock: socket.socket, flush_timeout: float, keep_alive_timeout: float, backlog: int
-) -> LabConfig:
-    config = LabConfig()
-    config.listener_stamps = receives_timestamps(sock)
+) -> Config:
+    config = Config()
     config.bind = [f"fd://{sock.detach()}"]
     config.backlog = backlog
     config.graceful_timeout = flush_timeout
