@@ -44,6 +44,9 @@ class FakeServer:
     config: Any
     context: Any
     closes: list[float] = attrs.field(factory=list)
+    #: the connection's stream (its count of reads) and protocol (none: not HTTP/2)
+    _receipt: Any = attrs.field(factory=lambda: attrs.make_class("R", ["reads"])(0))
+    protocol: Any = None
 
     async def _initiate_server_close(self) -> None:
         self.closes.append(trio.current_time())
@@ -596,3 +599,93 @@ async def test_a_chunk_for_a_stream_hypercorn_saw_close_writes_nothing() -> None
     with trio.fail_after(5):
         await done.wait()
     assert writes == []
+
+
+# -- deadlines for request heads and for HTTP/2 ---------------------------------------------
+
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+async def _closed_within(port: int, data: bytes, seconds: float) -> tuple[bool, bytes]:
+    """Send ``data`` and nothing more: (whether the server closed the connection within
+    ``seconds``, what it sent)."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    got = b""
+    closed = False
+    try:
+        await stream.send_all(data)
+        with trio.move_on_after(seconds):
+            while chunk := await stream.receive_some(65536):
+                got += chunk
+            closed = True
+    except trio.BrokenResourceError:
+        closed = True
+    finally:
+        await stream.aclose()
+    return closed, got
+
+
+@pytest.mark.parametrize(
+    "opening",
+    [H2_PREFACE, H2_PREFACE + b"\x00\x00\x01\x01\x00\x00\x00\x00\x01\x82"],
+    ids=["preface only", "HEADERS without END_HEADERS"],
+)
+async def test_an_idle_h2c_connection_is_closed_like_an_idle_http1_one(opening: bytes) -> None:
+    """HTTP/2 over cleartext gets HTTP/1.1's deadline: a connection with a preface alone,
+    or a HEADERS block never ended, is closed once keep_alive_timeout has passed with no
+    stream in progress (here 1 s; well within 10 s on a loaded machine)."""
+    with trio.fail_after(30):
+        async with running_server(make_settings(), keep_alive_timeout=1.0) as (_, port, _s):
+            closed, _ = await _closed_within(port, opening, 10.0)
+    assert closed
+
+
+async def test_an_h2c_request_is_still_answered() -> None:
+    """The HTTP/2 deadline does not cut a working h2c exchange: a prior-knowledge GET
+    /health is answered 200 over HTTP/2."""
+    import h2.config
+    import h2.connection
+    import h2.events
+
+    with trio.fail_after(30):
+        async with running_server(make_settings(), keep_alive_timeout=1.0) as (_, port, _s):
+            conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+            conn.initiate_connection()
+            conn.send_headers(
+                1,
+                [(":method", "GET"), (":path", "/health"), (":scheme", "http"),
+                 (":authority", "127.0.0.1")],
+                end_stream=True,
+            )  # fmt: skip
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(conn.data_to_send())
+            status = None
+            ended = False
+            while not ended:
+                data = await stream.receive_some(65536)
+                assert data, "the server closed the h2c connection before answering"
+                for event in conn.receive_data(data):
+                    if isinstance(event, h2.events.ResponseReceived):
+                        status = dict(event.headers)[b":status"]
+                    if isinstance(event, h2.events.StreamEnded):
+                        ended = True
+                await stream.send_all(conn.data_to_send())
+            await stream.aclose()
+    assert status == b"200"
+
+
+async def test_a_request_head_slower_than_the_deadline_is_answered_408() -> None:
+    """A request head that has not arrived whole when keep_alive_timeout passes is
+    answered 408 in the OpenAI envelope with Connection: close, then the connection is
+    closed (not dropped silently)."""
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: app"
+    with trio.fail_after(30):
+        async with running_server(make_settings(), keep_alive_timeout=1.0) as (_, port, _s):
+            closed, got = await _closed_within(port, head, 10.0)
+            silent, nothing = await _closed_within(port, b"", 10.0)
+    assert closed and got.startswith(b"HTTP/1.1 408")
+    headers, _, body = got.partition(b"\r\n\r\n")
+    assert b"connection: close" in headers.lower()
+    error = __import__("json").loads(body)["error"]
+    assert error["code"] == "request_timeout" and error["type"] == "invalid_request_error"
+    assert silent and nothing == b""  # a connection that sent nothing is closed quietly

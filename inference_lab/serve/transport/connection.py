@@ -22,7 +22,11 @@ Rule 3: the keep-alive idle timer is one task per connection sleeping until a de
         that the start and end of each request move (:class:`IdleTimer`), not a task
         started for every idle period and cancelled by the next request; an idle
         connection is still closed after ``keep_alive_timeout`` or when the server
-        terminates, and the timer ends with the connection's reading.
+        terminates, and the timer ends with the connection's reading. A connection that
+        received part of a request head but not all of it within that time is answered
+        408 (the OpenAI envelope, ``Connection: close``) before it is closed; an HTTP/2
+        (h2c) connection without a stream in progress for that long -- a preface alone,
+        or a HEADERS block never ended -- is closed like an idle HTTP/1.1 one.
 Rule 4: a write goes to the socket without a scheduling point when the connection's
         send lock is free and the socket's buffer takes the bytes at once (hypercorn's
         ``async with`` on the lock and trio's ``send_all`` cost trips through the
@@ -70,11 +74,14 @@ import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HyperConfig
 from hypercorn.events import Closed, Event, RawData
+from hypercorn.protocol.h2 import H2Protocol
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 
+from inference_lab.errors import error_body
 from inference_lab.serve.transport.accept_log import install_accept_log_filter
 
 __all__ = [
@@ -179,6 +186,7 @@ class ReceiptStream:
         "stamped",
         "plain",
         "reading",
+        "reads",
         "_on_end",
         "_on_close",
     )
@@ -193,6 +201,8 @@ class ReceiptStream:
         self.stamped = self.plain and enable_receive_timestamps(stream.socket)
         #: False once the reading has ended.
         self.reading = True
+        #: Reads that returned bytes (the idle timer tells a partial request head by it).
+        self.reads = 0
         self._on_end = on_end
         self._on_close: Callable[[], None] | None = None
 
@@ -228,6 +238,8 @@ class ReceiptStream:
         self.received = stamp
         if not data:
             self._end()
+        else:
+            self.reads += 1
         return data
 
     def watch_close(self, callback: Callable[[], None]) -> bool:
@@ -310,7 +322,16 @@ class IdleTimer:
     connection's reading has ended (the connection then closes through hypercorn's own
     teardown)."""
 
-    __slots__ = ("_server", "_idle", "_deadline", "_finished", "_started", "_scope", "_lot")
+    __slots__ = (
+        "_server",
+        "_idle",
+        "_deadline",
+        "_finished",
+        "_started",
+        "_scope",
+        "_lot",
+        "_reads_at_idle",
+    )
 
     def __init__(self, server: TCPServer) -> None:
         self._server = server
@@ -320,26 +341,32 @@ class IdleTimer:
         self._started = False
         self._scope: trio.CancelScope | None = None
         self._lot = trio.lowlevel.ParkingLot()
+        self._reads_at_idle = 0
 
     async def restart(self, task_group: Any, action: Any) -> None:
         """The connection is idle from now: close it after ``keep_alive_timeout``
         (``action``, hypercorn's own idle task, is not used)."""
         self._idle = True
         self._deadline = trio.current_time() + self._server.config.keep_alive_timeout
+        self._reads_at_idle = self._server._receipt.reads  # type: ignore[attr-defined]
         if not self._started:
             self._started = True
             task_group._nursery.start_soon(self._watch)
-        elif self._scope is not None:
+        else:
+            self._lot.unpark_all()  # a watcher waiting out a request now waits on idleness
+            if self._scope is not None:
+                self._scope.deadline = self._deadline
+
+    async def stop(self) -> None:
+        """A request began: the connection is not idle. Once ``keep_alive_timeout`` has
+        passed the watcher looks whether an HTTP/2 connection has a stream in progress
+        (an HTTP/1.1 request always has: hypercorn says when it ends)."""
+        self._idle = False
+        self._deadline = trio.current_time() + self._server.config.keep_alive_timeout
+        if self._scope is not None:
             self._scope.deadline = self._deadline
         else:
             self._lot.unpark_all()
-
-    async def stop(self) -> None:
-        """A request began: the connection is not idle."""
-        self._idle = False
-        self._deadline = math.inf
-        if self._scope is not None:
-            self._scope.deadline = math.inf
 
     def finish(self) -> None:
         """The connection's reading has ended: end the watcher without closing."""
@@ -348,22 +375,62 @@ class IdleTimer:
             self._scope.cancel()
         self._lot.unpark_all()
 
+    def _h2_without_streams(self) -> bool:
+        """Whether the connection speaks HTTP/2 and no stream is in progress on it."""
+        protocol = getattr(getattr(self._server, "protocol", None), "protocol", None)
+        return isinstance(protocol, H2Protocol) and protocol.idle
+
+    def _partial_head(self) -> bool:
+        """Whether an idle HTTP/1.1 connection received bytes that no request began with
+        (a request head that did not arrive whole)."""
+        protocol = getattr(getattr(self._server, "protocol", None), "protocol", None)
+        receipt = self._server._receipt  # type: ignore[attr-defined]
+        return isinstance(protocol, H11Protocol) and receipt.reads > self._reads_at_idle
+
     async def _watch(self) -> None:
         terminated = self._server.context.terminated
         while not self._finished:
-            if not self._idle:
-                await self._lot.park()  # until the connection is idle again, or done
-                continue
             with trio.CancelScope(deadline=self._deadline) as scope:
                 self._scope = scope
-                await terminated.wait()
+                if self._idle:
+                    await terminated.wait()
+                else:
+                    await self._lot.park()  # until the deadline or the next change
             self._scope = None
             if self._finished:
                 return
-            if self._idle and (terminated.is_set() or trio.current_time() >= self._deadline):
+            now = trio.current_time()
+            if self._idle and (terminated.is_set() or now >= self._deadline):
                 with trio.CancelScope(shield=True):
+                    if self._partial_head() and not terminated.is_set():
+                        await self._server._write(  # type: ignore[attr-defined]
+                            RawData(data=_HEAD_TIMEOUT), shielded=True
+                        )
                     await self._server._initiate_server_close()
                 return
+            if not self._idle and now >= self._deadline:
+                if self._h2_without_streams():
+                    with trio.CancelScope(shield=True):
+                        await self._server._initiate_server_close()
+                    return
+                self._deadline = now + self._server.config.keep_alive_timeout
+
+
+def _head_timeout_reply() -> bytes:
+    body = error_body(
+        "The request head did not arrive in time: the connection is closed",
+        "invalid_request_error",
+        "request_timeout",
+        None,
+    )
+    return (
+        b"HTTP/1.1 408 \r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+    ) + body
+
+
+#: What a connection whose request head did not arrive whole in time is told (Rule 3).
+_HEAD_TIMEOUT = _head_timeout_reply()
 
 
 class LabTCPServer(TCPServer):
