@@ -28,6 +28,7 @@ import attrs
 
 from inference_lab.api.requests import MAX_BODY_BYTES
 from inference_lab.errors import ConfigError
+from inference_lab.serve.agent_routes import register_response_routes
 from inference_lab.serve.asgi import STATE_KEY, InferenceLabApp
 from inference_lab.serve.harness.control import register_harness_routes
 from inference_lab.serve.launch import fail_launch
@@ -125,5 +126,6 @@ def create_app(
         await state.stop()
 
     register_routes(app, state)
+    register_response_routes(app, state)  # GET / DELETE /v1/responses/{id}
     register_harness_routes(app, state)  # POST /control/engine, harness on only
     return app

@@ -38,7 +38,12 @@ from inference_lab.serve.server import (
     serve_until_signalled,
     somaxconn,
 )
-from inference_lab.serve.settings import DEFAULT_BODY_TIMEOUT, ENV_LABELS, startup_warnings
+from inference_lab.serve.settings import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_TOOL_CALL_PROBABILITY,
+    ENV_LABELS,
+    startup_warnings,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -146,8 +151,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="leave 'x-should-retry: false' off 529 answers, so the OpenAI SDK retries them "
         "under its max_retries (default: sent; see docs/saturation.md)",
     )
+    _add_agent_flags(parser)
     _add_hardening_flags(parser)
     return parser
+
+
+def _add_agent_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the agent-facing API (``docs/agents.md``)."""
+    from inference_lab.cli_args import integer, number
+
+    parser.add_argument(
+        "--tool-call-probability",
+        type=number(ge=0, le=1),
+        default=DEFAULT_TOOL_CALL_PROBABILITY,
+        metavar="P",
+        help="the share of tool_choice 'auto' answers that call a tool (default: "
+        f"{DEFAULT_TOOL_CALL_PROBABILITY:g})",
+    )
+    parser.add_argument(
+        "--embedding-dim",
+        type=integer(ge=1),
+        metavar="N",
+        help="length of /v1/embeddings vectors for every model (default: each model's hidden_dim)",
+    )
 
 
 def _add_hardening_flags(parser: argparse.ArgumentParser) -> None:
@@ -239,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs = _int_flag(args.max_num_seqs, "--max-num-seqs", 1)
         seed = _int_flag(args.seed, "--seed", 0)
         default_max_tokens = _int_flag(args.default_max_tokens, "--default-max-tokens", 1)
+        embedding_dim = _int_flag(getattr(args, "embedding_dim", None), "--embedding-dim", 1)
     except _UsageError as exc:
         return _fail(str(exc))
 
@@ -273,6 +300,10 @@ def run(args: argparse.Namespace) -> int:
             body_timeout=args.body_timeout,
             api_key=from_env["api_key"],
             allowed_origins=from_env["allowed_origins"],
+            tool_call_probability=getattr(
+                args, "tool_call_probability", DEFAULT_TOOL_CALL_PROBABILITY
+            ),
+            embedding_dim=embedding_dim,
             on_skip=skip,
             labels=labels,
         )

@@ -71,6 +71,8 @@ ENV_LABELS: Mapping[str, str] = MappingProxyType(
             "api_key",
             "allowed_origins",
             "enable_test_harness",
+            "tool_call_probability",
+            "embedding_dim",
         )
     }
 )
@@ -78,6 +80,8 @@ DEFAULT_HARDWARE = "b200"
 DEFAULT_MAX_TOKENS = 256
 #: Seconds a request body may take to arrive, counted from the request's arrival.
 DEFAULT_BODY_TIMEOUT = 10.0
+#: The share of ``tool_choice: "auto"`` answers that call a tool.
+DEFAULT_TOOL_CALL_PROBABILITY = 0.5
 
 
 @attrs.frozen(kw_only=True)
@@ -108,6 +112,17 @@ class ServeSettings:
     #: A 529 carries ``x-should-retry: false`` (the OpenAI SDK then does not retry it);
     #: False omits the header, so the SDK's ``max_retries`` applies to 529s.
     should_retry_header: bool = True
+    #: The share of ``tool_choice: "auto"`` answers that call a tool (``docs/agents.md``).
+    tool_call_probability: float = DEFAULT_TOOL_CALL_PROBABILITY
+    #: The length of ``/v1/embeddings`` vectors for every model (None: each model's
+    #: ``hidden_dim``).
+    embedding_dim: int | None = None
+
+    def embedding_size(self, deployment: Deployment) -> int:
+        """The full length of ``deployment``'s embedding vectors."""
+        if self.embedding_dim is not None:
+            return self.embedding_dim
+        return deployment.model.hidden_dim
 
 
 def _default_config_path(config: str | os.PathLike[str]) -> Path:
@@ -136,6 +151,8 @@ def load_settings(
     allowed_origins: str | None = None,
     enable_test_harness: bool = False,
     should_retry_header: bool = True,
+    tool_call_probability: float = DEFAULT_TOOL_CALL_PROBABILITY,
+    embedding_dim: int | None = None,
     on_skip: Callable[[str], None] | None = None,
     labels: Mapping[str, str] | None = None,
 ) -> ServeSettings:
@@ -150,7 +167,8 @@ def load_settings(
     (if not None) is 1-4096 printable ASCII characters without spaces (it is compared
     with an HTTP header); ``body_timeout`` is a finite number of seconds > 0.
     ``api_key`` follows ``control_token``'s rule; ``allowed_origins`` is the comma-separated
-    text of ``--allowed-origins`` (see :func:`parse_origins`). ``labels`` maps a setting's
+    text of ``--allowed-origins`` (see :func:`parse_origins`). ``tool_call_probability``
+    is in 0..1, ``embedding_dim`` (if not None) >= 1. ``labels`` maps a setting's
     name to how errors call it (Rule 3): the flag or the variable it came from.
     """
 
@@ -180,6 +198,12 @@ def load_settings(
         raise ConfigError(f"{label('max_num_seqs')}: must be >= 1, got {max_num_seqs}")
     if default_max_tokens < 1:
         raise ConfigError(f"{label('default_max_tokens')}: must be >= 1, got {default_max_tokens}")
+    if not 0.0 <= tool_call_probability <= 1.0:
+        raise ConfigError(
+            f"{label('tool_call_probability')}: must be a number in 0..1, got {tool_call_probability}"
+        )
+    if embedding_dim is not None and embedding_dim < 1:
+        raise ConfigError(f"{label('embedding_dim')}: must be >= 1, got {embedding_dim}")
     path = _default_config_path(config)
     if not path.exists():
         path = resolve_shipped(config, "config", label("config"))
@@ -249,6 +273,8 @@ def load_settings(
         enable_test_harness=enable_test_harness,
         faults=tuple(faults),
         should_retry_header=should_retry_header,
+        tool_call_probability=tool_call_probability,
+        embedding_dim=embedding_dim,
     )
 
 
@@ -349,6 +375,19 @@ def _env_int(environ: Mapping[str, str], name: str, lowest: int) -> int | None:
         raise ConfigError(f"{name}: {exc}") from None
 
 
+def _env_probability(environ: Mapping[str, str], name: str) -> float:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return DEFAULT_TOOL_CALL_PROBABILITY
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{name}: must be a number in 0..1, got {raw!r}")
+    return value
+
+
 def _env_seconds(environ: Mapping[str, str], name: str) -> float | None:
     raw = environ.get(name, "").strip()
     if not raw:
@@ -381,7 +420,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
     ``_WORKLOAD``, ``_SEED``, ``_DEFAULT_MAX_TOKENS``, ``_TOKENIZER``, ``_CONTROL_TOKEN``,
     ``_BODY_TIMEOUT``,
     ``_API_KEY``, ``_ALLOWED_ORIGINS``, ``_ENABLE_TEST_HARNESS``,
-    ``_NO_SHOULD_RETRY_HEADER``."""
+    ``_NO_SHOULD_RETRY_HEADER``, ``_TOOL_CALL_PROBABILITY``, ``_EMBEDDING_DIM``."""
     env = os.environ if environ is None else environ
     enable_test_harness = _env_flag(env, "INFERENCE_LAB_ENABLE_TEST_HARNESS")
     default_max_tokens = _env_int(env, "INFERENCE_LAB_DEFAULT_MAX_TOKENS", 1)
@@ -400,6 +439,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
         allowed_origins=env.get("INFERENCE_LAB_ALLOWED_ORIGINS") or None,
         enable_test_harness=enable_test_harness,
         should_retry_header=not _env_flag(env, "INFERENCE_LAB_NO_SHOULD_RETRY_HEADER"),
+        tool_call_probability=_env_probability(env, "INFERENCE_LAB_TOOL_CALL_PROBABILITY"),
+        embedding_dim=_env_int(env, "INFERENCE_LAB_EMBEDDING_DIM", 1),
         on_skip=lambda line: print(f"inference-lab: {line}", file=sys.stderr),
         labels=ENV_LABELS,
     )
