@@ -7,9 +7,10 @@ Tools, ``tool_choice``, structured output (``response_format`` and vLLM's ``guid
 with the request's own generator (:func:`content_rng`), and :class:`Layout` says what each
 of its tokens spells once the engine has fixed how many there are.
 
-Rule 1: content is a pure function of the request (its JSON without ``stream`` /
-        ``stream_options``), the server's ``--seed`` and ``--tool-call-probability``:
-        every draw comes from :func:`content_rng`; only ids are random.
+Rule 1: content is a pure function of the request (its JSON without the fields of
+        :data:`NOT_CONTENT`: delivery, budget, effort), the server's ``--seed`` and
+        ``--tool-call-probability``: every draw comes from :func:`content_rng`; only ids
+        are random.
 Rule 2: a JSON answer (tool calls, structured output) is a complete document of
         :attr:`AnswerPlan.fixed` tokens, its own length: the engine is asked for exactly
         that many (plus the reasoning before it). When ``max_tokens`` is smaller the
@@ -19,7 +20,7 @@ Rule 3: a token of generated text is one piece of :func:`split_pieces` (a word w
         tool call costs one token for its id and name, then one per argument piece.
 Rule 4: reasoning takes the first tokens of an answer: ``floor(ratio x length)`` of a
         prose answer, ``ceil(ratio x D / (1 - ratio))`` before a JSON answer of ``D``
-        tokens, ``ratio`` being the model's for the request's effort
+        tokens (in exact arithmetic on the ratio as written), ``ratio`` being the model's for the request's effort
         (:class:`~inference_lab.core.config.ReasoningConfig`). Reasoning text is
         placeholder words.
 Rule 5: a schema no instance satisfies, or one that is malformed, is a 400 naming the
@@ -35,6 +36,7 @@ import math
 import random
 import re
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from typing import Any, Literal
 
 import attrs
@@ -55,11 +57,14 @@ __all__ = [
     "Layout",
     "StructuredOutput",
     "ToolCall",
+    "call_id",
     "content_rng",
     "parse_chat_agent",
     "parse_effort",
+    "parse_function_tool",
     "parse_tool_choice",
     "plan_answer",
+    "reasoning_ratio",
     "split_pieces",
 ]
 
@@ -81,11 +86,33 @@ def split_pieces(text: str) -> tuple[str, ...]:
     return tuple(_PIECE.findall(text))
 
 
+#: Body fields that do not change what an answer says: how it is delivered, how much of
+#: it is wanted, how long the model reasons first (Rule 1).
+NOT_CONTENT = frozenset(
+    {
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "max_output_tokens",
+        "n",
+        "priority",
+        "user",
+        "metadata",
+        "store",
+        "logprobs",
+        "top_logprobs",
+        "reasoning_effort",
+        "reasoning",
+    }
+)
+
+
 def content_rng(seed: int, raw: Mapping[str, Any]) -> random.Random:
     """The generator of one request's content (Rule 1): seeded by ``seed`` and a hash of
-    the request body without its delivery options, so a streamed and a non-streamed
-    request get the same answer."""
-    body = {k: v for k, v in raw.items() if k not in ("stream", "stream_options")}
+    the request body without :data:`NOT_CONTENT`, so the same question streamed or not,
+    with a smaller budget or another effort, gets the same answer (or its prefix)."""
+    body = {k: v for k, v in raw.items() if k not in NOT_CONTENT}
     text = json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     digest = hashlib.sha256(f"{seed}\x00{text}".encode("utf-8", "surrogatepass")).digest()
     return random.Random(int.from_bytes(digest[:16], "big"))
@@ -417,7 +444,12 @@ class AnswerPlan:
         fixed = self.fixed
         if fixed is None or not self.ratio:
             return 0
-        return math.ceil(self.ratio * fixed / (1.0 - self.ratio))
+        ratio = _exact(self.ratio)
+        return math.ceil(ratio * fixed / (1 - ratio))
+
+    def reasoning_of(self, length: int) -> int:
+        """Reasoning tokens of a prose answer of ``length`` tokens (Rule 4)."""
+        return math.floor(_exact(self.ratio) * length) if self.ratio else 0
 
     def limit(self, parsed: ParsedRequest) -> tuple[int, bool]:
         """What admission caps the response length at, and whether the workload's drawn
@@ -448,7 +480,7 @@ class Layout:
         self.length = length
         fixed = plan.fixed
         if fixed is None:
-            self.reasoning = math.floor(plan.ratio * length) if plan.ratio else 0
+            self.reasoning = plan.reasoning_of(length)
             self._prose: str | None = parsed.output_text(length)
         else:
             self.reasoning = min(length, plan.reasoning_before_fixed)
@@ -512,6 +544,12 @@ class Layout:
             emitted = max(0, min(len(call.pieces), self.length - first - 1))
             out.append((call, "".join(call.pieces[:emitted])))
         return out
+
+
+def _exact(ratio: float) -> Fraction:
+    """A ratio as the decimal it was written as (``0.8`` is 4/5: ``ceil`` and ``floor``
+    of its products are then exact)."""
+    return Fraction(repr(ratio))
 
 
 def _document(value: Any) -> tuple[str, tuple[str, ...]]:

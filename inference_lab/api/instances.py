@@ -935,12 +935,21 @@ class _Generator:
                     path, f"maxProperties {hi} is below the {len(keep)} required properties"
                 )
         ordered = [n for n in declared if n in chosen] + [n for n in chosen if n not in declared]
+        needed = set(required)
+        for name in ordered:
+            needed.update(dependents.get(name, ()))
         out: dict[str, Any] = {}
         for name in ordered:
             where = f"{path}/properties/{name}"
-            out[name] = self.value(
-                self._property_schemas(conj, name, where, depth), where, depth + 1
-            )
+            schemas = self._property_schemas(conj, name, where, depth)
+            try:
+                out[name] = self.value(schemas, where, depth + 1)
+            except Unsatisfiable:
+                if name in needed:
+                    raise
+                continue  # an optional property no value satisfies is left out
+        if any(name not in out for name in needed) or len(out) < lo:
+            raise Unsatisfiable(path, f"minProperties {lo}: not enough properties can be satisfied")
         return out
 
     def _close_dependents(

@@ -30,7 +30,14 @@ from typing import Any, Protocol, cast
 import trio
 
 from inference_lab.api.agent_encoding import ChatAgentEncoder, chat_agent_body
-from inference_lab.api.agents import AnswerPlan, call_id, content_rng, parse_chat_agent, plan_answer
+from inference_lab.api.agents import (
+    AnswerPlan,
+    call_id,
+    content_rng,
+    parse_chat_agent,
+    plan_answer,
+    reasoning_ratio,
+)
 from inference_lab.api.encoding import StreamEncoder, new_request_id
 from inference_lab.api.requests import ParsedRequest, check_work
 from inference_lab.core.engine import Finished
@@ -126,6 +133,18 @@ def chat_plan(
     if not reasons_by_default and not any(key in raw for key in AGENT_KEYS):
         return None
     agent = parse_chat_agent(raw)
+    ratio = reasoning_ratio(reasoning, agent.effort, agent.thinking)
+    if agent.output is None and not agent.tools and ratio is None:
+        return None
+    if parsed.logprobs is not None and (ratio is not None or not agent.plain):
+        raise ApiError(
+            400,
+            "unsupported_value",
+            "logprobs are not available for answers that call tools, follow a "
+            "response_format or reason: ask without logprobs (or turn reasoning off: "
+            "reasoning_effort 'none')",
+            "logprobs",
+        )
     settings = state.settings
     return plan_answer(
         agent,
