@@ -154,7 +154,9 @@ def random_schema(rng: random.Random, depth: int = 0, *, refs: tuple[str, ...] =
             s["items"] = False
         return s
     if kind == "anyOf":
-        return {"anyOf": [random_schema(rng, depth + 1, refs=refs) for _ in range(rng.randint(2, 3))]}
+        return {
+            "anyOf": [random_schema(rng, depth + 1, refs=refs) for _ in range(rng.randint(2, 3))]
+        }
     if kind == "oneOf":
         types = rng.sample(["string", "integer", "boolean", "null", "array", "object"], 3)
         return {"oneOf": [{"type": t} for t in types]}
@@ -217,7 +219,9 @@ def test_1000_random_schemas_give_valid_instances() -> None:
     for case in range(1000):
         schema = random_root(rng)
         instance = generate_instance(schema, random.Random(case))
-        errors = list(VALIDATOR(schema, format_checker=VALIDATOR.FORMAT_CHECKER).iter_errors(instance))
+        errors = list(
+            VALIDATOR(schema, format_checker=VALIDATOR.FORMAT_CHECKER).iter_errors(instance)
+        )
         if errors:
             invalid.append((schema, instance, errors[0].message))
     assert invalid == []
@@ -327,8 +331,16 @@ def test_pydantic_strict_schemas_parse_back_into_their_models() -> None:
         ),
         (False, ""),
         (
-            {"$defs": {"n": {"type": "object", "properties": {"n": {"$ref": "#/$defs/n"}},
-                             "required": ["n"]}}, "$ref": "#/$defs/n"},
+            {
+                "$defs": {
+                    "n": {
+                        "type": "object",
+                        "properties": {"n": {"$ref": "#/$defs/n"}},
+                        "required": ["n"],
+                    }
+                },
+                "$ref": "#/$defs/n",
+            },
             None,
         ),
     ],
@@ -421,13 +433,27 @@ def test_pieces_concatenate_to_the_text() -> None:
     leading space, up to 3 digits, up to 3 other characters."""
     rng = random.Random(3)
     for case in range(300):
-        text = json.dumps(generate_instance(random_root(rng), random.Random(case)), ensure_ascii=False)
+        text = json.dumps(
+            generate_instance(random_root(rng), random.Random(case)), ensure_ascii=False
+        )
         pieces = split_pieces(text)
         assert "".join(pieces) == text
         assert all(pieces)
     sample = json.dumps({"city": "the of and", "days": [1, 2345]}, separators=(",", ":"))
     assert split_pieces(sample) == (
-        '{"', "city", '":"', "the", " of", " and", '","', "days", '":[', "1", ",", "234", "5",
+        '{"',
+        "city",
+        '":"',
+        "the",
+        " of",
+        " and",
+        '","',
+        "days",
+        '":[',
+        "1",
+        ",",
+        "234",
+        "5",
         "]}",
     )
     assert "".join(split_pieces("héllo wörld ✓ 12345")) == "héllo wörld ✓ 12345"

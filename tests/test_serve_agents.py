@@ -77,7 +77,9 @@ def agent_body(content: str = "hello world", max_tokens: int = 256, **extra: Any
     return chat_body(content, max_tokens=max_tokens, **extra)
 
 
-async def post_json(s: Any, body: dict[str, Any], path: str = "/v1/chat/completions") -> tuple[int, Any]:
+async def post_json(
+    s: Any, body: dict[str, Any], path: str = "/v1/chat/completions"
+) -> tuple[int, Any]:
     response = await s.post(path, body)
     return response.status_code, json.loads(await response.get_data())
 
@@ -164,7 +166,9 @@ async def test_parallel_tool_calls_false_makes_one_call_per_answer(serve: ServeF
 async def test_tool_choice_none_never_calls(serve: ServeFactory) -> None:
     async with serve() as s:
         for i in range(8):
-            _, body = await post_json(s, agent_body(f"q{i}", max_tokens=4, tools=TOOLS, tool_choice="none"))
+            _, body = await post_json(
+                s, agent_body(f"q{i}", max_tokens=4, tools=TOOLS, tool_choice="none")
+            )
             message = body["choices"][0]["message"]
             assert "tool_calls" not in message
             assert message["content"] == "the of and to"
@@ -215,9 +219,10 @@ async def test_content_is_a_function_of_the_request_and_the_seed(serve: ServeFac
     async with serve(settings_with(seed=2)) as s:
         _, reseeded = await post_json(s, request)
     assert arguments(a) == arguments(b)
-    assert a["choices"][0]["message"]["tool_calls"][0]["id"] != b["choices"][0]["message"][
-        "tool_calls"
-    ][0]["id"]
+    assert (
+        a["choices"][0]["message"]["tool_calls"][0]["id"]
+        != b["choices"][0]["message"]["tool_calls"][0]["id"]
+    )
     assert [c.function.arguments for c in streamed.choices[0].message.tool_calls] == arguments(a)
     assert arguments(other) != arguments(a)
     assert arguments(reseeded) != arguments(a)
@@ -290,8 +295,11 @@ async def test_max_tokens_cuts_a_tool_call_as_a_real_server_would(serve: ServeFa
 async def test_a_tool_schema_no_instance_satisfies_is_a_400_naming_the_tool(
     serve: ServeFactory,
 ) -> None:
-    bad = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}},
-           "required": ["n"]}
+    bad = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}},
+        "required": ["n"],
+    }
     async with serve() as s:
         status, body = await post_json(s, agent_body(tools=[TOOLS[0], tool("broken", bad)]))
         assert status == 400
@@ -312,8 +320,10 @@ async def test_a_tool_schema_no_instance_satisfies_is_a_400_naming_the_tool(
         ({"tools": [tool("has space", WEATHER)]}, "tools[0].function.name"),
         ({"tools": [tool("a", WEATHER), tool("a", WEATHER)]}, "tools[1].function.name"),
         ({"tools": [tool("a", {"type": "string"})]}, "tools[0].function.parameters"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
-         "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
@@ -322,8 +332,10 @@ async def test_a_tool_schema_no_instance_satisfies_is_a_400_naming_the_tool(
         ({"guided_grammar": "root ::= x"}, "guided_grammar"),
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_regex": "("}, "guided_regex"),
-        ({"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}},
-         "guided_json"),
+        (
+            {"guided_json": {"type": "object"}, "response_format": {"type": "json_object"}},
+            "guided_json",
+        ),
         ({"reasoning_effort": "extreme"}, "reasoning_effort"),
         ({"tools": TOOLS, "logprobs": True}, "logprobs"),
     ],
@@ -356,8 +368,12 @@ PERSON = {
 @pytest.mark.parametrize(
     "extra",
     [
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON,
-                                                                    "strict": True}}},
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "p", "schema": PERSON, "strict": True},
+            }
+        },
         {"guided_json": PERSON},
         {"guided_json": json.dumps(PERSON)},
         {"structured_outputs": {"json": PERSON}},
@@ -373,7 +389,9 @@ async def test_json_schema_answers_validate_and_usage_is_their_length(
             _, body = await post_json(s, agent_body(f"p{i}", **extra))
             choice = body["choices"][0]
             content = choice["message"]["content"]
-            jsonschema.validate(json.loads(content), PERSON, format_checker=jsonschema.FormatChecker())
+            jsonschema.validate(
+                json.loads(content), PERSON, format_checker=jsonschema.FormatChecker()
+            )
             assert choice["finish_reason"] == "stop"
             assert body["usage"]["completion_tokens"] == len(split_pieces(content))
 
@@ -394,8 +412,9 @@ async def test_json_object_choice_and_regex_outputs(serve: ServeFactory) -> None
 
 
 async def test_a_structured_output_cut_by_max_tokens_is_truncated_json(serve: ServeFactory) -> None:
-    request = agent_body(response_format={"type": "json_schema",
-                                          "json_schema": {"name": "p", "schema": PERSON}})
+    request = agent_body(
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    )
     async with serve() as s:
         _, whole = await post_json(s, request)
         content = whole["choices"][0]["message"]["content"]
@@ -473,7 +492,10 @@ async def test_gpt_oss_reasons_only_when_asked_and_qwen3_by_default(serve: Serve
         _, thinking = await post_json(s, qwen_body)
         assert thinking["choices"][0]["message"]["reasoning_content"] == "the of "
         assert thinking["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2}
-        for off in ({"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}):
+        for off in (
+            {"chat_template_kwargs": {"enable_thinking": False}},
+            {"reasoning_effort": "none"},
+        ):
             _, quiet = await post_json(s, {**qwen_body, **off})
             assert "reasoning_content" not in quiet["choices"][0]["message"]
             assert quiet["choices"][0]["message"]["content"] == "the of and to"
@@ -542,8 +564,12 @@ async def test_tool_call_frames_are_paced_like_any_stream_of_their_length(
         tokens = whole["usage"]["completion_tokens"]
         prompt_tokens = whole["usage"]["prompt_tokens"]
     async with serve() as s:
-        plain = {"model": GPT, "prompt": list(range(prompt_tokens)), "max_tokens": tokens,
-                 "stream": True}
+        plain = {
+            "model": GPT,
+            "prompt": list(range(prompt_tokens)),
+            "max_tokens": tokens,
+            "stream": True,
+        }
         t0 = trio.current_time()
         async with s.stream(plain, path="/v1/completions") as stream:
             await stream.read_all()
@@ -591,8 +617,7 @@ async def test_a_client_leaving_a_tool_call_stream_frees_its_slot(
 ) -> None:
     async with serve() as s:
         rt = s.runtime()
-        body = agent_body(tools=TOOLS, tool_choice="required", stream=True,
-                          reasoning_effort="high")
+        body = agent_body(tools=TOOLS, tool_choice="required", stream=True, reasoning_effort="high")
         async with s.stream(body) as stream:
             await stream.next_chunk()
             await stream.next_chunk()

@@ -125,16 +125,30 @@ async def test_input_items_instructions_and_tools_are_counted_as_chat(serve: Ser
         {"role": "system", "content": "be brief"},
         {"role": "developer", "content": "rules"},
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
-        ]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{}"},
+                }
+            ],
+        },
         {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
     ]
     async with serve() as s:
-        _, response = await create(s, body(items, instructions="be brief", tools=TOOLS,
-                                           max_output_tokens=2, tool_choice="none"))
-        chat = await s.post("/v1/chat/completions", {"model": GPT, "messages": messages,
-                                                     "tools": chat_tools, "max_tokens": 2})
+        _, response = await create(
+            s,
+            body(
+                items, instructions="be brief", tools=TOOLS, max_output_tokens=2, tool_choice="none"
+            ),
+        )
+        chat = await s.post(
+            "/v1/chat/completions",
+            {"model": GPT, "messages": messages, "tools": chat_tools, "max_tokens": 2},
+        )
         usage = json.loads(await chat.get_data())["usage"]
     assert response["usage"]["input_tokens"] == usage["prompt_tokens"]
 
@@ -167,7 +181,10 @@ async def test_reasoning_effort_adds_a_reasoning_item(serve: ServeFactory) -> No
     reasoning, message = response["output"]
     assert reasoning["type"] == "reasoning" and reasoning["summary"] == []
     assert reasoning["content"] == [{"type": "reasoning_text", "text": placeholder_text(8)}]
-    assert message["content"][0]["text"] == placeholder_text(10).rstrip(" ")[len(placeholder_text(8)):]
+    assert (
+        message["content"][0]["text"]
+        == placeholder_text(10).rstrip(" ")[len(placeholder_text(8)) :]
+    )
     assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 8}
     assert response["reasoning"]["effort"] == "high"
 
@@ -204,14 +221,23 @@ async def test_streamed_events_byte_checked_and_rebuilt_by_the_sdk(
     assert last["type"] == f"response.{whole['status']}"
     assert without_ids(last["response"]) == without_ids(whole)
     deltas = [e for e in got if e["type"].endswith(".delta")]
-    openings = [e for e in got if e["type"] == "response.output_item.added"
-                and e["item"]["type"] == "function_call"]
+    openings = [
+        e
+        for e in got
+        if e["type"] == "response.output_item.added" and e["item"]["type"] == "function_call"
+    ]
     assert len(deltas) + len(openings) == whole["usage"]["output_tokens"]
     for item_index, item in enumerate(last["response"]["output"]):
-        added = [e for e in got if e["type"] == "response.output_item.added"
-                 and e["output_index"] == item_index]
-        done = [e for e in got if e["type"] == "response.output_item.done"
-                and e["output_index"] == item_index]
+        added = [
+            e
+            for e in got
+            if e["type"] == "response.output_item.added" and e["output_index"] == item_index
+        ]
+        done = [
+            e
+            for e in got
+            if e["type"] == "response.output_item.done" and e["output_index"] == item_index
+        ]
         assert len(added) == len(done) == 1
         assert done[0]["item"] == item
         assert added[0]["item"]["id"] == item["id"]
@@ -227,9 +253,7 @@ async def test_streamed_events_byte_checked_and_rebuilt_by_the_sdk(
             return (item["id"], [part["text"] for part in item["content"]])
         return (item["id"],)
 
-    assert [content(i) for i in rebuilt.output] == [
-        content(i) for i in last["response"]["output"]
-    ]
+    assert [content(i) for i in rebuilt.output] == [content(i) for i in last["response"]["output"]]
     if whole["status"] == "completed":
         assert rebuilt.usage.output_tokens == whole["usage"]["output_tokens"]
 
@@ -243,26 +267,31 @@ async def test_stored_responses_continue_and_can_be_read_and_deleted(serve: Serv
         response = await s.client.get(f"/v1/responses/{first['id']}")
         assert response.status_code == 200
         assert json.loads(await response.get_data()) == first
-        _, second = await create(s, body("and then?", previous_response_id=first["id"],
-                                         max_output_tokens=2))
+        _, second = await create(
+            s, body("and then?", previous_response_id=first["id"], max_output_tokens=2)
+        )
         assert second["previous_response_id"] == first["id"]
         conversation = [
             {"role": "user", "content": "hello world"},
             {"role": "assistant", "content": "the of and to"},
             {"role": "user", "content": "and then?"},
         ]
-        chat = await s.post("/v1/chat/completions", {"model": GPT, "messages": conversation,
-                                                     "max_tokens": 1})
-        assert second["usage"]["input_tokens"] == json.loads(await chat.get_data())["usage"][
-            "prompt_tokens"
-        ]
+        chat = await s.post(
+            "/v1/chat/completions", {"model": GPT, "messages": conversation, "max_tokens": 1}
+        )
+        assert (
+            second["usage"]["input_tokens"]
+            == json.loads(await chat.get_data())["usage"]["prompt_tokens"]
+        )
         _, unstored = await create(s, body(store=False, max_output_tokens=1))
         assert (await s.client.get(f"/v1/responses/{unstored['id']}")).status_code == 404
         status, error = await create(s, body(previous_response_id=unstored["id"]))
         assert status == 400 and error["error"]["param"] == "previous_response_id"
         deleted = await s.client.delete(f"/v1/responses/{first['id']}")
         assert json.loads(await deleted.get_data()) == {
-            "id": first["id"], "object": "response.deleted", "deleted": True
+            "id": first["id"],
+            "object": "response.deleted",
+            "deleted": True,
         }
         assert (await s.client.get(f"/v1/responses/{first['id']}")).status_code == 404
         assert (await s.client.delete(f"/v1/responses/{first['id']}")).status_code == 404

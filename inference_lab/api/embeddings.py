@@ -149,12 +149,12 @@ def check_dimensions(request: EmbeddingsRequest, model_dim: int) -> int:
     return dim
 
 
-def embedding_vector(seed: int, model: str, key: bytes, model_dim: int, dim: int) -> Any:
-    """The unit vector of one input (Rule 2), float32, of ``dim`` components."""
+def embedding_vector(seed: int, model: str, key: bytes, dim: int) -> Any:
+    """The unit vector of one input (Rule 2), float32, of ``dim`` components: the first
+    ``dim`` draws of the input's generator (a prefix of any longer draw), normalised."""
     digest = hashlib.sha256(b"%d\x00" % seed + model.encode() + b"\x00" + key).digest()
     rng = np.random.default_rng(int.from_bytes(digest[:16], "little"))
-    full = rng.standard_normal(model_dim)
-    head = full[:dim]
+    head = rng.standard_normal(dim)
     norm = float(np.linalg.norm(head))
     if norm == 0.0:  # (a zero draw: not in practice)
         head = np.ones(dim)
@@ -170,14 +170,12 @@ def encode_vector(vector: Any, fmt: str) -> bytes:
     return dumps(np.round(vector.astype(np.float64), 8).tolist())
 
 
-def embedding_pieces(
-    request: EmbeddingsRequest, seed: int, model_dim: int, dim: int
-) -> Iterator[bytes]:
+def embedding_pieces(request: EmbeddingsRequest, seed: int, dim: int) -> Iterator[bytes]:
     """The response body in pieces, one vector each (Rule 4); they concatenate to the
     whole ``list`` object."""
     yield b'{"object":"list","data":['
     for index, key in enumerate(request.keys):
-        vector = embedding_vector(seed, request.model, key, model_dim, dim)
+        vector = embedding_vector(seed, request.model, key, dim)
         lead = b"," if index else b""
         yield (
             lead

@@ -935,9 +935,9 @@ class _Generator:
                     path, f"maxProperties {hi} is below the {len(keep)} required properties"
                 )
         ordered = [n for n in declared if n in chosen] + [n for n in chosen if n not in declared]
-        needed = set(required)
+        must = set(required)
         for name in ordered:
-            needed.update(dependents.get(name, ()))
+            must.update(dependents.get(name, ()))
         out: dict[str, Any] = {}
         for name in ordered:
             where = f"{path}/properties/{name}"
@@ -945,10 +945,10 @@ class _Generator:
             try:
                 out[name] = self.value(schemas, where, depth + 1)
             except Unsatisfiable:
-                if name in needed:
+                if name in must:
                     raise
                 continue  # an optional property no value satisfies is left out
-        if any(name not in out for name in needed) or len(out) < lo:
+        if any(name not in out for name in must) or len(out) < lo:
             raise Unsatisfiable(path, f"minProperties {lo}: not enough properties can be satisfied")
         return out
 

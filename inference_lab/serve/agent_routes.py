@@ -22,7 +22,7 @@ Rule 4: a response is stored (``store``, default true) when it finished, bounded
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import trio
@@ -332,16 +332,37 @@ async def create_embeddings(
             with trio.CancelScope(shield=True):
                 await send_reply(send, reply, exchange.headers)
             return
-        pieces = embedding_pieces(request, settings.seed or 0, model_dim, dim)
-        headers = [(b"content-type", JSON), *exchange.headers]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        for piece in pieces:
-            await send({"type": "http.response.body", "body": piece, "more_body": True})
-            await trio.lowlevel.checkpoint()
-        with trio.CancelScope(shield=True):
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await _send_pieces(send, exchange, embedding_pieces(request, settings.seed or 0, dim))
     finally:
         batch.close()
+
+
+#: A body is sent in messages of about this many bytes (a small one whole, in one write).
+SEND_CHUNK = 256 * 1024
+
+
+async def _send_pieces(send: Send, exchange: Exchange, pieces: Iterator[bytes]) -> None:
+    """A 200 JSON body built piece by piece with a checkpoint after each (Rule 3), sent in
+    messages of about :data:`SEND_CHUNK` bytes; a body smaller than that is one reply."""
+    buffer: list[bytes] = []
+    size = 0
+    started = False
+    for piece in pieces:
+        buffer.append(piece)
+        size += len(piece)
+        if size >= SEND_CHUNK:
+            if not started:
+                headers = [(b"content-type", JSON), *exchange.headers]
+                await send({"type": "http.response.start", "status": 200, "headers": headers})
+                started = True
+            await send({"type": "http.response.body", "body": b"".join(buffer), "more_body": True})
+            buffer, size = [], 0
+        await trio.lowlevel.checkpoint()
+    with trio.CancelScope(shield=True):
+        if not started:
+            await send_reply(send, Reply(200, b"".join(buffer)), exchange.headers)
+        else:
+            await send({"type": "http.response.body", "body": b"".join(buffer), "more_body": False})
 
 
 #: Path -> the raw ASGI route serving ``POST`` on it.
