@@ -29,7 +29,7 @@ import trio
 from quart import Response
 from quart_trio import QuartTrio
 
-from inference_lab.api.agents import AnswerPlan, content_rng, plan_answer
+from inference_lab.api.agents import AnswerPlan, content_rng, plan_answer, reasoning_ratio
 from inference_lab.api.embeddings import (
     check_dimensions,
     embedding_pieces,
@@ -147,15 +147,20 @@ async def create_response(
         runtime = state.runtimes.get(request.parsed.model)
         if runtime is None:
             raise state.model_not_found(request.parsed.model)
-        plan = (
-            plan_answer(
-                request.agent,
-                content_rng(settings.seed or 0, raw),
-                reasoning=runtime.deployment.model.reasoning,
-                tool_call_probability=settings.tool_call_probability,
+        agent = request.agent
+        reasoning = runtime.deployment.model.reasoning
+        if agent.output is None and not agent.tools:  # prose: nothing to draw
+            plan = AnswerPlan(ratio=reasoning_ratio(reasoning, agent.effort, agent.thinking))
+        else:
+            plan = (
+                plan_answer(
+                    agent,
+                    content_rng(settings.seed or 0, raw),
+                    reasoning=reasoning,
+                    tool_call_probability=settings.tool_call_probability,
+                )
+                or AnswerPlan()
             )
-            or AnswerPlan()
-        )
         ids = ResponseIds.new(len(plan.calls))
         created = now()
         encoder = ResponsesEncoder(request, plan, ids, created_at=created)

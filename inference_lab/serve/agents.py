@@ -145,6 +145,8 @@ def chat_plan(
             "reasoning_effort 'none')",
             "logprobs",
         )
+    if agent.output is None and not agent.tools:
+        return AnswerPlan(ratio=ratio)  # prose that reasons: nothing to draw
     settings = state.settings
     return plan_answer(
         agent,
