@@ -96,6 +96,13 @@ async def test_responses_create_streamed_and_not() -> None:
                 final = await stream.get_final_response()
             assert isinstance(final.output_parsed, Weather)
             assert "".join(d.delta for d in deltas) == final.output_text
+            raw = await client.responses.create(
+                model=GPT, input="hello", stream=True, max_output_tokens=5
+            )
+            kinds = [event.type async for event in raw]
+            assert kinds[:2] == ["response.created", "response.in_progress"]
+            assert kinds.count("response.output_text.delta") == 5
+            assert kinds[-1] == "response.incomplete"  # the client's max_output_tokens cut it
             parsed = await client.responses.parse(model=GPT, input="hello", text_format=Weather)
             assert isinstance(parsed.output_parsed, Weather)
             function = {

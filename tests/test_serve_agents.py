@@ -557,8 +557,7 @@ async def test_tool_call_frames_are_paced_like_any_stream_of_their_length(
         async with s.stream(request) as stream:
             await stream.read_all()
         agent_times = [t - t0 for t in frame_times(stream)]
-        prompt = s.runtime().statistics().engine.finished
-    assert prompt == 1
+        assert s.runtime().statistics().engine.finished == 1
     async with serve() as s:
         _, whole = await post_json(s, {**request, "stream": False})
         tokens = whole["usage"]["completion_tokens"]
@@ -625,3 +624,18 @@ async def test_a_client_leaving_a_tool_call_stream_frees_its_slot(
         snap = rt.snapshot()
         assert (snap.running, snap.queued, snap.aborted) == (0, 0, 1)
         assert rt.statistics().engine.kv_usage == 0.0
+
+
+@pytest.mark.parametrize("key", ["response_format", "guided_json", "structured_outputs"])
+async def test_completions_refuse_structured_output(serve: ServeFactory, key: str) -> None:
+    """``/v1/completions`` does not follow a structured output: asking for one is a 400
+    naming the field, not an answer that ignores it."""
+    value: Any = {"type": "json_object"} if key == "response_format" else {"type": "object"}
+    if key == "structured_outputs":
+        value = {"json": {"type": "object"}}
+    body = {"model": GPT, "prompt": "hi", "max_tokens": 2, key: value}
+    async with serve() as s:
+        status, error = await post_json(s, body, "/v1/completions")
+        assert status == 400 and error["error"]["param"] == key
+        status, _ = await post_json(s, {**body, key: None}, "/v1/completions")
+        assert status == 200

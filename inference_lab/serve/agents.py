@@ -56,7 +56,15 @@ from inference_lab.serve.state import ServeState
 from inference_lab.serve.streaming import CollectSink, StreamSink, write_stream
 from inference_lab.serve.transport.connection import connection_server
 
-__all__ = ["AGENT_KEYS", "AnswerSink", "FrameEncoder", "chat_plan", "serve_answer"]
+__all__ = [
+    "AGENT_KEYS",
+    "AnswerSink",
+    "FrameEncoder",
+    "chat_plan",
+    "refuse_structured",
+    "serve_answer",
+    "serve_chat_agent",
+]
 
 #: Chat body fields that may change an answer's shape. A body with none of them, for a
 #: model that does not reason by default, is a plain answer without looking further.
@@ -121,6 +129,32 @@ class AnswerSink(StreamSink):
         else:
             self.closing = self.encoder.failure(shutdown or message)
         self._end()
+
+
+#: Structured-output fields of a chat body that ``/v1/completions`` does not follow.
+STRUCTURED_KEYS = (
+    "response_format",
+    "guided_json",
+    "guided_choice",
+    "guided_regex",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
+def refuse_structured(raw: Mapping[str, Any]) -> None:
+    """A ``/v1/completions`` body asking for structured output is a 400 naming the field:
+    only chat and the Responses API follow one (an answer that ignored it would be worse
+    than a refusal)."""
+    for key in STRUCTURED_KEYS:
+        if raw.get(key) is not None:
+            raise ApiError(
+                400,
+                "unsupported_value",
+                f"{key} is followed on /v1/chat/completions and /v1/responses, not on "
+                "/v1/completions",
+                key,
+            )
 
 
 def chat_plan(

@@ -29,7 +29,8 @@ Rule 6: a non-streaming body larger than ``LARGE_BODY`` token entries is sent in
         of bounded work (``api.encoding.body_pieces``), with a checkpoint between pieces.
 Rule 7: a chat request whose answer is tool calls, structured output or reasoning
         (``serve.agents.chat_plan``) is served from the harness's place on by
-        :func:`inference_lab.serve.agents.serve_chat_agent`, under the same contract.
+        :func:`inference_lab.serve.agents.serve_chat_agent`, under the same contract; a
+        completions request asking for structured output is a 400.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from inference_lab.api.requests import (
 from inference_lab.api.schema import parse_json_object
 from inference_lab.errors import ApiError, EngineUnavailable, QueueFull
 from inference_lab.runtime.model import RequestHandle
-from inference_lab.serve.agents import chat_plan, serve_chat_agent
+from inference_lab.serve.agents import chat_plan, refuse_structured, serve_chat_agent
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.responses import (
     JSON,
@@ -268,7 +269,11 @@ async def complete(
                 return
             # Tools, structured output, reasoning: the answer's content is planned (400s
             # here) and served by serve/agents.py; a plain answer stays on this path.
-            plan = chat_plan(state, runtime, raw, parsed) if kind == "chat" else None
+            plan = None
+            if kind == "chat":
+                plan = chat_plan(state, runtime, raw, parsed)
+            else:
+                refuse_structured(raw)
             if plan is not None:
                 await serve_chat_agent(state, runtime, exchange, receive, send, parsed, plan)
                 return
