@@ -639,3 +639,20 @@ async def test_completions_refuse_structured_output(serve: ServeFactory, key: st
         assert status == 400 and error["error"]["param"] == key
         status, _ = await post_json(s, {**body, key: None}, "/v1/completions")
         assert status == 200
+
+
+async def test_a_stop_string_cuts_reasoning_and_content_alike(serve: ServeFactory) -> None:
+    """Stop strings apply to the whole output, reasoning included (as vLLM applies them):
+    neither part holds the stop string, and streamed deltas concatenate to both."""
+    request = agent_body(max_tokens=20, stop=["of and"], reasoning_effort="high")
+    async with serve() as s:
+        _, body = await post_json(s, request)
+        async with s.stream({**request, "stream": True}) as stream:
+            await stream.read_all()
+    message = body["choices"][0]["message"]
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 3
+    assert message["reasoning_content"] + message["content"] == "the "
+    deltas = [p["choices"][0]["delta"] for p in payloads(stream)[1:-2]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
+    assert "".join(d.get("content", "") for d in deltas) == message["content"]

@@ -507,11 +507,12 @@ class Layout:
         return "tool_calls" if self.plan.calls else "stop"
 
     def token(self, i: int) -> Token:
+        prose = self._prose
+        if prose is not None:  # one text, its first tokens reasoning (a stop string cuts both)
+            kind: Literal["reasoning", "content"] = "reasoning" if i < self.reasoning else "content"
+            return kind, 0, prose[token_start(i) : token_start(i + 1)]
         if i < self.reasoning:
             return "reasoning", 0, WORDS[i % len(WORDS)]
-        prose = self._prose
-        if prose is not None:
-            return "content", 0, prose[token_start(i) : token_start(i + 1)]
         text = self.plan.text
         if text is not None:
             return "content", 0, text[i - self.reasoning]
@@ -524,6 +525,8 @@ class Layout:
         raise IndexError(i)
 
     def reasoning_text(self) -> str:
+        if self._prose is not None:
+            return self._prose[: token_start(self.reasoning)]
         return placeholder_text(self.reasoning)
 
     def content_text(self) -> str:
