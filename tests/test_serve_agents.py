@@ -656,3 +656,41 @@ async def test_a_stop_string_cuts_reasoning_and_content_alike(serve: ServeFactor
     deltas = [p["choices"][0]["delta"] for p in payloads(stream)[1:-2]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
     assert "".join(d.get("content", "") for d in deltas) == message["content"]
+
+
+def test_agent_flags_and_their_environment_variables() -> None:
+    """``--tool-call-probability`` (0-1) and ``--embedding-dim`` (>= 1) parse as flags and
+    as ``INFERENCE_LAB_*`` variables; a bad value is a usage error (flag) or a one-line
+    ConfigError naming the variable."""
+    import argparse
+
+    from inference_lab.errors import ConfigError
+    from inference_lab.serve import cli as serve_cli
+    from inference_lab.serve import load_settings, settings_from_env
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--tool-call-probability", "0.25", "--embedding-dim", "64"])
+    assert (args.tool_call_probability, args.embedding_dim) == (0.25, 64)
+    defaults = parser.parse_args(["serve"])
+    assert (defaults.tool_call_probability, defaults.embedding_dim) == (0.5, None)
+    for bad in (["--tool-call-probability", "1.5"], ["--embedding-dim", "0"]):
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args(["serve", *bad])
+        assert info.value.code == 2
+    config = str(CONFIGS / "gpt-oss-20b.toml")
+    env = {
+        "INFERENCE_LAB_CONFIG": config,
+        "INFERENCE_LAB_TOOL_CALL_PROBABILITY": "0.75",
+        "INFERENCE_LAB_EMBEDDING_DIM": "32",
+    }
+    settings = settings_from_env(env)
+    assert (settings.tool_call_probability, settings.embedding_dim) == (0.75, 32)
+    assert settings.embedding_size(settings.deployments[0]) == 32
+    assert settings_from_env({"INFERENCE_LAB_CONFIG": config}).tool_call_probability == 0.5
+    with pytest.raises(ConfigError, match="^INFERENCE_LAB_TOOL_CALL_PROBABILITY: must be"):
+        settings_from_env({**env, "INFERENCE_LAB_TOOL_CALL_PROBABILITY": "often"})
+    with pytest.raises(ConfigError, match="^INFERENCE_LAB_EMBEDDING_DIM: must be an integer"):
+        settings_from_env({**env, "INFERENCE_LAB_EMBEDDING_DIM": "0"})
+    with pytest.raises(ConfigError, match="tool_call_probability: must be a number in 0..1"):
+        load_settings(config=config, tool_call_probability=-0.1)
