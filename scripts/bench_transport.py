@@ -310,7 +310,6 @@ async def write(units: int, off: str) -> None:
 async def token(units: int, off: str) -> None:
     from inference_lab.api.encoding import StreamEncoder
     from inference_lab.api.requests import parse_completion_request
-
     from inference_lab.serve import streaming
     from inference_lab.serve.streaming import Delivery, StreamSink, write_stream
     from inference_lab.serve.transport import local_connection

@@ -23,6 +23,7 @@ CASES = [
     ("bench_overload.py", ["--model", "no-such-model"], "--model: "),
     ("bench_sim.py", ["--config", "no-such.toml"], "bench_sim: no-such.toml: no such file"),
     ("bench_tokenize.py", ["--tokenizer", "no-such.json"], "no such tokenizer file"),
+    ("bench_agents.py", ["--repeat", "0"], "--repeat must be at least 1"),
     ("bench_stack.py", ["--streams", "0"], "must be at least 1"),
     ("bench_stack.py", ["--paused", "0"], "--paused and --repeats must be at least 1"),
     ("bench_transport.py", ["--units", "0"], "--units, --repeats and --jobs must be at least 1"),

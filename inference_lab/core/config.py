@@ -161,6 +161,27 @@ class LinearLayer:
 
 Layer = AttentionLayer | LinearLayer
 
+#: Reasoning efforts a request may ask for (``none``: no reasoning tokens).
+EFFORTS = ("none", "minimal", "low", "medium", "high")
+
+
+@attrs.frozen(kw_only=True)
+class ReasoningConfig:
+    """``[model.reasoning]``: the model reasons (gpt-oss, Qwen3 thinking). Each ratio is
+    the share of a chat / Responses answer's output tokens spent reasoning at that
+    effort; ``default_effort`` applies when a request names none. Used by the serve
+    API only (``docs/agents.md``); the engine counts every output token alike."""
+
+    default_effort: str = attrs.field(default="medium", validator=_one_of(EFFORTS))
+    minimal: float = attrs.field(default=0.1, validator=[_ge(0), _le(0.95)])
+    low: float = attrs.field(default=0.2, validator=[_ge(0), _le(0.95)])
+    medium: float = attrs.field(default=0.5, validator=[_ge(0), _le(0.95)])
+    high: float = attrs.field(default=0.8, validator=[_ge(0), _le(0.95)])
+
+    def ratio(self, effort: str) -> float:
+        """The share of output tokens spent reasoning at ``effort`` (0 for ``none``)."""
+        return 0.0 if effort == "none" else float(getattr(self, effort))
+
 
 @attrs.frozen(kw_only=True)
 class ModelArch:
@@ -175,6 +196,8 @@ class ModelArch:
     #: holding ``tokenizer.json``) written relative to the config file; after loading,
     #: the resolved path. None: prompts are counted by the byte rule.
     tokenizer: str | None = attrs.field(default=None, validator=_optional_nonempty)
+    #: ``[model.reasoning]``: part of each chat answer is reasoning (None: none is).
+    reasoning: ReasoningConfig | None = None
 
     @layers.validator
     def _check_full_attention(self, attr: attrs.Attribute[Any], value: tuple[Layer, ...]) -> None:

@@ -217,6 +217,13 @@ class RequestHandle:
     def close(self) -> None:
         self.runtime._close(self)
 
+    def withdraw(self) -> None:
+        """Undo this admission, as if it had been refused: for a request that several
+        admissions serve together (an embeddings batch) when a later one is refused.
+        Synchronous; only before the engine task has taken it (no checkpoint since
+        :meth:`ModelRuntime.admit_nowait`), and it is not counted as admitted or aborted."""
+        self.runtime._close(self, withdrawn=True)
+
     async def wait_taken(self) -> None:
         """Return once the engine task has taken this request: it is in the engine (its
         first step is scheduled if one could start) or it ended. The completion route
@@ -393,6 +400,7 @@ class ModelRuntime:
         n: int = 1,
         limit: int | None = None,
         block_hashes: tuple[int, ...] = (),
+        drawn: bool = True,
     ) -> RequestHandle:
         """The single entry into the engine. Synchronous, no checkpoint.
 
@@ -404,6 +412,8 @@ class ModelRuntime:
         ``max_tokens``) and queues the arrival of its ``n`` sequences for the engine task.
         ``block_hashes`` (its prompt's and answer's hash chain, :mod:`inference_lab.api.hashing`)
         go with it, so the router and the prefix cache see them.
+        With ``drawn`` False the answer's content decides its length (a JSON document of
+        ``limit`` tokens): no length is drawn for it.
         """
         if not self._alive:
             if self.observer is not None:
@@ -424,7 +434,7 @@ class ModelRuntime:
             )
         cap = max_tokens if limit is None else min(limit, max_tokens)
         target = cap if cap < max_tokens else None
-        if self._output_lengths is not None:
+        if self._output_lengths is not None and drawn:
             sample = int(self._output_lengths.sample(self._rng, 1)[0])
             target = max(1, min(sample, cap))
         handle.spec = RequestSpec(
@@ -488,16 +498,20 @@ class ModelRuntime:
             handle.holds_slot = False
             self._admission.release(handle)
 
-    def _close(self, handle: RequestHandle) -> None:
-        """Abort ``handle`` if it is still live (idempotent; called by RequestHandle)."""
+    def _close(self, handle: RequestHandle, withdrawn: bool = False) -> None:
+        """Abort ``handle`` if it is still live (idempotent; called by RequestHandle);
+        ``withdrawn``: undo its admission instead (:meth:`RequestHandle.withdraw`)."""
         if handle.done:
             return
         handle.state = "aborted"
         self._live.pop(handle, None)
         self._release_slot(handle)
-        self._aborted += 1
-        if self.observer is not None:
-            self.observer.on_aborted()
+        if withdrawn:
+            self._admitted -= 1
+        else:
+            self._aborted += 1
+            if self.observer is not None:
+                self.observer.on_aborted()
         rid = handle.request_id
         if rid is not None:
             self._by_id.pop(rid, None)

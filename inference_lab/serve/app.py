@@ -28,6 +28,7 @@ import attrs
 
 from inference_lab.api.requests import MAX_BODY_BYTES
 from inference_lab.errors import ConfigError
+from inference_lab.serve.agent_routes import register_response_routes
 from inference_lab.serve.asgi import STATE_KEY, InferenceLabApp
 from inference_lab.serve.dashboard import Sampler, register_dashboard_routes
 from inference_lab.serve.harness.control import register_harness_routes
@@ -148,5 +149,6 @@ def create_app(
     register_routes(app, state)
     if sampler is not None:
         register_dashboard_routes(app, sampler)
+    register_response_routes(app, state)  # GET / DELETE /v1/responses/{id}
     register_harness_routes(app, state)  # POST /control/engine, harness on only
     return app

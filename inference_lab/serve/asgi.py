@@ -5,8 +5,10 @@ Rule 1: a request's arrival is the moment the server received it
 Rule 2: every request passes :mod:`inference_lab.serve.gate` first (once a shutdown has
         begun, every request is refused there with a 503); then ``POST`` on a
         completion path goes straight to :func:`inference_lab.serve.completions.complete`,
-        any other method on those paths is a 405, and every other request is handed to
-        Quart (with the exchange's headers added to its response).
+        any other method on those paths is a 405; so do ``POST /v1/responses`` and
+        ``POST /v1/embeddings`` to :mod:`inference_lab.serve.agent_routes`; every
+        other request is handed to Quart (with the exchange's headers added to its
+        response).
 Rule 3: the final ``http.response.body`` of a Quart route is shielded from cancellation
         (hypercorn issue #330: quart-trio cancels the request scope when hypercorn reports
         the disconnect that its own end-of-response handling emits; a cancellation landing
@@ -30,6 +32,7 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import HTTPException
 
 from inference_lab.serve import gate
+from inference_lab.serve.agent_routes import AGENT_ROUTES
 from inference_lab.serve.completions import COMPLETION_ROUTES, complete
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.responses import (
@@ -67,7 +70,14 @@ class LabHTTPConnection(TrioASGIHTTPConnection):
             return
         kind = COMPLETION_ROUTES.get(exchange.path)
         if kind is None:
-            await super().__call__(receive, exchange.wrap(send))  # type: ignore[arg-type]
+            route = AGENT_ROUTES.get(exchange.path)
+            if route is None:
+                await super().__call__(receive, exchange.wrap(send))  # type: ignore[arg-type]
+            elif exchange.method != "POST":
+                reply = method_not_allowed_reply(exchange.method, exchange.path, ("POST",))
+                await send_reply(send, reply, exchange.headers)
+            else:
+                await route(state, exchange, receive, send)
             return
         if exchange.method != "POST":
             reply = method_not_allowed_reply(exchange.method, exchange.path, ("POST",))

@@ -39,7 +39,12 @@ from inference_lab.serve.server import (
     serve_until_signalled,
     somaxconn,
 )
-from inference_lab.serve.settings import DEFAULT_BODY_TIMEOUT, ENV_LABELS, startup_warnings
+from inference_lab.serve.settings import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_TOOL_CALL_PROBABILITY,
+    ENV_LABELS,
+    startup_warnings,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -159,8 +164,29 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="/metrics: finer TTFT, ITL, E2E and queue histogram buckets (vLLM's and more "
         "below them) for millisecond latencies (see docs/grafana.md)",
     )
+    _add_agent_flags(parser)
     _add_hardening_flags(parser)
     return parser
+
+
+def _add_agent_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the agent-facing API (``docs/agents.md``)."""
+    from inference_lab.cli_args import integer, number
+
+    parser.add_argument(
+        "--tool-call-probability",
+        type=number(ge=0, le=1),
+        default=DEFAULT_TOOL_CALL_PROBABILITY,
+        metavar="P",
+        help="the share of tool_choice 'auto' answers that call a tool (default: "
+        f"{DEFAULT_TOOL_CALL_PROBABILITY:g})",
+    )
+    parser.add_argument(
+        "--embedding-dim",
+        type=integer(ge=1),
+        metavar="N",
+        help="length of /v1/embeddings vectors for every model (default: each model's hidden_dim)",
+    )
 
 
 def _add_hardening_flags(parser: argparse.ArgumentParser) -> None:
@@ -276,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs = _int_flag(args.max_num_seqs, "--max-num-seqs", 1)
         seed = _int_flag(args.seed, "--seed", 0)
         default_max_tokens = _int_flag(args.default_max_tokens, "--default-max-tokens", 1)
+        embedding_dim = _int_flag(getattr(args, "embedding_dim", None), "--embedding-dim", 1)
     except _UsageError as exc:
         return _fail(str(exc))
 
@@ -315,6 +342,10 @@ def run(args: argparse.Namespace) -> int:
             kv_events_endpoint=args.kv_events_endpoint,
             kv_events_replay_endpoint=args.kv_events_replay_endpoint,
             kv_events_topic=args.kv_events_topic,
+            tool_call_probability=getattr(
+                args, "tool_call_probability", DEFAULT_TOOL_CALL_PROBABILITY
+            ),
+            embedding_dim=embedding_dim,
             on_skip=skip,
             labels=labels,
         )

@@ -26,6 +26,10 @@ Rule 5: what one request may ask for is bounded at parse time
         (``api.requests.MAX_RESPONSE_WORK``: n x max_tokens x (1 + logprobs)).
 Rule 6: a non-streaming body larger than ``LARGE_BODY`` token entries is sent in pieces
         of bounded work (``api.encoding.body_pieces``), with a checkpoint between pieces.
+Rule 7: a chat request whose answer is tool calls, structured output or reasoning
+        (``serve.agents.chat_plan``) is served from the harness's place on by
+        :func:`inference_lab.serve.agents.serve_chat_agent`, under the same contract; a
+        completions request asking for structured output is a 400.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from inference_lab.api.requests import (
 from inference_lab.api.schema import parse_json_object
 from inference_lab.errors import ApiError, EngineUnavailable, QueueFull
 from inference_lab.runtime.model import RequestHandle
+from inference_lab.serve.agents import chat_plan, refuse_structured, serve_chat_agent
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.responses import (
     JSON,
@@ -265,6 +270,16 @@ async def complete(
             harnessed = state.harness.intercept(exchange, raw, parsed)
             if harnessed is not None:
                 await harnessed.serve(state, runtime, exchange, receive, send)
+                return
+            # Tools, structured output, reasoning: the answer's content is planned (400s
+            # here) and served by serve/agents.py; a plain answer stays on this path.
+            plan = None
+            if kind == "chat":
+                plan = chat_plan(state, runtime, raw, parsed)
+            else:
+                refuse_structured(raw)
+            if plan is not None:
+                await serve_chat_agent(state, runtime, exchange, receive, send, parsed, plan)
                 return
             engine_prompt = max(1, parsed.prompt_tokens)
             refused = runtime.check_fits(engine_prompt, parsed.max_tokens, parsed.n)

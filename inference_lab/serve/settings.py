@@ -75,6 +75,8 @@ ENV_LABELS: Mapping[str, str] = MappingProxyType(
             "kv_events_endpoint",
             "kv_events_replay_endpoint",
             "kv_events_topic",
+            "tool_call_probability",
+            "embedding_dim",
         )
     }
 )
@@ -82,6 +84,8 @@ DEFAULT_HARDWARE = "b200"
 DEFAULT_MAX_TOKENS = 256
 #: Seconds a request body may take to arrive, counted from the request's arrival.
 DEFAULT_BODY_TIMEOUT = 10.0
+#: The share of ``tool_choice: "auto"`` answers that call a tool.
+DEFAULT_TOOL_CALL_PROBABILITY = 0.5
 
 
 @attrs.frozen(kw_only=True)
@@ -119,6 +123,17 @@ class ServeSettings:
     fine_latency_buckets: bool = False
     #: Publish KV-cache events over ZeroMQ (``serve/kv_events.py``); None: no events.
     kv_events: KVEventsSettings | None = None
+    #: The share of ``tool_choice: "auto"`` answers that call a tool (``docs/agents.md``).
+    tool_call_probability: float = DEFAULT_TOOL_CALL_PROBABILITY
+    #: The length of ``/v1/embeddings`` vectors for every model (None: each model's
+    #: ``hidden_dim``).
+    embedding_dim: int | None = None
+
+    def embedding_size(self, deployment: Deployment) -> int:
+        """The full length of ``deployment``'s embedding vectors."""
+        if self.embedding_dim is not None:
+            return self.embedding_dim
+        return deployment.model.hidden_dim
 
 
 def _default_config_path(config: str | os.PathLike[str]) -> Path:
@@ -152,6 +167,8 @@ def load_settings(
     kv_events_endpoint: str | None = None,
     kv_events_replay_endpoint: str | None = None,
     kv_events_topic: str = "",
+    tool_call_probability: float = DEFAULT_TOOL_CALL_PROBABILITY,
+    embedding_dim: int | None = None,
     on_skip: Callable[[str], None] | None = None,
     labels: Mapping[str, str] | None = None,
 ) -> ServeSettings:
@@ -166,7 +183,8 @@ def load_settings(
     (if not None) is 1-4096 printable ASCII characters without spaces (it is compared
     with an HTTP header); ``body_timeout`` is a finite number of seconds > 0.
     ``api_key`` follows ``control_token``'s rule; ``allowed_origins`` is the comma-separated
-    text of ``--allowed-origins`` (see :func:`parse_origins`). ``labels`` maps a setting's
+    text of ``--allowed-origins`` (see :func:`parse_origins`). ``tool_call_probability``
+    is in 0..1, ``embedding_dim`` (if not None) >= 1. ``labels`` maps a setting's
     name to how errors call it (Rule 3): the flag or the variable it came from.
     """
 
@@ -210,6 +228,12 @@ def load_settings(
         raise ConfigError(
             f"{label('kv_events_replay_endpoint')}: needs {label('kv_events_endpoint')}"
         )
+    if not 0.0 <= tool_call_probability <= 1.0:
+        raise ConfigError(
+            f"{label('tool_call_probability')}: must be a number in 0..1, got {tool_call_probability}"
+        )
+    if embedding_dim is not None and embedding_dim < 1:
+        raise ConfigError(f"{label('embedding_dim')}: must be >= 1, got {embedding_dim}")
     path = _default_config_path(config)
     if not path.exists():
         path = resolve_shipped(config, "config", label("config"))
@@ -282,6 +306,8 @@ def load_settings(
         dashboard=dashboard,
         fine_latency_buckets=fine_latency_buckets,
         kv_events=kv_events,
+        tool_call_probability=tool_call_probability,
+        embedding_dim=embedding_dim,
     )
 
 
@@ -382,6 +408,19 @@ def _env_int(environ: Mapping[str, str], name: str, lowest: int) -> int | None:
         raise ConfigError(f"{name}: {exc}") from None
 
 
+def _env_probability(environ: Mapping[str, str], name: str) -> float:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return DEFAULT_TOOL_CALL_PROBABILITY
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{name}: must be a number in 0..1, got {raw!r}")
+    return value
+
+
 def _env_seconds(environ: Mapping[str, str], name: str) -> float | None:
     raw = environ.get(name, "").strip()
     if not raw:
@@ -415,7 +454,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
     ``_BODY_TIMEOUT``,
     ``_API_KEY``, ``_ALLOWED_ORIGINS``, ``_ENABLE_TEST_HARNESS``,
     ``_NO_SHOULD_RETRY_HEADER``, ``_NO_DASHBOARD``, ``_FINE_LATENCY_BUCKETS``,
-    ``_KV_EVENTS_ENDPOINT``, ``_KV_EVENTS_REPLAY_ENDPOINT``, ``_KV_EVENTS_TOPIC``."""
+    ``_KV_EVENTS_ENDPOINT``, ``_KV_EVENTS_REPLAY_ENDPOINT``, ``_KV_EVENTS_TOPIC``,
+    ``_TOOL_CALL_PROBABILITY``, ``_EMBEDDING_DIM``."""
     env = os.environ if environ is None else environ
     enable_test_harness = _env_flag(env, "INFERENCE_LAB_ENABLE_TEST_HARNESS")
     default_max_tokens = _env_int(env, "INFERENCE_LAB_DEFAULT_MAX_TOKENS", 1)
@@ -439,6 +479,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
         kv_events_endpoint=env.get("INFERENCE_LAB_KV_EVENTS_ENDPOINT") or None,
         kv_events_replay_endpoint=env.get("INFERENCE_LAB_KV_EVENTS_REPLAY_ENDPOINT") or None,
         kv_events_topic=env.get("INFERENCE_LAB_KV_EVENTS_TOPIC") or "",
+        tool_call_probability=_env_probability(env, "INFERENCE_LAB_TOOL_CALL_PROBABILITY"),
+        embedding_dim=_env_int(env, "INFERENCE_LAB_EMBEDDING_DIM", 1),
         on_skip=lambda line: print(f"inference-lab: {line}", file=sys.stderr),
         labels=ENV_LABELS,
     )

@@ -38,6 +38,7 @@ from inference_lab.runtime.model import ModelRuntime
 from inference_lab.serve.harness.intercept import Harness
 from inference_lab.serve.kv_events import KVEventsHub
 from inference_lab.serve.metrics import ServeMetrics
+from inference_lab.serve.response_store import ResponseStore
 from inference_lab.serve.responses import SHUTDOWN_MESSAGE
 from inference_lab.serve.settings import ServeSettings
 from inference_lab.serve.streaming import Delivery
@@ -66,6 +67,8 @@ class ServeState:
     _hurry: trio.Event = attrs.field(factory=trio.Event, init=False)
     #: The test harness (fault injection, scripted answers, engine control).
     harness: Harness = attrs.field(factory=lambda: Harness(enabled=False))
+    #: Stored ``/v1/responses`` answers (``store``, ``previous_response_id``).
+    responses: ResponseStore = attrs.field(factory=ResponseStore)
     #: The nursery the runtimes run in (set by :meth:`start`; a restart starts one there).
     _nursery: trio.Nursery | None = attrs.field(default=None, init=False)
     #: Called by :meth:`stop` once the runtimes have ended (synchronous, idempotent): the

@@ -1,0 +1,687 @@
+"""What an agent asks of an answer, and what the answer's tokens spell.
+
+Tools, ``tool_choice``, structured output (``response_format`` and vLLM's ``guided_*`` /
+``structured_outputs`` spellings) and reasoning are read here from a chat body
+(:func:`parse_chat_agent`; the Responses API builds the same :class:`AgentRequest` in
+:mod:`inference_lab.api.responses_api`). :func:`plan_answer` decides the answer's shape
+with the request's own generator (:func:`content_rng`), and :class:`Layout` says what each
+of its tokens spells once the engine has fixed how many there are.
+
+Rule 1: content is a pure function of the request (its JSON without the fields of
+        :data:`NOT_CONTENT`: delivery, budget, effort), the server's ``--seed`` and
+        ``--tool-call-probability``: every draw comes from :func:`content_rng`; only ids
+        are random.
+Rule 2: a JSON answer (tool calls, structured output) is a complete document of
+        :attr:`AnswerPlan.fixed` tokens, its own length: the engine is asked for exactly
+        that many (plus the reasoning before it). When ``max_tokens`` is smaller the
+        answer is the document's first tokens and its finish reason is ``length``.
+Rule 3: a token of generated text is one piece of :func:`split_pieces` (a word with its
+        leading space, up to 3 digits, up to 3 other characters, or a run of spaces); a
+        tool call costs one token for its id and name, then one per argument piece.
+Rule 4: reasoning takes the first tokens of an answer: ``floor(ratio x length)`` of a
+        prose answer, ``ceil(ratio x D / (1 - ratio))`` before a JSON answer of ``D``
+        tokens (in exact arithmetic on the ratio as written), ``ratio`` being the model's for the request's effort
+        (:class:`~inference_lab.core.config.ReasoningConfig`). Reasoning text is
+        placeholder words.
+Rule 5: a schema no instance satisfies, or one that is malformed, is a 400 naming the
+        tool (``tools[i].function.parameters``) or the format's field, found at parse
+        time whatever the answer's draw.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import re
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from typing import Any, Literal
+
+import attrs
+
+from inference_lab.api.encoding import random_hex
+from inference_lab.api.instances import SchemaError, generate_instance
+from inference_lab.api.patterns import PatternError, pattern_string
+from inference_lab.api.requests import ParsedRequest
+from inference_lab.api.schema import check_depth, invalid_value
+from inference_lab.api.text import VOCABULARY, WORDS, placeholder_text, token_start
+from inference_lab.core.config import EFFORTS, ReasoningConfig
+from inference_lab.errors import ApiError, truncate_echo
+
+__all__ = [
+    "AgentRequest",
+    "AnswerPlan",
+    "FunctionTool",
+    "Layout",
+    "StructuredOutput",
+    "ToolCall",
+    "call_id",
+    "content_rng",
+    "parse_chat_agent",
+    "parse_effort",
+    "parse_function_tool",
+    "parse_tool_choice",
+    "plan_answer",
+    "reasoning_ratio",
+    "split_pieces",
+]
+
+#: A function name as OpenAI accepts it.
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: Most calls in one answer when parallel tool calls are allowed.
+MAX_PARALLEL_CALLS = 3
+#: The default share of ``tool_choice: "auto"`` answers that call a tool.
+DEFAULT_TOOL_CALL_PROBABILITY = 0.5
+#: Tokens of one generated JSON document at most (a schema whose smallest instance is
+#: longer is a 400): far above any tool call, far below the work cap of a request.
+MAX_DOCUMENT_TOKENS = 65_536
+
+_PIECE = re.compile(r" ?[A-Za-z]+| ?[0-9]{1,3}|\s+|[^A-Za-z0-9\s]{1,3}")
+
+
+def split_pieces(text: str) -> tuple[str, ...]:
+    """``text`` as the tokens that spell it (Rule 3); they concatenate to ``text``."""
+    return tuple(_PIECE.findall(text))
+
+
+#: Body fields that do not change what an answer says: how it is delivered, how much of
+#: it is wanted, how long the model reasons first (Rule 1).
+NOT_CONTENT = frozenset(
+    {
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "max_output_tokens",
+        "n",
+        "priority",
+        "user",
+        "metadata",
+        "store",
+        "logprobs",
+        "top_logprobs",
+        "reasoning_effort",
+        "reasoning",
+    }
+)
+
+
+def content_rng(seed: int, raw: Mapping[str, Any]) -> random.Random:
+    """The generator of one request's content (Rule 1): seeded by ``seed`` and a hash of
+    the request body without :data:`NOT_CONTENT`, so the same question streamed or not,
+    with a smaller budget or another effort, gets the same answer (or its prefix)."""
+    body = {k: v for k, v in raw.items() if k not in NOT_CONTENT}
+    text = json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    digest = hashlib.sha256(f"{seed}\x00{text}".encode("utf-8", "surrogatepass")).digest()
+    return random.Random(int.from_bytes(digest[:16], "big"))
+
+
+# ---------------------------------------------------------------------------------------
+# what the client asked
+
+
+@attrs.frozen(kw_only=True)
+class FunctionTool:
+    """A function tool: its name and its parameters' JSON Schema (an object schema)."""
+
+    name: str
+    parameters: Any
+    #: The body field of the schema, for error messages (``tools[2].function.parameters``).
+    param: str
+
+
+@attrs.frozen(kw_only=True)
+class StructuredOutput:
+    """The answer must be a JSON object (``json_object``), an instance of ``schema``
+    (``json_schema``), one of ``choices`` (``choice``) or a match of ``pattern``
+    (``regex``)."""
+
+    kind: Literal["json_object", "json_schema", "choice", "regex"]
+    param: str
+    schema: Any = None
+    choices: tuple[str, ...] = ()
+    pattern: str | None = None
+
+
+ToolChoice = Literal["none", "auto", "required", "function"]
+
+
+@attrs.frozen(kw_only=True)
+class AgentRequest:
+    """The agent-facing options of one request, validated."""
+
+    tools: tuple[FunctionTool, ...] = ()
+    tool_choice: ToolChoice = "auto"
+    #: The function a named ``tool_choice`` forces.
+    named: str | None = None
+    parallel_tool_calls: bool = True
+    output: StructuredOutput | None = None
+    #: The requested reasoning effort (None: the model's default).
+    effort: str | None = None
+    #: ``chat_template_kwargs.enable_thinking`` (Qwen3's switch; None: not given).
+    thinking: bool | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Nothing here changes a prose answer (reasoning aside)."""
+        return self.output is None and (not self.tools or self.tool_choice == "none")
+
+
+def _expect(value: Any, kind: type, param: str, what: str) -> Any:
+    if type(value) is not kind:
+        raise invalid_value(param, f"{param} must be {what}, got {_short(value)}")
+    return value
+
+
+def _short(value: Any) -> str:
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return truncate_echo(text if len(text) <= 60 else text[:57] + "...")
+
+
+def parse_function_tool(
+    name: Any, parameters: Any, param: str, *, name_param: str, params_param: str
+) -> FunctionTool:
+    """One function tool; its schema is checked by :func:`check_tools`."""
+    if type(name) is not str or not TOOL_NAME.fullmatch(name):
+        raise invalid_value(
+            name_param,
+            f"{name_param} must be 1-64 characters a-z, A-Z, 0-9, '_' or '-', got {_short(name)}",
+        )
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if type(parameters) is not dict:
+        raise invalid_value(params_param, f"{params_param} must be a JSON Schema object")
+    declared = parameters.get("type")
+    if declared is not None and declared != "object" and declared != ["object"]:
+        raise invalid_value(
+            params_param,
+            f"{params_param} must describe an object (its type is {_short(declared)})",
+        )
+    return FunctionTool(name=name, parameters=parameters, param=params_param)
+
+
+def _chat_tools(raw: Mapping[str, Any]) -> tuple[FunctionTool, ...]:
+    tools = raw.get("tools")
+    if tools is None:
+        return ()
+    _expect(tools, list, "tools", "an array of tools")
+    out: list[FunctionTool] = []
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        _expect(tool, dict, where, "a tool object")
+        if tool.get("type", "function") != "function":
+            raise ApiError(
+                400,
+                "unsupported_value",
+                f"{where}.type: only function tools are supported, got {_short(tool.get('type'))}",
+                f"{where}.type",
+            )
+        function = _expect(tool.get("function"), dict, f"{where}.function", "an object")
+        parsed = parse_function_tool(
+            function.get("name"),
+            function.get("parameters"),
+            where,
+            name_param=f"{where}.function.name",
+            params_param=f"{where}.function.parameters",
+        )
+        if parsed.name in seen:
+            raise invalid_value(
+                f"{where}.function.name", f"two tools are named {parsed.name!r}: names must differ"
+            )
+        seen.add(parsed.name)
+        out.append(parsed)
+    return tuple(out)
+
+
+def parse_tool_choice(
+    value: Any, tools: Sequence[FunctionTool], *, responses: bool = False
+) -> tuple[ToolChoice, str | None]:
+    """``tool_choice``: a mode string or a named function (chat:
+    ``{"type": "function", "function": {"name": ...}}``; Responses:
+    ``{"type": "function", "name": ...}``). Without tools, only ``none`` and ``auto``."""
+    if value is None:
+        return "auto", None
+    if value in ("none", "auto", "required"):
+        if value == "required" and not tools:
+            raise invalid_value("tool_choice", "tool_choice 'required' needs tools")
+        return value, None
+    if type(value) is dict and value.get("type") == "function":
+        if responses:
+            name = value.get("name")
+        else:
+            function = value.get("function")
+            name = function.get("name") if type(function) is dict else None
+        if type(name) is not str:
+            raise invalid_value("tool_choice", "a named tool_choice must give the function's name")
+        if not any(t.name == name for t in tools):
+            raise invalid_value(
+                "tool_choice", f"tool_choice names {_short(name)}, which is not among the tools"
+            )
+        return "function", name
+    raise invalid_value(
+        "tool_choice",
+        f"tool_choice must be 'none', 'auto', 'required' or a named function, got {_short(value)}",
+    )
+
+
+def _schema_value(value: Any, param: str) -> Any:
+    """A schema given as an object, or (vLLM's ``guided_json``) as JSON text."""
+    if type(value) is str:
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise invalid_value(
+                param, f"{param} must be a JSON Schema (object or JSON text)"
+            ) from None
+    if type(value) is not dict and type(value) is not bool:
+        raise invalid_value(param, f"{param} must be a JSON Schema object")
+    return value
+
+
+def _response_format(raw: Mapping[str, Any]) -> StructuredOutput | None:
+    value = raw.get("response_format")
+    if value is None:
+        return None
+    _expect(value, dict, "response_format", "an object")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(kind="json_object", param="response_format")
+    if kind == "json_schema":
+        spec = _expect(value.get("json_schema"), dict, "response_format.json_schema", "an object")
+        schema = spec.get("schema", {"type": "object"})
+        param = "response_format.json_schema.schema"
+        return StructuredOutput(
+            kind="json_schema", param=param, schema=_schema_value(schema, param)
+        )
+    raise invalid_value(
+        "response_format.type",
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {_short(kind)}",
+    )
+
+
+def _guided(raw: Mapping[str, Any]) -> StructuredOutput | None:
+    """vLLM's spellings: ``guided_json`` / ``guided_choice`` / ``guided_regex``, and
+    ``structured_outputs: {json | json_object | choice | regex}``."""
+    found: list[tuple[str, str, Any]] = []
+    for key, kind in (
+        ("guided_json", "json"),
+        ("guided_choice", "choice"),
+        ("guided_regex", "regex"),
+    ):
+        if raw.get(key) is not None:
+            found.append((key, kind, raw[key]))
+    spec = raw.get("structured_outputs")
+    if spec is not None:
+        _expect(spec, dict, "structured_outputs", "an object")
+        for key in ("json", "json_object", "choice", "regex", "grammar", "structural_tag"):
+            if spec.get(key) is not None:
+                found.append((f"structured_outputs.{key}", key, spec[key]))
+    if raw.get("guided_grammar") is not None:
+        found.append(("guided_grammar", "grammar", raw["guided_grammar"]))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(f for f, _, _ in found)
+        raise invalid_value(
+            found[1][0], f"only one structured output may be asked for, got {names}"
+        )
+    param, kind, value = found[0]
+    if kind == "json":
+        return StructuredOutput(kind="json_schema", param=param, schema=_schema_value(value, param))
+    if kind == "json_object":
+        if value is not True:
+            raise invalid_value(param, f"{param} must be true")
+        return StructuredOutput(kind="json_object", param=param)
+    if kind == "choice":
+        if type(value) is not list or not value or not all(type(c) is str and c for c in value):
+            raise invalid_value(param, f"{param} must be a non-empty array of non-empty strings")
+        return StructuredOutput(kind="choice", param=param, choices=tuple(value))
+    if kind == "regex":
+        _expect(value, str, param, "a regular expression")
+        return StructuredOutput(kind="regex", param=param, pattern=value)
+    raise ApiError(
+        400, "unsupported_value", f"{param}: grammars are not supported (use a JSON schema)", param
+    )
+
+
+def parse_effort(value: Any, param: str) -> str | None:
+    """A reasoning effort (``none``, ``minimal``, ``low``, ``medium``, ``high``), or None."""
+    if value is None:
+        return None
+    if value not in EFFORTS:
+        raise invalid_value(
+            param, f"{param} must be one of {', '.join(EFFORTS)}, got {_short(value)}"
+        )
+    return str(value)
+
+
+def _thinking(raw: Mapping[str, Any]) -> bool | None:
+    kwargs = raw.get("chat_template_kwargs")
+    if type(kwargs) is not dict:
+        return None
+    value = kwargs.get("enable_thinking", kwargs.get("thinking"))
+    return value if type(value) is bool else None
+
+
+def parse_chat_agent(raw: Mapping[str, Any]) -> AgentRequest:
+    """The agent options of a ``/v1/chat/completions`` body (the body itself is already
+    validated by :func:`~inference_lab.api.requests.parse_chat_request`)."""
+    check_depth(raw.get("tools"), "tools")
+    tools = _chat_tools(raw)
+    choice, named = parse_tool_choice(raw.get("tool_choice"), tools)
+    parallel = raw.get("parallel_tool_calls", True)
+    _expect(parallel, bool, "parallel_tool_calls", "a boolean")
+    output = _response_format(raw)
+    guided = _guided(raw)
+    if guided is not None:
+        if output is not None:
+            raise invalid_value(
+                guided.param, f"{guided.param} and response_format cannot both be given"
+            )
+        output = guided
+    if output is not None:
+        check_depth(output.schema, output.param)
+    return AgentRequest(
+        tools=tools,
+        tool_choice=choice,
+        named=named,
+        parallel_tool_calls=parallel,
+        output=output,
+        effort=parse_effort(raw.get("reasoning_effort"), "reasoning_effort"),
+        thinking=_thinking(raw),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# the answer
+
+
+@attrs.frozen(kw_only=True)
+class ToolCall:
+    """One generated call: its function, its arguments (a JSON object's text) and the
+    pieces that spell them (Rule 3)."""
+
+    name: str
+    arguments: str
+    pieces: tuple[str, ...]
+
+    @property
+    def tokens(self) -> int:
+        return 1 + len(self.pieces)
+
+
+@attrs.frozen(kw_only=True)
+class AnswerPlan:
+    """The shape of an answer, decided at parse time: tool calls, a fixed text (a
+    structured output), or prose whose length the engine decides; with reasoning first
+    when ``ratio`` is set."""
+
+    calls: tuple[ToolCall, ...] = ()
+    #: The pieces of a structured output (None: prose, or calls).
+    text: tuple[str, ...] | None = None
+    #: The share of output tokens spent reasoning (None: the answer does not reason).
+    ratio: float | None = None
+
+    @property
+    def fixed(self) -> int | None:
+        """Tokens of the JSON answer (Rule 2), None for prose."""
+        if self.calls:
+            return sum(c.tokens for c in self.calls)
+        if self.text is not None:
+            return len(self.text)
+        return None
+
+    @property
+    def reasoning_before_fixed(self) -> int:
+        fixed = self.fixed
+        if fixed is None or not self.ratio:
+            return 0
+        ratio = _exact(self.ratio)
+        return math.ceil(ratio * fixed / (1 - ratio))
+
+    def reasoning_of(self, length: int) -> int:
+        """Reasoning tokens of a prose answer of ``length`` tokens (Rule 4)."""
+        return math.floor(_exact(self.ratio) * length) if self.ratio else 0
+
+    def limit(self, parsed: ParsedRequest) -> tuple[int, bool]:
+        """What admission caps the response length at, and whether the workload's drawn
+        lengths apply (prose only: a JSON answer's document decides its length)."""
+        fixed = self.fixed
+        if fixed is None:
+            return parsed.output_cap, True
+        return self.reasoning_before_fixed + fixed, False
+
+    def layout(self, parsed: ParsedRequest, length: int) -> Layout:
+        """What each of the answer's ``length`` tokens spells (``length``: the engine's,
+        ``RequestHandle.length`` or ``Finished.output_tokens``)."""
+        return Layout(self, parsed, length)
+
+
+Token = tuple[Literal["reasoning", "content", "call", "arguments"], int, str]
+
+
+class Layout:
+    """The tokens of one answer of ``length`` tokens: ``token(i)`` is ``(kind, call,
+    text)`` -- ``reasoning`` / ``content`` text, the ``call`` opening call number
+    ``call``, or a piece of its ``arguments``."""
+
+    __slots__ = ("plan", "length", "reasoning", "_prose", "_content", "_calls")
+
+    def __init__(self, plan: AnswerPlan, parsed: ParsedRequest, length: int) -> None:
+        self.plan = plan
+        self.length = length
+        fixed = plan.fixed
+        if fixed is None:
+            self.reasoning = plan.reasoning_of(length)
+            self._prose: str | None = parsed.output_text(length)
+        else:
+            self.reasoning = min(length, plan.reasoning_before_fixed)
+            self._prose = None
+        self._content: list[str] | None = None
+        #: (first token, call) of each call
+        self._calls: list[tuple[int, ToolCall]] = []
+        at = self.reasoning
+        for call in plan.calls:
+            self._calls.append((at, call))
+            at += call.tokens
+
+    @property
+    def complete(self) -> bool:
+        """Whether a JSON answer ended where its document does (prose: always)."""
+        fixed = self.plan.fixed
+        return fixed is None or self.length >= self.reasoning + fixed
+
+    def finish_reason(self, parsed: ParsedRequest, engine_reason: str) -> str:
+        if self.plan.fixed is None:
+            return parsed.finish_reason(engine_reason, self.length)
+        if not self.complete:
+            return "length"
+        return "tool_calls" if self.plan.calls else "stop"
+
+    def token(self, i: int) -> Token:
+        prose = self._prose
+        if prose is not None:  # one text, its first tokens reasoning (a stop string cuts both)
+            kind: Literal["reasoning", "content"] = "reasoning" if i < self.reasoning else "content"
+            return kind, 0, prose[token_start(i) : token_start(i + 1)]
+        if i < self.reasoning:
+            return "reasoning", 0, WORDS[i % len(WORDS)]
+        text = self.plan.text
+        if text is not None:
+            return "content", 0, text[i - self.reasoning]
+        for number in range(len(self._calls) - 1, -1, -1):
+            first, call = self._calls[number]
+            if i >= first:
+                if i == first:
+                    return "call", number, ""
+                return "arguments", number, call.pieces[i - first - 1]
+        raise IndexError(i)
+
+    def reasoning_text(self) -> str:
+        if self._prose is not None:
+            return self._prose[: token_start(self.reasoning)]
+        return placeholder_text(self.reasoning)
+
+    def content_text(self) -> str:
+        """The text answer's tokens after the reasoning ("" for a tool-call answer)."""
+        if self._prose is not None:
+            return self._prose[token_start(self.reasoning) :]
+        text = self.plan.text
+        if text is None:
+            return ""
+        return "".join(text[: max(0, self.length - self.reasoning)])
+
+    def calls(self) -> list[tuple[ToolCall, str]]:
+        """Each call begun within the length, with the arguments emitted so far."""
+        out = []
+        for first, call in self._calls:
+            if first >= self.length:
+                break
+            emitted = max(0, min(len(call.pieces), self.length - first - 1))
+            out.append((call, "".join(call.pieces[:emitted])))
+        return out
+
+
+def _exact(ratio: float) -> Fraction:
+    """A ratio as the decimal it was written as (``0.8`` is 4/5: ``ceil`` and ``floor``
+    of its products are then exact)."""
+    return Fraction(repr(ratio))
+
+
+def _document(value: Any) -> tuple[str, tuple[str, ...]]:
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return text, split_pieces(text)
+
+
+def _json_object(rng: random.Random) -> Any:
+    """A small JSON object of placeholder keys and values."""
+    keys = rng.sample(VOCABULARY, rng.randint(1, 4))
+    out: dict[str, Any] = {}
+    for key in keys:
+        kind = rng.randrange(4)
+        if kind == 0:
+            out[key] = " ".join(rng.choice(VOCABULARY) for _ in range(rng.randint(1, 4)))
+        elif kind == 1:
+            out[key] = rng.randint(0, 1000)
+        elif kind == 2:
+            out[key] = rng.random() < 0.5
+        else:
+            out[key] = [rng.choice(VOCABULARY) for _ in range(rng.randint(1, 3))]
+    return out
+
+
+def _schema_error(param: str, name: str | None, exc: SchemaError) -> ApiError:
+    where = f"{param}{exc.path}" if exc.path else param
+    subject = f"tool {name!r}: " if name is not None else ""
+    return ApiError(400, "invalid_schema", f"{subject}{where}: {exc.reason}", param)
+
+
+def _arguments(tool: FunctionTool, rng: random.Random) -> tuple[str, tuple[str, ...]]:
+    try:
+        value = generate_instance(tool.parameters, rng)
+    except SchemaError as exc:
+        raise _schema_error(tool.param, tool.name, exc) from None
+    if type(value) is not dict:
+        raise ApiError(
+            400,
+            "invalid_schema",
+            f"tool {tool.name!r}: {tool.param} must describe an object",
+            tool.param,
+        )
+    return _too_long(_document(value), tool.param, tool.name)
+
+
+def _too_long(
+    document: tuple[str, tuple[str, ...]], param: str, name: str | None
+) -> tuple[str, tuple[str, ...]]:
+    if len(document[1]) > MAX_DOCUMENT_TOKENS:
+        subject = f"tool {name!r}: " if name is not None else ""
+        raise ApiError(
+            400,
+            "invalid_schema",
+            f"{subject}{param}: its instances run past {MAX_DOCUMENT_TOKENS:,} tokens",
+            param,
+        )
+    return document
+
+
+def _structured(output: StructuredOutput, rng: random.Random) -> tuple[str, ...]:
+    if output.kind == "json_object":
+        return _document(_json_object(rng))[1]
+    if output.kind == "choice":
+        return split_pieces(rng.choice(output.choices))
+    if output.kind == "regex":
+        assert output.pattern is not None
+        try:
+            return split_pieces(pattern_string(output.pattern, rng))
+        except PatternError as exc:
+            raise invalid_value(output.param, f"{output.param}: {exc}") from None
+    try:
+        value = generate_instance(output.schema, rng)
+    except SchemaError as exc:
+        raise _schema_error(output.param, None, exc) from None
+    return _too_long(_document(value), output.param, None)[1]
+
+
+def reasoning_ratio(
+    config: ReasoningConfig | None, effort: str | None, thinking: bool | None
+) -> float | None:
+    """The share of the answer spent reasoning (Rule 4), None when it does not reason:
+    a model without reasoning, effort ``none``, or ``enable_thinking: false``."""
+    if config is None or thinking is False:
+        return None
+    chosen = effort if effort is not None else config.default_effort
+    if chosen == "none" and thinking is True and effort is None:
+        chosen = "medium"
+    ratio = config.ratio(chosen)
+    return ratio if ratio > 0 else None
+
+
+def plan_answer(
+    agent: AgentRequest,
+    rng: random.Random,
+    *,
+    reasoning: ReasoningConfig | None = None,
+    tool_call_probability: float = DEFAULT_TOOL_CALL_PROBABILITY,
+) -> AnswerPlan | None:
+    """The answer's shape (Rules 1, 2, 4, 5), or None for a plain prose answer without
+    reasoning (the completion route's own path). Every tool's schema is checked, and the
+    structured output's, whatever the draw decides."""
+    ratio = reasoning_ratio(reasoning, agent.effort, agent.thinking)
+    arguments = {tool.name: _arguments(tool, rng) for tool in agent.tools}
+    text = _structured(agent.output, rng) if agent.output is not None else None
+    calls: tuple[ToolCall, ...] = ()
+    if agent.tools and agent.tool_choice != "none":
+        if agent.tool_choice == "function":
+            names = [agent.named]
+        elif agent.tool_choice == "required" or rng.random() < tool_call_probability:
+            count = 1
+            if agent.parallel_tool_calls:
+                count = rng.randint(1, min(MAX_PARALLEL_CALLS, len(agent.tools)))
+            names = [t.name for t in rng.sample(list(agent.tools), count)]
+        else:
+            names = []
+        calls = tuple(
+            ToolCall(name=name, arguments=arguments[name][0], pieces=arguments[name][1])
+            for name in names
+            if name is not None
+        )
+    if calls:
+        return AnswerPlan(calls=calls, ratio=ratio)
+    if text is not None:
+        return AnswerPlan(text=text, ratio=ratio)
+    if ratio is not None:
+        return AnswerPlan(ratio=ratio)
+    return None
+
+
+def call_id() -> str:
+    """A tool call's id (random: ids are not content, Rule 1)."""
+    return f"call_{random_hex()[:24]}"

@@ -1,0 +1,342 @@
+"""Serving agent answers: chat completions whose content is tool calls, structured output
+or reasoning, and the Responses API's answers (:mod:`inference_lab.serve.agent_routes`).
+
+The chat route (:mod:`inference_lab.serve.completions`) asks :func:`chat_plan` once a
+body is validated and its model known; a plain answer (prose, no reasoning) stays on the
+route's own path, anything else is served by :func:`serve_chat_agent`. The content comes
+from :mod:`inference_lab.api.agents`; only what the engine sees is shared with the plain
+path.
+
+Rule 1: the contract before a response starts is the completion routes' (their Rule 1):
+        fit (400), the work cap (400), a shutdown (503), engine alive (503), depth (529),
+        in that order after validation and the model; every refusal is a whole reply
+        raised before anything is sent, through the same ``ModelRuntime.admit_nowait``.
+Rule 2: a JSON answer is admitted with ``limit`` its own length and no drawn length
+        (``drawn=False``: the document decides it); a prose answer as the plain route
+        admits it. Either way the encoder is bound to ``RequestHandle.length`` at once.
+Rule 3: an admitted request is closed exactly when its exchange ends, whatever ends it
+        (the ``finally`` is synchronous); a client that leaves wakes its writer or
+        collector at once, as on the plain path.
+Rule 4: a stream is written by :func:`~inference_lab.serve.streaming.write_stream`, so
+        pacing, delivery spacing and direct writes are the plain streams'.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, cast
+
+import trio
+
+from inference_lab.api.agent_encoding import ChatAgentEncoder, chat_agent_body
+from inference_lab.api.agents import (
+    AnswerPlan,
+    call_id,
+    content_rng,
+    parse_chat_agent,
+    plan_answer,
+    reasoning_ratio,
+)
+from inference_lab.api.encoding import StreamEncoder, new_request_id
+from inference_lab.api.requests import ParsedRequest, check_work
+from inference_lab.core.engine import Finished
+from inference_lab.errors import ApiError
+from inference_lab.runtime.model import ModelRuntime, RequestHandle
+from inference_lab.serve.exchange import Exchange, Receive, Send
+from inference_lab.serve.responses import (
+    STREAM_HEADERS,
+    Reply,
+    engine_failed_reply,
+    send_reply,
+    shutting_down_reply,
+    stream_shutdown_frames,
+)
+from inference_lab.serve.state import ServeState
+from inference_lab.serve.streaming import CollectSink, StreamSink, write_stream
+from inference_lab.serve.transport import close_watch
+
+__all__ = [
+    "AGENT_KEYS",
+    "AnswerSink",
+    "FrameEncoder",
+    "chat_plan",
+    "refuse_structured",
+    "serve_answer",
+    "serve_chat_agent",
+]
+
+#: Chat body fields that may change an answer's shape. A body with none of them, for a
+#: model that does not reason by default, is a plain answer without looking further.
+AGENT_KEYS = (
+    "tools",
+    "tool_choice",
+    "response_format",
+    "guided_json",
+    "guided_choice",
+    "guided_regex",
+    "guided_grammar",
+    "structured_outputs",
+    "reasoning_effort",
+    "chat_template_kwargs",
+)
+
+
+class FrameEncoder(Protocol):
+    """What a stream sink asks of an encoder (``StreamEncoder``'s interface), plus
+    :meth:`bind`, the answer's length once admission drew it."""
+
+    def bind(self, length: int) -> None: ...
+
+    def opening(self) -> bytes: ...
+
+    def prepare(self) -> None: ...
+
+    def tokens(self, start: int, stop: int, *, final: bool = False) -> bytes: ...
+
+    def closing(self, finish_reason: str, completion_tokens: int) -> bytes: ...
+
+    def failure(self, message: str) -> bytes: ...
+
+
+class AnswerSink(StreamSink):
+    """The sink of an agent stream: a failure ends it with the encoder's own frames (the
+    Responses API's ``error`` event, or the chat error frame), a shutdown with the
+    message naming it."""
+
+    __slots__ = ("state", "chat")
+
+    def __init__(self, encoder: FrameEncoder, state: ServeState, *, chat: bool) -> None:
+        super().__init__(cast(StreamEncoder, encoder))
+        self.state = state
+        self.chat = chat
+
+    def on_finished(self, finished: Finished) -> None:
+        # The tokens not yet written are encoded before the closing frames: a Responses
+        # encoder numbers its events and opens and closes items in the order it is asked.
+        rest = b""
+        if self.emitted > self.written:
+            rest = self.encoder.tokens(self.written, self.emitted, final=True)
+            self.written = self.emitted
+        self.closing = rest + self.encoder.closing(finished.finish_reason, finished.output_tokens)
+        self.finished = True
+        self._end()
+
+    def on_failed(self, message: str) -> None:
+        shutdown = self.state.shutdown_message
+        if shutdown is not None and self.chat:
+            self.closing = stream_shutdown_frames()
+        else:
+            self.closing = self.encoder.failure(shutdown or message)
+        self._end()
+
+
+#: Structured-output fields of a chat body that ``/v1/completions`` does not follow.
+STRUCTURED_KEYS = (
+    "response_format",
+    "guided_json",
+    "guided_choice",
+    "guided_regex",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
+def refuse_structured(raw: Mapping[str, Any]) -> None:
+    """A ``/v1/completions`` body asking for structured output is a 400 naming the field:
+    only chat and the Responses API follow one (an answer that ignored it would be worse
+    than a refusal)."""
+    for key in STRUCTURED_KEYS:
+        if raw.get(key) is not None:
+            raise ApiError(
+                400,
+                "unsupported_value",
+                f"{key} is followed on /v1/chat/completions and /v1/responses, not on "
+                "/v1/completions",
+                key,
+            )
+
+
+def chat_plan(
+    state: ServeState, runtime: ModelRuntime, raw: Mapping[str, Any], parsed: ParsedRequest
+) -> AnswerPlan | None:
+    """The shape of a chat answer, or None for a plain one (the route's own path). Raises
+    :class:`ApiError` 400 for bad agent fields or a schema no instance satisfies."""
+    reasoning = runtime.deployment.model.reasoning
+    reasons_by_default = reasoning is not None and reasoning.default_effort != "none"
+    if not reasons_by_default and not any(key in raw for key in AGENT_KEYS):
+        return None
+    agent = parse_chat_agent(raw)
+    ratio = reasoning_ratio(reasoning, agent.effort, agent.thinking)
+    if agent.output is None and not agent.tools and ratio is None:
+        return None
+    if parsed.logprobs is not None and (ratio is not None or not agent.plain):
+        raise ApiError(
+            400,
+            "unsupported_value",
+            "logprobs are not available for answers that call tools, follow a "
+            "response_format or reason: ask without logprobs (or turn reasoning off: "
+            "reasoning_effort 'none')",
+            "logprobs",
+        )
+    if agent.output is None and not agent.tools:
+        return AnswerPlan(ratio=ratio)  # prose that reasons: nothing to draw
+    settings = state.settings
+    return plan_answer(
+        agent,
+        content_rng(settings.seed or 0, raw),
+        reasoning=reasoning,
+        tool_call_probability=settings.tool_call_probability,
+    )
+
+
+async def serve_chat_agent(
+    state: ServeState,
+    runtime: ModelRuntime,
+    exchange: Exchange,
+    receive: Receive,
+    send: Send,
+    parsed: ParsedRequest,
+    plan: AnswerPlan,
+) -> None:
+    """Serve a chat completion whose answer is ``plan`` (the module rules)."""
+    request_id = exchange.request_id or new_request_id("chat")
+    created = int(time.time())
+    ids = [[call_id() for _ in plan.calls] for _ in range(parsed.n)]
+    encoder = ChatAgentEncoder(parsed, plan, request_id=request_id, created=created, call_ids=ids)
+
+    def body(finished: Finished) -> bytes:
+        return chat_agent_body(
+            parsed,
+            plan,
+            request_id=request_id,
+            created=created,
+            completion_tokens=finished.output_tokens,
+            finish_reason=finished.finish_reason,
+            call_ids=ids,
+        )
+
+    await serve_answer(
+        state,
+        runtime,
+        exchange,
+        receive,
+        send,
+        parsed=parsed,
+        plan=plan,
+        encoder=encoder,
+        body=body,
+        chat=True,
+    )
+
+
+def _gone(handle: RequestHandle, sink: StreamSink | CollectSink) -> None:
+    handle.close()
+    sink.on_gone()
+
+
+async def _watch(receive: Receive, sink: StreamSink | CollectSink, handle: RequestHandle) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            _gone(handle, sink)
+            return
+
+
+async def serve_answer(
+    state: ServeState,
+    runtime: ModelRuntime,
+    exchange: Exchange,
+    receive: Receive,
+    send: Send,
+    *,
+    parsed: ParsedRequest,
+    plan: AnswerPlan,
+    encoder: FrameEncoder,
+    body: Callable[[Finished], bytes],
+    chat: bool,
+    finished: Callable[[], None] | None = None,
+) -> None:
+    """Admit ``parsed`` (Rules 1-2) and answer it: ``encoder``'s stream, or
+    ``body(finished)`` once it ended. ``finished`` is called after a stream ended with
+    its closing events written (the Responses store). Raises :class:`ApiError`,
+    ``QueueFull`` or ``EngineUnavailable`` only before anything is sent."""
+    engine_prompt = max(1, parsed.prompt_tokens)
+    refused = runtime.check_fits(engine_prompt, parsed.max_tokens, parsed.n)
+    if refused is not None:
+        raise ApiError(400, "context_length_exceeded", refused.reason, "max_tokens")
+    check_work(parsed)
+    if state.draining:
+        await send_reply(send, shutting_down_reply(), exchange.headers)
+        return
+    sink: StreamSink | CollectSink
+    sink = AnswerSink(encoder, state, chat=chat) if parsed.stream else CollectSink()
+    limit, drawn = plan.limit(parsed)
+    handle = runtime.admit_nowait(
+        prompt_tokens=engine_prompt,
+        max_tokens=parsed.max_tokens,
+        priority=parsed.priority,
+        sink=sink,
+        arrival=exchange.arrival,
+        n=parsed.n,
+        limit=limit,
+        drawn=drawn,
+    )
+    try:
+        if isinstance(sink, StreamSink):
+            encoder.bind(handle.length)
+            sink.last = handle.length
+        server = close_watch(send)
+        if server is not None:
+            if not server.watch_close(lambda: _gone(handle, sink)):
+                _gone(handle, sink)  # it has already left
+            try:
+                await _respond(state, exchange, send, handle, sink, body, finished)
+            finally:
+                server.unwatch_close()
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch, receive, sink, handle)
+            try:
+                await _respond(state, exchange, send, handle, sink, body, finished)
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        handle.close()
+
+
+async def _respond(
+    state: ServeState,
+    exchange: Exchange,
+    send: Send,
+    handle: RequestHandle,
+    sink: StreamSink | CollectSink,
+    body: Callable[[Finished], bytes],
+    finished: Callable[[], None] | None,
+) -> None:
+    if isinstance(sink, StreamSink):
+        if not handle.alone:
+            await handle.wait_taken()
+        headers = [*STREAM_HEADERS, *exchange.headers]
+        start = {"type": "http.response.start", "status": 200, "headers": headers}
+        if sink.pending() or state.delivery.interval > 0:
+            await write_stream(send, sink, state.delivery, start)
+        else:
+            await send(start)
+            await write_stream(send, sink, state.delivery)
+        if sink.finished and not sink.gone and finished is not None:
+            finished()
+        return
+    await sink.event.wait()
+    handle.close()
+    result = sink.finished
+    if result is not None:
+        reply = Reply(200, body(result))
+    elif not sink.gone and state.shutdown_message is not None:
+        reply = shutting_down_reply(state.shutdown_message)
+    elif not sink.gone:
+        reply = engine_failed_reply(sink.failure or "The engine failed.")
+    else:
+        return
+    with trio.CancelScope(shield=True):
+        await send_reply(send, reply, exchange.headers)
