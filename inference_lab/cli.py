@@ -1,12 +1,12 @@
-"""The ``inference-lab`` command: ``sim``, ``serve`` and ``load``.
+"""The ``inference-lab`` command: ``sim``, ``serve``, ``load`` and ``calibrate``.
 
 Each subcommand is one module exposing ``add_parser(subparsers)`` (its flags) and
 ``run(args) -> int`` (the work); this module only picks the subcommand and dispatches.
 
 Rule 1: only the chosen subcommand's module is imported, and that module imports its
         machinery inside ``run``: ``inference-lab sim`` never loads trio, quart or
-        hypercorn, and ``--help`` or a bad flag answers before numpy is loaded (for ``sim``
-        and ``load``; ``serve``'s module imports its stack at the top).
+        hypercorn, and ``--help`` or a bad flag answers before numpy is loaded (for ``sim``,
+        ``load`` and ``calibrate``; ``serve``'s module imports its stack at the top).
 Rule 2: one exit-code policy for every subcommand, each error one line on stderr,
         ``inference-lab <sub>: error: <message>``, never a traceback:
 
@@ -50,6 +50,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "inference_lab.client.cli",
         "drive a server with closed-loop, open-loop or adaptive (AIMD) load",
     ),
+    "calibrate": (
+        "inference_lab.calibrate.cli",
+        "fit a deployment's efficiency terms to measurements of a real server",
+    ),
 }
 
 
@@ -68,7 +72,7 @@ def build_parser(command: str | None) -> tuple[CliParser, CliParser | None]:
         version=f"inference-lab {package_version()}",
         help="print the installed version and exit",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{sim,serve,load}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{sim,serve,load,calibrate}")
     chosen: CliParser | None = None
     for name, (module, summary) in SUBCOMMANDS.items():
         if name == command:

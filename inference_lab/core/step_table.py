@@ -39,7 +39,7 @@ import attrs
 
 from inference_lab.errors import ConfigError
 
-__all__ = ["COLUMNS", "StepTable", "parse_step_table"]
+__all__ = ["COLUMNS", "StepTable", "parse_step_rows", "parse_step_table"]
 
 #: The CSV's columns (a header line names them, in any order).
 COLUMNS = ("batch_size", "prefill_tokens", "context_tokens", "step_seconds")
@@ -110,11 +110,13 @@ def _number(cell: str, where: str, column: str, *, integer: bool, lowest: float)
     return float(value)
 
 
-def parse_step_table(text: str, source: str) -> StepTable:
-    """Parse a step table's CSV text (``source`` names it in errors). Blank lines and
-    lines starting with ``#`` are skipped; the first other line is the header."""
+def parse_step_rows(text: str, source: str) -> list[tuple[float, float, float, float, int]]:
+    """The rows of a step CSV as ``(batch_size, prefill_tokens, context_tokens,
+    step_seconds, line)``, in file order, each checked (no grid required: ``calibrate``
+    reads any set of measured steps). Blank lines and lines starting with ``#`` are
+    skipped; the first other line is the header, naming the columns in any order."""
     header: list[str] | None = None
-    points: dict[tuple[float, float, float], tuple[float, int]] = {}
+    rows: list[tuple[float, float, float, float, int]] = []
     for number, line in enumerate(text.splitlines(), start=1):
         stripped = line.strip()
         if not stripped or stripped.startswith("#"):
@@ -138,17 +140,26 @@ def parse_step_table(text: str, source: str) -> StepTable:
         p = _number(row["prefill_tokens"], where, "prefill_tokens", integer=True, lowest=0)
         c = _number(row["context_tokens"], where, "context_tokens", integer=False, lowest=0)
         s = _number(row["step_seconds"], where, "step_seconds", integer=False, lowest=0)
+        rows.append((b, p, c, s, number))
+    if header is None:
+        raise ConfigError(f"{source}: empty step table (a header naming {', '.join(COLUMNS)})")
+    if not rows:
+        raise ConfigError(f"{source}: no rows after the header")
+    return rows
+
+
+def parse_step_table(text: str, source: str) -> StepTable:
+    """Parse a step table's CSV text (``source`` names it in errors): the rows of
+    :func:`parse_step_rows`, which must form a full grid (Rule 1)."""
+    points: dict[tuple[float, float, float], tuple[float, int]] = {}
+    for b, p, c, s, number in parse_step_rows(text, source):
         key = (b, p, c)
         if key in points:
             raise ConfigError(
-                f"{where}: batch_size {b:g}, prefill_tokens {p:g}, context_tokens {c:g} "
-                f"is already on line {points[key][1]}"
+                f"{source}:{number}: batch_size {b:g}, prefill_tokens {p:g}, context_tokens "
+                f"{c:g} is already on line {points[key][1]}"
             )
         points[key] = (s, number)
-    if header is None:
-        raise ConfigError(f"{source}: empty step table (a header naming {', '.join(COLUMNS)})")
-    if not points:
-        raise ConfigError(f"{source}: no rows after the header")
     batch = tuple(sorted({k[0] for k in points}))
     prefill = tuple(sorted({k[1] for k in points}))
     context = tuple(sorted({k[2] for k in points}))
