@@ -20,7 +20,7 @@ Rule 4: errors are reported as MAPE per metric (mean of |predicted - measured| /
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import numpy as np
@@ -42,6 +42,7 @@ __all__ = [
     "Parameter",
     "apply",
     "fit",
+    "fit_cases",
     "mape",
     "predict",
     "simulate_level",
@@ -267,22 +268,62 @@ def levenberg_marquardt(
 
 def fit(dep: Deployment, data: Measurements, names: Sequence[str], cap: int = 1000) -> FitResult:
     """Fit the parameters ``names`` (keys of :data:`PARAMETERS`) of ``dep`` to ``data``."""
+    return fit_cases([(dep, data)], names, cap)
+
+
+#: How the cases of one evaluation are run: ``map`` (in process) or a pool's ``map``
+#: (``concurrent.futures``); the jobs are pure, so either gives the same numbers (Rule 3).
+Mapper = Callable[
+    [
+        Callable[[tuple[Deployment, Measurements, int]], Prediction],
+        list[tuple[Deployment, Measurements, int]],
+    ],
+    Iterable[Prediction],
+]
+
+
+def predict_job(job: tuple[Deployment, Measurements, int]) -> Prediction:
+    """One case of an evaluation (a module-level function, so a process pool can run it)."""
+    return predict(*job)
+
+
+def predict_cases(
+    cases: Sequence[tuple[Deployment, Measurements]], cap: int, mapper: Mapper = map
+) -> Prediction:
+    """:func:`predict` over several deployments (one prediction, their pairs in order)."""
+    pairs: dict[str, list[tuple[float, float]]] = {}
+    for prediction in mapper(predict_job, [(dep, data, cap) for dep, data in cases]):
+        for metric, values in prediction.pairs.items():
+            pairs.setdefault(metric, []).extend(values)
+    return Prediction({m: pairs[m] for m in METRICS if m in pairs})
+
+
+def fit_cases(
+    cases: Sequence[tuple[Deployment, Measurements]],
+    names: Sequence[str],
+    cap: int = 1000,
+    mapper: Mapper = map,
+) -> FitResult:
+    """Fit the parameters ``names`` shared by several deployments (one GPU and engine
+    measured on several models or settings) to their measurements; the start is the
+    first deployment's values. ``mapper`` runs an evaluation's cases (``map``, or a
+    process pool's)."""
     params = [PARAMETERS[n] for n in names]
     scale = np.array([p.scale for p in params])
     lower = np.array([p.lower for p in params]) / scale
     upper = np.array([p.upper for p in params]) / scale
-    initial = current(dep, names)
+    initial = current(cases[0][0], names)
     cache: dict[tuple[float, ...], Prediction] = {}
 
     def evaluate(x: np.ndarray[tuple[int], np.dtype[np.float64]]) -> Prediction:
         key = tuple(float(v) for v in x)
         if key not in cache:
             values = dict(zip(names, (float(v) for v in x * scale), strict=True))
-            cache[key] = predict(apply(dep, values), data, cap)
+            cache[key] = predict_cases([(apply(d, values), m) for d, m in cases], cap, mapper)
         return cache[key]
 
-    before = predict(dep, data, cap)
-    x0 = np.array(initial) / scale
+    x0 = np.clip(np.array(initial) / scale, lower, upper)
+    before = evaluate(x0)  # the deployments as loaded (their values are within the bounds)
     best, iterations = levenberg_marquardt(lambda x: evaluate(x).residuals(), x0, lower, upper)
     values = tuple(float(v) for v in best * scale)
     return FitResult(
@@ -291,6 +332,6 @@ def fit(dep: Deployment, data: Measurements, names: Sequence[str], cap: int = 10
         values=values,
         before=before,
         after=evaluate(best),
-        evaluations=len(cache) + 1,
+        evaluations=len(cache),
         iterations=iterations,
     )
