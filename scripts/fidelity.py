@@ -37,7 +37,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import attrs
 
@@ -168,7 +167,8 @@ def trtllm_bench_limits(dep: Deployment, isl: int, osl: int) -> tuple[int, int]:
 def row_case(row: Row, hardware: str) -> tuple[Deployment, LoadLevel]:
     """The deployment and the load level that reproduce ``row`` on the entry ``hardware``
     of its model config."""
-    dep = load_deployment(ROOT / "configs" / f"{row['model_config']}.toml", hardware, PROFILES)
+    path = ROOT / "configs" / "fidelity" / f"{row['model_config']}.toml"
+    dep = load_deployment(path, hardware, PROFILES)
     isl, osl = round(row.number("isl") or 0), round(row.number("osl") or 0)
     level_value = row.number("level") or 0
     if row["scenario"] == "offline":
@@ -374,7 +374,7 @@ def fit_groups(workers: int) -> None:
         print(
             f"{group}: {len(members)} fit rows; "
             + ", ".join(f"{n} = {v:.4g}" for n, v in result.fitted.items())
-            + f"; MAPE on the fit rows "
+            + "; MAPE on the fit rows "
             + ", ".join(f"{m} {before[m]:.1f} % -> {after[m]:.1f} %" for m in before)
             + f" ({result.iterations} iterations, {result.evaluations} evaluations, "
             f"{time.process_time() - start:.0f} s CPU)",

@@ -211,3 +211,26 @@ def test_bad_profiles_and_entries_are_one_line(
     path, profiles_dir = write_setup(tmp_path, dense_config(hardware={"gpu": entry}), profiles)
     message = config_error(load_model_config, path, profiles_dir)
     assert expected in message
+
+
+def test_sim_prints_and_records_the_efficiency(tmp_path: Path) -> None:
+    """``sim``'s configuration block names a non-default efficiency and a step table, and
+    its JSON records both; a datasheet deployment prints neither line."""
+    from inference_lab.core.config import FixedDist, Workload
+    from inference_lab.sim.run import config_dict, format_config
+
+    workload = Workload(
+        arrival_pattern="batched",
+        num_requests=1,
+        input_len_dist=FixedDist(value=10),
+        output_len_dist=FixedDist(value=10),
+        seed=0,
+    )
+    eff = {"memory_bandwidth": 0.8, "flops": 0.5, "step_overhead": 5e-5}
+    dep = deploy(tmp_path, dense_config(), {"gpu": gpu_profile(efficiency=eff)})
+    text = format_config(dep, workload, "w.toml", 0)
+    assert "efficiency HBM bandwidth 0.8, FLOP/s 0.5 of the datasheet; 0.05 ms per step" in text
+    assert config_dict(dep, workload, "w.toml", 0)["efficiency"] == eff
+    plain = deploy(tmp_path, dense_config())
+    assert "efficiency" not in format_config(plain, workload, "w.toml", 0)
+    assert "step table" not in format_config(plain, workload, "w.toml", 0)
