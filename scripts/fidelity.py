@@ -6,7 +6,7 @@ script re-simulates every row on the datasheet entry of its GPU and on the calib
 and writes the table, the out-of-sample errors and the per-row results:
 
     python scripts/fidelity.py table     # regenerate docs/fidelity.md's table (and results.csv)
-    python scripts/fidelity.py fit       # refit the calibrated profiles on the fit rows
+    python scripts/fidelity.py fit       # refit the calibrated profiles on the fit rows (writes them)
 
 How a row is reproduced (docs/fidelity.md says why):
 
@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -45,7 +46,6 @@ sys.path.insert(0, str(ROOT))
 
 from inference_lab.calibrate.fit import (  # noqa: E402
     PRESETS,
-    apply,
     fit_cases,
     mape,
     simulate_level,
@@ -56,6 +56,7 @@ from inference_lab.core.config import (  # noqa: E402
     AttentionLayer,
     Deployment,
     load_deployment,
+    load_hardware_profile,
 )
 from inference_lab.core.roofline import Roofline  # noqa: E402
 from inference_lab.errors import ConfigError  # noqa: E402
@@ -65,6 +66,7 @@ RESULTS = ROOT / "docs" / "fidelity" / "results.csv"
 PAGE = ROOT / "docs" / "fidelity.md"
 PROFILES = ROOT / "hardware_profiles"
 BEGIN, END = "<!-- fidelity-table:begin -->", "<!-- fidelity-table:end -->"
+CAL_BEGIN, CAL_END = "<!-- calibrated-values:begin -->", "<!-- calibrated-values:end -->"
 #: The calibrated entry of each (engine, GPU): the group a row is fitted in.
 ENGINE_TAG = {"trtllm-bench": "trtllm", "NIM 1.8.0 (aiperf)": "nim"}
 #: What each group fits: throughput-only rows cannot tell a per-step overhead from the
@@ -76,6 +78,8 @@ COLUMNS = (
 )  # fmt: skip
 #: A closed-loop level is re-simulated with at most this many requests.
 SIM_CAP = 1000
+#: The fit's iterations at most (each re-simulates every fit row of a group 3-4 times).
+FIT_ITERATIONS = 12
 
 
 @attrs.frozen
@@ -263,7 +267,9 @@ def table(workers: int) -> None:
                         [row["id"], row["split"], entry, metric, measured, f"{value:.6g}",
                          f"{100 * (value - measured) / measured:.2f}"]
                     )  # fmt: skip
-    PAGE.write_text(_splice(PAGE.read_text(encoding="utf-8"), render(rows, results)))
+    page = _splice(PAGE.read_text(encoding="utf-8"), render(rows, results), BEGIN, END)
+    page = _splice(page, render_calibrated(rows), CAL_BEGIN, CAL_END)
+    PAGE.write_text(page, encoding="utf-8")
     print(f"wrote {RESULTS.relative_to(ROOT)} and the table of {PAGE.relative_to(ROOT)} "
           f"({len(jobs)} simulations, {cpu:.0f} s CPU)")  # fmt: skip
 
@@ -342,12 +348,31 @@ def render(rows: list[Row], results: dict[tuple[str, str], dict[str, float]]) ->
     return "\n".join(out)
 
 
-def _splice(page: str, body: str) -> str:
-    if BEGIN not in page or END not in page:
-        raise ConfigError(f"{PAGE}: the markers {BEGIN} and {END} are missing")
-    head, rest = page.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{body}\n{END}{tail}"
+def _splice(page: str, body: str, begin: str, end: str) -> str:
+    if begin not in page or end not in page:
+        raise ConfigError(f"{PAGE}: the markers {begin} and {end} are missing")
+    head, rest = page.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{body}\n{end}{tail}"
+
+
+def render_calibrated(rows: list[Row]) -> str:
+    """The calibrated entries' rows: what each was fitted on and its shipped values."""
+    out = []
+    groups: dict[str, list[Row]] = {}
+    for row in rows:
+        groups.setdefault(row.group, []).append(row)
+    for group, members in groups.items():
+        eff = load_hardware_profile(PROFILES / f"{group}.toml").efficiency
+        fit_rows = [r for r in members if r["split"] == "fit"]
+        models = sorted({r["model_config"] for r in members})
+        terms = ", ".join(GROUP_TERMS[group.rsplit("-", 1)[1]])
+        out.append(
+            f"| `{group}` | {len(fit_rows)} rows of {members[0]['engine']} ({', '.join(models)}) "
+            f"| {terms} | {eff.memory_bandwidth:.3g} | {eff.flops:.3g} "
+            f"| {eff.step_overhead * 1e3:.3g} ms |"
+        )
+    return "\n".join(out)
 
 
 # ---------------------------------------------------------------------------------------
@@ -369,7 +394,15 @@ def fit_groups(workers: int) -> None:
             cases.append((dep, Measurements(levels=(level,))))
         start = time.process_time()
         with ProcessPoolExecutor(workers) as pool:
-            result = fit_cases(cases, terms, SIM_CAP, pool.map)
+            evaluations = 0
+
+            def mapper(func: Any, jobs: list[Any], _map: Any = pool.map, _g: str = group) -> Any:
+                nonlocal evaluations
+                evaluations += 1
+                print(f"  {_g}: evaluation {evaluations}", file=sys.stderr, flush=True)
+                return list(_map(func, jobs))
+
+            result = fit_cases(cases, terms, SIM_CAP, mapper, max_iterations=FIT_ITERATIONS)
         before, after = mape(result.before), mape(result.after)
         print(
             f"{group}: {len(members)} fit rows; "
@@ -380,8 +413,25 @@ def fit_groups(workers: int) -> None:
             f"{time.process_time() - start:.0f} s CPU)",
             flush=True,
         )
-        check = apply(cases[0][0], result.fitted)
-        assert check.efficiency is not None
+        write_efficiency(group, result.fitted)
+
+
+def write_efficiency(group: str, fitted: dict[str, float]) -> None:
+    """Set the fitted keys of the ``[efficiency]`` table of ``hardware_profiles/<group>.toml``
+    (the rest of the file, its comments included, is kept)."""
+    path = PROFILES / f"{group}.toml"
+    lines = path.read_text(encoding="utf-8").splitlines()
+    start = lines.index("[efficiency]")
+    for name, value in fitted.items():
+        for i in range(start + 1, len(lines)):
+            if lines[i].split("=")[0].strip() == name:
+                lines[i] = f"{name} = {value:.4g}"
+                break
+        else:
+            raise ConfigError(f"{path}: efficiency.{name}: no such line to set")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    check = load_hardware_profile(path)
+    print(f"  wrote {path.relative_to(ROOT)}: {check.efficiency}")
 
 
 def main(argv: list[str] | None = None) -> int:

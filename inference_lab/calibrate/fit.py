@@ -225,12 +225,14 @@ def levenberg_marquardt(
     *,
     step: float = 0.003,
     max_iterations: int = 40,
+    rtol: float = 1e-3,
 ) -> tuple[np.ndarray[tuple[int], np.dtype[np.float64]], int]:
     """Minimise ``|residuals(x)|²`` over the box ``[lower, upper]`` (Rule 2): a damped
     Gauss-Newton step from a forward-difference Jacobian (a backward difference at an
     upper bound), projected into the box; the damping falls after a step that lowered
-    the cost and rises after one that did not. Returns the best point and the
-    iterations taken."""
+    the cost and rises after one that did not. It stops when a step lowers the cost by
+    less than ``rtol`` of it, when no step lowers it, or after ``max_iterations``.
+    Returns the best point and the iterations taken."""
     x = np.clip(x0, lower, upper)
     r = residuals(x)
     cost = float(r @ r)
@@ -256,9 +258,9 @@ def levenberg_marquardt(
             new_cost = float(r_new @ r_new)
             if new_cost < cost:
                 gain = cost - new_cost
+                improved = gain > rtol * cost and new_cost > 1e-20
                 x, r, cost = candidate, r_new, new_cost
                 damping = max(damping / 3, 1e-7)
-                improved = gain > 1e-10 * max(cost, 1e-12)
                 break
             damping *= 4
         if not improved:
@@ -303,6 +305,7 @@ def fit_cases(
     names: Sequence[str],
     cap: int = 1000,
     mapper: Mapper = map,
+    max_iterations: int = 40,
 ) -> FitResult:
     """Fit the parameters ``names`` shared by several deployments (one GPU and engine
     measured on several models or settings) to their measurements; the start is the
@@ -324,7 +327,9 @@ def fit_cases(
 
     x0 = np.clip(np.array(initial) / scale, lower, upper)
     before = evaluate(x0)  # the deployments as loaded (their values are within the bounds)
-    best, iterations = levenberg_marquardt(lambda x: evaluate(x).residuals(), x0, lower, upper)
+    best, iterations = levenberg_marquardt(
+        lambda x: evaluate(x).residuals(), x0, lower, upper, max_iterations=max_iterations
+    )
     values = tuple(float(v) for v in best * scale)
     return FitResult(
         names=tuple(names),
