@@ -345,3 +345,24 @@ def test_config_error_helper_is_used_for_the_readers(setup: tuple[Path, Path, De
     """The readers raise the config loader's error class (the CLIs' one-line policy)."""
     path, _, _ = setup
     assert "no such file" in config_error(read_measurements, [path.parent / "nope.json"])
+
+
+def test_levels_are_resimulated_at_their_own_size() -> None:
+    """A batch is simulated whole; a closed loop with the measured count (at least 32 and
+    4 per user, at most the cap unless 4 per user need more); an open loop with a minute
+    of arrivals or the measured count, within 100 and the cap."""
+    from inference_lab.calibrate.fit import sim_requests
+
+    def level(kind: str, value: float, requests: int | None = None) -> LoadLevel:
+        return LoadLevel(
+            source="s", kind=kind, level=value, prompt_tokens=1, output_tokens=1, requests=requests
+        )
+
+    assert sim_requests(level("batched", 30000), 1000) == 30000
+    assert sim_requests(level("closed", 1), 1000) == 32
+    assert sim_requests(level("closed", 16, requests=640), 1000) == 640
+    assert sim_requests(level("closed", 16, requests=5000), 1000) == 1000
+    assert sim_requests(level("closed", 500), 1000) == 2000
+    assert sim_requests(level("open", 0.5), 1000) == 100
+    assert sim_requests(level("open", 5.0), 1000) == 300
+    assert sim_requests(level("open", 50.0), 1000) == 1000

@@ -133,16 +133,18 @@ def level_workload(level: LoadLevel, requests: int) -> Workload:
 
 
 def sim_requests(level: LoadLevel, cap: int) -> int:
-    """How many requests the level is re-simulated with: a batch its own size; a closed
-    loop the measured count, at least 4 per user; an open loop a minute of arrivals, at
-    least 100; all at most ``cap`` (a batch is never cut: its tail is its throughput)."""
+    """How many requests the level is re-simulated with: a batch its own size (never cut:
+    its tail is part of its throughput); a closed loop the measured count, at least 32
+    and 4 per user, at most ``cap`` unless 4 per user need more; an open loop the
+    measured count or a minute of arrivals, at least 100, at most ``cap``."""
     if level.kind == "batched":
         return round(level.level)
     if level.kind == "closed":
-        want = max(level.requests or 0, 4 * round(level.level), 32)
-    else:
-        want = max(level.requests or 0, round(60 * level.level), 100)
-    return min(want, max(cap, 4 * round(level.level) if level.kind == "closed" else cap))
+        users = round(level.level)
+        want = max(level.requests or 0, 4 * users, 32)
+        return min(want, max(cap, 4 * users))
+    want = max(level.requests or 0, round(60 * level.level), 100)
+    return min(want, cap)
 
 
 def simulate_level(dep: Deployment, level: LoadLevel, cap: int) -> dict[str, float]:
