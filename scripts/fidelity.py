@@ -379,12 +379,13 @@ def render_calibrated(rows: list[Row]) -> str:
 # the fit
 
 
-def fit_groups(workers: int) -> None:
-    """Fit each calibrated group on its fit rows and print the values to ship."""
+def fit_groups(workers: int, only: list[str] | None) -> None:
+    """Fit each calibrated group (or those of ``only``) on its fit rows and write the
+    values to its profile."""
     rows = read_rows()
     groups: dict[str, list[Row]] = {}
     for row in rows:
-        if row["split"] == "fit":
+        if row["split"] == "fit" and (not only or row.group in only):
             groups.setdefault(row.group, []).append(row)
     for group, members in groups.items():
         terms = GROUP_TERMS[group.rsplit("-", 1)[1]]
@@ -440,12 +441,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workers", type=int, default=2, help="simulations in parallel (default 2)"
     )
+    parser.add_argument(
+        "--group", action="append", help="fit: only this calibrated entry (repeatable)"
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "table":
             table(args.workers)
         else:
-            fit_groups(args.workers)
+            fit_groups(args.workers, args.group)
     except ConfigError as exc:
         print(f"fidelity: error: {exc}", file=sys.stderr)
         return 1
