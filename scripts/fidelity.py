@@ -84,6 +84,7 @@ FIT_ITERATIONS = 12
 
 @attrs.frozen
 class Row:
+    path: Path
     line: int
     cells: dict[str, str]
 
@@ -102,10 +103,10 @@ class Row:
             value = float(text)
         except ValueError:
             raise ConfigError(
-                f"{DATA}:{self.line}: {key}: must be a number, got {text!r}"
+                f"{self.path}:{self.line}: {key}: must be a number, got {text!r}"
             ) from None
         if not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"{DATA}:{self.line}: {key}: must be > 0, got {text!r}")
+            raise ConfigError(f"{self.path}:{self.line}: {key}: must be > 0, got {text!r}")
         return value
 
 
@@ -115,7 +116,7 @@ def read_rows(path: Path = DATA) -> list[Row]:
         reader = csv.DictReader(fh)
         if tuple(reader.fieldnames or ()) != COLUMNS:
             raise ConfigError(f"{path}:1: the header must be {','.join(COLUMNS)}")
-        rows = [Row(i, dict(r)) for i, r in enumerate(reader, start=2)]
+        rows = [Row(path, i, dict(r)) for i, r in enumerate(reader, start=2)]
     for row in rows:
         if row["split"] not in ("fit", "test"):
             raise ConfigError(f"{path}:{row.line}: split: must be fit or test")
@@ -123,7 +124,7 @@ def read_rows(path: Path = DATA) -> list[Row]:
             raise ConfigError(f"{path}:{row.line}: engine: must be one of {', '.join(ENGINE_TAG)}")
         if row["scenario"] not in ("offline", "closed_loop"):
             raise ConfigError(f"{path}:{row.line}: scenario: must be offline or closed_loop")
-        for key in ("tp", "isl", "osl", "level"):
+        for key in ("tp", "isl", "osl", "level", "requests", "output_tps", "ttft_ms", "tpot_ms"):
             row.number(key)
     return rows
 
@@ -190,7 +191,7 @@ def row_case(row: Row, hardware: str) -> tuple[Deployment, LoadLevel]:
     else:
         kind = "closed"
     level = LoadLevel(
-        source=f"{DATA}:{row.line}",
+        source=f"{row.path}:{row.line}",
         kind=kind,
         level=level_value,
         prompt_tokens=isl,
