@@ -50,7 +50,11 @@ from inference_lab.calibrate.fit import (  # noqa: E402
     mape,
     simulate_level,
 )
-from inference_lab.calibrate.measurements import LoadLevel, Measurements  # noqa: E402
+from inference_lab.calibrate.measurements import (  # noqa: E402
+    LoadLevel,
+    Measurements,
+    start_spread,
+)
 from inference_lab.core.config import (  # noqa: E402
     BYTES_PER_VALUE,
     AttentionLayer,
@@ -200,7 +204,7 @@ def row_case(row: Row, hardware: str) -> tuple[Deployment, LoadLevel]:
         tpot=None if row.number("tpot_ms") is None else (row.number("tpot_ms") or 0) / 1e3,
         throughput=row.number("output_tps"),
     )
-    return dep, level
+    return dep, start_spread(level)
 
 
 def _simulate(args: tuple[Row, str]) -> tuple[str, str, dict[str, float], float]:
@@ -394,7 +398,7 @@ def fit_groups(workers: int, only: list[str] | None) -> None:
         for row in members:
             dep, level = row_case(row, row["hardware"])
             cases.append((dep, Measurements(levels=(level,))))
-        start = time.process_time()
+        start = time.monotonic()
         with ProcessPoolExecutor(workers) as pool:
             evaluations = 0
 
@@ -412,7 +416,7 @@ def fit_groups(workers: int, only: list[str] | None) -> None:
             + "; MAPE on the fit rows "
             + ", ".join(f"{m} {before[m]:.1f} % -> {after[m]:.1f} %" for m in before)
             + f" ({result.iterations} iterations, {result.evaluations} evaluations, "
-            f"{time.process_time() - start:.0f} s CPU)",
+            f"{time.monotonic() - start:.0f} s)",
             flush=True,
         )
         write_efficiency(group, result.fitted)

@@ -144,6 +144,8 @@ def test_the_load_reader_uses_the_summary_the_load_client_writes(tmp_path: Path)
         200,
     )
     assert (level.ttft, level.tpot, level.throughput, level.requests) == (0.02, 0.004, 1500.0, 120)
+    # the users start spread over one measured request: TTFT + 199 x TPOT
+    assert level.start_spread == pytest.approx(0.02 + 199 * 0.004)
 
 
 def test_the_aiperf_reader_converts_units(tmp_path: Path) -> None:
@@ -205,6 +207,8 @@ def test_the_guidellm_reader_gives_one_level_per_benchmark(tmp_path: Path) -> No
     assert [(lv.kind, lv.level) for lv in levels] == [("closed", 1), ("closed", 16), ("open", 5.5)]
     assert levels[1].ttft == pytest.approx(0.04) and levels[1].tpot == pytest.approx(0.008)
     assert (levels[1].prompt_tokens, levels[1].output_tokens, levels[1].requests) == (512, 128, 50)
+    assert levels[1].start_spread == pytest.approx(0.04 + 127 * 0.008)
+    assert levels[2].start_spread == 0  # an open loop's arrivals are its own
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,8 @@
 
 Rule 1: a load level is compared with the same workload re-simulated on the candidate
         deployment (:func:`inference_lab.sim.run.run_simulation`): a closed loop at the
-        level's concurrency, Poisson arrivals at its rate, or its requests all at t = 0,
+        level's concurrency (its users' starts spread over ``start_spread`` seconds),
+        Poisson arrivals at its rate, or its requests all at t = 0,
         with every prompt and output at the level's mean lengths; a measured step with
         the step model's price of the even batch its coordinates describe
         (``Roofline.even_price``).
@@ -109,6 +110,7 @@ def level_workload(level: LoadLevel, requests: int) -> Workload:
         return Workload(
             arrival_pattern="closed_loop",
             num_concurrent_users=round(level.level),
+            closed_loop_jitter_secs=level.start_spread,
             num_requests=requests,
             input_len_dist=inputs,
             output_len_dist=outputs,

@@ -13,6 +13,7 @@ Rule 1: a load level becomes a :class:`LoadLevel`: the workload that produced it
         (closed loop at a concurrency, Poisson at a rate, or a batch of requests sent at
         once), its mean prompt and output lengths, and the means measured (TTFT, TPOT,
         output tokens/s); a metric a file does not hold is None and is not fitted.
+        A closed loop's users start spread over one measured request (:func:`start_spread`).
 Rule 2: every problem is a ConfigError of one line naming the file and the key (or the
         CSV line): unreadable, not one of the formats, a key missing or of the wrong type,
         a value out of range, a load level that has no fixed load (an adaptive ``load``
@@ -32,7 +33,7 @@ import attrs
 from inference_lab.core.step_table import parse_step_rows
 from inference_lab.errors import ConfigError
 
-__all__ = ["LoadLevel", "Measurements", "StepSample", "read_measurements"]
+__all__ = ["LoadLevel", "Measurements", "StepSample", "read_measurements", "start_spread"]
 
 #: What each metric is called in reports.
 METRICS = ("ttft", "tpot", "throughput", "step")
@@ -55,6 +56,9 @@ class LoadLevel:
     ttft: float | None = None
     tpot: float | None = None
     throughput: float | None = None
+    #: Closed loop: the users' first requests are spread uniformly over this many seconds
+    #: (see :func:`start_spread`); 0: all at once.
+    start_spread: float = 0.0
 
     def measured(self) -> dict[str, float]:
         out = {"ttft": self.ttft, "tpot": self.tpot, "throughput": self.throughput}
@@ -296,6 +300,17 @@ def _from_guidellm(doc: Mapping[str, Any], where: str, model: str | None) -> lis
     return levels
 
 
+def start_spread(level: LoadLevel) -> LoadLevel:
+    """``level`` with its users' starts spread over one measured request, ``TTFT +
+    (output − 1) · TPOT`` (when both were measured): a closed loop of identical requests
+    measured over a run is in its steady state, its requests at every phase, not the
+    lock-step of users that all started at one instant (which would put every prefill in
+    the same steps)."""
+    if level.kind != "closed" or level.ttft is None or level.tpot is None:
+        return level
+    return attrs.evolve(level, start_spread=level.ttft + (level.output_tokens - 1) * level.tpot)
+
+
 def _from_json(doc: Any, where: str, model: str | None) -> list[LoadLevel]:
     if not isinstance(doc, Mapping):
         raise ConfigError(f"{where}: must be a JSON object, got {type(doc).__name__}")
@@ -333,7 +348,7 @@ def read_measurements(paths: list[Path], model: str | None = None) -> Measuremen
                 raise ConfigError(
                     f"{where}:{exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})"
                 ) from None
-            levels.extend(_from_json(doc, where, model))
+            levels.extend(start_spread(level) for level in _from_json(doc, where, model))
         else:
             steps.extend(
                 StepSample(where, b, p, c, s) for b, p, c, s, _line in parse_step_rows(text, where)
