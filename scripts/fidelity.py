@@ -373,7 +373,7 @@ def render_calibrated(rows: list[Row]) -> str:
         models = sorted({r["model_config"] for r in members})
         terms = ", ".join(GROUP_TERMS[group.rsplit("-", 1)[1]])
         out.append(
-            f"| `{group}` | {len(fit_rows)} rows of {members[0]['engine']} ({', '.join(models)}) "
+            f"| `{group}` | {len(fit_rows)} fit rows: {members[0]['engine']}, {', '.join(models)} "
             f"| {terms} | {eff.memory_bandwidth:.3g} | {eff.flops:.3g} "
             f"| {eff.step_overhead * 1e3:.3g} ms |"
         )
