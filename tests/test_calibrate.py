@@ -370,3 +370,17 @@ def test_levels_are_resimulated_at_their_own_size() -> None:
     assert sim_requests(level("open", 0.5), 1000) == 100
     assert sim_requests(level("open", 5.0), 1000) == 300
     assert sim_requests(level("open", 50.0), 1000) == 1000
+
+
+def test_desynchronised_loops_are_fitted_with_coarse_differences_first(
+    setup: tuple[Path, Path, Deployment],
+) -> None:
+    """A closed loop whose users start spread out gets a coarse pass (0.02) before the fine
+    one (0.003); steps, batches and lock-step loops get the fine pass alone."""
+    from inference_lab.calibrate.fit import difference_steps
+
+    _, _, dep = setup
+    plain = LoadLevel(source="s", kind="closed", level=4, prompt_tokens=10, output_tokens=10)
+    spread = attrs.evolve(plain, start_spread=1.5)
+    assert difference_steps([(dep, Measurements(levels=(plain,)))]) == (0.003,)
+    assert difference_steps([(dep, Measurements(levels=(plain, spread)))]) == (0.02, 0.003)
