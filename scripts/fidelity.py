@@ -362,8 +362,11 @@ def _splice(page: str, body: str, begin: str, end: str) -> str:
 
 
 def render_calibrated(rows: list[Row]) -> str:
-    """The calibrated entries' rows: what each was fitted on and its shipped values."""
-    out = []
+    """The calibrated entries' table: what each was fitted on and its shipped values."""
+    out = [
+        "| entry | fitted on | terms fitted | memory_bandwidth | flops | step_overhead |",
+        "|---|---|---|---|---|---|",
+    ]
     groups: dict[str, list[Row]] = {}
     for row in rows:
         groups.setdefault(row.group, []).append(row)
