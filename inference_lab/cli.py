@@ -1,12 +1,12 @@
-"""The ``inference-lab`` command: ``sim``, ``serve``, ``load`` and ``plan``.
+"""The ``inference-lab`` command: ``sim``, ``serve``, ``load``, ``plan`` and ``calibrate``.
 
 Each subcommand is one module exposing ``add_parser(subparsers)`` (its flags) and
 ``run(args) -> int`` (the work); this module only picks the subcommand and dispatches.
 
 Rule 1: only the chosen subcommand's module is imported, and that module imports its
         machinery inside ``run``: ``inference-lab sim`` never loads trio, quart or
-        hypercorn, and ``--help`` or a bad flag answers before numpy is loaded (for ``sim``
-        and ``load``; ``serve``'s module imports its stack at the top).
+        hypercorn, and ``--help`` or a bad flag answers before numpy is loaded (for ``sim``,
+        ``load`` and ``calibrate``; ``serve``'s module imports its stack at the top).
 Rule 2: one exit-code policy for every subcommand, each error one line on stderr,
         ``inference-lab <sub>: error: <message>``, never a traceback:
 
@@ -53,6 +53,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": (
         "inference_lab.plan.cli",
         "find the cheapest deployment that serves a workload within its SLOs",
+    ),
+    "calibrate": (
+        "inference_lab.calibrate.cli",
+        "fit a deployment's efficiency terms to measurements of a real server",
     ),
 }
 

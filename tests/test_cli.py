@@ -56,10 +56,12 @@ def test_sim_does_not_import_the_serve_stack() -> None:
     assert not {"inference_lab.serve.cli", "inference_lab.client"} & loaded
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["sim", "--help"], ["load", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["sim", "--help"], ["load", "--help"], ["calibrate", "--help"]]
+)
 def test_parsing_loads_no_machinery(argv: list[str]) -> None:
-    """The top-level help and the ``sim`` and ``load`` parsers answer without numpy, trio
-    or the engine: a subcommand's machinery is imported only when it runs."""
+    """The top-level help and the ``sim``, ``load`` and ``calibrate`` parsers answer without
+    numpy, trio or the engine: a subcommand's machinery is imported only when it runs."""
     rc, loaded, out = loaded_after(argv)
     assert rc == 0 and "usage: inference-lab" in out
     assert not loaded & (SERVE_STACK | {"numpy", "cattrs"}), loaded & (SERVE_STACK | {"numpy"})
@@ -69,7 +71,7 @@ def test_parsing_loads_no_machinery(argv: list[str]) -> None:
 def test_top_level_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
     """``inference-lab --help`` names every subcommand with its summary."""
     assert cli.main(["--help"]) == 0
-    # argparse wraps the summaries, also after a hyphen ("roofline-" / "paced")
+    # argparse wraps the summaries, at spaces and after hyphens
     out = " ".join(capsys.readouterr().out.split()).replace("- ", "-")
     for name, (_, summary) in cli.SUBCOMMANDS.items():
         assert name in out and summary in out
@@ -93,8 +95,8 @@ def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
-        ([], "inference-lab: error: the following arguments are required: {sim,serve,load,plan}"),
-        (["bogus"], "inference-lab: error: argument {sim,serve,load,plan}: invalid choice: 'bogus'"),
+        ([], "inference-lab: error: the following arguments are required: {sim,serve,load,plan,calibrate}"),
+        (["bogus"], "inference-lab: error: argument {sim,serve,load,plan,calibrate}: invalid choice: 'bogus'"),
         (["sim"], "inference-lab sim: error: the following arguments are required: --config"),
         (["load", "--url", "http://h", "--model", "m", "--requests", "1", "--rate", "nan"],
          "inference-lab load: error: argument --rate: must be a number > 0, got nan"),

@@ -30,7 +30,8 @@ from inference_lab.core.config import (
 from inference_lab.core.roofline import Roofline
 from tests.configs_util import CONFIGS, GPT_OSS_20B, PROFILES, WORKLOADS
 
-MODEL_FILES = sorted(CONFIGS.glob("*.toml"))
+#: the served models (configs/) and the fidelity page's (configs/fidelity/)
+MODEL_FILES = sorted(CONFIGS.glob("*.toml")) + sorted((CONFIGS / "fidelity").glob("*.toml"))
 ENTRIES = [
     (path, name)
     for path in MODEL_FILES
@@ -38,7 +39,7 @@ ENTRIES = [
 ]
 
 
-def test_the_six_documented_models_are_shipped() -> None:
+def test_the_documented_models_are_shipped() -> None:
     """configs/ holds one file per documented model, named after the model."""
     names = {load_model_config(p, PROFILES).model.name: p.stem for p in MODEL_FILES}
     assert set(names) == set(ARCHITECTURES)
@@ -140,15 +141,47 @@ ARCHITECTURES: dict[str, tuple[int, int, list[W], list[L]]] = {
         [("fp8", 13_212_057_600, 13_212_057_600, None), ("bf16", 777_912_320, 1_555_824_640, None)],
         [(40, 40, 128, 8, 0)],
     ),
+    "Llama-3.1-8B-Instruct-FP8": (
+        4096,
+        131072,
+        [("fp8", 6_979_321_856, 6_979_321_856, None), ("bf16", 525_602_816, 1_050_939_392, None)],
+        [(32, 32, 128, 8, 0)],
+    ),
+    "Llama-3.3-70B-Instruct-FP8": (
+        8192,
+        131072,
+        [
+            ("fp8", 68_451_041_280, 68_451_041_280, None),
+            ("bf16", 1_051_992_064, 2_102_665_216, None),
+        ],
+        [(80, 64, 128, 8, 0)],
+    ),
+    "Llama-3.3-70B-Instruct-FP4": (
+        8192,
+        131072,
+        [
+            ("fp4", 68_451_041_280, 68_451_041_280, None),
+            ("bf16", 1_051_992_064, 2_102_665_216, None),
+        ],
+        [(80, 64, 128, 8, 0)],
+    ),
+}
+#: The KV cache's precision where it is not bf16 (the FP8 / FP4 checkpoints keep it in FP8).
+KV_PRECISION = {
+    "Llama-3.1-8B-Instruct-FP8": "fp8",
+    "Llama-3.3-70B-Instruct-FP8": "fp8",
+    "Llama-3.3-70B-Instruct-FP4": "fp8",
 }
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_model_architecture_matches_the_reference_table(name: str) -> None:
     """Each shipped model has the ARCHITECTURES table's hidden size, context, weight
-    streams and layer classes (all attention, K and V stored separately in bf16)."""
+    streams and layer classes (all attention, K and V stored separately, in bf16 unless
+    KV_PRECISION says otherwise)."""
     hidden, max_seq_len, weights, layers = ARCHITECTURES[name]
-    model = load_model_config(CONFIGS / f"{name}.toml", PROFILES).model
+    (path,) = [p for p in MODEL_FILES if p.stem == name]
+    model = load_model_config(path, PROFILES).model
     assert model.name == name
     assert (model.hidden_dim, model.max_seq_len) == (hidden, max_seq_len)
     assert (model.attention_precision, model.activation_bytes) == ("bf16", 2)
@@ -171,8 +204,9 @@ def test_model_architecture_matches_the_reference_table(name: str) -> None:
         if isinstance(x, AttentionLayer)
     ]
     assert sorted(got_layers) == sorted(layers)
+    kv = KV_PRECISION.get(name, "bf16")
     assert all(
-        x.kv_precision == "bf16" and not x.kv_shared
+        x.kv_precision == kv and not x.kv_shared
         for x in model.layers
         if isinstance(x, AttentionLayer)
     )
@@ -263,8 +297,40 @@ def test_hardware_profile_matches_the_reference_table(name: str) -> None:
 
 
 def test_every_shipped_profile_is_documented() -> None:
-    """hardware_profiles/ ships at least the seven documented GPUs."""
-    assert set(PROFILE_TABLE) <= {p.stem for p in PROFILES.glob("*.toml")}
+    """hardware_profiles/ ships the seven documented GPUs and the calibrated profiles."""
+    assert {p.stem for p in PROFILES.glob("*.toml")} == set(PROFILE_TABLE) | set(CALIBRATED)
+
+
+#: The calibrated profiles (docs/fidelity.md): each layered on a datasheet profile, whose
+#: numbers it keeps (but the memory of the GPUs measured, where it differs), with a fitted
+#: efficiency.
+CALIBRATED: dict[str, tuple[str, float | None]] = {
+    "h100-trtllm": ("h100", None),
+    "h200-trtllm": ("h200", None),
+    "b200-trtllm": ("b200", 180e9),
+    "h100-nim": ("h100", None),
+}
+
+
+@pytest.mark.parametrize("name", list(CALIBRATED))
+def test_calibrated_profiles_keep_their_datasheet_base(name: str) -> None:
+    """A calibrated profile names its base, carries the base's datasheet numbers (memory
+    apart, where the measured GPUs had less) and a fitted efficiency below the datasheet;
+    the base itself sets no efficiency."""
+    base_name, memory = CALIBRATED[name]
+    p = load_hardware_profile(PROFILES / f"{name}.toml")
+    base = load_hardware_profile(PROFILES / f"{base_name}.toml")
+    assert p.base == base_name and base.base is None and base.efficiency.is_identity
+    assert (p.flops_fp4, p.flops_fp8, p.flops_bf16, p.memory_bandwidth, p.fabric) == (
+        base.flops_fp4,
+        base.flops_fp8,
+        base.flops_bf16,
+        base.memory_bandwidth,
+        base.fabric,
+    )
+    assert p.memory_capacity == (base.memory_capacity if memory is None else memory)
+    assert not p.efficiency.is_identity
+    assert p.efficiency.memory_bandwidth < 1 and p.efficiency.flops < 1
 
 
 # ---------------------------------------------------------------------------------------

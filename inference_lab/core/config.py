@@ -9,6 +9,10 @@ Rule 2: every error is a :class:`ConfigError` whose message is one line naming t
 Rule 3: a model config is valid as a whole or not at all: every ``[hardware.*]`` entry is
         resolved against its profile and checked (parallelism, precisions, fit, KV blocks)
         at load time, never later at run time.
+Rule 4: every file a config points at (a profile's ``base``, an entry's ``step_table``) is
+        read here, by the loader, so the engine and the roofline never do I/O; the
+        defaults (efficiency 1.0, no overhead, no step table) price every step exactly as
+        the datasheet roofline does.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import attrs
 import numpy as np
 from cattrs.errors import ForbiddenExtraKeysError
 
+from inference_lab.core.step_table import StepTable, parse_step_table
 from inference_lab.errors import ConfigError
 from inference_lab.resources import shipped_dir
 from inference_lab.traffic.schedules import (
@@ -90,6 +95,11 @@ def _one_of(options: tuple[str, ...]) -> Callable[[Any, attrs.Attribute[Any], An
 def _optional_nonempty(_inst: Any, attr: attrs.Attribute[Any], value: str | None) -> None:
     if value is not None and not value:
         raise FieldError(attr.name, "must be a non-empty path")
+
+
+def _optional_name(_inst: Any, attr: attrs.Attribute[Any], value: str | None) -> None:
+    if value is not None and not value:
+        raise FieldError(attr.name, "must be a non-empty name")
 
 
 def _lower(value: str) -> str:
@@ -240,7 +250,43 @@ class TimeCorrection:
 
 
 @attrs.frozen(kw_only=True)
+class Efficiency:
+    """Where a real engine falls short of the datasheet roofline (docs/fidelity.md):
+    the achievable fraction of HBM bandwidth and of peak FLOP/s, and a fixed overhead per
+    step (scheduler, kernel launches, sampling). The defaults are the roofline itself."""
+
+    memory_bandwidth: float = attrs.field(default=1.0, validator=[_gt(0), _le(1)])
+    flops: float = attrs.field(default=1.0, validator=[_gt(0), _le(1)])
+    step_overhead: float = attrs.field(default=0.0, validator=[_ge(0), _le(1)])
+
+    @property
+    def is_identity(self) -> bool:
+        return self.memory_bandwidth == 1.0 and self.flops == 1.0 and self.step_overhead == 0.0
+
+
+@attrs.frozen(kw_only=True)
+class EfficiencyOverride:
+    """A hardware entry's ``efficiency`` table: the keys it sets replace the profile's."""
+
+    memory_bandwidth: float | None = attrs.field(default=None, validator=[_gt(0), _le(1)])
+    flops: float | None = attrs.field(default=None, validator=[_gt(0), _le(1)])
+    step_overhead: float | None = attrs.field(default=None, validator=[_ge(0), _le(1)])
+
+    def over(self, base: Efficiency) -> Efficiency:
+        changes = {
+            a.name: getattr(self, a.name)
+            for a in attrs.fields(EfficiencyOverride)
+            if getattr(self, a.name) is not None
+        }
+        return attrs.evolve(base, **changes) if changes else base
+
+
+@attrs.frozen(kw_only=True)
 class HardwareEntry:
+    #: The hardware profile's file name (``hardware_profiles/<profile>.toml``); None: the
+    #: entry's own name. Lets one model have several entries on one GPU (tp variants,
+    #: calibrated ones).
+    profile: str | None = attrs.field(default=None, validator=_optional_name)
     tp: int = attrs.field(default=1, validator=_ge(1))
     ep: int = attrs.field(default=1, validator=_ge(1))
     replicas: int = attrs.field(default=1, validator=_ge(1))
@@ -252,6 +298,11 @@ class HardwareEntry:
     #: own uncached prompt tokens.
     kv_aware_queue_weight: float = attrs.field(default=1.0, validator=_ge(0))
     time_correction: TimeCorrection = attrs.field(factory=TimeCorrection)
+    #: Replaces the profile's ``[efficiency]`` keys it sets, for this model only.
+    efficiency: EfficiencyOverride | None = None
+    #: A CSV of measured step times (docs/fidelity.md#measured-step-tables), relative to
+    #: the config file; after loading, the resolved path.
+    step_table: str | None = attrs.field(default=None, validator=_optional_nonempty)
 
 
 # ---------------------------------------------------------------------------------------
@@ -282,6 +333,10 @@ class HardwareProfile:
     memory_bandwidth: float = attrs.field(validator=_gt(0))
     memory_capacity: float = attrs.field(validator=_gt(0))
     fabric: Fabric | None = None
+    efficiency: Efficiency = attrs.field(factory=Efficiency)
+    #: The profile this one was layered on (``base = "h100"``), for display; None for a
+    #: datasheet profile.
+    base: str | None = attrs.field(default=None, validator=_optional_name)
 
     def flops(self, precision: str) -> float | None:
         """FLOP/s of one GPU at ``precision`` (fp32 is fp16 / 2), or None if absent."""
@@ -305,6 +360,16 @@ class Deployment:
     profile: HardwareProfile
     hardware_name: str
     config_path: Path
+    #: The entry's measured step table, read by the loader (None: the roofline alone).
+    step_table: StepTable | None = None
+
+    @property
+    def efficiency(self) -> Efficiency:
+        """The profile's efficiency with the entry's ``efficiency`` keys over it."""
+        override = self.hardware.efficiency
+        return (
+            self.profile.efficiency if override is None else override.over(self.profile.efficiency)
+        )
 
     @property
     def kv_bytes(self) -> float:
@@ -651,8 +716,42 @@ def _resolve_tokenizer(file: Path, written: str) -> Path:
 
 
 def load_hardware_profile(path: Path) -> HardwareProfile:
-    """Read one ``hardware_profiles/<name>.toml``; raises ConfigError."""
-    return _structure(_read_toml(path), HardwareProfile, path, "")
+    """Read one ``hardware_profiles/<name>.toml``; raises ConfigError.
+
+    A profile with ``base = "<name>"`` is layered on ``<name>.toml`` of the same
+    directory: its own top-level keys replace the base's (a calibrated profile names its
+    base and adds only its ``[efficiency]``). A base cannot have a base itself."""
+    raw = _read_toml(path)
+    base = raw.get("base")
+    if base is not None:
+        if not isinstance(base, str) or not base:
+            raise ConfigError(f"{path}: base: must be a profile name, got {base!r}")
+        base_path = path.parent / f"{base}.toml"
+        if not base_path.is_file():
+            raise ConfigError(f"{path}: base: no hardware profile {base_path}")
+        base_raw = _read_toml(base_path)
+        if "base" in base_raw:
+            raise ConfigError(
+                f"{path}: base: {base_path} has a base itself; a base must be a datasheet profile"
+            )
+        raw = {**base_raw, **raw}
+    return _structure(raw, HardwareProfile, path, "")
+
+
+def load_step_table(file: Path, written: str, where: str) -> StepTable:
+    """An entry's ``step_table`` CSV, resolved against the config file's directory and
+    parsed (:func:`inference_lab.core.step_table.parse_step_table`); ConfigError names the
+    key, or the CSV file and line."""
+    path = Path(written).expanduser()
+    if not path.is_absolute():
+        path = file.parent / path
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: {where}: no such file {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{file}: {where}: cannot read {path}: {exc}") from None
+    return parse_step_table(text, str(path))
 
 
 def default_profiles_dir(config_path: Path) -> Path:
@@ -750,10 +849,16 @@ def load_model_config(
             raise ConfigError(f"{file}: {prefix}.scheduler: must be a table, got {override!r}")
         entry = _structure(entry_raw, HardwareEntry, file, prefix)
         merged = _structure({**sched_raw, **override}, SchedulerConfig, file, f"{prefix}.scheduler")
-        profile_path = profiles / f"{name}.toml"
+        profile_name = entry.profile if entry.profile is not None else name
+        profile_path = profiles / f"{profile_name}.toml"
         if not profile_path.is_file():
-            raise ConfigError(f"{file}: {prefix}: no hardware profile {profile_path}")
+            key = f"{prefix}.profile" if entry.profile is not None else prefix
+            raise ConfigError(f"{file}: {key}: no hardware profile {profile_path}")
         profile = load_hardware_profile(profile_path)
+        table = None
+        if entry.step_table is not None:
+            table = load_step_table(file, entry.step_table, f"{prefix}.step_table")
+            entry = attrs.evolve(entry, step_table=table.source)
         dep = Deployment(
             model=model,
             scheduler=merged,
@@ -761,6 +866,7 @@ def load_model_config(
             profile=profile,
             hardware_name=name,
             config_path=file,
+            step_table=table,
         )
         _validate_deployment(dep, file, profile_path)
         deployments[name] = dep

@@ -1,34 +1,46 @@
 """The step-cost model: what one engine step costs on one deployment.
 
-Rule 1: a step is priced from datasheet peaks only. Each precision stream costs
-        ``max(FLOPs[p] / R_p, Bytes[p] / BW)``; streams are summed (serial kernels);
-        collectives are added serially; ``alpha * t + beta`` applies last.
+Rule 1: a step is priced from datasheet peaks scaled by the deployment's efficiency. Each
+        precision stream costs ``max(FLOPs[p] / (R_p * eta_flops), Bytes[p] / (BW *
+        eta_bw))``; streams are summed (serial kernels); collectives and the fixed
+        ``step_overhead`` are added serially; ``alpha * t + beta`` applies last. With the
+        default efficiency (1.0, 1.0, 0 s) every price is the datasheet roofline's, to
+        the last bit.
 Rule 2: a batch's price depends on it only through integer sums over its sequences
         (:class:`BatchTerms`), taken once per batch: with numpy over arrays for a large
         batch, in Python integers for a small one; nothing loops per request per layer.
         A sequence joining a priced batch adds its own terms.
 Rule 3: KV capacity and ``blocks_for`` are pure functions of the deployment; the engine's
         block accounting and the serving layer's fit check both use them.
+Rule 4: with a measured step table (:mod:`inference_lab.core.step_table`) a step inside
+        the table's box costs the interpolated measurement (time_correction does not
+        apply: it is measured); outside, the measurement at the nearest point of the box
+        times the ratio of Rule 1's prices of the step and of that point, both taken for
+        the even batch the table's coordinates describe.
 """
 
 from __future__ import annotations
 
 import array
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
 from inference_lab.core.config import BYTES_PER_VALUE, AttentionLayer, Deployment, LinearLayer
+from inference_lab.core.step_table import StepTable
 
 IntArray = np.ndarray[Any, np.dtype[np.int64]]
 
 
 @attrs.frozen
 class StepCost:
-    """The price of one step: ``seconds`` after time_correction, and the parts of the
-    uncorrected roofline that were compute time and memory time (for utilisation)."""
+    """The price of one step: ``seconds`` after time_correction; ``roofline``, the step's
+    time before it (efficiency and overhead included; a step table's time); and
+    ``compute`` and ``memory``, the FLOP and byte times at datasheet peaks, so that
+    ``compute / roofline`` is the share of peak FLOP/s the step reached (utilisation)."""
 
     seconds: float
     roofline: float
@@ -69,7 +81,13 @@ class Roofline:
         self.deployment = dep
         self.alpha = hw.time_correction.alpha
         self.beta = hw.time_correction.beta
-        self.bandwidth = profile.memory_bandwidth * tp
+        eff = dep.efficiency
+        self._eta_flops = eff.flops
+        self._eta_bw = eff.memory_bandwidth
+        self._overhead = eff.step_overhead
+        self._table: StepTable | None = dep.step_table
+        #: achievable bytes/s of one replica (datasheet x tp x efficiency)
+        self.bandwidth = profile.memory_bandwidth * tp * eff.memory_bandwidth
         self.block_size = dep.scheduler.block_size
         self.block_bytes = dep.block_bytes
         self.total_blocks = dep.total_blocks
@@ -80,7 +98,7 @@ class Roofline:
             rate = profile.flops(p)
             if rate is None:  # config validation guarantees this cannot happen
                 raise ValueError(f"no FLOP rate for {p} in profile {profile.name}")
-            rates.append(rate * tp)
+            rates.append(rate * tp * eff.flops)
         self._rates = rates
         self._attn_idx = self._index[model.attention_precision]
         # weight streams: (precision index, active, routing terms or None)
@@ -204,9 +222,36 @@ class Roofline:
 
     def price(self, terms: BatchTerms) -> StepCost:
         """The cost of the batch ``terms`` sums up."""
+        if self._table is not None and terms.seqs:
+            return self._table_price(terms)
         return self._price(terms.tokens, terms.seqs, terms.sums)
 
-    def _price(self, tokens: int, nreq: int, sums: list[list[int]]) -> StepCost:
+    def _table_price(self, terms: BatchTerms) -> StepCost:
+        """Rule 4: the step table's price of the batch ``terms`` sums up."""
+        table = self._table
+        assert table is not None
+        b, p = terms.seqs, terms.tokens - terms.seqs
+        c = terms.sums[0][1] / b  # window classes ascend: the first is full attention
+        point = table.clamp(b, p, c)
+        seconds = table.interpolate(*point)
+        if point != (b, p, c):
+            seconds *= self.even_price(b, p, c) / self.even_price(*point)
+        cost = self._price(terms.tokens, terms.seqs, terms.sums)
+        return StepCost(seconds, seconds, cost.compute, cost.memory)
+
+    def even_price(self, batch: float, prefill: float, context: float) -> float:
+        """Rule 1's price (seconds, time_correction included, no step table) of the even
+        batch a step table's coordinates describe: ``batch`` sequences computing
+        ``batch + prefill`` tokens in all, each attending ``context`` positions (capped by
+        each window class)."""
+        tokens = round(batch + prefill)
+        sums: list[list[float]] = []
+        for window, _, _ in self._windows:
+            att = min(context, window) if window > 0 else context
+            sums.append([tokens * att, batch * att])
+        return self._price(tokens, round(batch), sums).seconds
+
+    def _price(self, tokens: int, nreq: int, sums: Sequence[Sequence[float]]) -> StepCost:
         """The step's cost from its token count, its sequence count and, per attention
         window class (``_windows`` order), the sums over its sequences of ``n * att`` and
         of ``att`` (``att`` = the positions attended at the chunk's midpoint, capped by
@@ -231,8 +276,14 @@ class Roofline:
             compute += tc
             memory += tm
             roof += tc if tc > tm else tm
-        roof += collective
-        return StepCost(self.alpha * roof + self.beta, roof, compute, memory)
+        roof += collective + self._overhead
+        # compute and memory at datasheet peaks (x 1.0 is exact: the defaults move nothing)
+        return StepCost(
+            self.alpha * roof + self.beta,
+            roof,
+            compute * self._eta_flops,
+            memory * self._eta_bw,
+        )
 
     def _token_terms(self, tokens: int) -> tuple[tuple[float, ...], tuple[float, ...], float]:
         """What a step's price owes to its token count alone: the flops and bytes of each

@@ -477,6 +477,8 @@ def config_dict(
         "affinity_load_ratio": hw.affinity_load_ratio,
         "kv_aware_queue_weight": hw.kv_aware_queue_weight,
         "time_correction": {"alpha": hw.time_correction.alpha, "beta": hw.time_correction.beta},
+        "efficiency": attrs.asdict(deployment.efficiency),
+        "step_table": hw.step_table,
         "scheduler": attrs.asdict(sched),
         "kv_blocks_per_replica": deployment.total_blocks,
         "workload": workload_doc,
@@ -509,6 +511,14 @@ def format_config(
         f"{sched.max_num_seqs}, max_waiting {sched.max_waiting}, policy {sched.policy}, "
         f"chunked prefill {chunk}",
     ]
+    eff = deployment.efficiency
+    if not eff.is_identity:
+        lines.append(
+            f"efficiency HBM bandwidth {eff.memory_bandwidth:g}, FLOP/s {eff.flops:g} of the "
+            f"datasheet; {eff.step_overhead * 1e3:g} ms per step"
+        )
+    if hw.step_table is not None:
+        lines.append(f"steps      measured step table {hw.step_table} (roofline-scaled outside it)")
     if tc.alpha != 1.0 or tc.beta != 0.0:
         lines.append(f"timing     step = {tc.alpha:g} x roofline + {tc.beta:g} s")
     if isinstance(workload, Trace):

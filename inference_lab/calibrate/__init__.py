@@ -1,0 +1,1 @@
+"""Fitting the step model to measurements of real servers (``inference-lab calibrate``)."""

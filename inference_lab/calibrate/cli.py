@@ -1,0 +1,231 @@
+"""``inference-lab calibrate``: fit a deployment's efficiency terms (or time_correction) to
+measurements of a real server, report the error before and after, write a TOML snippet.
+
+``cli.py`` calls :func:`add_parser` and then :func:`run`; the fit is
+:func:`inference_lab.calibrate.fit.fit`, the readers :mod:`inference_lab.calibrate.measurements`.
+
+Rule 1: this module's top level imports only the standard library and the flag toolkit
+        (``--help`` and a bad flag cost no numpy); ``run`` imports the machinery.
+Rule 2: bad input (a measurement file missing, unreadable, of no known format, with a key
+        missing or out of range, of another model; a bad config) is one line,
+        ``inference-lab calibrate: error: <file>: <key or line>: <message>``, exit 1; bad
+        flags exit 2.
+Rule 3: the snippet is a ``[hardware.<name>]`` entry for the config: the fitted entry's
+        profile, parallelism and scheduler keys, and the fitted terms; it never replaces
+        the entry it was fitted from.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from inference_lab.cli_args import EXIT_OK, EXIT_USAGE, check_output, fail, integer
+
+if TYPE_CHECKING:
+    from inference_lab.calibrate.fit import FitResult
+    from inference_lab.core.config import Deployment, ModelConfig
+
+__all__ = ["add_parser", "run", "snippet"]
+
+PROG = "inference-lab calibrate"
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``calibrate`` and its flags on the top-level CLI's subparsers."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "calibrate",
+        description="Fit the step model's efficiency terms (achievable HBM bandwidth and "
+        "FLOP/s fractions, per-step overhead) or time_correction (alpha, beta) of one "
+        "deployment to measurements of a real server: inference-lab load -o JSON, aiperf "
+        "profile_export_aiperf.json, guidellm benchmarks.json, or a step CSV. Prints the "
+        "error per metric before and after and a [hardware.<name>] TOML snippet.",
+    )
+    parser.add_argument("--config", required=True, metavar="PATH|NAME", help="model config")
+    parser.add_argument(
+        "--hardware", metavar="NAME", help="the config's [hardware.NAME] entry to start from"
+    )
+    parser.add_argument(
+        "measurements",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="measurement files (load / aiperf / guidellm JSON, or a step CSV)",
+    )
+    parser.add_argument(
+        "--fit",
+        default="efficiency",
+        metavar="TERMS",
+        help="efficiency (memory_bandwidth, flops, step_overhead; the default), "
+        "time_correction (alpha, beta), or a comma-separated list of those names",
+    )
+    parser.add_argument(
+        "--name",
+        metavar="ENTRY",
+        help="the snippet's entry name (default: <hardware>-calibrated)",
+    )
+    parser.add_argument(
+        "-o", "--output", type=Path, metavar="PATH", help="write the snippet here (else print it)"
+    )
+    parser.add_argument(
+        "--sim-requests",
+        type=integer(ge=1),
+        default=1000,
+        metavar="N",
+        help="at most this many requests per re-simulated load level (default 1000)",
+    )
+    parser.add_argument(
+        "--profiles-dir", metavar="DIR", type=Path, help="hardware profile directory"
+    )
+    return parser
+
+
+def parse_terms(text: str) -> tuple[str, ...]:
+    """``--fit``'s value as parameter names; ValueError naming the bad one."""
+    from inference_lab.calibrate.fit import PARAMETERS, PRESETS
+
+    if text in PRESETS:
+        return PRESETS[text]
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    for n in names:
+        if n not in PARAMETERS:
+            raise ValueError(
+                f"--fit: unknown term {n!r} (efficiency, time_correction, or names from "
+                f"{', '.join(PARAMETERS)})"
+            )
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"--fit: needs distinct term names, got {text!r}")
+    return names
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.6g}" if value != int(value) or abs(value) >= 1e16 else f"{value:.1f}"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def snippet(
+    config: ModelConfig, dep: Deployment, result: FitResult, name: str, sources: list[str]
+) -> str:
+    """Rule 3: the fitted entry as TOML, with the errors before and after as comments."""
+    from inference_lab.calibrate.fit import PRESETS, mape
+
+    hw = dep.hardware
+    before, after = mape(result.before), mape(result.after)
+    lines = [
+        f"# inference-lab calibrate: {dep.model.name} on {dep.hardware_name} from "
+        + ", ".join(sources),
+        "# MAPE before -> after: "
+        + ", ".join(f"{m} {before[m]:.1f}% -> {after[m]:.1f}%" for m in before),
+        f"[hardware.{name}]",
+        f"profile = {_toml_value(hw.profile or dep.hardware_name)}",
+        f"tp = {hw.tp}",
+    ]
+    if hw.ep != 1:
+        lines.append(f"ep = {hw.ep}")
+    if hw.replicas != 1:
+        lines.append(f"replicas = {hw.replicas}")
+        lines.append(f"router = {_toml_value(hw.router)}")
+    sched = {
+        k: v for k, v in _fields(dep.scheduler).items() if _fields(config.scheduler).get(k) != v
+    }
+    if sched:
+        lines.append(f"scheduler = {_toml_value(sched)}")
+    fitted = result.fitted
+    eff = dep.efficiency
+    eff_values = {
+        "memory_bandwidth": eff.memory_bandwidth,
+        "flops": eff.flops,
+        "step_overhead": eff.step_overhead,
+    }
+    eff_values.update({k: v for k, v in fitted.items() if k in PRESETS["efficiency"]})
+    if any(k in fitted for k in PRESETS["efficiency"]) or hw.efficiency is not None:
+        lines.append(f"efficiency = {_toml_value(eff_values)}")
+    tc = {"alpha": hw.time_correction.alpha, "beta": hw.time_correction.beta}
+    tc.update({k: v for k, v in fitted.items() if k in PRESETS["time_correction"]})
+    if tc != {"alpha": 1.0, "beta": 0.0}:
+        lines.append(f"time_correction = {_toml_value(tc)}")
+    if hw.step_table is not None:
+        lines.append(f"step_table = {_toml_value(hw.step_table)}")
+    return "\n".join(lines) + "\n"
+
+
+def _fields(value: Any) -> dict[str, Any]:
+    import attrs
+
+    return attrs.asdict(value)
+
+
+def format_report(result: FitResult) -> str:
+    """The fitted values, and a table of every measured value before and after."""
+    from inference_lab.calibrate.fit import PARAMETERS, mape
+
+    lines = [
+        "fitted     "
+        + ", ".join(
+            f"{n} {v / PARAMETERS[n].scale:.4g}{' ms' if PARAMETERS[n].scale != 1 else ''}"
+            f" (from {i / PARAMETERS[n].scale:.4g})"
+            for n, v, i in zip(result.names, result.values, result.initial, strict=True)
+        )
+    ]
+    lines.append(f"           {result.iterations} iterations, {result.evaluations} evaluations")
+    lines.append("")
+    lines.append(f"{'metric':<11}{'n':>4}{'MAPE before':>13}{'MAPE after':>12}")
+    before, after = mape(result.before), mape(result.after)
+    for metric in before:
+        n = len(result.before.pairs[metric])
+        lines.append(f"{metric:<11}{n:>4}{before[metric]:>12.1f}%{after[metric]:>11.1f}%")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed ``calibrate`` command; returns the exit code (Rule 2)."""
+    try:
+        names = parse_terms(args.fit)
+        check_output("-o", args.output)
+    except ValueError as exc:
+        return fail(PROG, str(exc), EXIT_USAGE)
+    from inference_lab.calibrate.fit import fit
+    from inference_lab.calibrate.measurements import read_measurements
+    from inference_lab.core.config import load_model_config, select_deployment
+    from inference_lab.errors import InferenceLabError
+    from inference_lab.resources import resolve_shipped
+
+    try:
+        config_path = resolve_shipped(args.config, "config", "--config")
+        config = load_model_config(config_path, args.profiles_dir)
+        dep = select_deployment(config, args.hardware)
+        data = read_measurements(list(args.measurements), dep.model.name)
+        print(
+            f"calibrate  {dep.model.name} on {dep.hardware_name} ({dep.profile.name} x tp "
+            f"{dep.hardware.tp}): {len(data.levels)} load level(s), {len(data.steps)} "
+            f"step(s); fitting {', '.join(names)}",
+            flush=True,
+        )
+        result = fit(dep, data, names, cap=args.sim_requests)
+        print(format_report(result))
+        text = snippet(
+            config,
+            dep,
+            result,
+            args.name or f"{dep.hardware_name}-calibrated",
+            [str(p) for p in args.measurements],
+        )
+        if args.output is not None:
+            args.output.write_text(text, encoding="utf-8")
+            print(f"\nwrote {args.output}")
+        else:
+            print()
+            print(text, end="")
+    except InferenceLabError as exc:
+        return fail(PROG, str(exc))
+    except OSError as exc:
+        return fail(PROG, f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc))
+    return EXIT_OK
