@@ -689,3 +689,41 @@ async def test_a_request_head_slower_than_the_deadline_is_answered_408() -> None
     error = __import__("json").loads(body)["error"]
     assert error["code"] == "request_timeout" and error["type"] == "invalid_request_error"
     assert silent and nothing == b""  # a connection that sent nothing is closed quietly
+
+
+@pytest.mark.parametrize("read_timeout", [None, 5.0])
+async def test_reads_go_without_a_cancel_scope_unless_a_read_timeout_is_set(
+    monkeypatch: pytest.MonkeyPatch, read_timeout: float | None
+) -> None:
+    """Rule 8: with no read timeout (hypercorn's default) the connection's reads are not
+    wrapped in hypercorn's per-read ``fail_after``; with one, hypercorn's own reader runs
+    (and so its timeout applies). Either way the request is answered."""
+    from hypercorn.trio.tcp_server import TCPServer
+
+    hypercorns: list[object] = []
+    real_read_data = TCPServer._read_data
+
+    async def recording_read_data(self: TCPServer) -> None:
+        hypercorns.append(self)
+        await real_read_data(self)
+
+    monkeypatch.setattr(TCPServer, "_read_data", recording_read_data)
+    config = Config()
+    config.accesslog = None
+    config.read_timeout = read_timeout
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers = [(b"content-length", b"2")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    server, client = local_connection(app, config)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.run)
+            await client.send_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+            answer = await read_until_eof(client)
+            await client.aclose()
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"ok")
+    assert hypercorns == ([] if read_timeout is None else [server])

@@ -141,12 +141,6 @@ class Admission:
             self._rebuild()
         return sum(room.places for room in self._rooms)
 
-    def free_seats(self) -> int:
-        """Sequences that could still take a seat now, summed over replicas."""
-        if self._stale:
-            self._rebuild()
-        return sum(room.seqs for room in self._rooms if room.open)
-
     # -- deciding ------------------------------------------------------------------------
     def admit(self, key: object, spec: RequestSpec) -> Claim | None:
         """Route an arrival and give it a seat or a waiting place; None when it has

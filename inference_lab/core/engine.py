@@ -869,6 +869,11 @@ class Engine:
         beyond what that worker has cached, and the cached blocks it takes)."""
         return self.workers[worker].first_chunk_blocks(self._probe(spec))
 
+    def free_seqs(self) -> int:
+        """Sequences under ``max_num_seqs`` not running, summed over workers (a worker
+        running more than a lowered cap counts 0). O(workers)."""
+        return sum(max(0, w.max_num_seqs - w.running_seqs) for w in self.workers)
+
     def queue_views(self) -> tuple[QueueView, ...]:
         """Each worker's running sequences, cap, free blocks and waiting queue in admission
         order (:class:`QueueView`), for the serving layer's admission ledger. Pure;

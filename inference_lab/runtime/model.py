@@ -328,8 +328,8 @@ class ModelRuntime:
         pending = admission.pending
         if admission.max_waiting:
             depth = admission.depth()
-        else:
-            depth = max(0, waiting + pending - admission.free_seats())
+        else:  # nothing to decide: an O(replicas) estimate, no walk of the queue
+            depth = max(0, waiting + pending - engine.free_seqs())
         return RuntimeSnapshot(
             model=self.name,
             alive=alive,
