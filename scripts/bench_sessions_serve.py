@@ -28,6 +28,7 @@ import os
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,7 @@ def main() -> int:
             t0 = time.perf_counter()
             result = trio.run(run_replay, config, load_traffic(config))
             wall = time.perf_counter() - t0
+            server_ttft = _server_mean_ttft(server.url)
     load2 = os.getloadavg()[0]
     summary = summarize_replay(result)
     print(
@@ -89,6 +91,12 @@ def main() -> int:
         + (f" (first {args.sessions} sessions)" if args.sessions else "")
         + f", {args.endpoint}; replay {wall:.0f} s; outcomes {summary['outcomes']}; "
         f"load average {load1:.2f} before, {load2:.2f} after; {os.cpu_count()} CPUs"
+    )
+    sim_mean = sim["latency_ms"]["ttft"]["mean"] if "latency_ms" in sim else float("nan")
+    print(
+        f"TTFT mean over every turn: simulator {sim_mean:.2f} ms, the server's engine "
+        f"{server_ttft:.2f} ms (vllm:time_to_first_token_seconds), the client "
+        f"{summary['all']['ttft_mean_ms']:.2f} ms"
     )
     print(
         f"{'turn':>4} {'n':>5} {'sim p50':>9} {'client p50':>10} {'error':>7}"
@@ -108,6 +116,18 @@ def main() -> int:
             f" {s['cached_fraction']:>10.1%} {c['cached_share']:>7.1%}"
         )
     return 0
+
+
+def _server_mean_ttft(url: str) -> float:
+    """The server's own mean TTFT in ms, from its Prometheus histogram's sum and count."""
+    text = urllib.request.urlopen(url + "/metrics").read().decode()
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:time_to_first_token_seconds_sum"):
+            total += float(line.split()[-1])
+        elif line.startswith("vllm:time_to_first_token_seconds_count"):
+            count += float(line.split()[-1])
+    return 1000 * total / count if count else float("nan")
 
 
 def _err(got: float, want: float) -> str:
