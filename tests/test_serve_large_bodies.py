@@ -132,3 +132,19 @@ async def test_a_large_non_streaming_body_is_sent_in_bounded_pieces(
         assert [c["index"] for c in doc["choices"]] == list(range(8))
         assert len(doc["choices"][3]["logprobs"]["content"]) == 6000
         assert doc["usage"]["completion_tokens"] == 8 * 6000
+
+
+def test_hashing_a_request_is_bounded_by_its_prompt_not_its_max_tokens() -> None:
+    """A request's hash chain (built before admission) covers at most
+    MAX_ANSWER_HASH_TOKENS of its answer: one asking for 100,000 tokens is hashed like one
+    asking for that many, so a burst of such requests costs no hashing storm."""
+    from inference_lab.api.hashing import MAX_ANSWER_HASH_TOKENS, PromptHashing
+
+    hashing = PromptHashing(block_size=16, max_positions=131_072)
+    body = {"model": GPT, "messages": [{"role": "user", "content": "hello"}]}
+    small = parse_chat_request({**body, "max_tokens": MAX_ANSWER_HASH_TOKENS}, 16, hashing=hashing)
+    huge = parse_chat_request({**body, "max_tokens": 100_000}, 16, hashing=hashing)
+    limit = (small.prompt_tokens + MAX_ANSWER_HASH_TOKENS) // 16
+    assert len(huge.block_hashes) <= limit
+    assert huge.block_hashes == small.block_hashes[: len(huge.block_hashes)]
+    assert len(huge.block_hashes) >= limit - 1

@@ -12,7 +12,10 @@ Rule 1: a request's stream is its prompt's token ids, then the ids of its
         that is the answer (the template's generation prompt already ends the prompt);
         for the default chat rendering it is ``"\\nassistant: "`` and the answer. The
         answer is the placeholder text of the most tokens the request can produce
-        (``ParsedRequest.output_cap``), as the non-streaming body holds it.
+        (``ParsedRequest.output_cap``), as the non-streaming body holds it, but at most
+        :data:`MAX_ANSWER_HASH_TOKENS` of them: hashing happens before admission, so a
+        request asking for 100,000 tokens must not cost milliseconds of hashing (nor a
+        burst of refused ones seconds); an answer's blocks past that are not cached.
 Rule 2: a real tokenizer's stream is the prompt's ids exactly as counted, then
         ``encode(continuation)`` without special tokens (cached per text).
 Rule 3: the byte rule's stream is its reversible ids (4-byte chunks of the UTF-8 text,
@@ -47,6 +50,7 @@ from inference_lab.api.tokenizer import ByteTokenizer, Tokenizer, default_chat_t
 
 __all__ = [
     "CHAT_TEMPLATE_TOKEN",
+    "MAX_ANSWER_HASH_TOKENS",
     "HashedPrompt",
     "PromptHashing",
     "byte_ids",
@@ -61,6 +65,8 @@ __all__ = [
 CHAT_TEMPLATE_TOKEN = 0
 #: A byte-rule chat stream has one template token after every this many text tokens.
 TEMPLATE_EVERY = 20
+#: The most answer tokens a request's chain covers (Rule 1).
+MAX_ANSWER_HASH_TOKENS = 2048
 #: What the default chat rendering writes before an assistant message's content.
 DEFAULT_ASSISTANT_PREFIX = "\nassistant: "
 
@@ -83,13 +89,17 @@ class PromptHashing:
     ) -> tuple[str, int]:
         """The longest answer's text and tokens (Rule 1): the placeholder text of
         ``stop_after`` tokens cut before its stop string, else of ``max_tokens`` tokens
-        without the trailing space, capped at ``max_positions`` tokens."""
+        without the trailing space, capped at ``max_positions`` and
+        :data:`MAX_ANSWER_HASH_TOKENS` tokens (a capped answer keeps its trailing space:
+        the full answer goes on past it)."""
+        cap = min(self.max_positions, MAX_ANSWER_HASH_TOKENS)
         if stop_after is not None:
-            tokens = min(stop_after, self.max_positions)
+            tokens = min(stop_after, cap)
             text = placeholder_text(tokens)
             return (text[:stop_chars] if tokens == stop_after else text), tokens
-        tokens = min(max_tokens, self.max_positions)
-        return placeholder_text(tokens).rstrip(" "), tokens
+        tokens = min(max_tokens, cap)
+        text = placeholder_text(tokens)
+        return (text.rstrip(" ") if tokens == max_tokens else text), tokens
 
 
 @attrs.frozen

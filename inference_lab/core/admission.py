@@ -19,9 +19,11 @@ Rule 3: the ledger does not depend on when the engine steps: an arrival stepped 
 Rule 4: the router chooses an arrival's replica at admission (:meth:`Engine.route`, with
         the arrivals already routed and not yet stepped counted), and the request carries
         that choice into the engine, so the ledger and the engine agree on it.
-Rule 5: the ledger is rebuilt from the engine only when the engine changed
-        (:meth:`Admission.changed`); each admission between two changes updates it in
-        O(1). With ``max_waiting`` 0 no seat is ever needed to decide and nothing is walked.
+Rule 5: the ledger is rebuilt from the engine only when the engine changed (its owner
+        calls :meth:`Admission.changed` after a step, an abort or a new cap; a claim's
+        release marks it too); each admission and each refusal between two changes costs
+        O(1). With ``max_waiting`` 0 no seat is ever needed to decide and nothing is
+        walked.
 """
 
 from __future__ import annotations

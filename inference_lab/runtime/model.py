@@ -322,7 +322,6 @@ class ModelRuntime:
     def _make_snapshot(self) -> RuntimeSnapshot:
         engine = self.engine
         admission = self._admission
-        admission.changed()
         alive = self._alive
         waiting = engine.num_waiting() if alive else 0
         pending = admission.pending
@@ -469,6 +468,7 @@ class ModelRuntime:
         arrivals from now on (0 = never refuse). Values are validated by the caller."""
         if max_num_seqs is not None:
             self.engine.set_max_num_seqs(max_num_seqs)
+            self._admission.changed()
         if max_waiting is not None:
             self._admission.set_max_waiting(max_waiting)
         self._publish()
@@ -516,6 +516,7 @@ class ModelRuntime:
         if rid is not None:
             self._by_id.pop(rid, None)
             if self._alive:
+                self._admission.changed()
                 try:
                     self.engine.abort(rid)
                 except Exception as exc:  # noqa: BLE001 - an engine failure stops the model
@@ -681,6 +682,7 @@ class ModelRuntime:
         self._publish()
 
     def _deliver(self, events: StepEvents) -> None:
+        self._admission.changed()  # the engine moved: its queues, batch or blocks
         by_id = self._by_id
         if events.arrived:
             self._publish()  # the new waiting count first ...
