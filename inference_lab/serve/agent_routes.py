@@ -48,6 +48,7 @@ from inference_lab.errors import ApiError, EngineUnavailable, QueueFull, truncat
 from inference_lab.jsonbytes import dumps
 from inference_lab.runtime.model import RequestHandle
 from inference_lab.serve.agents import serve_answer
+from inference_lab.serve.client_gone import while_watched
 from inference_lab.serve.completions import (
     MAX_BODY_PIECES,
     BodyTimeout,
@@ -73,7 +74,6 @@ from inference_lab.serve.responses import (
 from inference_lab.serve.routes import to_response
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.streaming import CollectSink
-from inference_lab.serve.transport import close_watch
 
 __all__ = ["AGENT_ROUTES", "register_response_routes"]
 
@@ -253,14 +253,6 @@ class _Batch:
             handle.close()
 
 
-async def _watch_batch(receive: Receive, batch: _Batch) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            batch.gone()
-            return
-
-
 async def create_embeddings(
     state: ServeState, exchange: Exchange, receive: Receive, send: Send
 ) -> None:
@@ -310,21 +302,7 @@ async def create_embeddings(
         await _refuse(state, exchange, send, exc)
         return
     try:
-        server = close_watch(send)
-        if server is not None:
-            if not server.watch_close(batch.gone):
-                batch.gone()
-            try:
-                await batch.wait()
-            finally:
-                server.unwatch_close()
-        else:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_watch_batch, receive, batch)
-                try:
-                    await batch.wait()
-                finally:
-                    nursery.cancel_scope.cancel()
+        await while_watched(send, receive, batch.gone, batch.wait)
         batch.close()
         failed = next((s for s in batch.sinks if s.finished is None), None)
         if failed is not None:

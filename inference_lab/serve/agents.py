@@ -43,6 +43,7 @@ from inference_lab.api.requests import ParsedRequest, check_work
 from inference_lab.core.engine import Finished
 from inference_lab.errors import ApiError
 from inference_lab.runtime.model import ModelRuntime, RequestHandle
+from inference_lab.serve.client_gone import while_watched
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.responses import (
     STREAM_HEADERS,
@@ -54,7 +55,6 @@ from inference_lab.serve.responses import (
 )
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.streaming import CollectSink, StreamSink, write_stream
-from inference_lab.serve.transport import close_watch
 
 __all__ = [
     "AGENT_KEYS",
@@ -235,14 +235,6 @@ def _gone(handle: RequestHandle, sink: StreamSink | CollectSink) -> None:
     sink.on_gone()
 
 
-async def _watch(receive: Receive, sink: StreamSink | CollectSink, handle: RequestHandle) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            _gone(handle, sink)
-            return
-
-
 async def serve_answer(
     state: ServeState,
     runtime: ModelRuntime,
@@ -286,21 +278,12 @@ async def serve_answer(
         if isinstance(sink, StreamSink):
             encoder.bind(handle.length)
             sink.last = handle.length
-        server = close_watch(send)
-        if server is not None:
-            if not server.watch_close(lambda: _gone(handle, sink)):
-                _gone(handle, sink)  # it has already left
-            try:
-                await _respond(state, exchange, send, handle, sink, body, finished)
-            finally:
-                server.unwatch_close()
-            return
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch, receive, sink, handle)
-            try:
-                await _respond(state, exchange, send, handle, sink, body, finished)
-            finally:
-                nursery.cancel_scope.cancel()
+        await while_watched(
+            send,
+            receive,
+            lambda: _gone(handle, sink),
+            lambda: _respond(state, exchange, send, handle, sink, body, finished),
+        )
     finally:
         handle.close()
 

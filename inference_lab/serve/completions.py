@@ -20,8 +20,8 @@ Rule 3: an admitted request is closed (aborted unless it finished) exactly when 
         exchange ends, whatever ends it: the ``finally`` here is synchronous and
         idempotent, and a client that leaves wakes the writer or collector at once.
 Rule 4: a client that leaves is noticed by its connection where the transport offers a
-        close watch (:func:`inference_lab.serve.transport.close_watch`: a synchronous
-        call); otherwise by a task per request waiting for the ``http.disconnect`` message.
+        close watch, otherwise by a task per request waiting for the ``http.disconnect``
+        message (:func:`inference_lab.serve.client_gone.while_watched`).
 Rule 5: what one request may ask for is bounded at parse time
         (``api.requests.MAX_RESPONSE_WORK``: n x max_tokens x (1 + logprobs)).
 Rule 6: a non-streaming body larger than ``LARGE_BODY`` token entries is sent in pieces
@@ -60,6 +60,7 @@ from inference_lab.api.schema import parse_json_object
 from inference_lab.errors import ApiError, EngineUnavailable, QueueFull
 from inference_lab.runtime.model import RequestHandle
 from inference_lab.serve.agents import chat_plan, refuse_structured, serve_chat_agent
+from inference_lab.serve.client_gone import while_watched
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.responses import (
     JSON,
@@ -76,7 +77,6 @@ from inference_lab.serve.responses import (
 )
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.streaming import CollectSink, StreamSink, write_stream
-from inference_lab.serve.transport import close_watch
 
 __all__ = ["COMPLETION_ROUTES", "complete", "read_body"]
 
@@ -216,16 +216,6 @@ def _gone(handle: RequestHandle, sink: StreamSink | CollectSink) -> None:
     sink.on_gone()
 
 
-async def _watch(receive: Receive, sink: StreamSink | CollectSink, handle: RequestHandle) -> None:
-    """Wait for the client to leave (hypercorn's ``http.disconnect``), then :func:`_gone`:
-    for a connection that cannot tell the route itself (Rule 4)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            _gone(handle, sink)
-            return
-
-
 async def complete(
     state: ServeState, kind: Kind, exchange: Exchange, receive: Receive, send: Send
 ) -> None:
@@ -315,21 +305,15 @@ async def complete(
             reply = error_reply(exc, should_retry_header=state.settings.should_retry_header)
             await send_reply(send, reply, exchange.headers)
             return
-        watch = close_watch(send)
-        if watch is not None:  # told by the connection when the client leaves (Rule 4)
-            if not watch.watch_close(lambda: _gone(handle, sink)):
-                _gone(handle, sink)  # it has already left
-            try:
-                await _respond(state, exchange, send, handle, sink, parsed, request_id, created)
-            finally:
-                watch.unwatch_close()
-            return
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch, receive, sink, handle)
-            try:
-                await _respond(state, exchange, send, handle, sink, parsed, request_id, created)
-            finally:
-                nursery.cancel_scope.cancel()
+        admitted, collector = handle, sink
+        await while_watched(
+            send,
+            receive,
+            lambda: _gone(admitted, collector),  # Rule 4
+            lambda: _respond(
+                state, exchange, send, admitted, collector, parsed, request_id, created
+            ),
+        )
     finally:
         if handle is not None:
             handle.close()
