@@ -514,18 +514,24 @@ class _Worker:
 
     def verify_reserve(self) -> int:
         """Speculative decoding (Rule 8): the blocks the running decoding requests' next
-        verify steps take beyond those they hold (their lookahead runs first, before any
-        admission), at the draft length the running batch gets. O(running)."""
+        verify steps take beyond those they hold -- from where the step in flight leaves
+        them (its accepted positions are drawn), at the draft length the running batch
+        gets. The scheduler grows running requests before it admits any, so an admission
+        finds only what is left. O(running)."""
         spec = self.spec
         if spec is None:
             return 0
         gamma = spec.gamma_for(self.running_seqs)
         if not gamma:
             return 0
+        advance = {id(r): n for r, n in self.batch}
         total = 0
         for r in self.running:
+            step = advance.get(id(r), 0)
+            c = r.computed + step
             out = r.output
-            c = r.computed
+            if step and c >= r.prompt:
+                out = min(c - r.prompt + 1, r.max_tokens)
             if c < r.prompt + (out - 1 if out > 1 else 0):
                 continue  # prefilling: its chunks are what the budget gives
             left = r.max_tokens - out - 1
