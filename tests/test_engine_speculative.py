@@ -237,7 +237,8 @@ def test_the_admission_ledger_counts_the_running_verify_lookahead() -> None:
 
 def test_step_info_counts_drafts_and_the_plain_duration() -> None:
     """A verify step reports one draft of 3 tokens, its accepted count per position, and
-    the plain step's duration (the same batch at width 1, no drafter): shorter."""
+    as ``plain_duration`` what its 3 tokens would take without speculation: the batch at
+    width 1 (no drafter), then 2 more one-position steps at c + 1 (the accepted 2)."""
     engine = Engine(eagle(), acceptance=FixedAcceptance([2]))
     engine.submit(RequestSpec(prompt_tokens=30, max_tokens=20))
     run(engine, until=0.0)
@@ -245,7 +246,11 @@ def test_step_info_counts_drafts_and_the_plain_duration() -> None:
     assert info is not None
     assert (info.drafts, info.draft_tokens, info.accepted_tokens) == (1, 3, 2)
     assert info.accepted_per_position == (1, 1)
-    assert 0 < info.plain_duration < info.duration
+    rf = engine.roofline
+    plain = rf.price(rf.batch_terms([1], [30])).seconds
+    later = rf.price(rf.batch_terms([1], [31])).seconds
+    assert info.plain_duration == pytest.approx(plain + 2 * later, rel=1e-12)
+    assert info.duration < info.plain_duration
 
 
 def test_a_group_draws_once_for_its_sequences() -> None:

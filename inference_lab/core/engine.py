@@ -147,8 +147,10 @@ class StepInfo:
     With speculative decoding: ``drafts`` the sequences that verified draft tokens,
     ``draft_tokens`` those tokens, ``accepted_tokens`` the accepted ones and
     ``accepted_per_position`` how many drafts accepted position ``j`` (vLLM's counters);
-    ``plain_duration`` the step's duration had the same batch decoded without drafts (no
-    verify width, no drafter), for the speed-up estimate. All 0 / empty otherwise.
+    ``plain_duration`` how long the step's tokens would take without speculation: the
+    same batch without drafts (no verify width, no drafter), then ``accepted_tokens /
+    drafts`` more steps of one position per drafting sequence -- the speed-up
+    estimate's reference. All 0 / empty otherwise.
     """
 
     worker: int
@@ -1218,7 +1220,7 @@ class Engine:
                     draft_tokens=counts[1],
                     accepted_tokens=counts[2],
                     accepted_per_position=tuple(counts[3]),
-                    plain_duration=plain.seconds * self.step_time_factor,
+                    plain_duration=self._plain_equivalent(plain, [w], counts[0], counts[2]),
                 )
         else:
             w.batch = []
@@ -1293,7 +1295,9 @@ class Engine:
             draft_tokens=counts[1],
             accepted_tokens=counts[2],
             accepted_per_position=tuple(counts[3]),
-            plain_duration=plain.seconds * self.step_time_factor if spec else 0.0,
+            plain_duration=(
+                self._plain_equivalent(plain, g.ranks, counts[0], counts[2]) if spec else 0.0
+            ),
         )
         return StepEvents(
             time=now, tokens=tuple(tokens), finished=tuple(finished), arrived=(), step=info
@@ -1353,6 +1357,21 @@ class Engine:
             w.step_plain = None
             w.step_pns, w.step_cs, w.step_dcs = [], [], []
         return drafts, draft_tokens, accepted_tokens, per
+
+    def _plain_equivalent(
+        self, plain: StepCost, ranks: Sequence[_Worker], drafts: int, accepted: int
+    ) -> float:
+        """The seconds a step's tokens would take without speculation (its ``StepInfo``'s
+        ``plain_duration``): the batch without drafts, then ``accepted / drafts`` more
+        steps of one position for each drafting sequence (the mean extra tokens each
+        emitted). Only for the speed-up estimate."""
+        factor = self.step_time_factor
+        if not drafts:
+            return plain.seconds * factor
+        rf = self.roofline
+        terms = [rf.batch_terms([1] * len(w.step_dcs), [c + 1 for c in w.step_dcs]) for w in ranks]
+        decode = rf.group_price(terms) if len(ranks) > 1 else rf.price(terms[0])
+        return (plain.seconds + accepted / drafts * decode.seconds) * factor
 
     def _price_worker(self, w: _Worker) -> tuple[StepCost, StepCost]:
         """The step in flight of ``w`` with its drafter (Rule 8), and without drafts."""

@@ -625,7 +625,7 @@ def format_summary(result: SimResult) -> str:
             f"speculative  {sp.drafts:,} drafts, mean acceptance length "
             f"{sp.mean_acceptance_length:.2f} ({sp.acceptance_rate:.1%} of "
             f"{sp.draft_tokens:,} draft tokens accepted); speed-up {sp.speedup:.2f}x "
-            "over the same steps without drafts"
+            "(estimated: the same batches without speculation)"
         )
     lines.append(
         f"time         {result.sim_time_s:,.3f} s simulated in {result.wall_time_s:,.3f} s real"

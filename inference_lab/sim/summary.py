@@ -18,9 +18,9 @@ Rule 5: the prefix cache is reported in tokens, from the engine's counters (quer
         are the completed requests it ran.
 Rule 6: speculative decoding is reported from the steps' counters as vLLM reports it: the
         mean acceptance length is ``1 + accepted tokens / drafts``; the speed-up is the
-        time the same steps would have taken without drafts to emit the same tokens
-        (each step's ``plain_duration`` times its mean tokens per drafting sequence) over
-        the time they took.
+        time the steps' tokens would have taken without speculation (each step's
+        ``plain_duration``: its batch without drafts, then the extra decode steps its
+        accepted tokens would have needed) over the time they took.
 
 Who calls this: `inference_lab.sim.run` after a run; tests with hand-made records.
 """
@@ -347,9 +347,8 @@ class SpeculativeSummary:
 
 
 def speculative_summary(steps: Sequence[SpecStepLike]) -> SpeculativeSummary:
-    """Rule 6 over the steps of a speculative run: a step with ``d`` drafts accepting ``a``
-    tokens emitted ``1 + a / d`` tokens per drafting sequence, which without drafts would
-    have taken as many steps of its ``plain_duration``."""
+    """Rule 6 over the steps of a speculative run (a step without drafts counts the same
+    with and without speculation)."""
     drafts = draft_tokens = accepted = 0
     time_s = plain_s = 0.0
     for s in steps:
@@ -359,7 +358,7 @@ def speculative_summary(steps: Sequence[SpecStepLike]) -> SpeculativeSummary:
             drafts += d
             draft_tokens += s.draft_tokens
             accepted += s.accepted_tokens
-            plain_s += s.plain_duration * (1.0 + s.accepted_tokens / d)
+            plain_s += s.plain_duration
         else:
             plain_s += s.duration
     return SpeculativeSummary(
