@@ -226,6 +226,18 @@ def test_banner_names_models_hardware_bounds_and_address() -> None:
     assert lines[-1].startswith("listening on http://127.0.0.1:8080")
 
 
+def test_banner_shows_expert_parallelism_and_dp_attention() -> None:
+    from inference_lab.core.config import load_deployment
+    from inference_lab.serve import ServeSettings
+
+    dep = load_deployment(CONFIGS / "frontier" / "DeepSeek-V3.toml", "h200")
+    settings = ServeSettings(deployments=(dep,), workload=None, seed=None)
+    line = serve_cli._banner(settings, "h200", "http://127.0.0.1:8080").splitlines()[1]
+    assert "tp 8 (ep 8, dp attention 8)" in line
+    plain = serve_cli._banner(make_settings(GPT), "b200", "http://127.0.0.1:8080")
+    assert "dp attention" not in plain
+
+
 def test_listening_socket_sets_tcp_user_timeout() -> None:
     import socket
 

@@ -4,7 +4,10 @@ Rule 1: stream frames are built from bytes encoded once per request (one frame p
         placeholder word and choice), so a token costs a list index, not a
         ``json.dumps`` (a completions ``text_offset`` costs one ``int`` to text).
 Rule 2: a stream sends one frame per token and choice; its texts concatenate to the
-        non-streaming text, whether or not a stop string cut it.
+        non-streaming text, whether or not a stop string cut it. A multi-token encoder
+        (a speculative model's: ``docs/serve.md``) sends one frame per choice for every
+        run of tokens written together -- a step's tokens, as vLLM sends a step's output
+        as one delta -- whose text and logprobs are those of its tokens' frames joined.
 Rule 3: every JSON body is compact (:mod:`inference_lab.jsonbytes`), keeps OpenAI's key
         order and never fails to encode.
 """
@@ -265,10 +268,23 @@ class StreamEncoder:
         "_plain",
         "_plain_until",
         "_last",
+        "_multi",
+        "_entries",
     )
 
-    def __init__(self, request: ParsedRequest, *, request_id: str, created: int) -> None:
+    def __init__(
+        self,
+        request: ParsedRequest,
+        *,
+        request_id: str,
+        created: int,
+        multi_token: bool = False,
+    ) -> None:
         self._request = request
+        #: one frame per choice for each run of tokens written together (Rule 2)
+        self._multi = multi_token
+        #: the encoded logprobs entry of each word (multi-token frames, built once)
+        self._entries: tuple[bytes, ...] | None = None
         obj = "chat.completion.chunk" if request.kind == "chat" else "text_completion"
         self._head = (
             f'data: {{"id":{dumps_str(request_id)},"object":"{obj}","created":{created},'
@@ -366,6 +382,8 @@ class StreamEncoder:
         finished), so its word goes without the trailing space — the streamed text then
         equals the non-streaming text, which client tokenizers count as exactly
         ``completion_tokens`` tokens."""
+        if self._multi and stop - start > 1:
+            return self._joined(start, stop, final)
         if final and stop > start and (self._cut is None or stop - 1 < self._cut):
             return self.tokens(start, stop - 1) + self._last_frames(stop - 1)
         plain = self._plain
@@ -387,6 +405,66 @@ class StreamEncoder:
                     out.append(frame)
                 else:
                     out.append(frame[0] + b"%d" % (base + token_start(i)) + frame[1])
+        return b"".join(out)
+
+    def _joined(self, start: int, stop: int, final: bool) -> bytes:
+        """Rule 2's multi-token frames: one per choice carrying tokens ``start .. stop-1``,
+        each token's text and logprobs exactly those of its own frame (a stop cut's tail
+        and the last word without its space included)."""
+        request = self._request
+        cut = self._cut
+        size = len(WORDS)
+        texts: list[str] = []
+        for i in range(start, stop):
+            if cut is not None and i >= cut:
+                if i == cut and request.stop_after is not None:
+                    whole = placeholder_text(request.stop_after)
+                    texts.append(whole[token_start(i) : request.stop_chars])
+                else:
+                    texts.append("")
+            elif final and i == stop - 1:
+                texts.append(VOCABULARY[i % size])
+            else:
+                texts.append(WORDS[i % size])
+        text = dumps("".join(texts))
+        top = request.logprobs
+        kind = request.kind
+        head = self._head
+        out: list[bytes] = []
+        if top is None:
+            for c in range(request.n):
+                if kind == "chat":
+                    out.append(head + b'"choices":[{"index":%d,"delta":{"content":' % c + text)
+                    out.append(b"}}]}\n\n")
+                else:
+                    out.append(head + b'"choices":[{"text":' + text + b',"index":%d}]}\n\n' % c)
+            return b"".join(out)
+        words = [i % size for i in range(start, stop)]
+        if kind == "chat":
+            entries = self._entries
+            if entries is None:
+                entries = self._entries = tuple(
+                    dumps(chat_logprob_entry(w, top)) for w in range(size)
+                )
+            logprobs = b",".join(entries[w] for w in words)
+            for c in range(request.n):
+                out.append(head + b'"choices":[{"index":%d,"delta":{"content":' % c + text)
+                out.append(b'},"logprobs":{"content":[' + logprobs + b"]}}]}\n\n")
+            return b"".join(out)
+        base = len(request.echo_text)
+        body = (
+            b',"logprobs":{"tokens":['
+            + b",".join(dumps(WORDS[w]) for w in words)
+            + b'],"token_logprobs":['
+            + b",".join(b"-0.25" for _ in words)
+            + b'],"top_logprobs":['
+            + b",".join(dumps(completion_top_logprobs(w, top)) for w in words)
+            + b'],"text_offset":['
+            + b",".join(b"%d" % (base + token_start(i)) for i in range(start, stop))
+            + b"]}}]}\n\n"
+        )
+        for c in range(request.n):
+            out.append(head + b'"choices":[{"text":' + text + b',"index":%d' % c + body)
         return b"".join(out)
 
     def _last_frames(self, index: int) -> bytes:

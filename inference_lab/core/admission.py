@@ -6,8 +6,10 @@ the running batch of the replica the router sends it to, and no free *waiting pl
 Rule 1: a request holds a seat when the scheduler will admit it as soon as a step has token
         budget for it: on its replica, the running sequences and the seats already held
         leave room for its ``n`` under ``max_num_seqs``, and the free KV blocks left by the
-        seats already held take its first prefill chunk. Every other queued request holds
-        a waiting place; ``max_waiting`` bounds those (0: never refuse).
+        seats already held take its first prefill chunk. For a speculative model the free
+        blocks are those its running requests' next verify steps leave (their lookahead
+        is reserved before any admission: ``Engine.queue_views``). Every other queued
+        request holds a waiting place; ``max_waiting`` bounds those (0: never refuse).
 Rule 2: the queue is walked in admission order -- the engine's waiting queue (as the
         scheduler orders it), then the arrivals admitted but not yet stepped into it, in
         the order they were admitted -- and once one request holds a waiting place, every

@@ -140,6 +140,19 @@ class WeightStream:
     def resident_bytes(self) -> int:
         return math.floor(self.resident_params * BYTES_PER_VALUE[self.precision])
 
+    @property
+    def expert_params(self) -> float:
+        """The routed experts' parameters, ``E * per_expert`` with ``per_expert = (resident
+        - active) / (E - k)`` (0 without routing, or when every expert is active): what
+        expert parallelism shards; the rest is the stream's dense part."""
+        r = self.routing
+        if r is None or r.routed_experts <= r.experts_per_tok:
+            return 0.0
+        per_expert = (self.resident_params - self.active_params) / (
+            r.routed_experts - r.experts_per_tok
+        )
+        return r.routed_experts * per_expert
+
 
 @attrs.frozen(kw_only=True)
 class AttentionLayer:
@@ -163,13 +176,43 @@ class AttentionLayer:
 
 
 @attrs.frozen(kw_only=True)
+class MLALayer:
+    """Multi-head latent attention (DeepSeek-V2/V3): the KV cache holds one latent vector
+    of ``kv_latent_dim`` plus a shared rope key of ``rope_dim`` per position, whatever the
+    head count. Decode steps compute in the absorbed form (multi-query attention over the
+    latent), prefill chunks in the expanded form (the latent up-projected to ``heads``
+    keys and values); ``docs/internals.md`` gives the FLOPs of both. ``q_latent_dim`` is
+    the query's low-rank dimension (``q_lora_rank``, 0: none): recorded, it enters no
+    cost (the projections are parameters of the weight streams)."""
+
+    kind: str = attrs.field(default="mla")
+    count: int = attrs.field(validator=_ge(1))
+    heads: int = attrs.field(validator=_ge(1))
+    kv_latent_dim: int = attrs.field(validator=_ge(1))
+    rope_dim: int = attrs.field(default=0, validator=_ge(0))
+    qk_nope_dim: int = attrs.field(validator=_ge(1))
+    v_head_dim: int = attrs.field(validator=_ge(1))
+    q_latent_dim: int = attrs.field(default=0, validator=_ge(0))
+    kv_precision: str = attrs.field(default="bf16", validator=_one_of(PRECISIONS))
+    window: int = attrs.field(default=0, validator=_ge(0))
+
+    @property
+    def kv_bytes_per_position(self) -> float:
+        """Bytes one GPU holding this layer's cache keeps per position: the latent and the
+        rope key (replicated on every GPU of an attention group: ``Deployment``)."""
+        return (self.kv_latent_dim + self.rope_dim) * BYTES_PER_VALUE[self.kv_precision]
+
+
+@attrs.frozen(kw_only=True)
 class LinearLayer:
     kind: str = attrs.field(default="linear")
     count: int = attrs.field(validator=_ge(1))
     state_bytes: int = attrs.field(validator=_ge(0))
 
 
-Layer = AttentionLayer | LinearLayer
+Layer = AttentionLayer | MLALayer | LinearLayer
+#: The layer kinds that keep a KV cache per position.
+KV_LAYERS = (AttentionLayer, MLALayer)
 
 #: Reasoning efforts a request may ask for (``none``: no reasoning tokens).
 EFFORTS = ("none", "minimal", "low", "medium", "high")
@@ -211,7 +254,7 @@ class ModelArch:
 
     @layers.validator
     def _check_full_attention(self, attr: attrs.Attribute[Any], value: tuple[Layer, ...]) -> None:
-        if not any(isinstance(layer, AttentionLayer) and layer.window == 0 for layer in value):
+        if not any(isinstance(layer, KV_LAYERS) and layer.window == 0 for layer in value):
             raise FieldError(
                 attr.name,
                 "needs at least one full-context attention class (window = 0); "
@@ -225,6 +268,156 @@ class ModelArch:
     @property
     def resident_weight_bytes(self) -> int:
         return sum(w.resident_bytes for w in self.weights)
+
+    @property
+    def moe_layers(self) -> int:
+        """The MoE layers of the routed streams (the largest ``moe_layers``; 0 without
+        routing): where expert parallelism exchanges tokens."""
+        return max((w.routing.moe_layers for w in self.weights if w.routing is not None), default=0)
+
+
+@attrs.frozen(kw_only=True)
+class DraftWeightStream(WeightStream):
+    """A drafter's weight stream: as a model's, except that ``resident_params`` counts
+    only what the drafter adds to HBM. A drafter that reuses the target's embedding and
+    lm_head reads them (``active_params``) without holding them a second time."""
+
+    resident_params: float = attrs.field(validator=_ge(0))
+
+
+#: How a drafter's work is priced (``docs/configuration.md#speculative``).
+DRAFTER_KINDS = ("fraction", "model", "mtp")
+#: The most draft tokens per step a config may ask for.
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@attrs.frozen(kw_only=True)
+class DrafterConfig:
+    """``[speculative.drafter]``: what proposing the draft tokens costs.
+
+    ``fraction``: each of a step's draft tokens costs ``fraction`` of the target's step over
+    the same batch without drafts. ``model`` (a small draft model, EAGLE heads) and ``mtp``
+    (the target's own multi-token-prediction layers): ``weights`` and ``layers`` priced by
+    the roofline, one pass per draft token. Their weights add to the replica's resident
+    weights and their KV layers to every KV block."""
+
+    kind: str = attrs.field(validator=_one_of(DRAFTER_KINDS))
+    fraction: float | None = attrs.field(default=None, validator=[_gt(0), _le(1)])
+    weights: tuple[DraftWeightStream, ...] = ()
+    layers: tuple[Layer, ...] = ()
+
+    def __attrs_post_init__(self) -> None:
+        if self.kind == "fraction":
+            if self.fraction is None:
+                raise FieldError("fraction", "is required when kind = fraction")
+            if self.weights or self.layers:
+                raise FieldError("weights", "applies to kind model or mtp, not fraction")
+            return
+        if self.fraction is not None:
+            raise FieldError("fraction", f"applies to kind fraction, not {self.kind}")
+        if not self.weights:
+            raise FieldError("weights", f"kind {self.kind} needs at least one weight stream")
+        for i, w in enumerate(self.weights):
+            if w.routing is not None and w.resident_params < w.active_params:
+                raise FieldError(
+                    "weights",
+                    f"[{i}]: a routed stream's resident_params must be >= active_params",
+                )
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, KV_LAYERS) or layer.window != 0:
+                raise FieldError(
+                    "layers", f"[{i}]: a drafter's layers must be full-context attention or mla"
+                )
+
+
+@attrs.frozen(kw_only=True)
+class SpeculativeConfig:
+    """``[speculative]``: speculative decoding (off without the table).
+
+    Each decode step of a sequence verifies ``num_speculative_tokens`` (gamma) draft tokens:
+    it computes ``1 + gamma`` positions and advances by ``1 + accepted``. How many are
+    accepted is drawn from the engine's own generator (seeded by ``seed``) with one of:
+    a constant per-token rate ``acceptance_rate`` (alpha: position ``j`` is accepted with
+    probability alpha^j), per-position rates ``acceptance_rates`` (vLLM's per-position
+    acceptance rates: the share of drafts whose position ``j`` was accepted), or
+    ``acceptance_file``, a CSV of measured rounds (one accepted count per line), read by
+    the loader. ``gamma_by_batch`` lowers gamma as the batch grows: ``[[seqs, gamma],
+    ...]``, ascending; from ``seqs`` running sequences on, ``gamma`` draft tokens."""
+
+    method: str = attrs.field(default="eagle", validator=attrs.validators.min_len(1))
+    num_speculative_tokens: int = attrs.field(validator=[_ge(1), _le(MAX_SPECULATIVE_TOKENS)])
+    acceptance_rate: float | None = attrs.field(default=None, validator=[_ge(0), _le(1)])
+    acceptance_rates: tuple[float, ...] | None = None
+    acceptance_file: str | None = attrs.field(default=None, validator=_optional_nonempty)
+    seed: int = attrs.field(default=0, validator=_ge(0))
+    gamma_by_batch: tuple[tuple[int, int], ...] = ()
+    drafter: DrafterConfig
+
+    def __attrs_post_init__(self) -> None:
+        given = [
+            name
+            for name in ("acceptance_rate", "acceptance_rates", "acceptance_file")
+            if getattr(self, name) is not None
+        ]
+        if len(given) != 1:
+            raise FieldError(
+                "acceptance_rate",
+                "set exactly one of acceptance_rate, acceptance_rates, acceptance_file"
+                + (f" (got {', '.join(given)})" if given else ""),
+            )
+        gamma = self.num_speculative_tokens
+        rates = self.acceptance_rates
+        if rates is not None:
+            if len(rates) != gamma:
+                raise FieldError(
+                    "acceptance_rates",
+                    f"must have num_speculative_tokens = {gamma} entries, got {len(rates)}",
+                )
+            check_acceptance_rates(rates, "acceptance_rates")
+        last_seqs, last_gamma = 0, gamma
+        for i, pair in enumerate(self.gamma_by_batch):
+            if len(pair) != 2:
+                raise FieldError("gamma_by_batch", f"[{i}]: must be a pair [seqs, gamma]")
+            seqs, g = pair
+            if seqs <= last_seqs:
+                raise FieldError("gamma_by_batch", f"[{i}]: seqs must ascend from 1, got {seqs}")
+            if not 0 <= g <= last_gamma:
+                raise FieldError(
+                    "gamma_by_batch",
+                    f"[{i}]: gamma must be in 0..{last_gamma} (never rising), got {g}",
+                )
+            last_seqs, last_gamma = seqs, g
+
+    def rates(self) -> tuple[float, ...]:
+        """The per-position acceptance rates of ``acceptance_rate`` or
+        ``acceptance_rates`` (a CSV's are the loader's: ``Deployment.acceptance_rates``)."""
+        if self.acceptance_rates is not None:
+            return tuple(self.acceptance_rates)
+        if self.acceptance_rate is not None:
+            alpha = self.acceptance_rate
+            return tuple(alpha**j for j in range(1, self.num_speculative_tokens + 1))
+        return ()
+
+    def gamma_for(self, seqs: int) -> int:
+        """The draft length for a batch of ``seqs`` running sequences (``gamma_by_batch``)."""
+        gamma = self.num_speculative_tokens
+        for at, g in self.gamma_by_batch:
+            if seqs < at:
+                break
+            gamma = g
+        return gamma
+
+
+def check_acceptance_rates(rates: tuple[float, ...], field: str) -> None:
+    """Per-position acceptance rates are shares (0..1) that never rise: a draft whose
+    position ``j`` was accepted had every earlier position accepted."""
+    last = 1.0
+    for j, rate in enumerate(rates):
+        if not 0.0 <= rate <= last:
+            raise FieldError(
+                field, f"[{j}]: must be in 0..{last:g} (per-position rates never rise), got {rate}"
+            )
+        last = rate
 
 
 @attrs.frozen(kw_only=True)
@@ -288,7 +481,13 @@ class HardwareEntry:
     #: calibrated ones).
     profile: str | None = attrs.field(default=None, validator=_optional_name)
     tp: int = attrs.field(default=1, validator=_ge(1))
+    #: Expert parallelism: the MoE layers' experts spread over ``ep`` GPUs, tokens sent to
+    #: them and back by all-to-all (dispatch, combine) instead of an all-reduce.
     ep: int = attrs.field(default=1, validator=_ge(1))
+    #: Data-parallel attention: a replica's ``tp`` GPUs form ``dp_attention`` ranks of
+    #: ``tp / dp_attention`` GPUs, each with the attention and dense weights, its own
+    #: scheduler and KV cache (a worker); the ranks step in lockstep and share the experts.
+    dp_attention: int = attrs.field(default=1, validator=_ge(1))
     replicas: int = attrs.field(default=1, validator=_ge(1))
     router: str = attrs.field(default="round_robin", converter=_lower, validator=_one_of(ROUTERS))
     #: prefix_affinity: a replica is eligible while its load (running + waiting) is
@@ -362,6 +561,10 @@ class Deployment:
     config_path: Path
     #: The entry's measured step table, read by the loader (None: the roofline alone).
     step_table: StepTable | None = None
+    #: The model config's ``[speculative]`` table (None: no speculative decoding).
+    speculative: SpeculativeConfig | None = None
+    #: Its per-position acceptance rates, resolved by the loader (a CSV's are read there).
+    acceptance_rates: tuple[float, ...] = ()
 
     @property
     def efficiency(self) -> Efficiency:
@@ -372,22 +575,70 @@ class Deployment:
         )
 
     @property
+    def workers(self) -> int:
+        """Schedulers with their own KV cache: ``replicas * dp_attention``."""
+        return self.hardware.replicas * self.hardware.dp_attention
+
+    @property
+    def attention_tp(self) -> int:
+        """GPUs one sequence's attention is split over: ``tp / dp_attention``."""
+        return self.hardware.tp // self.hardware.dp_attention
+
+    @property
+    def resident_weight_bytes(self) -> int:
+        """Weight bytes one replica holds: the model's streams and the drafter's. With
+        ``dp_attention`` ranks, each stream's dense part is held once per rank and its
+        experts once (``floor`` per part)."""
+        weights = list(self.model.weights)
+        if self.speculative is not None:
+            weights += self.speculative.drafter.weights
+        dp = self.hardware.dp_attention
+        if dp == 1:
+            return sum(w.resident_bytes for w in weights)
+        total = 0
+        for w in weights:
+            b = BYTES_PER_VALUE[w.precision]
+            experts = w.expert_params
+            total += math.floor(experts * b) + dp * math.floor((w.resident_params - experts) * b)
+        return total
+
+    @property
     def kv_bytes(self) -> float:
-        """KV bytes of one replica: ``kv_cache_capacity`` when set, else the memory pool
-        (``floor(memory_capacity * tp * gpu_memory_utilization)``) less resident weights."""
+        """KV bytes of one worker (a replica, or one rank of it with ``dp_attention``):
+        ``kv_cache_capacity`` when set, else the replica's memory pool
+        (``floor(memory_capacity * tp * gpu_memory_utilization)``) less its resident
+        weights, shared evenly by its ranks."""
         if self.scheduler.kv_cache_capacity > 0:
             return self.scheduler.kv_cache_capacity
         pool = math.floor(
             self.profile.memory_capacity * self.hardware.tp * self.scheduler.gpu_memory_utilization
         )
-        return pool - self.model.resident_weight_bytes
+        dp = self.hardware.dp_attention
+        free = pool - self.resident_weight_bytes
+        return free if dp == 1 else free / dp
+
+    def kv_layers(self) -> list[AttentionLayer | MLALayer]:
+        """The KV layers of the model, then the drafter's."""
+        layers = [layer for layer in self.model.layers if isinstance(layer, KV_LAYERS)]
+        if self.speculative is not None:
+            layers += [
+                layer for layer in self.speculative.drafter.layers if isinstance(layer, KV_LAYERS)
+            ]
+        return layers
+
+    def kv_bytes_per_position(self, layer: AttentionLayer | MLALayer) -> float:
+        """KV bytes a worker holds per position of ``layer``: an MLA latent is replicated on
+        every GPU of the attention group (``attention_tp``), a K/V head split among them."""
+        if isinstance(layer, MLALayer):
+            return layer.kv_bytes_per_position * self.attention_tp
+        return layer.kv_bytes_per_position
 
     @property
     def block_bytes(self) -> float:
         return sum(
-            layer.count * layer.kv_bytes_per_position * self.scheduler.block_size
-            for layer in self.model.layers
-            if isinstance(layer, AttentionLayer) and layer.window == 0
+            layer.count * self.kv_bytes_per_position(layer) * self.scheduler.block_size
+            for layer in self.kv_layers()
+            if layer.window == 0
         )
 
     @property
@@ -403,6 +654,10 @@ class ModelConfig:
     deployments: Mapping[str, Deployment]
     #: The model's static ``[fault]`` table (None: no faults).
     fault: FaultConfig | None = None
+    #: The ``[speculative]`` table and its resolved acceptance rates (every deployment
+    #: carries them too).
+    speculative: SpeculativeConfig | None = None
+    acceptance_rates: tuple[float, ...] = ()
 
 
 # ---------------------------------------------------------------------------------------
@@ -643,7 +898,7 @@ def _tagged(tag: str, options: dict[str, type[Any]]) -> Callable[[Any, Any], Any
 
 CONVERTER = make_strict_converter(forbid_extra_keys=True, mapping_name="a table")
 CONVERTER.register_structure_hook(
-    Layer, _tagged("kind", {"attention": AttentionLayer, "linear": LinearLayer})
+    Layer, _tagged("kind", {"attention": AttentionLayer, "mla": MLALayer, "linear": LinearLayer})
 )
 CONVERTER.register_structure_hook(LengthDist, _tagged("type", _DISTS))
 CONVERTER.register_structure_hook(TimeDist, _tagged("type", _TIME_DISTS))
@@ -738,6 +993,55 @@ def load_hardware_profile(path: Path) -> HardwareProfile:
     return _structure(raw, HardwareProfile, path, "")
 
 
+def _resolve(file: Path, written: str) -> Path:
+    """A path written in ``file``, relative to its directory."""
+    path = Path(written).expanduser()
+    return path if path.is_absolute() else file.parent / path
+
+
+def load_acceptance_rounds(file: Path, path: Path, gamma: int, where: str) -> tuple[float, ...]:
+    """A CSV of measured speculative-decoding rounds: one accepted draft count per line
+    (0..``gamma``; a header line whose first cell is not a number is skipped; further
+    cells are ignored). Returns the per-position acceptance rates: the share of rounds
+    that accepted at least ``j`` tokens, ``j = 1..gamma``. ConfigError names the file and
+    line."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: {where}: no such file {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{file}: {where}: cannot read {path}: {exc}") from None
+    counts = [0] * (gamma + 1)
+    rounds = 0
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        cell = line.split(",")[0].strip()
+        try:
+            value = int(cell)
+        except ValueError:
+            if number == 1 and not rounds:
+                continue  # a header
+            raise ConfigError(
+                f"{path}:{number}: must be an accepted draft count (an integer), got {cell!r}"
+            ) from None
+        if not 0 <= value <= gamma:
+            raise ConfigError(
+                f"{path}:{number}: accepted count must be in 0..{gamma} "
+                f"(num_speculative_tokens), got {value}"
+            )
+        counts[value] += 1
+        rounds += 1
+    if not rounds:
+        raise ConfigError(f"{path}: no acceptance rounds")
+    rates = []
+    at_least = rounds
+    for j in range(1, gamma + 1):
+        at_least -= counts[j - 1]
+        rates.append(at_least / rounds)
+    return tuple(rates)
+
+
 def load_step_table(file: Path, written: str, where: str) -> StepTable:
     """An entry's ``step_table`` CSV, resolved against the config file's directory and
     parsed (:func:`inference_lab.core.step_table.parse_step_table`); ConfigError names the
@@ -776,6 +1080,19 @@ def _validate_deployment(dep: Deployment, file: Path, profile_path: Path) -> Non
     hw, profile, model = dep.hardware, dep.profile, dep.model
     if hw.tp % hw.ep != 0:
         raise ConfigError(f"{where}.ep: must divide tp (tp = {hw.tp}, ep = {hw.ep})")
+    if hw.tp % hw.dp_attention != 0:
+        raise ConfigError(
+            f"{where}.dp_attention: must divide tp (tp = {hw.tp}, dp_attention = {hw.dp_attention})"
+        )
+    if hw.dp_attention > 1 and hw.ep == 1:
+        raise ConfigError(
+            f"{where}.dp_attention: data-parallel attention needs expert parallelism "
+            "(ep > 1): its ranks exchange tokens with the experts by all-to-all"
+        )
+    if hw.dp_attention > 1 and hw.step_table is not None:
+        raise ConfigError(
+            f"{where}.step_table: a measured step table cannot price data-parallel attention"
+        )
     if hw.tp > 1:
         if profile.fabric is None:
             raise ConfigError(f"{where}.tp: tp = {hw.tp} needs a [fabric] table in {profile_path}")
@@ -796,7 +1113,7 @@ def _validate_deployment(dep: Deployment, file: Path, profile_path: Path) -> Non
     sched = dep.scheduler
     if sched.kv_cache_capacity == 0:
         pool = math.floor(profile.memory_capacity * hw.tp * sched.gpu_memory_utilization)
-        weights = model.resident_weight_bytes
+        weights = dep.resident_weight_bytes
         if weights >= pool:
             raise ConfigError(
                 f"{where}: resident weights ({weights:,} B) do not fit in memory_capacity x tp x "
@@ -820,12 +1137,24 @@ def load_model_config(
     file = Path(path)
     raw = _read_toml(file)
     for key in raw:
-        if key not in ("model", "scheduler", "hardware", "fault"):
+        if key not in ("model", "scheduler", "hardware", "fault", "speculative"):
             raise ConfigError(
                 f"{file}: {key}: unknown key (a model config holds the tables [model], "
-                "[scheduler], [hardware.<name>] and optionally [fault])"
+                "[scheduler], [hardware.<name>] and optionally [fault] and [speculative])"
             )
     fault = _structure(raw["fault"], FaultConfig, file, "fault") if "fault" in raw else None
+    speculative = None
+    rates: tuple[float, ...] = ()
+    if "speculative" in raw:
+        speculative = _structure(raw["speculative"], SpeculativeConfig, file, "speculative")
+        if speculative.acceptance_file is not None:
+            path = _resolve(file, speculative.acceptance_file)
+            rates = load_acceptance_rounds(
+                file, path, speculative.num_speculative_tokens, "speculative.acceptance_file"
+            )
+            speculative = attrs.evolve(speculative, acceptance_file=str(path))
+        else:
+            rates = speculative.rates()
     for key in ("model", "scheduler", "hardware"):
         if key not in raw:
             raise ConfigError(f"{file}: {key}: missing required table [{key}]")
@@ -867,11 +1196,19 @@ def load_model_config(
             hardware_name=name,
             config_path=file,
             step_table=table,
+            speculative=speculative,
+            acceptance_rates=rates,
         )
         _validate_deployment(dep, file, profile_path)
         deployments[name] = dep
     return ModelConfig(
-        path=file, model=model, scheduler=scheduler, deployments=deployments, fault=fault
+        path=file,
+        model=model,
+        scheduler=scheduler,
+        deployments=deployments,
+        fault=fault,
+        speculative=speculative,
+        acceptance_rates=rates,
     )
 
 
@@ -996,6 +1333,8 @@ def base_deployment(
         profile=load_hardware_profile(profile_path),
         hardware_name=hardware,
         config_path=config.path,
+        speculative=config.speculative,
+        acceptance_rates=config.acceptance_rates,
     )
 
 

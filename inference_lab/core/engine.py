@@ -50,12 +50,25 @@ Rule 7: the KV cache is asked, never kept, here (:mod:`inference_lab.core.kv_cac
         step tokens) while attention still reads them (the roofline sees them as the
         context ``c`` of its first chunk). A request without hashes, or prefix caching
         off, is scheduled exactly as if the cache did not exist.
+Rule 8: with ``[speculative]``, a decoding sequence's step computes its verify width ``1 +
+        gamma`` positions (gamma capped so that it never passes ``max_tokens``, and by the
+        step's token budget) and reserves their KV blocks and budget; when its step ends
+        it advances by ``1 + accepted`` positions and tokens, capped by its remaining
+        length, the accepted count drawn when the batch is chosen from the engine's own
+        seeded draws (:mod:`inference_lab.core.speculative`; a group draws once for its
+        sequences). The blocks of rejected positions stay held until the request ends,
+        is preempted or aborted; prefill chunks and a step's admissions never draft.
+Rule 9: with ``dp_attention`` ranks, each rank is a worker (its own scheduler, waiting
+        queue and KV blocks) and a replica's ranks step in lockstep: one boundary ends the
+        step of all of them and starts their next batches together, priced as one step
+        (the slowest rank's part and the shared experts' part: the roofline's Rule 6).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -64,11 +77,12 @@ import attrs
 
 from inference_lab.core.config import Deployment
 from inference_lab.core.kv_cache import NOT_CACHED, BlockPool, KVCacheManager, KVEvent
-from inference_lab.core.roofline import BatchTerms, Roofline
+from inference_lab.core.roofline import BatchTerms, Roofline, StepCost
+from inference_lab.core.speculative import AcceptanceDraws, RateAcceptance, expected_length
 from inference_lab.errors import RequestRefused
 
 _PENDING, _WAITING, _RUNNING, _DONE = 0, 1, 2, 3
-_ARRIVAL, _BOUNDARY = 0, 1
+_ARRIVAL, _BOUNDARY, _GROUP_BOUNDARY = 0, 1, 2
 
 
 @attrs.frozen
@@ -126,7 +140,17 @@ class StepInfo:
     decode ``n``); ``num_tokens`` the positions computed; ``kv_usage`` the worker's used
     fraction of KV blocks after the batch was chosen; ``flop_util`` / ``bw_util`` the
     compute and memory parts of the step's roofline time; ``preempted`` how many requests
-    were preempted to make room.
+    were preempted to make room. A lockstep step of data-parallel attention ranks is one
+    ``StepInfo`` (``worker`` its first rank; sums over the ranks; ``kv_usage`` over their
+    blocks).
+
+    With speculative decoding: ``drafts`` the sequences that verified draft tokens,
+    ``draft_tokens`` those tokens, ``accepted_tokens`` the accepted ones and
+    ``accepted_per_position`` how many drafts accepted position ``j`` (vLLM's counters);
+    ``plain_duration`` how long the step's tokens would take without speculation: the
+    same batch without drafts (no verify width, no drafter), then ``accepted_tokens /
+    drafts`` more steps of one position per drafting sequence -- the speed-up
+    estimate's reference. All 0 / empty otherwise.
     """
 
     worker: int
@@ -138,6 +162,11 @@ class StepInfo:
     flop_util: float
     bw_util: float
     preempted: int
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()
+    plain_duration: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -422,6 +451,17 @@ class _Worker:
         self.step_terms: BatchTerms | None = None
         self.step_budget = 0
         self.step_mark = 0
+        #: The lockstep group of its replica's data-parallel attention ranks (None: alone).
+        self.group: _Group | None = None
+        #: Speculative decoding (engine Rule 8): the config, and the step in flight's
+        #: batch without drafts (its terms, widths, contexts), its drafting sequences'
+        #: contexts and its draft length, which price it and a late arrival joining it.
+        self.spec = dep.speculative
+        self.step_plain: BatchTerms | None = None
+        self.step_pns: list[int] = []
+        self.step_cs: list[int] = []
+        self.step_dcs: list[int] = []
+        self.step_gamma = 0
 
     @property
     def free_blocks(self) -> int:
@@ -473,6 +513,35 @@ class _Worker:
         if chunk is None:
             return self.blocks_for(self._stage(r, 0)[0])
         return chunk[2] + chunk[3]
+
+    def verify_reserve(self) -> int:
+        """Speculative decoding (Rule 8): the blocks the running decoding requests' next
+        verify steps take beyond those they hold -- from where the step in flight leaves
+        them (its accepted positions are drawn), at the draft length the running batch
+        gets. The scheduler grows running requests before it admits any, so an admission
+        finds only what is left. O(running)."""
+        spec = self.spec
+        if spec is None:
+            return 0
+        gamma = spec.gamma_for(self.running_seqs)
+        if not gamma:
+            return 0
+        advance = {id(r): n for r, n in self.batch}
+        total = 0
+        for r in self.running:
+            step = advance.get(id(r), 0)
+            c = r.computed + step
+            out = r.output
+            if step and c >= r.prompt:
+                out = min(c - r.prompt + 1, r.max_tokens)
+            if c < r.prompt + (out - 1 if out > 1 else 0):
+                continue  # prefilling: its chunks are what the budget gives
+            left = r.max_tokens - out - 1
+            width = 1 + (gamma if gamma < left else (left if left > 0 else 0))
+            need = self.group_blocks(r, c + width) - r.blocks
+            if need > 0:
+                total += need
+        return total
 
     def group_blocks(self, r: _Request, positions: int) -> int:
         """Blocks a request holding ``positions`` positions per sequence needs (Rule 4)."""
@@ -530,6 +599,9 @@ class _Worker:
         positions per sequence), n and c per batch sequence for the roofline, preempted).
         Re-runs a pass that preempted and scheduled nothing."""
         total_preempted = 0
+        spec = self.spec
+        gamma = 0 if spec is None else spec.gamma_for(self.running_seqs)
+        self.step_gamma = gamma
         while True:
             self.step_id += 1
             mark = self.step_id
@@ -561,6 +633,11 @@ class _Worker:
                         n = min(left, budget, chunk_cap)
                     else:
                         n = 1
+                        if gamma:  # a verify step (Rule 8): 1 + gamma, within max_tokens
+                            left = r.max_tokens - r.output - 1
+                            n += gamma if gamma < left else (left if left > 0 else 0)
+                            if n > budget:
+                                n = budget
                     seqs = 1
                     if c + n <= r.room:  # its blocks hold it: no block to find
                         r.mark = mark
@@ -580,6 +657,11 @@ class _Worker:
                         n = min(left, budget // seqs, chunk_cap)
                     else:
                         n = 1
+                        if gamma:  # a verify step (Rule 8)
+                            left = r.max_tokens - r.output - 1
+                            n += gamma if gamma < left else (left if left > 0 else 0)
+                            if n * seqs > budget:
+                                n = max(1, budget // seqs)
                     if n * seqs > budget or n == 0:
                         i += 1  # this step's budget cannot hold every sequence
                         continue
@@ -654,21 +736,61 @@ class _Worker:
         return r, n
 
 
+class _Group:
+    """The data-parallel attention ranks of one replica (Rule 9): one boundary event for all
+    of them, and the lockstep step in flight."""
+
+    __slots__ = ("ranks", "scheduled", "boundary_seq", "busy", "step_start")
+
+    def __init__(self, ranks: list[_Worker]) -> None:
+        self.ranks = ranks
+        self.scheduled = False  # a boundary event for this group is in the heap
+        self.boundary_seq = -1
+        self.busy = False  # a lockstep step is in flight
+        self.step_start = 0.0
+        for w in ranks:
+            w.group = self
+
+
 class Engine:
-    """One deployment: ``replicas`` workers behind a router, and the event heap.
+    """One deployment: ``replicas`` workers behind a router (``replicas * dp_attention``
+    with data-parallel attention ranks), and the event heap.
 
     Called by ``inference-lab sim`` (as fast as the CPU allows) and by the serve runtime's
     engine task (paced to wall-clock). Not thread-safe; every method is synchronous.
+    ``acceptance`` replaces the speculative decoding draws of ``[speculative]`` (a seeded
+    :class:`~inference_lab.core.speculative.RateAcceptance`) with the caller's.
     """
 
-    def __init__(self, deployment: Deployment, *, record_kv_events: bool = False) -> None:
+    def __init__(
+        self,
+        deployment: Deployment,
+        *,
+        record_kv_events: bool = False,
+        acceptance: AcceptanceDraws | None = None,
+    ) -> None:
         self.deployment = deployment
         self.roofline = Roofline(deployment)
         self._kv_events: list[KVEvent] | None = [] if record_kv_events else None
         self.workers = [
             _Worker(i, deployment, self.roofline, self._kv_events)
-            for i in range(deployment.hardware.replicas)
+            for i in range(deployment.workers)
         ]
+        dp = deployment.hardware.dp_attention
+        self.groups = (
+            [_Group(self.workers[i : i + dp]) for i in range(0, len(self.workers), dp)]
+            if dp > 1
+            else []
+        )
+        spec = deployment.speculative
+        self._spec = spec
+        self._accept: AcceptanceDraws | None = None
+        if spec is not None:
+            self._accept = (
+                acceptance
+                if acceptance is not None
+                else RateAcceptance(deployment.acceptance_rates, spec.seed)
+            )
         self.now = 0.0
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
@@ -781,7 +903,7 @@ class Engine:
             _, seq, kind, payload = heap[0]
             if kind == _ARRIVAL and payload.state != _PENDING:
                 heapq.heappop(heap)  # an aborted arrival
-            elif kind == _BOUNDARY and seq != payload.boundary_seq:
+            elif kind != _ARRIVAL and seq != payload.boundary_seq:
                 heapq.heappop(heap)  # a step end moved by a late arrival
             else:
                 break
@@ -882,7 +1004,7 @@ class Engine:
             QueueView(
                 running_seqs=w.running_seqs,
                 max_num_seqs=w.max_num_seqs,
-                free_blocks=w.free_blocks,
+                free_blocks=w.free_blocks - (w.verify_reserve() if w.spec is not None else 0),
                 queued=tuple((r.n, w.first_chunk_blocks(r)) for r in w.waiting.in_order()),
             )
             for w in self.workers
@@ -892,19 +1014,28 @@ class Engine:
         """Seconds from ``now`` (simulated time, at or after the last event handled) until
         the first running request is expected to finish, at each worker's current step
         time: the rest of the step in flight, then one step per prefill chunk and per
-        token it has left (its hidden length, as the simulation knows it). None when
+        token it has left (its hidden length, as the simulation knows it) -- with
+        speculative decoding, per mean acceptance length of tokens (Rule 8). None when
         nothing runs."""
         best: float | None = None
+        spec = self._spec
         for w in self.workers:
             if not w.running or not w.batch:
                 continue
             step = w.step_end - w.step_start
             chunk = min(w.budget, w.chunk_cap)
+            per_step = 1.0
+            if spec is not None:
+                gamma = spec.gamma_for(w.running_seqs)
+                per_step = expected_length(self.deployment.acceptance_rates, gamma)
             for r in w.running:
                 out = r.output
                 prefill_len = r.prompt + (out - 1 if out > 1 else 0)
                 left = max(0, prefill_len - r.computed)
-                steps = -(-left // chunk) + r.target - max(out, 1)
+                tokens = r.target - max(out, 1)
+                if per_step != 1.0:
+                    tokens = math.ceil(tokens / per_step)
+                steps = -(-left // chunk) + tokens
                 eta = max(0.0, w.step_end - now) + max(0, steps - 1) * step
                 if best is None or eta < best:
                     best = eta
@@ -926,13 +1057,23 @@ class Engine:
             r.worker = w.index
             r.state = _WAITING
             w.waiting.push(r)
-            if not w.scheduled:
+            g = w.group
+            if g is not None:
+                if not g.scheduled:
+                    g.scheduled = True
+                    g.boundary_seq = next(self._seq)
+                    heapq.heappush(self._heap, (now, g.boundary_seq, _GROUP_BOUNDARY, g))
+                elif g.busy and r.stamp < g.step_start and w.waiting.count == 1:
+                    self._join_late(w, r)
+            elif not w.scheduled:
                 w.scheduled = True
                 w.boundary_seq = next(self._seq)
                 heapq.heappush(self._heap, (now, w.boundary_seq, _BOUNDARY, w))
             elif w.batch and r.stamp < w.step_start and w.waiting.count == 1:
                 self._join_late(w, r)
             return StepEvents(time=now, tokens=(), finished=(), arrived=(r.id,), step=None)
+        if kind == _GROUP_BOUNDARY:
+            return self._group_boundary(payload, now)
         return self._boundary(payload, now)
 
     def _join_late(self, w: _Worker, r: _Request) -> None:
@@ -941,7 +1082,9 @@ class Engine:
         that step, as it would have at the boundary, if the step has room for it (Rule 2).
         The step is priced again with it and its end moves accordingly; the tokens of the
         step's other members were not yet emitted, so none is observed early."""
-        admitted = w.admit_head(w.step_start, w.step_mark, w.step_budget)
+        g = w.group
+        start = w.step_start if g is None else g.step_start
+        admitted = w.admit_head(start, w.step_mark, w.step_budget)
         if admitted is None:
             return
         _, n = admitted
@@ -949,19 +1092,35 @@ class Engine:
         w.batch.append(admitted)
         terms = w.step_terms
         assert terms is not None  # set with the step in flight
-        self.roofline.add_sequence(terms, n, r.computed)
+        rf = self.roofline
+        rf.add_sequence(terms, n, r.computed)
+        if w.step_plain is not None:  # a speculative step: its batch without drafts too
+            rf.add_sequence(w.step_plain, n, r.computed)
+            w.step_pns.append(n)
+            w.step_cs.append(r.computed)
         w.step_budget -= n
-        cost = self.roofline.price(terms)
+        if g is not None:  # a rank idle in its group's step gets its first member
+            w.step_start = start
+            cost, _ = self._price_group(g)
+            end = start + cost.seconds * self.step_time_factor
+            g.boundary_seq = next(self._seq)
+            for rank in g.ranks:
+                rank.step_end = end
+            heapq.heappush(self._heap, (end, g.boundary_seq, _GROUP_BOUNDARY, g))
+            return
+        cost = rf.price(terms) if w.step_plain is None else self._price_worker(w)[0]
         w.boundary_seq = next(self._seq)
         end = w.step_start + cost.seconds * self.step_time_factor
         w.step_end = end
         heapq.heappush(self._heap, (end, w.boundary_seq, _BOUNDARY, w))
 
-    def _boundary(self, w: _Worker, now: float) -> StepEvents:
-        tokens: list[tuple[int, int]] = []
-        finished: list[Finished] = []
+    def _complete(
+        self, w: _Worker, now: float, emit: list[tuple[int, int]], finished: list[Finished]
+    ) -> None:
+        """The step of ``w`` that ends at ``now``: its members' positions become computed
+        (a verify's accepted ones: Rule 8), their tokens emitted, the finished ones freed."""
         any_done = False
-        emit = tokens.append
+        add = emit.append
         running = _RUNNING
         kv = w.kv
         if kv.pool.filling:  # members whose positions fill blocks their hashes name
@@ -980,7 +1139,7 @@ class Engine:
                 if new > out:
                     if out == 0:
                         r.first_token_time = now
-                    emit((r.id, new - out))
+                    add((r.id, new - out))
                     r.output = new
                     if new >= r.target:
                         any_done = True
@@ -1007,37 +1166,252 @@ class Engine:
                         )
         if any_done:
             w.running = [r for r in w.running if r.state == _RUNNING]
+
+    def _boundary(self, w: _Worker, now: float) -> StepEvents:
+        tokens: list[tuple[int, int]] = []
+        finished: list[Finished] = []
+        self._complete(w, now, tokens, finished)
         batch, ns, cs, preempted = w.schedule(now)
         self._preemptions += preempted
         info = None
         if batch:
-            terms = self.roofline.batch_terms(ns, cs)
-            cost = self.roofline.price(terms)
+            if self._spec is None:
+                terms = self.roofline.batch_terms(ns, cs)
+                cost = self.roofline.price(terms)
+                w.step_terms = terms
+            else:
+                counts = self._draft(w, batch, cs)
+                cost, plain = self._price_worker(w)
+                drafted = w.step_terms
+                assert drafted is not None  # set by _draft
+                terms = drafted
             duration = cost.seconds * self.step_time_factor
             w.batch = batch
-            w.step_start, w.step_terms = now, terms
+            w.step_start = now
             w.step_end = now + duration
             w.boundary_seq = next(self._seq)
             heapq.heappush(self._heap, (now + duration, w.boundary_seq, _BOUNDARY, w))
             self._steps += 1
             roof = cost.roofline if cost.roofline > 0 else 1.0
-            info = StepInfo(
-                worker=w.index,
-                start=now,
-                duration=duration,
-                num_seqs=terms.seqs,
-                num_tokens=terms.tokens,
-                kv_usage=(w.total_blocks - w.pool.free) / w.total_blocks,
-                flop_util=cost.compute / roof,
-                bw_util=cost.memory / roof,
-                preempted=preempted,
-            )
+            if self._spec is None:
+                info = StepInfo(
+                    worker=w.index,
+                    start=now,
+                    duration=duration,
+                    num_seqs=terms.seqs,
+                    num_tokens=terms.tokens,
+                    kv_usage=(w.total_blocks - w.pool.free) / w.total_blocks,
+                    flop_util=cost.compute / roof,
+                    bw_util=cost.memory / roof,
+                    preempted=preempted,
+                )
+            else:
+                info = StepInfo(
+                    worker=w.index,
+                    start=now,
+                    duration=duration,
+                    num_seqs=terms.seqs,
+                    num_tokens=terms.tokens,
+                    kv_usage=(w.total_blocks - w.pool.free) / w.total_blocks,
+                    flop_util=cost.compute / roof,
+                    bw_util=cost.memory / roof,
+                    preempted=preempted,
+                    drafts=counts[0],
+                    draft_tokens=counts[1],
+                    accepted_tokens=counts[2],
+                    accepted_per_position=tuple(counts[3]),
+                    plain_duration=self._plain_equivalent(plain, [w], counts[0], counts[2]),
+                )
         else:
             w.batch = []
             w.scheduled = False
         return StepEvents(
             time=now, tokens=tuple(tokens), finished=tuple(finished), arrived=(), step=info
         )
+
+    def _group_boundary(self, g: _Group, now: float) -> StepEvents:
+        """Rule 9: the lockstep step of a replica's ranks ends at ``now``; each rank chooses
+        its next batch and they start together, priced as one step."""
+        tokens: list[tuple[int, int]] = []
+        finished: list[Finished] = []
+        for w in g.ranks:
+            self._complete(w, now, tokens, finished)
+        preempted = 0
+        spec = self._spec is not None
+        counts: list[Any] = [0, 0, 0, []]
+        any_batch = False
+        for w in g.ranks:
+            batch, ns, cs, p = w.schedule(now)
+            preempted += p
+            w.batch = batch
+            if spec:
+                c = self._draft(w, batch, cs)
+                counts[0] += c[0]
+                counts[1] += c[1]
+                counts[2] += c[2]
+                per = counts[3]
+                for j, value in enumerate(c[3]):
+                    if j < len(per):
+                        per[j] += value
+                    else:
+                        per.append(value)
+            else:
+                w.step_terms = self.roofline.batch_terms(ns, cs)
+            if batch:
+                any_batch = True
+        self._preemptions += preempted
+        if not any_batch:
+            g.scheduled = False
+            g.busy = False
+            return StepEvents(
+                time=now, tokens=tuple(tokens), finished=tuple(finished), arrived=(), step=None
+            )
+        cost, plain = self._price_group(g)
+        duration = cost.seconds * self.step_time_factor
+        g.busy = True
+        g.step_start = now
+        g.boundary_seq = next(self._seq)
+        for w in g.ranks:
+            w.step_start = now
+            w.step_end = now + duration
+        heapq.heappush(self._heap, (now + duration, g.boundary_seq, _GROUP_BOUNDARY, g))
+        self._steps += 1
+        roof = cost.roofline if cost.roofline > 0 else 1.0
+        used = sum(w.total_blocks - w.pool.free for w in g.ranks)
+        total = sum(w.total_blocks for w in g.ranks)
+        seqs = sum(w.step_terms.seqs for w in g.ranks if w.step_terms is not None)
+        num_tokens = sum(w.step_terms.tokens for w in g.ranks if w.step_terms is not None)
+        info = StepInfo(
+            worker=g.ranks[0].index,
+            start=now,
+            duration=duration,
+            num_seqs=seqs,
+            num_tokens=num_tokens,
+            kv_usage=used / total,
+            flop_util=cost.compute / roof,
+            bw_util=cost.memory / roof,
+            preempted=preempted,
+            drafts=counts[0],
+            draft_tokens=counts[1],
+            accepted_tokens=counts[2],
+            accepted_per_position=tuple(counts[3]),
+            plain_duration=(
+                self._plain_equivalent(plain, g.ranks, counts[0], counts[2]) if spec else 0.0
+            ),
+        )
+        return StepEvents(
+            time=now, tokens=tuple(tokens), finished=tuple(finished), arrived=(), step=info
+        )
+
+    # ------------------------------------------------------------------ speculative steps
+    def _draft(
+        self, w: _Worker, batch: list[tuple[_Request, int]], cs: list[int]
+    ) -> tuple[int, int, int, list[int]]:
+        """Rule 8, when ``w``'s batch is chosen: draw each verifying member's accepted count,
+        turn its batch entry into the positions it will have computed at the step's end
+        (``1 + accepted``, capped by its remaining length), and keep the step's terms with
+        and without drafts. Returns (drafts, draft tokens, accepted tokens, accepted per
+        position), counted per sequence."""
+        draw = self._accept
+        assert draw is not None
+        rf = self.roofline
+        ns: list[int] = []
+        pns: list[int] = []
+        dcs: list[int] = []
+        seq_cs: list[int] = []
+        drafts = draft_tokens = accepted_tokens = 0
+        per: list[int] = []
+        for i, (r, n) in enumerate(batch):
+            c = r.computed
+            seqs = 1 if r.n == 1 or c < r.prompt else r.n
+            out = r.output
+            width = n
+            if n > 1 and c >= r.prompt + (out - 1 if out > 1 else 0):
+                gamma = n - 1
+                accepted = draw.draw(gamma)
+                advance = 1 + accepted
+                remaining = r.target - out
+                batch[i] = (r, advance if advance < remaining else remaining)
+                drafts += seqs
+                draft_tokens += seqs * gamma
+                accepted_tokens += seqs * accepted
+                while len(per) < accepted:
+                    per.append(0)
+                for j in range(accepted):
+                    per[j] += seqs
+                dcs.extend([c] * seqs)
+                width = 1
+            if seqs == 1:
+                ns.append(n)
+                pns.append(width)
+                seq_cs.append(c)
+            else:
+                ns.extend([n] * seqs)
+                pns.extend([width] * seqs)
+                seq_cs.extend([c] * seqs)
+        w.step_terms = rf.batch_terms(ns, seq_cs)
+        if dcs:
+            w.step_plain = rf.batch_terms(pns, seq_cs)
+            w.step_pns, w.step_cs, w.step_dcs = pns, seq_cs, dcs
+        else:
+            w.step_plain = None
+            w.step_pns, w.step_cs, w.step_dcs = [], [], []
+        return drafts, draft_tokens, accepted_tokens, per
+
+    def _plain_equivalent(
+        self, plain: StepCost, ranks: Sequence[_Worker], drafts: int, accepted: int
+    ) -> float:
+        """The seconds a step's tokens would take without speculation (its ``StepInfo``'s
+        ``plain_duration``): the batch without drafts, then ``accepted / drafts`` more
+        steps of one position for each drafting sequence (the mean extra tokens each
+        emitted). Only for the speed-up estimate."""
+        factor = self.step_time_factor
+        if not drafts:
+            return plain.seconds * factor
+        rf = self.roofline
+        terms = [rf.batch_terms([1] * len(w.step_dcs), [c + 1 for c in w.step_dcs]) for w in ranks]
+        decode = rf.group_price(terms) if len(ranks) > 1 else rf.price(terms[0])
+        return (plain.seconds + accepted / drafts * decode.seconds) * factor
+
+    def _price_worker(self, w: _Worker) -> tuple[StepCost, StepCost]:
+        """The step in flight of ``w`` with its drafter (Rule 8), and without drafts."""
+        rf = self.roofline
+        terms = w.step_terms
+        assert terms is not None
+        cost = rf.price(terms)
+        if w.step_plain is None:
+            return cost, cost
+        plain = rf.price(w.step_plain)
+        draft = rf.draft_time(plain.roofline, w.step_pns, w.step_cs, w.step_dcs, w.step_gamma)
+        return rf.with_draft(cost, draft), plain
+
+    def _price_group(self, g: _Group) -> tuple[StepCost, StepCost]:
+        """The lockstep step of ``g`` (Rule 9), with its drafters, and without drafts. The
+        drafter is priced over every rank's drafting sequences at once."""
+        rf = self.roofline
+        ranks = g.ranks
+        empty = rf.batch_terms([], [])
+        terms = [w.step_terms if w.step_terms is not None else empty for w in ranks]
+        cost = rf.group_price(terms)
+        if all(w.step_plain is None for w in ranks):
+            return cost, cost
+        plain = rf.group_price(
+            [
+                w.step_plain if w.step_plain is not None else t
+                for w, t in zip(ranks, terms, strict=True)
+            ]
+        )
+        pns: list[int] = []
+        cs: list[int] = []
+        dcs: list[int] = []
+        for w in ranks:
+            if w.step_plain is not None:
+                pns += w.step_pns
+                cs += w.step_cs
+                dcs += w.step_dcs
+        gamma = max(w.step_gamma for w in ranks)
+        draft = rf.draft_time(plain.roofline, pns, cs, dcs, gamma)
+        return rf.with_draft(cost, draft), plain
 
     # ------------------------------------------------------------------ state
     def num_waiting(self) -> int:

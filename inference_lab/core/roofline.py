@@ -17,6 +17,17 @@ Rule 4: with a measured step table (:mod:`inference_lab.core.step_table`) a step
         apply: it is measured); outside, the measurement at the nearest point of the box
         times the ratio of Rule 1's prices of the step and of that point, both taken for
         the even batch the table's coordinates describe.
+Rule 5: an MLA layer's attention FLOPs are summed apart for decode sequences (at most the
+        verify width of positions: the absorbed form) and prefill chunks (the expanded
+        form, plus the up-projection of their cached context); its KV bytes are the
+        latent's, as every layer's are.
+Rule 6: with data-parallel attention a replica's step is its ranks' lockstep step: the
+        slowest rank's own part (dense weights, attention, its all-reduces) plus the
+        experts' part over all the ranks' tokens and the all-to-alls, priced once.
+Rule 7: a speculative step costs its verify batch (each decoding sequence at its verify
+        width) plus its drafter, added before time_correction; without ``[speculative]``
+        or MLA layers and with ``ep`` and ``dp_attention`` at 1, every price is the one
+        Rules 1-4 give, to the last bit.
 """
 
 from __future__ import annotations
@@ -29,7 +40,15 @@ from typing import Any
 import attrs
 import numpy as np
 
-from inference_lab.core.config import BYTES_PER_VALUE, AttentionLayer, Deployment, LinearLayer
+from inference_lab.core.config import (
+    BYTES_PER_VALUE,
+    AttentionLayer,
+    Deployment,
+    Layer,
+    LinearLayer,
+    MLALayer,
+    WeightStream,
+)
 from inference_lab.core.step_table import StepTable
 
 IntArray = np.ndarray[Any, np.dtype[np.int64]]
@@ -57,13 +76,16 @@ class BatchTerms:
     """What a step's price depends on: its token count, its sequence count and, per
     attention window class of the model (ascending windows, full attention first as 0),
     the sums over its sequences of ``n * att`` and of ``att`` (``att`` = the positions a
-    sequence attends at its chunk's midpoint, capped by the window). All integers, so
-    adding a sequence (:meth:`Roofline.add_sequence`) gives exactly the terms of the
-    batch with it."""
+    sequence attends at its chunk's midpoint, capped by the window). Per MLA class
+    (``mla``, in the same order), the same two sums and two more over its prefill chunks
+    only (``n`` above the decode width): ``n * att`` and the context ``min(c, window)``
+    they up-project. All integers, so adding a sequence (:meth:`Roofline.add_sequence`)
+    gives exactly the terms of the batch with it."""
 
     tokens: int
     seqs: int
     sums: list[list[int]]
+    mla: list[list[int]] = attrs.field(factory=list)
 
 
 def expert_read_fraction(num_experts: int, k: int, tokens: int) -> float:
@@ -71,39 +93,100 @@ def expert_read_fraction(num_experts: int, k: int, tokens: int) -> float:
     return float(num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** (k * tokens)))
 
 
-class Roofline:
-    """Prices engine steps for one deployment. Built once per engine; ``step_cost`` is the
-    hot path called once per engine step."""
+def mla_flop_coefficients(layer: MLALayer) -> tuple[float, float, float]:
+    """FLOPs of one MLA layer class (``count`` layers): per (query, key) pair in the
+    absorbed form (decode: multi-query attention over the latent, ``2 N (2 Lkv + R)``), per
+    pair in the expanded form (prefill: ``2 N (P + R + V)``), and per cached context
+    position a prefill chunk up-projects to keys and values (``2 Lkv N (P + V)``).
+    DeepSeek-V2 (arXiv:2405.04434) and vLLM's ``v1/attention/backends/mla/common.py``."""
+    n, lkv, r = layer.heads, layer.kv_latent_dim, layer.rope_dim
+    p, v = layer.qk_nope_dim, layer.v_head_dim
+    count = layer.count
+    return (
+        count * 2.0 * n * (2 * lkv + r),
+        count * 2.0 * n * (p + r + v),
+        count * 2.0 * lkv * n * (p + v),
+    )
 
-    def __init__(self, dep: Deployment) -> None:
+
+def all_to_all_time(dep: Deployment, tokens: int, k: int) -> float:
+    """One all-to-all (an MoE layer's dispatch, or its combine) of ``tokens`` tokens over
+    ``ep`` GPUs: each GPU sends its ``tokens / ep`` tokens' hidden vectors to the other GPUs
+    holding one of their ``k`` experts (``ep - 1`` GPUs, each with probability ``q = 1 -
+    (1 - 1/ep)^k``), over NVLink within a node and the NIC across nodes, both at once:
+    ``latency + bytes / bandwidth`` of the slower path. 0 without tokens or with ep 1."""
+    ep = dep.hardware.ep
+    fabric = dep.profile.fabric
+    if ep <= 1 or tokens == 0 or fabric is None:
+        return 0.0
+    model = dep.model
+    q = 1.0 - (1.0 - 1.0 / ep) ** k
+    per_peer = tokens / ep * q * model.hidden_dim * model.activation_bytes
+    up = fabric.scale_up
+    node = fabric.gpus_per_node
+    if ep <= node:
+        return up.latency + (ep - 1) * per_peer / up.bandwidth
+    out = fabric.scale_out
+    assert out is not None  # validation: ep <= tp and tp > gpus_per_node needs scale_out
+    nvlink = up.latency + (node - 1) * per_peer / up.bandwidth
+    nic = out.latency + (ep - node) * per_peer / out.bandwidth
+    return max(nvlink, nic)
+
+
+class Roofline:
+    """Prices engine steps for one deployment. Built once per engine; ``price`` is the
+    hot path called once per engine step.
+
+    ``weights`` and ``layers`` replace the model's (a drafter is priced so, ``drafting``:
+    no per-step overhead, no step table, no drafter of its own, one attention rank)."""
+
+    def __init__(
+        self,
+        dep: Deployment,
+        *,
+        weights: tuple[WeightStream, ...] | None = None,
+        layers: tuple[Layer, ...] | None = None,
+        drafting: bool = False,
+    ) -> None:
         model, profile, hw = dep.model, dep.profile, dep.hardware
+        weights = model.weights if weights is None else weights
+        layers = model.layers if layers is None else layers
         tp = hw.tp
+        dp = 1 if drafting else hw.dp_attention
+        g = tp // dp  # the GPUs of one attention rank (all of them without DP attention)
         self.deployment = dep
+        self.dp = dp
         self.alpha = hw.time_correction.alpha
         self.beta = hw.time_correction.beta
         eff = dep.efficiency
         self._eta_flops = eff.flops
         self._eta_bw = eff.memory_bandwidth
-        self._overhead = eff.step_overhead
-        self._table: StepTable | None = dep.step_table
-        #: achievable bytes/s of one replica (datasheet x tp x efficiency)
-        self.bandwidth = profile.memory_bandwidth * tp * eff.memory_bandwidth
+        self._overhead = 0.0 if drafting else eff.step_overhead
+        self._table: StepTable | None = None if drafting else dep.step_table
+        #: achievable bytes/s of one attention rank (datasheet x GPUs x efficiency)
+        self.bandwidth = profile.memory_bandwidth * g * eff.memory_bandwidth
         self.block_size = dep.scheduler.block_size
         self.block_bytes = dep.block_bytes
         self.total_blocks = dep.total_blocks
-        precisions = sorted({w.precision for w in model.weights} | {model.attention_precision})
+        attention_precision = model.attention_precision
+        precisions = sorted({w.precision for w in weights} | {attention_precision})
         self._index = {p: i for i, p in enumerate(precisions)}
         rates = []
+        peaks = []
         for p in precisions:
             rate = profile.flops(p)
             if rate is None:  # config validation guarantees this cannot happen
                 raise ValueError(f"no FLOP rate for {p} in profile {profile.name}")
-            rates.append(rate * tp * eff.flops)
+            rates.append(rate * g * eff.flops)
+            peaks.append(rate * tp * eff.flops)
         self._rates = rates
-        self._attn_idx = self._index[model.attention_precision]
-        # weight streams: (precision index, active, routing terms or None)
+        self._attn_idx = self._index[attention_precision]
+        # weight streams: (precision index, active, routing terms or None); with DP
+        # attention the routed experts are priced apart (``_experts``), over every GPU
         self._weights: list[tuple[int, float, float, tuple[float, float, int, int] | None]] = []
-        for w in model.weights:
+        self._experts: list[tuple[int, float, float, int, int]] = []
+        moe_k = 0
+        for w in weights:
             b = BYTES_PER_VALUE[w.precision]
             routed = None
             if w.routing is not None and w.routing.routed_experts > w.routing.experts_per_tok:
@@ -111,12 +194,23 @@ class Roofline:
                 per_expert = (w.resident_params - w.active_params) / (e - k)
                 shared = max(0.0, w.active_params - k * per_expert)
                 routed = (shared, per_expert, e, k)
-            self._weights.append((self._index[w.precision], w.active_params, b, routed))
+            if w.routing is not None:
+                moe_k = max(moe_k, w.routing.experts_per_tok)
+            idx = self._index[w.precision]
+            if dp > 1 and routed is not None:
+                shared, per_expert, e, k = routed
+                self._weights.append((idx, shared, b, None))
+                self._experts.append((idx, k * per_expert, b * per_expert, e, k))
+            else:
+                self._weights.append((idx, w.active_params, b, routed))
+        self._expert_rates = peaks
+        self._expert_bandwidth = profile.memory_bandwidth * tp * eff.memory_bandwidth
         # attention / KV / state, grouped by window so the batch is touched once per group
         attn_flops: dict[int, float] = {}  # window -> Σ count·4·heads·head_dim
         kv_bytes: dict[int, float] = {}  # window -> Σ count·kvpp
+        mla: dict[int, list[float]] = {}  # window -> [absorbed, expanded, context, kv bytes]
         state = 0.0
-        for layer in model.layers:
+        for layer in layers:
             if isinstance(layer, AttentionLayer):
                 attn_flops[layer.window] = attn_flops.get(layer.window, 0.0) + (
                     layer.count * 4 * layer.heads * layer.head_dim
@@ -124,42 +218,80 @@ class Roofline:
                 kv_bytes[layer.window] = kv_bytes.get(layer.window, 0.0) + (
                     layer.count * layer.kv_bytes_per_position
                 )
+            elif isinstance(layer, MLALayer):
+                coef = mla.setdefault(layer.window, [0.0, 0.0, 0.0, 0.0])
+                for i, value in enumerate(mla_flop_coefficients(layer)):
+                    coef[i] += value
+                coef[3] += layer.count * dep.kv_bytes_per_position(layer)
             elif isinstance(layer, LinearLayer):
                 state += layer.count * layer.state_bytes
         self._windows = [(w, attn_flops[w], kv_bytes[w]) for w in sorted(attn_flops)]
+        self._mla: list[tuple[int, float, float, float, float]] = [
+            (window, mla[window][0], mla[window][1], mla[window][2], mla[window][3])
+            for window in sorted(mla)
+        ]
         self._state_bytes = state
-        self._windowed_kv = [(w, kv_bytes[w]) for w in sorted(kv_bytes) if w > 0]
+        windowed = dict(kv_bytes)
+        for window, coef in mla.items():
+            windowed[window] = windowed.get(window, 0.0) + coef[3]
+        self._windowed_kv = [(w, windowed[w]) for w in sorted(windowed) if w > 0]
         # private blocks by resident positions, up to the widest window (constant beyond)
         widest = max((w for w, _ in self._windowed_kv), default=0)
         self._private_table = [self._private_blocks(t) for t in range(widest + 1)]
-        # collectives
+        #: the width up to which an MLA sequence decodes (absorbed form): its verify width
+        spec = None if drafting else dep.speculative
+        self.decode_width = 1 if spec is None else 1 + spec.num_speculative_tokens
+        # collectives: all-reduces within an attention rank (the attention layers, and the
+        # MLP layers whose tokens no all-to-all moves), all-to-alls over the experts' GPUs
         self._collective: tuple[float, float] | None = None  # (fixed, per byte) per step
         self._message_per_token = model.hidden_dim * model.activation_bytes
-        if tp > 1 and profile.fabric is not None:
+        moe_layers = 0
+        if hw.ep > 1:
+            moe_layers = max((w.routing.moe_layers for w in weights if w.routing), default=0)
+        num_layers = sum(layer.count for layer in layers)
+        if g > 1 and profile.fabric is not None:
             fab = profile.fabric
             up = fab.scale_up
             k = fab.gpus_per_node
-            calls = 2 * model.num_layers
-            if tp <= k:
-                f = 1.0 if up.in_network_reduction else 2 * (tp - 1) / tp
+            calls = 2 * num_layers - moe_layers
+            if g <= k:
+                f = 1.0 if up.in_network_reduction else 2 * (g - 1) / g
                 fixed, per_byte = up.latency, f / up.bandwidth
             else:
                 out = fab.scale_out
                 if out is None:  # validation guarantees this cannot happen
                     raise ValueError("tp wider than a node needs fabric.scale_out")
-                n = math.ceil(tp / k)
+                n = math.ceil(g / k)
                 f_out = 1.0 if out.in_network_reduction else 2 * (n - 1) / n
                 fixed = 2 * up.latency + out.latency
                 per_byte = 2 * (k - 1) / k / up.bandwidth + f_out / k / out.bandwidth
             self._collective = (calls * fixed, calls * per_byte)
+        self._a2a_calls = 2 * moe_layers
+        self._moe_k = moe_k
         self._by_tokens: dict[int, tuple[tuple[float, ...], tuple[float, ...], float]] = {}
+        self._experts_by_tokens: dict[int, tuple[float, float, float]] = {}
+        # the drafter of a speculative deployment
+        self.speculative = spec
+        self._fraction = 0.0
+        self._draft: Roofline | None = None
+        if spec is not None:
+            drafter = spec.drafter
+            if drafter.kind == "fraction":
+                assert drafter.fraction is not None  # validated
+                self._fraction = drafter.fraction
+            else:
+                self._draft = Roofline(
+                    dep, weights=drafter.weights, layers=drafter.layers, drafting=True
+                )
 
     # ----------------------------------------------------------------------------------
     def weight_read(self, tokens: int) -> list[float]:
         """Bytes read from HBM by each weight stream (in ``model.weights`` order) for a step
         of ``tokens`` tokens: a dense stream reads its active parameters; a routed (MoE)
         stream its shared part plus the experts the tokens touch
-        (:func:`expert_read_fraction`). ``step_cost`` prices its memory time with it."""
+        (:func:`expert_read_fraction`). ``step_cost`` prices its memory time with it. With
+        data-parallel attention, a routed stream's part here is its shared part (its
+        experts are :meth:`expert_time`'s)."""
         out = []
         for _idx, active, b, routed in self._weights:
             if routed is None or tokens == 0:
@@ -170,10 +302,43 @@ class Roofline:
         return out
 
     def collective_time(self, tokens: int) -> float:
-        if self._collective is None or tokens == 0:
+        """The all-reduces of a step of ``tokens`` tokens (of one attention rank) and, without
+        data-parallel attention, its MoE layers' all-to-alls."""
+        if tokens == 0:
             return 0.0
-        fixed, per_byte = self._collective
-        return fixed + per_byte * tokens * self._message_per_token
+        total = 0.0
+        if self._collective is not None:
+            fixed, per_byte = self._collective
+            total = fixed + per_byte * tokens * self._message_per_token
+        if self._a2a_calls and self.dp == 1:
+            total += self._a2a_calls * all_to_all_time(self.deployment, tokens, self._moe_k)
+        return total
+
+    def expert_time(self, tokens: int) -> tuple[float, float, float]:
+        """Data-parallel attention (Rule 6): the experts' part of a lockstep step whose ranks
+        hold ``tokens`` tokens in all, over every GPU of the replica: its roofline time (each
+        precision at the larger of compute and memory), its compute and memory times, with
+        the MoE layers' all-to-alls in the first."""
+        cached = self._experts_by_tokens.get(tokens)
+        if cached is not None:
+            return cached
+        flops = [0.0] * len(self._rates)
+        mem = [0.0] * len(self._rates)
+        if tokens:
+            for idx, active, per_expert_bytes, e, k in self._experts:
+                flops[idx] += 2.0 * active * tokens
+                mem[idx] += per_expert_bytes * expert_read_fraction(e, k, tokens)
+        roof = compute = memory = 0.0
+        bw = self._expert_bandwidth
+        for rate, f, byt in zip(self._expert_rates, flops, mem, strict=True):
+            tc, tm = f / rate, byt / bw
+            compute += tc
+            memory += tm
+            roof += tc if tc > tm else tm
+        roof += self._a2a_calls * all_to_all_time(self.deployment, tokens, self._moe_k)
+        out = (roof, compute, memory)
+        self._experts_by_tokens[tokens] = out
+        return out
 
     def step_cost(self, n: IntArray, c: IntArray) -> StepCost:
         """Price a batch: request i computes ``n[i]`` new positions on top of ``c[i]``."""
@@ -182,14 +347,30 @@ class Roofline:
     def _array_terms(self, n: IntArray, c: IntArray) -> BatchTerms:
         add = np.add.reduce  # (``.sum()`` goes through a Python wrapper: twice the cost)
         sums: list[list[int]] = []
+        mla: list[list[int]] = []
         if len(n):
             m = c + (n + 1) // 2
             for window, _, _ in self._windows:
                 att = np.minimum(m, window) if window > 0 else m
                 sums.append([int(np.dot(n, att)), int(add(att))])
+            if self._mla:
+                pre = n > self.decode_width
+                n_pre = np.where(pre, n, 0)
+                for window, _a, _e, _c, _k in self._mla:
+                    att = np.minimum(m, window) if window > 0 else m
+                    ctx = np.minimum(c, window) if window > 0 else c
+                    mla.append(
+                        [
+                            int(np.dot(n, att)),
+                            int(add(att)),
+                            int(np.dot(n_pre, att)),
+                            int(add(np.where(pre, ctx, 0))),
+                        ]
+                    )
         else:
             sums = [[0, 0] for _ in self._windows]
-        return BatchTerms(int(add(n)), len(n), sums)
+            mla = [[0, 0, 0, 0] for _ in self._mla]
+        return BatchTerms(int(add(n)), len(n), sums, mla)
 
     def batch_terms(self, ns: list[int], cs: list[int]) -> BatchTerms:
         """What a batch given as lists (the engine's) is priced from (:class:`BatchTerms`).
@@ -206,7 +387,20 @@ class Roofline:
         for window, _, _ in self._windows:
             att = [m if m < window else window for m in mids] if window > 0 else mids
             sums.append([sum([n * a for n, a in zip(ns, att, strict=True)]), sum(att)])
-        return BatchTerms(sum(ns), len(ns), sums)
+        terms = BatchTerms(sum(ns), len(ns), sums)
+        if self._mla:
+            width = self.decode_width
+            for window, _a, _e, _c, _k in self._mla:
+                row = [0, 0, 0, 0]
+                for n, c, m in zip(ns, cs, mids, strict=True):
+                    a = m if window <= 0 or m < window else window
+                    row[0] += n * a
+                    row[1] += a
+                    if n > width:
+                        row[2] += n * a
+                        row[3] += c if window <= 0 or c < window else window
+                terms.mla.append(row)
+        return terms
 
     def add_sequence(self, terms: BatchTerms, n: int, c: int) -> None:
         """Add to ``terms`` one sequence computing ``n`` new positions on top of ``c``:
@@ -219,24 +413,57 @@ class Roofline:
             att = m if window <= 0 or m < window else window
             sums[0] += n * att
             sums[1] += att
+        for (window, _a, _e, _c, _k), row in zip(self._mla, terms.mla, strict=True):
+            att = m if window <= 0 or m < window else window
+            row[0] += n * att
+            row[1] += att
+            if n > self.decode_width:
+                row[2] += n * att
+                row[3] += c if window <= 0 or c < window else window
 
     def price(self, terms: BatchTerms) -> StepCost:
-        """The cost of the batch ``terms`` sums up."""
+        """The cost of the batch ``terms`` sums up (with data-parallel attention, a step in
+        which one rank runs it and the others idle: :meth:`group_price`)."""
         if self._table is not None and terms.seqs:
             return self._table_price(terms)
-        return self._price(terms.tokens, terms.seqs, terms.sums)
+        if self.dp > 1:
+            return self.group_price((terms,))
+        return self._price(terms.tokens, terms.seqs, terms.sums, terms.mla)
+
+    def group_price(self, ranks: Sequence[BatchTerms]) -> StepCost:
+        """Data-parallel attention (Rule 6): the lockstep step of a replica's ranks, each
+        computing its own batch ``ranks[i]``: the slowest rank's own part, then the
+        experts over all their tokens and the all-to-alls, the overhead, time_correction."""
+        slowest = (0.0, 0.0, 0.0)
+        tokens = 0
+        for terms in ranks:
+            tokens += terms.tokens
+            streams, collective, compute, memory = self._roof(
+                terms.tokens, terms.seqs, terms.sums, terms.mla
+            )
+            if streams + collective > slowest[0]:
+                slowest = (streams + collective, compute, memory)
+        experts = self.expert_time(tokens)
+        roof = slowest[0] + experts[0] + self._overhead
+        return StepCost(
+            self.alpha * roof + self.beta,
+            roof,
+            (slowest[1] + experts[1]) * self._eta_flops,
+            (slowest[2] + experts[2]) * self._eta_bw,
+        )
 
     def _table_price(self, terms: BatchTerms) -> StepCost:
         """Rule 4: the step table's price of the batch ``terms`` sums up."""
         table = self._table
         assert table is not None
         b, p = terms.seqs, terms.tokens - terms.seqs
-        c = terms.sums[0][1] / b  # window classes ascend: the first is full attention
+        # window classes ascend: the first is full attention
+        c = (terms.sums[0][1] if terms.sums else terms.mla[0][1]) / b
         point = table.clamp(b, p, c)
         seconds = table.interpolate(*point)
         if point != (b, p, c):
             seconds *= self.even_price(b, p, c) / self.even_price(*point)
-        cost = self._price(terms.tokens, terms.seqs, terms.sums)
+        cost = self._price(terms.tokens, terms.seqs, terms.sums, terms.mla)
         return StepCost(seconds, seconds, cost.compute, cost.memory)
 
     def even_price(self, batch: float, prefill: float, context: float) -> float:
@@ -249,13 +476,26 @@ class Roofline:
         for window, _, _ in self._windows:
             att = min(context, window) if window > 0 else context
             sums.append([tokens * att, batch * att])
-        return self._price(tokens, round(batch), sums).seconds
+        mla: list[list[float]] = []
+        prefilling = batch > 0 and tokens / batch > self.decode_width
+        for window, _a, _e, _c, _k in self._mla:
+            att = min(context, window) if window > 0 else context
+            dot = tokens * att
+            mla.append([dot, batch * att, dot if prefilling else 0.0, 0.0])
+        return self._price(tokens, round(batch), sums, mla).seconds
 
-    def _price(self, tokens: int, nreq: int, sums: Sequence[Sequence[float]]) -> StepCost:
+    def _price(
+        self,
+        tokens: int,
+        nreq: int,
+        sums: Sequence[Sequence[float]],
+        mla: Sequence[Sequence[float]] = (),
+    ) -> StepCost:
         """The step's cost from its token count, its sequence count and, per attention
         window class (``_windows`` order), the sums over its sequences of ``n * att`` and
         of ``att`` (``att`` = the positions attended at the chunk's midpoint, capped by
-        the window)."""
+        the window); per MLA class, :class:`BatchTerms`' four sums. With data-parallel
+        attention, one rank's step on its own (:meth:`group_price` adds the experts)."""
         fixed = self._by_tokens.get(tokens)
         if fixed is None:
             fixed = self._by_tokens[tokens] = self._token_terms(tokens)
@@ -267,6 +507,8 @@ class Roofline:
             ):
                 flops[a] += attn_coef * float(dot)
                 mem[a] += kv_coef * float(total)
+            if self._mla:
+                self._add_mla(flops, mem, mla)
             mem[a] += self._state_bytes * nreq
         compute = memory = roof = 0.0
         bw = self.bandwidth
@@ -285,6 +527,56 @@ class Roofline:
             memory * self._eta_bw,
         )
 
+    def _roof(
+        self,
+        tokens: int,
+        nreq: int,
+        sums: Sequence[Sequence[float]],
+        mla: Sequence[Sequence[float]],
+    ) -> tuple[float, float, float, float]:
+        """Rule 1 without the overhead and time_correction: the streams' roofline time (each
+        at the larger of compute and memory), the collectives' time, the compute time and
+        the memory time."""
+        fixed = self._by_tokens.get(tokens)
+        if fixed is None:
+            fixed = self._by_tokens[tokens] = self._token_terms(tokens)
+        flops, mem, collective = list(fixed[0]), list(fixed[1]), fixed[2]
+        if nreq:
+            a = self._attn_idx
+            for (_window, attn_coef, kv_coef), (dot, total) in zip(
+                self._windows, sums, strict=True
+            ):
+                flops[a] += attn_coef * float(dot)
+                mem[a] += kv_coef * float(total)
+            if self._mla:
+                self._add_mla(flops, mem, mla)
+            mem[a] += self._state_bytes * nreq
+        compute = memory = roof = 0.0
+        bw = self.bandwidth
+        for rate, f, byt in zip(self._rates, flops, mem, strict=True):
+            tc = f / rate
+            tm = byt / bw
+            compute += tc
+            memory += tm
+            roof += tc if tc > tm else tm
+        return roof, collective, compute, memory
+
+    def _add_mla(
+        self, flops: list[float], mem: list[float], mla: Sequence[Sequence[float]]
+    ) -> None:
+        """Rule 5: the MLA classes' attention FLOPs (absorbed for decode sequences, expanded
+        for prefill chunks and their context's up-projection) and KV bytes."""
+        a = self._attn_idx
+        for (_window, absorbed, expanded, context, kv_coef), (dot, total, dot_pre, ctx_pre) in zip(
+            self._mla, mla, strict=True
+        ):
+            flops[a] += (
+                absorbed * float(dot - dot_pre)
+                + expanded * float(dot_pre)
+                + context * float(ctx_pre)
+            )
+            mem[a] += kv_coef * float(total)
+
     def _token_terms(self, tokens: int) -> tuple[tuple[float, ...], tuple[float, ...], float]:
         """What a step's price owes to its token count alone: the flops and bytes of each
         rate class from the weights, and the collectives' time (kept per count in
@@ -301,6 +593,46 @@ class Roofline:
     def step_time(self, n: IntArray, c: IntArray) -> float:
         """Seconds for the batch, after time_correction."""
         return self.step_cost(n, c).seconds
+
+    # ----------------------------------------------------------------------------------
+    def draft_time(
+        self,
+        plain: float,
+        plain_ns: list[int],
+        plain_cs: list[int],
+        drafting_cs: list[int],
+        gamma: int,
+    ) -> float:
+        """Rule 7: the drafter's seconds (before time_correction) for a step whose
+        drafting sequences (their contexts ``drafting_cs``) propose ``gamma`` tokens each.
+        ``fraction``: gamma times ``fraction`` of ``plain``, the target's roofline time of
+        the batch without drafts. A draft model or MTP head: one pass over the batch
+        without drafts (``plain_ns`` / ``plain_cs``: each decoding sequence one position,
+        prefill chunks whole), then ``gamma - 1`` passes of one position per drafting
+        sequence."""
+        if gamma <= 0 or not drafting_cs:
+            return 0.0
+        draft = self._draft
+        if draft is None:
+            return self._fraction * gamma * plain
+        seconds = draft.pass_time(draft.batch_terms(plain_ns, plain_cs))
+        if gamma > 1:
+            later = draft.batch_terms([1] * len(drafting_cs), [c + 1 for c in drafting_cs])
+            seconds += (gamma - 1) * draft.pass_time(later)
+        return seconds
+
+    def pass_time(self, terms: BatchTerms) -> float:
+        """One forward pass over ``terms`` without overhead or time_correction (a
+        drafter's pass)."""
+        streams, collective, _, _ = self._roof(terms.tokens, terms.seqs, terms.sums, terms.mla)
+        return streams + collective
+
+    def with_draft(self, cost: StepCost, draft: float) -> StepCost:
+        """``cost`` with ``draft`` seconds of drafting added before time_correction."""
+        if draft == 0.0:
+            return cost
+        roof = cost.roofline + draft
+        return StepCost(self.alpha * roof + self.beta, roof, cost.compute, cost.memory)
 
     # ----------------------------------------------------------------------------------
     def _private_blocks(self, positions: int) -> int:

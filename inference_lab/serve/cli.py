@@ -281,6 +281,8 @@ def _banner(
         sched, hw = dep.scheduler, dep.hardware
         bound = str(sched.max_waiting) if sched.max_waiting else "0 (unbounded)"
         extra = f"  tp {hw.tp}" + (f" x {hw.replicas} replicas" if hw.replicas > 1 else "")
+        if hw.dp_attention > 1 or hw.ep > 1:
+            extra += f" (ep {hw.ep}, dp attention {hw.dp_attention})"
         lines.append(
             f"  {dep.model.name:<{width}}  max_num_seqs {sched.max_num_seqs}  "
             f"max_waiting {bound}{extra}  ({dep.config_path})"

@@ -283,7 +283,12 @@ async def complete(
             created = int(time.time())
             sink: StreamSink | CollectSink
             if parsed.stream:
-                encoder = StreamEncoder(parsed, request_id=request_id, created=created)
+                encoder = StreamEncoder(
+                    parsed,
+                    request_id=request_id,
+                    created=created,
+                    multi_token=runtime.deployment.speculative is not None,
+                )
                 sink = ServedStreamSink(encoder, state)
             else:
                 sink = CollectSink()

@@ -177,7 +177,7 @@ class ModelPublisher:
         )
         self._queue_size = queue_size
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
-        cap = max(MIN_REMEMBERED, 2 * deployment.total_blocks * deployment.hardware.replicas)
+        cap = max(MIN_REMEMBERED, 2 * deployment.total_blocks * deployment.workers)
         self._remembered: collections.OrderedDict[int, tuple[Any, int]] = collections.OrderedDict()
         self._remember_cap = cap
         self._seq = 0

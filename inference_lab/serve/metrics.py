@@ -31,6 +31,12 @@ Rule 6: the prefix cache is exported as vLLM exports it, per engine core: our re
         carry the cache's configuration (``block_size``, ``num_gpu_blocks``,
         ``enable_prefix_caching``, ``gpu_memory_utilization``, written as vLLM writes
         them: ``str()`` of the value).
+Rule 7: a speculative model exports vLLM's speculative-decoding counters, per engine as
+        vLLM does (labels ``model_name``, ``engine``): ``vllm:spec_decode_num_drafts``,
+        ``..._num_draft_tokens``, ``..._num_accepted_tokens`` and
+        ``..._num_accepted_tokens_per_pos`` (label ``position``), counted when a step's
+        batch is chosen (its acceptance is drawn then). A lockstep step of data-parallel
+        attention ranks counts under its first rank. Other models export none of them.
 """
 
 from __future__ import annotations
@@ -198,6 +204,17 @@ class ModelMetrics:
         #: ... engine events handled, and the largest lag since the sampler last reset it.
         self.lag_events = 0
         self.lag_peak = 0.0
+        #: Speculative decoding (Rule 7): per engine, drafts, draft tokens, accepted tokens
+        #: and accepted tokens per position; None for a model that does not speculate.
+        spec = runtime.deployment.speculative
+        self.spec: dict[int, list[int]] | None = None
+        self.spec_positions = 0
+        if spec is not None:
+            self.spec_positions = spec.num_speculative_tokens
+            self.spec = {
+                w: [0, 0, 0] + [0] * spec.num_speculative_tokens
+                for w in range(runtime.deployment.workers)
+            }
 
     # -- the engine task (RuntimeObserver) ---------------------------------------------
     def on_step(self, events: StepEvents, lag: float) -> None:
@@ -205,9 +222,19 @@ class ModelMetrics:
         self.lag_events += 1
         if lag > self.lag_peak:
             self.lag_peak = lag
-        # a request emits at most one token per sequence per step: one entry each
-        self.tokens_emitted += len(events.tokens)
         step = events.step
+        if self.spec is None:
+            # a request emits at most one token per sequence per step: one entry each
+            self.tokens_emitted += len(events.tokens)
+        else:  # a verify step emits several (Rule 7)
+            self.tokens_emitted += sum([count for _, count in events.tokens])
+            if step is not None and step.drafts:
+                row = self.spec[step.worker]
+                row[0] += step.drafts
+                row[1] += step.draft_tokens
+                row[2] += step.accepted_tokens
+                for j, count in enumerate(step.accepted_per_position):
+                    row[3 + j] += count
         if step is not None:
             self.iteration.observe(step.num_tokens)
             self.preemptions += step.preempted
@@ -319,6 +346,7 @@ class _Collector:
             [m.generation_tokens for _, m, _, _ in rows],
         )
         yield from _prefix_cache_families(rows)
+        yield from _speculative_families(rows)
         yield counter(
             "vllm:num_preemptions",
             "Cumulative number of preemption from the engine.",
@@ -409,6 +437,40 @@ def _prefix_cache_families(
     yield queries
     yield hits
     yield info
+
+
+def _speculative_families(
+    rows: list[tuple[str, ModelMetrics, RuntimeSnapshot, EngineStatistics | None]],
+) -> Iterator[Metric]:
+    """Rule 7: vLLM's speculative-decoding counters, for the models that speculate."""
+    spec = [(name, m, m.spec) for name, m, _, _ in rows if m.spec is not None]
+    if not spec:
+        return
+    labels = [*_LABEL, "engine"]
+    families = [
+        CounterMetricFamily(
+            "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels=labels
+        ),
+        CounterMetricFamily(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels=labels
+        ),
+        CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels=labels
+        ),
+    ]
+    per_pos = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Accepted tokens per draft position.",
+        labels=[*labels, "position"],
+    )
+    for name, m, counts in spec:
+        for engine, row in counts.items():
+            for i, family in enumerate(families):
+                family.add_metric([name, str(engine)], row[i])
+            for j in range(m.spec_positions):
+                per_pos.add_metric([name, str(engine), str(j)], row[3 + j])
+    yield from families
+    yield per_pos
 
 
 #: (name, documentation, ModelMetrics attribute) of every histogram, in exposition order.

@@ -157,8 +157,8 @@ class ServeState:
         fresh = self._new_runtime(self.settings, old.deployment, self.kv_events)
         fresh.adopt_calibration(old.calibration())  # the machine did not change
         if fresh.kv_events is not None:  # the fresh engine caches nothing (Rule 4)
-            replicas = old.deployment.hardware.replicas
-            fresh.kv_events(tuple(AllBlocksCleared(worker=w) for w in range(replicas)))
+            workers = old.deployment.workers
+            fresh.kv_events(tuple(AllBlocksCleared(worker=w) for w in range(workers)))
         metrics = self.metrics.models.get(name)
         if metrics is not None:  # the model's counters go on across restarts
             metrics.runtime = fresh

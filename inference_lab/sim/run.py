@@ -59,9 +59,11 @@ from inference_lab.sim.summary import (
     ReplicaSummary,
     SessionSummary,
     SimSummary,
+    SpeculativeSummary,
     prefix_cache_summary,
     replica_summaries,
     session_summary,
+    speculative_summary,
     summarize,
 )
 from inference_lab.sim.workload import Arrival, make_generator
@@ -132,6 +134,8 @@ class SimResult:
     has_content: bool = False
     #: the sampled series (Rule 6), when asked for
     series: Series | None = None
+    #: speculative decoding's figures, when the deployment speculates
+    speculative: SpeculativeSummary | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The summary sections of `sim -o`'s JSON, plus the peak queue, the capacity
@@ -142,6 +146,8 @@ class SimResult:
         out["replicas"] = [r.to_dict() for r in self.replicas]
         if self.sessions is not None:
             out["sessions"] = self.sessions.to_dict()
+        if self.speculative is not None:
+            out["speculative"] = self.speculative.to_dict()
         out["peak_waiting"] = self.peak_waiting
         out["capacity"] = None if self.capacity is None else self.capacity.to_dict()
         out["time"] = {
@@ -349,6 +355,7 @@ def run_simulation(
         has_content=generator.has_content,
         capacity=capacity,
         series=recorder.finish(engine.now, engine) if recorder is not None else None,
+        speculative=(speculative_summary(steps) if deployment.speculative is not None else None),
     )
 
 
@@ -472,6 +479,7 @@ def config_dict(
         "gpu": deployment.profile.name,
         "tp": hw.tp,
         "ep": hw.ep,
+        "dp_attention": hw.dp_attention,
         "replicas": hw.replicas,
         "router": hw.router,
         "affinity_load_ratio": hw.affinity_load_ratio,
@@ -481,6 +489,14 @@ def config_dict(
         "step_table": hw.step_table,
         "scheduler": attrs.asdict(sched),
         "kv_blocks_per_replica": deployment.total_blocks,
+        "speculative": (
+            None
+            if deployment.speculative is None
+            else {
+                **attrs.asdict(deployment.speculative),
+                "rates": list(deployment.acceptance_rates),
+            }
+        ),
         "workload": workload_doc,
     }
 
@@ -504,9 +520,11 @@ def format_config(
         f"model      {deployment.model.name}  ({deployment.config_path})",
         f"hardware   {deployment.hardware_name}: {deployment.profile.name} x tp {hw.tp}"
         + (f", ep {hw.ep}" if hw.ep > 1 else "")
+        + (f", dp attention {hw.dp_attention}" if hw.dp_attention > 1 else "")
         + f", {replicas}",
-        f"KV cache   {deployment.total_blocks:,} blocks of {sched.block_size} tokens per replica "
-        f"({kv_gib:,.1f} GiB)",
+        f"KV cache   {deployment.total_blocks:,} blocks of {sched.block_size} tokens per "
+        + ("replica" if hw.dp_attention == 1 else "attention rank")
+        + f" ({kv_gib:,.1f} GiB)",
         f"scheduler  max_num_batched_tokens {sched.max_num_batched_tokens}, max_num_seqs "
         f"{sched.max_num_seqs}, max_waiting {sched.max_waiting}, policy {sched.policy}, "
         f"chunked prefill {chunk}",
@@ -519,6 +537,19 @@ def format_config(
         )
     if hw.step_table is not None:
         lines.append(f"steps      measured step table {hw.step_table} (roofline-scaled outside it)")
+    spec = deployment.speculative
+    if spec is not None:
+        rates = ", ".join(f"{r:.3g}" for r in deployment.acceptance_rates)
+        policy = (
+            "; gamma by batch " + ", ".join(f"{g} from {at}" for at, g in spec.gamma_by_batch)
+            if spec.gamma_by_batch
+            else ""
+        )
+        lines.append(
+            f"speculative {spec.method}: {spec.num_speculative_tokens} draft token(s) per step "
+            f"({spec.drafter.kind} drafter), acceptance by position {rates}, seed "
+            f"{spec.seed}{policy}"
+        )
     if tc.alpha != 1.0 or tc.beta != 0.0:
         lines.append(f"timing     step = {tc.alpha:g} x roofline + {tc.beta:g} s")
     if isinstance(workload, Trace):
@@ -588,6 +619,14 @@ def format_summary(result: SimResult) -> str:
         f"preemptions  {s.preemptions:,}; peak waiting queue {result.peak_waiting:,}",
     ]
     lines += _cache_lines(result)
+    sp = result.speculative
+    if sp is not None:
+        lines.append(
+            f"speculative  {sp.drafts:,} drafts, mean acceptance length "
+            f"{sp.mean_acceptance_length:.2f} ({sp.acceptance_rate:.1%} of "
+            f"{sp.draft_tokens:,} draft tokens accepted); speed-up {sp.speedup:.2f}x "
+            "(estimated: the same batches without speculation)"
+        )
     lines.append(
         f"time         {result.sim_time_s:,.3f} s simulated in {result.wall_time_s:,.3f} s real"
         f"{speedup}"

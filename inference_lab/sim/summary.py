@@ -16,6 +16,11 @@ Rule 5: the prefix cache is reported in tokens, from the engine's counters (quer
         hits at every admission, re-admissions after a preemption included) and the
         requests' own ``cached_tokens`` (at their first admission); a replica's requests
         are the completed requests it ran.
+Rule 6: speculative decoding is reported from the steps' counters as vLLM reports it: the
+        mean acceptance length is ``1 + accepted tokens / drafts``; the speed-up is the
+        time the steps' tokens would have taken without speculation (each step's
+        ``plain_duration``: its batch without drafts, then the extra decode steps its
+        accepted tokens would have needed) over the time they took.
 
 Who calls this: `inference_lab.sim.run` after a run; tests with hand-made records.
 """
@@ -39,11 +44,13 @@ __all__ = [
     "RequestLatencies",
     "SessionSummary",
     "SimSummary",
+    "SpeculativeSummary",
     "StepLike",
     "prefix_cache_summary",
     "replica_summaries",
     "request_latencies",
     "session_summary",
+    "speculative_summary",
     "summarize",
 ]
 
@@ -286,6 +293,81 @@ def summarize(
 
 def _rate(part: int, whole: int) -> float:
     return part / whole if whole else 0.0
+
+
+class SpecStepLike(Protocol):
+    """What the speculative figures need from one step (`engine.StepInfo` has these)."""
+
+    @property
+    def duration(self) -> float: ...
+    @property
+    def drafts(self) -> int: ...
+    @property
+    def draft_tokens(self) -> int: ...
+    @property
+    def accepted_tokens(self) -> int: ...
+    @property
+    def plain_duration(self) -> float: ...
+
+
+@attrs.frozen(kw_only=True)
+class SpeculativeSummary:
+    """Speculative decoding over a run (Rule 6)."""
+
+    drafts: int  # sequences that verified draft tokens, summed over steps
+    draft_tokens: int
+    accepted_tokens: int
+    #: The steps' time, and the time they would have taken without drafts to emit the
+    #: same tokens (seconds).
+    time_s: float
+    plain_time_s: float
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """``1 + accepted / drafts`` (vLLM's definition; 1 without drafts)."""
+        return 1.0 + _rate(self.accepted_tokens, self.drafts)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return _rate(self.accepted_tokens, self.draft_tokens)
+
+    @property
+    def speedup(self) -> float:
+        return self.plain_time_s / self.time_s if self.time_s > 0 else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "drafts": self.drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "speedup": self.speedup,
+        }
+
+
+def speculative_summary(steps: Sequence[SpecStepLike]) -> SpeculativeSummary:
+    """Rule 6 over the steps of a speculative run (a step without drafts counts the same
+    with and without speculation)."""
+    drafts = draft_tokens = accepted = 0
+    time_s = plain_s = 0.0
+    for s in steps:
+        time_s += s.duration
+        d = s.drafts
+        if d:
+            drafts += d
+            draft_tokens += s.draft_tokens
+            accepted += s.accepted_tokens
+            plain_s += s.plain_duration
+        else:
+            plain_s += s.duration
+    return SpeculativeSummary(
+        drafts=drafts,
+        draft_tokens=draft_tokens,
+        accepted_tokens=accepted,
+        time_s=time_s,
+        plain_time_s=plain_s,
+    )
 
 
 @attrs.frozen(kw_only=True)
