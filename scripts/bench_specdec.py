@@ -148,7 +148,9 @@ def deepseek_table() -> None:
         )
         sheet = run_simulation(dep, wl)
         cal = run_simulation(calibrated, wl)
-        totals = [r.summary.input_tokens_per_s + r.summary.output_tokens_per_s for r in (sheet, cal)]
+        totals = [
+            r.summary.input_tokens_per_s + r.summary.output_tokens_per_s for r in (sheet, cal)
+        ]
         print(
             f"| {inp:,} in / {out} out | {count} | {published:,.0f} | {totals[0]:,.0f} | "
             f"{totals[0] / published:.2f}x | {totals[1]:,.0f} | {totals[1] / published:.2f}x | "
