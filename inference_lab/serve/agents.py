@@ -48,7 +48,6 @@ from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.responses import (
     STREAM_HEADERS,
     Reply,
-    engine_failed_reply,
     send_reply,
     shutting_down_reply,
     stream_shutdown_frames,
@@ -313,13 +312,12 @@ async def _respond(
     await sink.event.wait()
     handle.close()
     result = sink.finished
-    if result is not None:
-        reply = Reply(200, body(result))
-    elif not sink.gone and state.shutdown_message is not None:
-        reply = shutting_down_reply(state.shutdown_message)
-    elif not sink.gone:
-        reply = engine_failed_reply(sink.failure or "The engine failed.")
-    else:
+    reply = (
+        Reply(200, body(result))
+        if result is not None
+        else sink.unfinished_reply(state.shutdown_message)
+    )
+    if reply is None:
         return
     with trio.CancelScope(shield=True):
         await send_reply(send, reply, exchange.headers)

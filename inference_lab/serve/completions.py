@@ -69,7 +69,6 @@ from inference_lab.serve.responses import (
     body_timeout_reply,
     body_too_fragmented_reply,
     body_too_large_reply,
-    engine_failed_reply,
     error_reply,
     send_reply,
     shutting_down_reply,
@@ -395,11 +394,10 @@ async def _respond(
                     cached_tokens=finished.cached_tokens,
                 ),
             )
-        elif not sink.gone and state.shutdown_message is not None:
-            reply = shutting_down_reply(state.shutdown_message)
-        elif not sink.gone:
-            reply = engine_failed_reply(sink.failure or "The engine failed.")
         else:
-            return
+            unfinished = sink.unfinished_reply(state.shutdown_message)
+            if unfinished is None:
+                return
+            reply = unfinished
         with trio.CancelScope(shield=True):
             await send_reply(send, reply, exchange.headers)

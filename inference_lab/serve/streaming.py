@@ -56,7 +56,12 @@ import trio
 
 from inference_lab.api.encoding import StreamEncoder
 from inference_lab.core.engine import Finished
-from inference_lab.serve.responses import stream_failure_frames
+from inference_lab.serve.responses import (
+    Reply,
+    engine_failed_reply,
+    shutting_down_reply,
+    stream_failure_frames,
+)
 from inference_lab.serve.transport import ChunkWriter, chunk_writer, one_write
 
 __all__ = ["CollectSink", "Delivery", "LoopMonitor", "StreamSink", "write_stream"]
@@ -205,6 +210,15 @@ class CollectSink:
     def on_gone(self) -> None:
         self.gone = True
         self.event.set()
+
+    def unfinished_reply(self, shutdown_message: str | None) -> Reply | None:
+        """The reply to a request the engine did not finish: the shutdown's when the
+        server is shutting down, else the engine failure's; None when the client left."""
+        if self.gone:
+            return None
+        if shutdown_message is not None:
+            return shutting_down_reply(shutdown_message)
+        return engine_failed_reply(self.failure or "The engine failed.")
 
 
 class LoopMonitor(trio.abc.Instrument):
