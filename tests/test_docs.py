@@ -1,5 +1,6 @@
 """The documentation keeps up with the code: the maintainers' guide's test table names
-every test module, and the links between the pages resolve (files and headings)."""
+every test module, the links between the pages resolve (files and headings), and
+`.gitignore` covers what the example commands write."""
 
 from __future__ import annotations
 
@@ -58,3 +59,76 @@ def test_the_link_check_sees_a_broken_anchor() -> None:
     """The check above can fail: a heading's anchor is found, another word is not."""
     assert "the-serve-package" in _anchors(INTERNALS)
     assert "no-such-heading" not in _anchors(INTERNALS)
+
+
+#: The flags with which the CLIs write a file (or, ``plan -o``, a folder).
+_OUTPUT_FLAGS = (
+    "-o",
+    "--output",
+    "--out",
+    "--csv",
+    "--request-csv",
+    "--report",
+    "--timeseries",
+    "--write-sessions",
+    "--plot",
+)
+
+
+def _example_outputs() -> set[str]:
+    """The relative paths the example commands of the README and docs/ write in the
+    checkout: the values of output flags (placeholders in capitals and the docs' own
+    pictures left out) and ``plan``'s default folder ``plan-<spec name>/``."""
+    found: set[str] = set()
+    for page in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        blocks = re.findall(r"```[^\n]*\n(.*?)```", page.read_text(), flags=re.S)
+        for block in blocks:
+            for command in block.replace("\\\n", " ").splitlines():
+                if "inference-lab " not in command:
+                    continue
+                words = command.split()
+                for flag, value in zip(words, words[1:], strict=False):
+                    if flag in _OUTPUT_FLAGS:
+                        found.add(value)
+                    elif flag.startswith("kind=") and "path=" in flag:
+                        found.add(flag.split("path=", 1)[1])
+                plan = re.search(r"inference-lab plan (\S+\.toml)", command)
+                if plan is not None and not re.search(r" (-o|--out) ", command):
+                    found.add(f"plan-{Path(plan.group(1)).stem}/")
+    return {
+        path
+        for path in found
+        if not re.search(r"[A-Z]{3}", path) and not path.startswith(("docs/", "/", "-"))
+    }
+
+
+def _ignored(path: str, patterns: list[str]) -> bool:
+    """Whether a root-anchored ``.gitignore`` pattern covers ``path`` (a file, or a
+    folder when it ends with ``/``) or the folder it is in."""
+    from fnmatch import fnmatch
+
+    first = path.split("/", 1)[0]
+    for pattern in patterns:
+        if not pattern.startswith("/"):
+            continue
+        body = pattern[1:]
+        if body.endswith("/"):
+            if fnmatch(first, body[:-1]) and ("/" in path):
+                return True
+        elif fnmatch(path, body):
+            return True
+    return False
+
+
+def test_gitignore_covers_what_the_examples_and_builds_write() -> None:
+    """Running the README's and docs' example commands in the checkout, or building the
+    package, leaves ``git status`` clean: ``.gitignore`` names every output."""
+    patterns = [
+        line.strip()
+        for line in (ROOT / ".gitignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    outputs = _example_outputs()
+    assert {"result.json", "report.html", "sessions.jsonl"} <= outputs  # the scan finds them
+    missing = sorted(p for p in outputs | {"build/x", "dist/x"} if not _ignored(p, patterns))
+    assert missing == [], f".gitignore misses {missing}"
