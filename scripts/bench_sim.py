@@ -10,8 +10,17 @@ under 5.5 s.
 subprocesses, and prints both sides' best CPU and wall times and their ratio: a
 before / after measurement on one machine in one run.
 
+``--requests N`` is the scale benchmark: ``poisson-50rps-4000.toml``'s lengths and seed at
+``--rate`` (default 200 requests/s) and N requests on gpt-oss-20b / b200, a loaded
+deployment: it completes about 240 requests/s of this mix, so at 200/s its batches hold
+about 200 requests and its queue stays short, ~1.7 engine steps per request
+(``--workload``, ``--config`` and ``--hardware`` replace them). Each run is in a fresh
+interpreter and prints wall time, CPU time, steps, steps/s and the peak RSS of that
+interpreter (so that the sides' peaks do not mix); with ``--compare-with DIR`` the two
+checkouts alternate as above.
+
     python scripts/bench_sim.py [--repeat N] [--config PATH] [--hardware NAME] [--workload PATH]
-                                [--compare-with DIR]
+                                [--requests N [--rate R]] [--compare-with DIR]
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from inference_lab.cli_args import CliParser, integer
+from inference_lab.cli_args import CliParser, integer, number
 from inference_lab.core.config import load_deployment, load_workload
 from inference_lab.errors import ConfigError
 from inference_lab.resources import shipped_dir
@@ -54,14 +63,19 @@ def _one_run(config: Path, hardware: str, workload_path: Path) -> dict[str, floa
 
 
 _CHILD = """\
-import json, sys, time
+import json, resource, sys, time
+import attrs
 from inference_lab.core.config import load_deployment, load_workload
 from inference_lab.sim.run import run_simulation
 start, cpu = time.perf_counter(), time.process_time()
-result = run_simulation(load_deployment(sys.argv[1], sys.argv[2]), load_workload(sys.argv[3]))
+workload = load_workload(sys.argv[3])
+if len(sys.argv) > 4:
+    workload = attrs.evolve(workload, num_requests=int(sys.argv[4]), arrival_rate=float(sys.argv[5]))
+result = run_simulation(load_deployment(sys.argv[1], sys.argv[2]), workload)
 print(json.dumps({"wall": time.perf_counter() - start, "cpu": time.process_time() - cpu,
                   "steps": result.summary.steps,
-                  "completed": result.summary.requests_completed}))
+                  "completed": result.summary.requests_completed,
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
 
@@ -101,9 +115,11 @@ def compare(base: Path, args: list[str], repeat: int) -> int:
         print("bench_sim: the two checkouts simulate different runs", file=sys.stderr)
     for name, runs in (("this checkout", this), (f"base {base}", other)):
         cpus = ", ".join(f"{r['cpu']:.3f}" for r in runs)
+        rss = f", peak RSS {max(r['rss_mb'] for r in runs):,.0f} MB" if "rss_mb" in runs[0] else ""
         print(
             f"{name}: best CPU {min(r['cpu'] for r in runs):.3f} s, best wall "
-            f"{min(r['wall'] for r in runs):.3f} s (CPU of each run: {cpus})"
+            f"{min(r['wall'] for r in runs):.3f} s{rss}; {int(runs[0]['steps']):,} steps "
+            f"(CPU of each run: {cpus})"
         )
     cpu_ratio = min(r["cpu"] for r in this) / min(r["cpu"] for r in other)
     wall_ratio = min(r["wall"] for r in this) / min(r["wall"] for r in other)
@@ -111,13 +127,47 @@ def compare(base: Path, args: list[str], repeat: int) -> int:
     return 0
 
 
+def scale(args: list[str], repeat: int) -> int:
+    """``--requests N`` without a base: each run in a fresh interpreter (its own peak RSS)."""
+    here = Path(__file__).resolve().parent.parent
+    for i in range(repeat):
+        r = _child_run(here, args)
+        print(
+            f"run {i + 1}: {Path(args[0]).name} [{args[1]}] x {Path(args[2]).name}, "
+            f"{int(args[3]):,} requests at {float(args[4]):g}/s\n"
+            f"  wall time            {r['wall']:8.3f} s\n"
+            f"  CPU time             {r['cpu']:8.3f} s\n"
+            f"  simulated steps      {int(r['steps']):8,d}\n"
+            f"  steps/s (CPU)        {r['steps'] / r['cpu']:8,.0f}\n"
+            f"  completed            {int(r['completed']):8,d}\n"
+            f"  peak RSS             {r['rss_mb']:8,.0f} MB"
+        )
+    return 0
+
+
 def main() -> int:
     parser = CliParser(description=__doc__.splitlines()[0])
     configs = shipped_dir("configs")
-    parser.add_argument("--config", type=Path, default=configs / "Llama-3-70B.toml")
+    parser.add_argument(
+        "--config", type=Path, help="default Llama-3-70B (gpt-oss-20b with --requests)"
+    )
     parser.add_argument("--hardware", default="b200")
     parser.add_argument(
-        "--workload", type=Path, default=configs / "workloads" / "poisson-50rps-4000.toml"
+        "--workload",
+        type=Path,
+        help="default poisson-50rps-4000.toml",
+    )
+    parser.add_argument(
+        "--requests",
+        type=integer(ge=1),
+        metavar="N",
+        help="the scale benchmark: the workload with N requests, peak RSS per run",
+    )
+    parser.add_argument(
+        "--rate",
+        type=number(gt=0),
+        default=200.0,
+        help="with --requests: the arrival rate, requests/s (default 200)",
     )
     parser.add_argument(
         "--repeat", type=integer(ge=1), default=1, help="run this many times (default 1)"
@@ -129,15 +179,24 @@ def main() -> int:
         help="also time the inference_lab package in DIR, alternating (before / after)",
     )
     args = parser.parse_args()
+    if args.config is None:
+        name = "gpt-oss-20b.toml" if args.requests is not None else "Llama-3-70B.toml"
+        args.config = configs / name
+    if args.workload is None:
+        args.workload = configs / "workloads" / "poisson-50rps-4000.toml"
     try:
         load_deployment(args.config, args.hardware)
         load_workload(args.workload)
     except ConfigError as exc:
         print(f"bench_sim: {exc}", file=sys.stderr)
         return 2
+    runs = [str(args.config.resolve()), args.hardware, str(args.workload.resolve())]
+    if args.requests is not None:
+        runs += [str(args.requests), str(args.rate)]
     if args.compare_with is not None:
-        runs = [str(args.config.resolve()), args.hardware, str(args.workload.resolve())]
         return compare(args.compare_with.resolve(), runs, args.repeat)
+    if args.requests is not None:
+        return scale(runs, args.repeat)
 
     worst = 0.0
     for i in range(args.repeat):

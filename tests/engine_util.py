@@ -77,6 +77,7 @@ def assert_blocks_conserved(engine: Engine) -> None:
     step in flight holds exactly the blocks of the positions it has once that step ends
     (no more, no fewer). Without cached blocks this is free + held == total."""
     for w in engine.workers:
+        w.sync_running()  # the vectorised mode's columns hold the running requests' blocks
         pool = w.pool
         own = sum(r.blocks - len(r.held) for r in w.running)
         referenced = {h: c for h, c in pool.ref.items() if c > 0}

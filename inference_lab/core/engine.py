@@ -62,6 +62,16 @@ Rule 9: with ``dp_attention`` ranks, each rank is a worker (its own scheduler, w
         queue and KV blocks) and a replica's ranks step in lockstep: one boundary ends the
         step of all of them and starts their next batches together, priced as one step
         (the slowest rank's part and the shared experts' part: the roofline's Rule 6).
+Rule 10: a worker running at least ``VECTOR_MIN`` plain requests, without speculative
+        decoding and with no block being cached or evictable, keeps their per-step state
+        in numpy columns (:mod:`inference_lab.core.running_arrays`) and chooses and
+        completes a step that takes every one of them whole with array operations; any
+        other step (a budget or free blocks too small for all, a group, a preemption, an
+        abort) leaves that mode first. Both ways produce the same events, to the bit.
+Rule 11: events at the same time are handled in the order they were filed; an arrival
+        submitted with ``preorder`` is filed as if it had been submitted before the first
+        step, so an open loop fed to the engine lazily, in arrival order and never later
+        than its arrival time, runs exactly as if every arrival had been submitted first.
 """
 
 from __future__ import annotations
@@ -74,15 +84,27 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from inference_lab.core.config import Deployment
 from inference_lab.core.kv_cache import NOT_CACHED, BlockPool, KVCacheManager, KVEvent
 from inference_lab.core.roofline import BatchTerms, Roofline, StepCost
+from inference_lab.core.running_arrays import RunningArrays
 from inference_lab.core.speculative import AcceptanceDraws, RateAcceptance, expected_length
 from inference_lab.errors import RequestRefused
 
 _PENDING, _WAITING, _RUNNING, _DONE = 0, 1, 2, 3
+#: A worker enters the vectorised mode (Rule 10) when it runs at least this many plain
+#: requests, and leaves it when it runs fewer than half as many: for a small batch the
+#: per-request loop is cheaper than numpy's fixed cost per call.
+VECTOR_MIN = 32
+#: A vectorised step works out at most this many rows that are not decoding (its
+#: admissions) one by one in Python: cheaper than a dozen numpy calls on a few elements.
+_FEW_ROWS = 8
 _ARRIVAL, _BOUNDARY, _GROUP_BOUNDARY = 0, 1, 2
+#: Heap sequence numbers of arrivals submitted with ``preorder`` start here: below every
+#: number the engine's own counter gives (Rule 11).
+_PREORDER = 1 << 62
 
 
 @attrs.frozen
@@ -462,6 +484,11 @@ class _Worker:
         self.step_cs: list[int] = []
         self.step_dcs: list[int] = []
         self.step_gamma = 0
+        #: Rule 10: the vectorised mode (plain requests, no speculation, no block being
+        #: cached or evictable): whether the deployment allows it, and the running
+        #: requests' columns while in it.
+        self.vector_ok = self.spec is None
+        self.vec: RunningArrays | None = None
 
     @property
     def free_blocks(self) -> int:
@@ -475,6 +502,7 @@ class _Worker:
     def queued_prefill(self) -> int:
         """Prompt positions still to compute here: the rest of every running prefill and
         the whole prefill of every waiting request (``kv_aware``'s queue)."""
+        self.sync_running()
         total = 0
         for r in self.running:
             left = r.prompt + (r.output - 1 if r.output > 1 else 0) - r.computed
@@ -592,12 +620,153 @@ class _Worker:
         self.running_seqs -= r.n
         self.waiting.push_front(r)
 
+    # ------------------------------------------------------------------ vectorised mode
+    def sync_running(self) -> None:
+        """Rule 10: write the columns back to the running requests (their ``computed``,
+        ``output``, ``blocks`` and ``room``) before a reader looks at the objects."""
+        vec = self.vec
+        if vec is not None:
+            vec.sync(self.running[: vec.size])
+
+    def devectorise(self) -> None:
+        """Leave the vectorised mode (Rule 10): the objects take the columns' values back
+        and a step in flight becomes the list of (request, positions) it stands for."""
+        vec = self.vec
+        if vec is None:
+            return
+        rows = self.running[: vec.size]
+        vec.sync(rows)
+        if isinstance(self.batch, _VectorBatch):
+            self.batch = list(zip(rows, vec.n[: vec.size].tolist(), strict=True))
+        self.vec = None
+
+    def _schedule_vector(self, now: float) -> tuple[Any, Any, Any, int] | None:
+        """Rule 10: the batch starting at ``now`` chosen over the columns, when the step
+        takes every running request whole (the budget holds all their chunks, the free
+        blocks all their new blocks); None (nothing changed) otherwise. Returns what
+        :meth:`schedule` returns, the batch a :class:`_VectorBatch` (or a list, when a
+        group is admitted); in the vectorised mode ``n`` and ``c`` are None and the
+        step's terms are in ``step_terms``.
+
+        The rows ``[0, vec.decoding)`` are known to decode (one position each); only the
+        others' chunks are worked out."""
+        running = self.running
+        k = len(running)
+        vec = self.vec
+        if vec is None:
+            vec = self.vec = RunningArrays(running)
+        comp = vec.computed[:k]
+        decoding = vec.decoding
+        budget = self.budget
+        if decoding == k:
+            total = k
+            if total > budget:
+                return None
+            grow = (comp >= vec.room[:k]).nonzero()[0]  # comp + 1 > room
+            pos = comp[grow] + 1 if grow.size else grow
+            d = None
+        else:
+            rest = slice(decoding, k)
+            c = vec.computed[rest]
+            out = vec.output[rest]
+            left = vec.prompt[rest] + np.maximum(out - 1, 0) - c
+            d = np.where(left > 0, np.minimum(left, self.chunk_cap), 1)
+            total = decoding + int(np.add.reduce(d))
+            if total > budget:
+                return None
+            ends = c + d
+            grow_rest = np.flatnonzero(ends > vec.room[rest])
+            grow = np.flatnonzero(comp[:decoding] >= vec.room[:decoding])
+            pos = np.concatenate((comp[grow] + 1, ends[grow_rest]))
+            grow = np.concatenate((grow, grow_rest + decoding))
+        pool = self.pool
+        if grow.size:  # a few rows a step: element by element, not fancy indexing
+            blocks = vec.blocks
+            rows = grow.tolist()
+            old = [int(blocks[i]) for i in rows]
+            wanted = [self.blocks_for(p) for p in pos.tolist()]
+            need = 0
+            for b, w in zip(old, wanted, strict=True):
+                if w > b:
+                    need += w - b
+            if need > pool.free:
+                return None
+            pool.free -= need
+            room_for = self.roofline.room_for
+            room = vec.room
+            for i, b, w in zip(rows, old, wanted, strict=True):
+                held = w if w > b else b
+                blocks[i] = held
+                room[i] = room_for(held)
+        if d is None:
+            vec.n[:k] = 1
+        else:
+            vec.n[:decoding] = 1
+            vec.n[decoding:k] = d
+        vec.step_decoding = decoding
+        self.step_gamma = 0
+        self.step_id += 1
+        mark = self.step_id
+        budget -= total
+        batch: Any = _VectorBatch(self)
+        ns: Any = None
+        cs: Any = None
+        while budget > 0 and self.waiting.count:
+            admitted = self.admit_head(now, mark, budget)
+            if admitted is None:
+                break
+            r, n = admitted
+            if isinstance(batch, _VectorBatch) and (r.n != 1 or pool.filling):
+                rows = self.running[: vec.size]
+                self.devectorise()
+                batch = list(zip(rows, vec.n[: vec.size].tolist(), strict=True))
+                ns = [n for _, n in batch]
+                cs = [q.computed for q, _ in batch]
+            if isinstance(batch, _VectorBatch):
+                vec.append(r, n)
+            else:
+                batch.append((r, n))
+                ns.append(n)
+                cs.append(r.computed)
+            budget -= n
+        self.step_budget = budget
+        self.step_mark = mark
+        if not isinstance(batch, _VectorBatch):
+            return batch, ns, cs, 0
+        size = vec.size
+        comp = vec.computed  # (a new array if admissions grew the table)
+        rf = self.roofline
+        if rf.has_mla():
+            self.step_terms = rf.batch_terms(vec.n[:size], comp[:size])
+        elif decoding == size:
+            self.step_terms = rf.decode_terms(comp[:decoding], [], [])
+        else:
+            self.step_terms = rf.decode_terms(
+                comp[:decoding], vec.n[decoding:size].tolist(), comp[decoding:size].tolist()
+            )
+        return batch, None, None, 0
+
     # ------------------------------------------------------------------ one iteration
-    def schedule(self, now: float) -> tuple[list[tuple[_Request, int]], list[int], list[int], int]:
+    def schedule(self, now: float) -> tuple[Any, Any, Any, int]:
         """Choose the batch starting at ``now``: running first in admission order, then
         admissions by policy when nothing was preempted. Returns (batch of (request,
         positions per sequence), n and c per batch sequence for the roofline, preempted).
-        Re-runs a pass that preempted and scheduled nothing."""
+        Re-runs a pass that preempted and scheduled nothing. In the vectorised mode (Rule
+        10) the batch is a :class:`_VectorBatch` and ``n`` and ``c`` int64 arrays."""
+        if self.vector_ok:
+            size = len(self.running)
+            pool = self.pool
+            if (
+                size >= (VECTOR_MIN if self.vec is None else VECTOR_MIN // 2)
+                and self.running_seqs == size
+                and not pool.filling
+                and not pool.evictable
+            ):
+                chosen = self._schedule_vector(now)
+                if chosen is not None:
+                    return chosen
+            if self.vec is not None:
+                self.devectorise()
         total_preempted = 0
         spec = self.spec
         gamma = 0 if spec is None else spec.gamma_for(self.running_seqs)
@@ -736,6 +905,42 @@ class _Worker:
         return r, n
 
 
+class _VectorBatch:
+    """The step in flight of a worker in the vectorised mode (Rule 10): every row of its
+    columns, each at its ``n``. Iterating it (the paths that need the objects) syncs them
+    first; appending a plain request adds its row, a group leaves the vectorised mode."""
+
+    __slots__ = ("worker",)
+
+    def __init__(self, worker: _Worker) -> None:
+        self.worker = worker
+
+    def _rows(self) -> RunningArrays:
+        vec = self.worker.vec
+        assert vec is not None  # the worker leaves the mode through devectorise()
+        return vec
+
+    def __len__(self) -> int:
+        return self._rows().size
+
+    def __iter__(self) -> Iterator[tuple[_Request, int]]:
+        w = self.worker
+        vec = self._rows()
+        rows = w.running[: vec.size]
+        vec.sync(rows)
+        return iter(list(zip(rows, vec.n[: vec.size].tolist(), strict=True)))
+
+    def append(self, item: tuple[_Request, int]) -> None:
+        """A request admitted into the step in flight (a late arrival, Rule 2)."""
+        r, n = item
+        w = self.worker
+        if r.n != 1 or w.pool.filling:
+            w.devectorise()
+            w.batch.append(item)
+            return
+        self._rows().append(r, n)
+
+
 class _Group:
     """The data-parallel attention ranks of one replica (Rule 9): one boundary event for all
     of them, and the lockstep step in flight."""
@@ -854,10 +1059,15 @@ class Engine:
                 )
         return None
 
-    def submit(self, spec: RequestSpec) -> int:
+    def submit(self, spec: RequestSpec, *, preorder: int | None = None) -> int:
         """Queue an arrival at ``max(spec.arrival_time, now)`` and return its id. Nothing
         enters a worker until ``step()`` handles the arrival. Raises RequestRefused for a
-        request that can never fit, and ValueError for a malformed spec."""
+        request that can never fit, and ValueError for a malformed spec.
+
+        ``preorder`` (the simulator's lazy feed of an open loop, Rule 11) files the arrival
+        among events as if it had been submitted before the engine's first step, as the
+        ``preorder``-th such arrival: an event at the same time comes after it. The caller
+        submits it before handling any event later than its arrival time."""
         if spec.prompt_tokens < 1 or spec.max_tokens < 1 or spec.n < 1:
             raise ValueError("prompt_tokens, max_tokens and n must be >= 1")
         target = spec.max_tokens if spec.target is None else spec.target
@@ -874,7 +1084,8 @@ class Engine:
         self.workers[0].kv.prepare(r)  # the same answer on every worker
         self._requests[rid] = r
         self._pending += 1
-        heapq.heappush(self._heap, (arrival, next(self._seq), _ARRIVAL, r))
+        seq = next(self._seq) if preorder is None else preorder - _PREORDER
+        heapq.heappush(self._heap, (arrival, seq, _ARRIVAL, r))
         return rid
 
     def abort(self, request_id: int) -> bool:
@@ -889,6 +1100,7 @@ class Engine:
             self.workers[r.worker].waiting.remove(r)
         elif r.state == _RUNNING:
             w = self.workers[r.worker]
+            w.devectorise()
             w.kv.free(r)
             w.running.remove(r)
             w.running_seqs -= r.n
@@ -1022,6 +1234,7 @@ class Engine:
         for w in self.workers:
             if not w.running or not w.batch:
                 continue
+            w.sync_running()
             step = w.step_end - w.step_start
             chunk = min(w.budget, w.chunk_cap)
             per_step = 1.0
@@ -1119,6 +1332,9 @@ class Engine:
     ) -> None:
         """The step of ``w`` that ends at ``now``: its members' positions become computed
         (a verify's accepted ones: Rule 8), their tokens emitted, the finished ones freed."""
+        if isinstance(w.batch, _VectorBatch):
+            self._complete_vector(w, now, emit, finished)
+            return
         any_done = False
         add = emit.append
         running = _RUNNING
@@ -1143,29 +1359,106 @@ class Engine:
                     r.output = new
                     if new >= r.target:
                         any_done = True
-                        r.state = _DONE
-                        kv.free(r)
-                        w.running_seqs -= r.n
-                        del self._requests[r.id]
-                        self._finished += 1
-                        finished.append(
-                            Finished(
-                                request_id=r.id,
-                                prompt_tokens=r.prompt,
-                                output_tokens=r.output,
-                                finish_reason="length" if r.output >= r.max_tokens else "stop",
-                                arrival_time=r.arrival,
-                                first_scheduled_time=r.first_scheduled,
-                                first_token_time=r.first_token_time,
-                                finish_time=now,
-                                preemptions=r.preemptions,
-                                n=r.n,
-                                cached_tokens=r.cached,
-                                worker=w.index,
-                            )
-                        )
+                        self._finish(w, r, now, finished)
         if any_done:
             w.running = [r for r in w.running if r.state == _RUNNING]
+
+    def _finish(self, w: _Worker, r: _Request, now: float, finished: list[Finished]) -> None:
+        """``r`` emitted its last token at ``now``: free it and report it."""
+        r.state = _DONE
+        w.kv.free(r)
+        w.running_seqs -= r.n
+        del self._requests[r.id]
+        self._finished += 1
+        finished.append(
+            Finished(
+                request_id=r.id,
+                prompt_tokens=r.prompt,
+                output_tokens=r.output,
+                finish_reason="length" if r.output >= r.max_tokens else "stop",
+                arrival_time=r.arrival,
+                first_scheduled_time=r.first_scheduled,
+                first_token_time=r.first_token_time,
+                finish_time=now,
+                preemptions=r.preemptions,
+                n=r.n,
+                cached_tokens=r.cached,
+                worker=w.index,
+            )
+        )
+
+    def _complete_vector(
+        self, w: _Worker, now: float, emit: list[tuple[int, int]], finished: list[Finished]
+    ) -> None:
+        """:meth:`_complete` over the columns (Rule 10): every row was in the step, each
+        at its ``n``; the same tokens, first-token times and completions, in row order.
+        The rows ``[0, step_decoding)`` decoded: each emits one token."""
+        vec = w.vec
+        assert vec is not None  # a _VectorBatch in flight
+        k = vec.size
+        decoding = vec.step_decoding
+        comp = vec.computed
+        out = vec.output
+        running = w.running
+        if decoding:
+            vec.table[4:6, :decoding] += 1  # computed and output
+            emit.extend(vec.pairs[:decoding])  # (id, 1) each
+        still = k  # the first row that did not emit (k: none)
+        if 0 < k - decoding <= _FEW_ROWS:  # a step's admissions: in Python, row by row
+            rows = vec.table[:, decoding:k].T.tolist()
+            for i, (rid, prompt, max_tokens, _, c, before, _, _, n) in enumerate(rows, decoding):
+                c += n
+                comp[i] = c
+                if c >= prompt:
+                    new = c - prompt + 1
+                    if new > max_tokens:
+                        new = max_tokens
+                    if new > before:
+                        if before == 0:
+                            running[i].first_token_time = now
+                        emit.append((rid, new - before))
+                        out[i] = new
+                        continue
+                if still == k:
+                    still = i
+        elif decoding < k:
+            rest = slice(decoding, k)
+            c = comp[rest]
+            c += vec.n[rest]
+            prompt = vec.prompt[rest]
+            before_all = out[rest]
+            new = np.minimum(c - prompt + 1, vec.max_tokens[rest])
+            emitting = (c >= prompt) & (new > before_all)
+            idx = np.flatnonzero(emitting)
+            if idx.size:
+                emitted = new[idx]
+                before = before_all[idx]
+                before_all[idx] = emitted
+                first = idx[before == 0]
+                if first.size:
+                    for i in (first + decoding).tolist():
+                        running[i].first_token_time = now
+                emit.extend(
+                    zip(
+                        vec.ids[rest][idx].tolist(),
+                        (emitted - before).tolist(),
+                        strict=True,
+                    )
+                )
+            if idx.size < k - decoding:
+                still = decoding + int(np.argmin(emitting))
+        done_rows = (out[:k] >= vec.target[:k]).nonzero()[0]
+        if done_rows.size:
+            done = done_rows.tolist()
+            for i in done:
+                r = running[i]
+                vec.sync_row(r, i)
+                self._finish(w, r, now, finished)
+            vec.drop(done)
+            for i in reversed(done):
+                del running[i]
+            still -= sum(1 for i in done if i < still)
+        vec.decoding = still
 
     def _boundary(self, w: _Worker, now: float) -> StepEvents:
         tokens: list[tuple[int, int]] = []
@@ -1176,7 +1469,11 @@ class Engine:
         info = None
         if batch:
             if self._spec is None:
-                terms = self.roofline.batch_terms(ns, cs)
+                if ns is None:  # the vectorised mode priced its batch (Rule 10)
+                    terms = w.step_terms
+                    assert terms is not None
+                else:
+                    terms = self.roofline.batch_terms(ns, cs)
                 cost = self.roofline.price(terms)
                 w.step_terms = terms
             else:
@@ -1255,7 +1552,7 @@ class Engine:
                         per[j] += value
                     else:
                         per.append(value)
-            else:
+            elif ns is not None:  # (else the vectorised mode set it: Rule 10)
                 w.step_terms = self.roofline.batch_terms(ns, cs)
             if batch:
                 any_batch = True

@@ -348,11 +348,18 @@ class Roofline:
         add = np.add.reduce  # (``.sum()`` goes through a Python wrapper: twice the cost)
         sums: list[list[int]] = []
         mla: list[list[int]] = []
+        tokens = int(add(n))
         if len(n):
-            m = c + (n + 1) // 2
-            for window, _, _ in self._windows:
-                att = np.minimum(m, window) if window > 0 else m
-                sums.append([int(np.dot(n, att)), int(add(att))])
+            if tokens == len(n):  # every n is 1 (a decode batch): n . att = sum(att)
+                m = c + 1
+                for window, _, _ in self._windows:
+                    total = int(add(np.minimum(m, window) if window > 0 else m))
+                    sums.append([total, total])
+            else:
+                m = c + (n + 1) // 2
+                for window, _, _ in self._windows:
+                    att = np.minimum(m, window) if window > 0 else m
+                    sums.append([int(np.dot(n, att)), int(add(att))])
             if self._mla:
                 pre = n > self.decode_width
                 n_pre = np.where(pre, n, 0)
@@ -370,13 +377,16 @@ class Roofline:
         else:
             sums = [[0, 0] for _ in self._windows]
             mla = [[0, 0, 0, 0] for _ in self._mla]
-        return BatchTerms(int(add(n)), len(n), sums, mla)
+        return BatchTerms(tokens, len(n), sums, mla)
 
-    def batch_terms(self, ns: list[int], cs: list[int]) -> BatchTerms:
+    def batch_terms(self, ns: list[int] | IntArray, cs: list[int] | IntArray) -> BatchTerms:
         """What a batch given as lists (the engine's) is priced from (:class:`BatchTerms`).
         A batch of up to :data:`SMALL_BATCH` sequences is summed in Python integers,
         which for so few is several times cheaper than building arrays; the sums are the
-        same integers either way, so the price is identical."""
+        same integers either way, so the price is identical. int64 arrays (the engine's
+        vectorised mode) are summed as arrays."""
+        if isinstance(ns, np.ndarray) and isinstance(cs, np.ndarray):
+            return self._array_terms(ns, cs)
         if len(ns) > SMALL_BATCH:  # (via array.array: half the cost of np.array on a list)
             return self._array_terms(
                 np.frombuffer(array.array("q", ns), dtype=np.int64),
@@ -400,6 +410,26 @@ class Roofline:
                         row[2] += n * a
                         row[3] += c if window <= 0 or c < window else window
                 terms.mla.append(row)
+        return terms
+
+    def decode_terms(self, c: IntArray, ns: list[int], cs: list[int]) -> BatchTerms:
+        """The terms of a batch whose sequences ``c`` (an int64 array of their computed
+        positions) each compute one position, followed by the sequences ``ns`` / ``cs``:
+        the same integers :meth:`batch_terms` sums over all of them (``n . att`` of the
+        decoding ones is ``sum(att)``), in fewer array operations. Not for MLA classes
+        (the engine's vectorised mode asks :meth:`batch_terms` then)."""
+        add = np.add.reduce
+        k = len(c)
+        sums: list[list[int]] = []
+        if k:  # sum(min(c + 1, window)) = sum(min(c, window - 1)) + k
+            for window, _, _ in self._windows:
+                total = int(add(np.minimum(c, window - 1) if window > 0 else c)) + k
+                sums.append([total, total])
+        else:
+            sums = [[0, 0] for _ in self._windows]
+        terms = BatchTerms(k, k, sums, [[0, 0, 0, 0] for _ in self._mla])
+        for n, ci in zip(ns, cs, strict=True):
+            self.add_sequence(terms, n, ci)
         return terms
 
     def add_sequence(self, terms: BatchTerms, n: int, c: int) -> None:
@@ -670,6 +700,10 @@ class Roofline:
             else:
                 hi = mid
         return lo
+
+    def has_mla(self) -> bool:
+        """Whether the model has MLA layers (their terms need each sequence's ``n``)."""
+        return bool(self._mla)
 
     def has_private_blocks(self) -> bool:
         return bool(self._windowed_kv) or self._state_bytes > 0

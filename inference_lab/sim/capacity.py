@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 __all__ = ["MARGIN", "MIN_ARRIVALS", "CapacityVerdict", "assess_capacity"]
 
@@ -76,8 +78,8 @@ class CapacityVerdict:
 
 
 def assess_capacity(
-    arrivals: Sequence[float],
-    completions: Sequence[float],
+    arrivals: Sequence[float] | npt.NDArray[np.float64],
+    completions: Sequence[float] | npt.NDArray[np.float64],
     *,
     rejected: Sequence[float] = (),
     waiting_at_mid: int,
@@ -89,15 +91,17 @@ def assess_capacity(
     arrival times refused by ``max_waiting``; the two queue lengths as the loop recorded
     them (right after the last arrival at or before the window's middle, and right after
     the last arrival). Called by :func:`inference_lab.sim.run.run_simulation`."""
-    if not arrivals:
+    if not len(arrivals):
         return None
-    first, last = min(arrivals), max(arrivals)
+    times = np.asarray(arrivals, dtype=np.float64)  # (the simulator's arrays as they are)
+    first, last = float(times.min()), float(times.max())
     mid = (first + last) / 2
     span = last - mid
-    offered = sum(1 for t in arrivals if mid < t <= last)
+    offered = int(np.count_nonzero((times > mid) & (times <= last)))
     if span <= 0 or offered < MIN_ARRIVALS:
         return None
-    served = sum(1 for t in completions if mid < t <= last)
+    done = np.asarray(completions, dtype=np.float64)
+    served = int(np.count_nonzero((done > mid) & (done <= last)))
     refused = sum(1 for t in rejected if mid < t <= last)
     slower = served < (1 - MARGIN) * offered
     backlog = waiting_at_end > waiting_at_mid or refused > 0

@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from inference_lab.sim.records import FinishedTable
 from inference_lab.sim.run import SimResult, format_summary
 from inference_lab.sim.summary import LATENCY_COLUMNS, LatencyStats
 from inference_lab.web import page
@@ -36,11 +37,18 @@ HISTOGRAM_BINS = 40
 
 def _latencies_ms(result: SimResult) -> dict[str, np.ndarray[Any, np.dtype[np.float64]]]:
     fin = result.finished
-    arrival = np.array([f.arrival_time for f in fin], dtype=np.float64)
-    first = np.array([f.first_token_time for f in fin], dtype=np.float64)
-    finish = np.array([f.finish_time for f in fin], dtype=np.float64)
-    scheduled = np.array([f.first_scheduled_time for f in fin], dtype=np.float64)
-    output = np.array([f.output_tokens for f in fin], dtype=np.float64)
+    if isinstance(fin, FinishedTable):  # the run's compact records: their columns
+        arrival = fin.column("arrival_time")
+        first = fin.column("first_token_time")
+        finish = fin.column("finish_time")
+        scheduled = fin.column("first_scheduled_time")
+        output = fin.column("output_tokens").astype(np.float64)
+    else:
+        arrival = np.array([f.arrival_time for f in fin], dtype=np.float64)
+        first = np.array([f.first_token_time for f in fin], dtype=np.float64)
+        finish = np.array([f.finish_time for f in fin], dtype=np.float64)
+        scheduled = np.array([f.first_scheduled_time for f in fin], dtype=np.float64)
+        output = np.array([f.output_tokens for f in fin], dtype=np.float64)
     multi = output > 1
     return {
         "ttft": (first - arrival) * 1e3,

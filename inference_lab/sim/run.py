@@ -5,9 +5,12 @@ Rule 1: the simulation is `run_simulation`, a plain loop over `Engine.step()`; i
         place that reads the wall clock (to report real time) and it does constant work per
         engine event (appending the step / completions, a counter for progress), so the
         engine's own cost dominates.
-Rule 2: open-loop arrivals are all submitted before the first step (the engine's event heap
-        orders them); a closed-loop user's next request is submitted at its previous
-        request's finish time, from the `step()` that reported the completion.
+Rule 2: open-loop arrivals run as if all were submitted before the first step (the
+        engine's event heap orders them): they are drawn as arrays and fed to the engine in
+        chunks of FEED_CHUNK, in arrival order, each chunk before the engine handles an
+        event later than its first arrival, filed in the heap as submitted up front
+        (the engine's Rule 11); a closed-loop user's next request is submitted at its
+        previous request's finish time, from the `step()` that reported the completion.
 Rule 3: every request is submitted with `max_tokens = target = ` the sampled output length, so
         it runs to its sampled length and finishes with reason `length`; a request the
         deployment can never run (`RequestRefused`) is counted apart and, in a closed loop,
@@ -25,6 +28,10 @@ Rule 5: requests carry block hashes only when the deployment caches prefixes (th
 Rule 6: with `series_interval`, a `SeriesRecorder` (`inference_lab.sim.series`) samples the
         run at that interval of simulated time: constant work per event and one point per
         interval, never a row per step.
+Rule 7: what the run keeps grows by a few numbers per request and per step, never by an
+        object: completions and step figures go to compact columns
+        (`inference_lab.sim.records`); an open loop's arrivals stay arrays, and an
+        `Arrival` is built only when one is asked for.
 
 Dependencies: config -> engine -> this module -> `sim_cli` (the `inference-lab sim` command,
 which prints and writes what the functions of this module's second half format).
@@ -35,10 +42,11 @@ from __future__ import annotations
 import csv
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 import attrs
+import numpy as np
 
 from inference_lab.core.admission import Admission
 from inference_lab.core.config import Deployment, Workload
@@ -48,10 +56,10 @@ from inference_lab.core.engine import (
     Finished,
     RequestSpec,
     StepEvents,
-    StepInfo,
 )
 from inference_lab.errors import RequestRefused, SimError
 from inference_lab.sim.capacity import CapacityVerdict, assess_capacity
+from inference_lab.sim.records import ArrivalTable, FinishedTable, StepTotals
 from inference_lab.sim.series import Series, SeriesRecorder
 from inference_lab.sim.summary import (
     LATENCY_COLUMNS,
@@ -66,7 +74,7 @@ from inference_lab.sim.summary import (
     speculative_summary,
     summarize,
 )
-from inference_lab.sim.workload import Arrival, make_generator
+from inference_lab.sim.workload import Arrival, OpenLoopGenerator, make_generator
 from inference_lab.traffic.traces import Trace
 
 __all__ = [
@@ -88,6 +96,8 @@ PROGRESS_EVERY = 256
 MAX_REFUSAL_STREAK = 100_000
 #: The `limit` of a request refused by the waiting-queue bound (Rule 4).
 QUEUE_LIMIT = "max_waiting"
+#: An open loop's arrivals are handed to the engine this many at a time (Rule 2).
+FEED_CHUNK = 4096
 
 
 @attrs.frozen
@@ -117,7 +127,7 @@ class SimResult:
     """Everything one simulation produced."""
 
     summary: SimSummary
-    finished: tuple[Finished, ...]  # in completion order
+    finished: Sequence[Finished]  # in completion order (compact: `records.FinishedTable`)
     refused: tuple[Refused, ...]
     sim_time_s: float  # engine clock at the end (the last event)
     wall_time_s: float  # real seconds spent in the loop (submits included)
@@ -190,10 +200,11 @@ def run_simulation(
         total = workload.num_requests if workload.sessions is None else None
         seed_used = workload.seed if seed is None else seed
 
-    finished: list[Finished] = []
-    steps: list[StepInfo] = []
+    finished = FinishedTable()
+    steps = StepTotals(speculative=deployment.speculative is not None)
     refused: list[Refused] = []
-    arrivals: dict[int, Arrival] = {}  # request id -> its arrival
+    held: dict[int, Arrival] = {}  # request id -> its arrival (but an open loop's)
+    arrivals: dict[int, Arrival] | ArrivalTable = held
     first_arrival = math.inf
     streak = 0  # refusals since the last admitted request
     bound = deployment.scheduler.max_waiting  # Rule 4 (0: unbounded)
@@ -230,14 +241,57 @@ def run_simulation(
                 arrival = generator.follow_up(arrival, arrival.time, True) if reactive else None
                 continue
             streak = 0
-            arrivals[request_id] = arrival
+            held[request_id] = arrival
             return
 
-    initial = generator.initial()
+    # Rule 2: an open loop is fed from arrays, as the loop reaches it
+    lazy = type(generator) is OpenLoopGenerator
+    initial: list[Arrival] = []
+    if isinstance(generator, OpenLoopGenerator) and lazy:
+        feed_times, feed_prompts, feed_outputs = generator.arrays()
+        table = ArrivalTable(feed_times, feed_prompts, feed_outputs)
+        arrivals = table
+        feed_count = len(feed_times)
+        if feed_count:
+            first_arrival = float(feed_times.min())
+    else:
+        initial = generator.initial()
+        feed_times = np.array([a.time for a in initial], dtype=np.float64)
+        feed_count = 0
+    fed = 0  # arrivals of the open loop handed to the engine
+    next_feed = float(feed_times[0]) if feed_count else math.inf
+    never_fit: list[int] = []  # positions of the fed arrivals that can never run
+
+    def feed() -> None:
+        """Hand the next FEED_CHUNK arrivals of the open loop to the engine (Rule 2)."""
+        nonlocal fed, next_feed, streak
+        end = min(fed + FEED_CHUNK, feed_count)
+        for i, t, p, o in zip(
+            range(fed, end),
+            feed_times[fed:end].tolist(),
+            feed_prompts[fed:end].tolist(),
+            feed_outputs[fed:end].tolist(),
+            strict=True,
+        ):
+            spec = RequestSpec(prompt_tokens=p, max_tokens=o, arrival_time=t)
+            try:
+                request_id = engine.submit(spec, preorder=i)
+            except RequestRefused as exc:
+                never_fit.append(i)
+                refuse(table.arrival(i), exc.limit, exc.reason)
+                continue
+            streak = 0
+            table.add(request_id, i)
+        fed = end
+        next_feed = float(feed_times[end]) if end < feed_count else math.inf
+
     # Open loop: the queue is recorded at the middle and the end of the arrival window
     # for the capacity verdict (`inference_lab.sim.capacity`, Rule 1).
-    times = [a.time for a in initial]
-    mid_arrival = (min(times) + max(times)) / 2 if times and not closed else -math.inf
+    mid_arrival = (
+        (float(feed_times.min()) + float(feed_times.max())) / 2
+        if len(feed_times) and not closed
+        else -math.inf
+    )
     waiting_at_mid = waiting_at_end = 0
     for arrival in initial:
         submit(arrival)
@@ -246,7 +300,7 @@ def run_simulation(
     next_event_time = engine.next_event_time
     step = engine.step
     num_waiting = engine.num_waiting
-    add_step = steps.append
+    add_step = steps.add
     add_finished = finished.extend
     peak_waiting = num_waiting()
     kv_usage = 0.0
@@ -269,7 +323,13 @@ def run_simulation(
                 )
             )
 
-    while (t_next := next_event_time()) is not None:
+    while True:
+        t_next = next_event_time()
+        if fed < feed_count and (t_next is None or next_feed <= t_next):
+            feed()  # Rule 2: before the engine handles an event past the next arrival
+            continue
+        if t_next is None:
+            break
         if t_next >= series_end and recorder is not None:
             series_end = recorder.close_until(t_next, engine)
         ev = step()
@@ -327,10 +387,14 @@ def run_simulation(
     )
     capacity = None
     if not closed:
-        never_fit = {id(r.arrival) for r in refused if r.limit != QUEUE_LIMIT}
+        if lazy:
+            offered = np.delete(feed_times, never_fit)
+        else:
+            unfit = {id(r.arrival) for r in refused if r.limit != QUEUE_LIMIT}
+            offered = np.array([a.time for a in initial if id(a) not in unfit], np.float64)
         capacity = assess_capacity(
-            [a.time for a in initial if id(a) not in never_fit],
-            [f.finish_time for f in finished],
+            offered,
+            finished.column("finish_time"),
             rejected=rejected_at,
             waiting_at_mid=waiting_at_mid,
             waiting_at_end=waiting_at_end,
@@ -338,7 +402,7 @@ def run_simulation(
     stats: EngineStatistics = engine.statistics()
     return SimResult(
         summary=summary,
-        finished=tuple(finished),
+        finished=finished,
         refused=tuple(refused),
         sim_time_s=engine.now,
         wall_time_s=time.perf_counter() - wall_start,
@@ -692,57 +756,79 @@ CSV_COLUMNS = (
 )
 
 
+def _finished_row(f: Finished, arrivals: Mapping[int, Arrival]) -> dict[str, Any]:
+    tpot: float | str = ""  # undefined for a single-token request
+    if f.output_tokens > 1:
+        tpot = (f.finish_time - f.first_token_time) / (f.output_tokens - 1) * 1e3
+    row = {
+        "request_id": f.request_id,
+        "status": "completed",
+        "arrival_time_s": f.arrival_time,
+        "prompt_tokens": f.prompt_tokens,
+        "max_tokens": f.output_tokens,  # sim submits max_tokens = target (Rule 3)
+        "output_tokens": f.output_tokens,
+        "finish_reason": f.finish_reason,
+        "first_scheduled_time_s": f.first_scheduled_time,
+        "first_token_time_s": f.first_token_time,
+        "finish_time_s": f.finish_time,
+        "queue_ms": (f.first_scheduled_time - f.arrival_time) * 1e3,
+        "ttft_ms": (f.first_token_time - f.arrival_time) * 1e3,
+        "tpot_ms": tpot,
+        "e2e_ms": (f.finish_time - f.arrival_time) * 1e3,
+        "preemptions": f.preemptions,
+        "cached_tokens": f.cached_tokens,
+        "replica": f.worker,
+    }
+    arrival = arrivals.get(f.request_id)
+    if arrival is not None and arrival.session >= 0:
+        row["session"] = arrival.session
+        row["turn"] = arrival.turn
+    return row
+
+
+def _refused_row(r: Refused) -> dict[str, Any]:
+    a = r.arrival
+    row: dict[str, Any] = {
+        "status": "refused",
+        "arrival_time_s": a.time,
+        "prompt_tokens": a.prompt_tokens,
+        "max_tokens": a.output_len,
+        "output_tokens": 0,
+        "preemptions": 0,
+        "refusal": r.reason,
+    }
+    if a.session >= 0:
+        row["session"] = a.session
+        row["turn"] = a.turn
+    return row
+
+
 def write_request_csv(result: SimResult, out: IO[str]) -> int:
-    """One row per request (completed and refused), in arrival order; returns the row count.
+    """One row per request (completed and refused), in arrival order (then request id, a
+    refused request's being -1); returns the row count.
 
     Times are simulated seconds, latencies ms; a refused request has no id and no timings.
+    Rows are made one at a time from the run's compact records and written as they are
+    made (Rule 7): only the order (8 bytes per request) is held.
     """
-    rows: list[tuple[float, int, dict[str, Any]]] = []
-    for f in result.finished:
-        tpot: float | str = ""  # undefined for a single-token request
-        if f.output_tokens > 1:
-            tpot = (f.finish_time - f.first_token_time) / (f.output_tokens - 1) * 1e3
-        row = {
-            "request_id": f.request_id,
-            "status": "completed",
-            "arrival_time_s": f.arrival_time,
-            "prompt_tokens": f.prompt_tokens,
-            "max_tokens": f.output_tokens,  # sim submits max_tokens = target (Rule 3)
-            "output_tokens": f.output_tokens,
-            "finish_reason": f.finish_reason,
-            "first_scheduled_time_s": f.first_scheduled_time,
-            "first_token_time_s": f.first_token_time,
-            "finish_time_s": f.finish_time,
-            "queue_ms": (f.first_scheduled_time - f.arrival_time) * 1e3,
-            "ttft_ms": (f.first_token_time - f.arrival_time) * 1e3,
-            "tpot_ms": tpot,
-            "e2e_ms": (f.finish_time - f.arrival_time) * 1e3,
-            "preemptions": f.preemptions,
-            "cached_tokens": f.cached_tokens,
-            "replica": f.worker,
-        }
-        arrival = result.arrivals.get(f.request_id)
-        if arrival is not None and arrival.session >= 0:
-            row["session"] = arrival.session
-            row["turn"] = arrival.turn
-        rows.append((f.arrival_time, f.request_id, row))
-    for r in result.refused:
-        a = r.arrival
-        row = {
-            "status": "refused",
-            "arrival_time_s": a.time,
-            "prompt_tokens": a.prompt_tokens,
-            "max_tokens": a.output_len,
-            "output_tokens": 0,
-            "preemptions": 0,
-            "refusal": r.reason,
-        }
-        if a.session >= 0:
-            row["session"] = a.session
-            row["turn"] = a.turn
-        rows.append((a.time, -1, row))
-    rows.sort(key=lambda item: (item[0], item[1]))
+    fin = result.finished
+    if isinstance(fin, FinishedTable):
+        times = fin.column("arrival_time")
+        ids = fin.column("request_id")
+    else:
+        times = np.array([f.arrival_time for f in fin], dtype=np.float64)
+        ids = np.array([f.request_id for f in fin], dtype=np.int64)
+    refused = result.refused
+    times = np.concatenate((times, np.array([r.arrival.time for r in refused], np.float64)))
+    ids = np.concatenate((ids, np.full(len(refused), -1, dtype=np.int64)))
+    order = np.lexsort((ids, times))  # stable: ties keep completions before refusals
     writer = csv.DictWriter(out, fieldnames=CSV_COLUMNS, restval="")
     writer.writeheader()
-    writer.writerows(row for _, _, row in rows)
-    return len(rows)
+    completed = len(fin)
+    arrivals = result.arrivals
+    for k in order.tolist():
+        if k < completed:
+            writer.writerow(_finished_row(fin[k], arrivals))
+        else:
+            writer.writerow(_refused_row(refused[k - completed]))
+    return len(order)

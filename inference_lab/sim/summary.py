@@ -34,6 +34,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from inference_lab.sim.records import FinishedTable, StepTotals
+
 __all__ = [
     "PERCENTILES",
     "LATENCY_COLUMNS",
@@ -225,18 +227,22 @@ class SimSummary:
 
 
 def _column(records: Sequence[FinishedLike], name: str) -> npt.NDArray[np.float64]:
+    if isinstance(records, FinishedTable):  # compact records: the column as it is kept
+        return records.column(name).astype(np.float64, copy=False)
     return np.fromiter((getattr(r, name) for r in records), dtype=np.float64, count=len(records))
 
 
-def _mean(steps: Sequence[StepLike], name: str) -> float:
-    if not steps:
+def _mean(steps: Sequence[StepLike] | StepTotals, name: str) -> float:
+    if not len(steps):
         return 0.0
+    if isinstance(steps, StepTotals):
+        return float(steps.column(name).mean())
     return float(np.fromiter((getattr(s, name) for s in steps), np.float64, len(steps)).mean())
 
 
 def summarize(
     finished: Sequence[FinishedLike],
-    steps: Sequence[StepLike],
+    steps: Sequence[StepLike] | StepTotals,
     *,
     refused: int = 0,
     first_arrival: float | None = None,
@@ -267,7 +273,12 @@ def summarize(
     def rate(x: float) -> float:
         return x / span if span > 0 else 0.0
 
-    kv_max = max((s.kv_usage for s in steps), default=0.0)
+    if isinstance(steps, StepTotals):
+        kv_max = max(steps.kv_usage, default=0.0)
+        preemptions = steps.preempted
+    else:
+        kv_max = max((s.kv_usage for s in steps), default=0.0)
+        preemptions = sum(s.preempted for s in steps)
     return SimSummary(
         requests_submitted=len(finished) + refused,
         requests_completed=len(finished),
@@ -287,7 +298,7 @@ def summarize(
         kv_usage_max=float(kv_max),
         flop_util_mean=_mean(steps, "flop_util"),
         bw_util_mean=_mean(steps, "bw_util"),
-        preemptions=sum(s.preempted for s in steps),
+        preemptions=preemptions,
     )
 
 
@@ -346,9 +357,17 @@ class SpeculativeSummary:
         }
 
 
-def speculative_summary(steps: Sequence[SpecStepLike]) -> SpeculativeSummary:
+def speculative_summary(steps: Sequence[SpecStepLike] | StepTotals) -> SpeculativeSummary:
     """Rule 6 over the steps of a speculative run (a step without drafts counts the same
     with and without speculation)."""
+    if isinstance(steps, StepTotals):  # summed the same way as the steps came
+        return SpeculativeSummary(
+            drafts=steps.drafts,
+            draft_tokens=steps.draft_tokens,
+            accepted_tokens=steps.accepted_tokens,
+            time_s=steps.time_s,
+            plain_time_s=steps.plain_time_s,
+        )
     drafts = draft_tokens = accepted = 0
     time_s = plain_s = 0.0
     for s in steps:
@@ -403,7 +422,11 @@ def prefix_cache_summary(stats: StatsLike, finished: Sequence[FinishedLike]) -> 
         query_tokens=stats.prefix_cache_queries,
         hit_tokens=stats.prefix_cache_hits,
         requests=len(finished),
-        requests_hit=sum(1 for f in finished if f.cached_tokens > 0),
+        requests_hit=(
+            int(np.count_nonzero(finished.column("cached_tokens") > 0))
+            if isinstance(finished, FinishedTable)
+            else sum(1 for f in finished if f.cached_tokens > 0)
+        ),
     )
 
 
@@ -434,8 +457,11 @@ def replica_summaries(
     stats: StatsLike, finished: Sequence[FinishedLike]
 ) -> tuple[ReplicaSummary, ...]:
     counts = [0] * len(stats.workers)
-    for f in finished:
-        counts[f.worker] += 1
+    if isinstance(finished, FinishedTable):
+        counts = np.bincount(finished.column("worker"), minlength=len(counts)).tolist()
+    else:
+        for f in finished:
+            counts[f.worker] += 1
     return tuple(
         ReplicaSummary(
             replica=i,

@@ -195,7 +195,7 @@ class OpenLoopGenerator(ArrivalGenerator):
         # uniform and batched need no randomness (uniform times are computed exactly below)
         return np.zeros(n)
 
-    def _arrays(
+    def arrays(
         self,
     ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """All arrivals as (times, prompt_tokens, output_lens), in arrival order."""
@@ -231,7 +231,7 @@ class OpenLoopGenerator(ArrivalGenerator):
         )
 
     def initial(self) -> list[Arrival]:
-        times, prompts, outputs = self._arrays()
+        times, prompts, outputs = self.arrays()
         return [
             Arrival(t, p, o)
             for t, p, o in zip(times.tolist(), prompts.tolist(), outputs.tolist(), strict=True)

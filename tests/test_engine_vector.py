@@ -1,0 +1,178 @@
+"""The engine's vectorised mode (Rule 10) changes nothing: the same events, to the bit.
+
+Each scenario runs the same operations (submissions, late arrivals, aborts at fixed
+event counts) on three engines: one that never enters the vectorised mode, one that enters
+it at the default size and one that enters it for any batch of two or more requests, and
+compares every ``StepEvents`` they return, and the KV block accounting along the way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from inference_lab.core import engine as engine_module
+from inference_lab.core.config import Deployment
+from inference_lab.core.engine import Engine, RequestSpec, StepEvents
+from tests.engine_util import GPT_OSS_20B, LLAMA8B, assert_blocks_conserved, deployment
+
+
+def _specs(count: int, seed: int, *, rate: float, groups: bool, hashes: bool) -> list[RequestSpec]:
+    rng = np.random.default_rng(seed)
+    times = np.cumsum(rng.exponential(1.0 / rate, count))
+    prompts = np.maximum(rng.lognormal(5.5, 0.8, count), 1).astype(int)
+    outputs = np.maximum(rng.lognormal(3.5, 0.8, count), 1).astype(int)
+    out = []
+    for i in range(count):
+        n = int(rng.integers(2, 4)) if groups and i % 7 == 3 else 1
+        chain: tuple[int, ...] = ()
+        if hashes and i % 3 == 0:
+            chain = tuple(range(1000 * (i % 5), 1000 * (i % 5) + int(prompts[i]) // 16))
+        target = int(outputs[i]) if i % 5 else max(1, int(outputs[i]) // 2)
+        out.append(
+            RequestSpec(
+                prompt_tokens=int(prompts[i]),
+                max_tokens=int(outputs[i]),
+                target=target,
+                arrival_time=float(times[i]),
+                n=n,
+                block_hashes=chain,
+            )
+        )
+    return out
+
+
+def _drive(
+    dep: Deployment, specs: list[RequestSpec], vector_min: int, *, disturb: bool
+) -> list[StepEvents]:
+    """Run ``specs`` on a fresh engine whose vectorised mode starts at ``vector_min``
+    running requests; with ``disturb``, abort a running request every 97 events and hand
+    over a late arrival (stamped before the step in flight) every 89."""
+    saved = engine_module.VECTOR_MIN
+    engine_module.VECTOR_MIN = vector_min
+    try:
+        eng = Engine(dep)
+        ids = [eng.submit(s) for s in specs]
+        events: list[StepEvents] = []
+        count = 0
+        while (t := eng.next_event_time()) is not None:
+            events.append(eng.step())
+            count += 1
+            if disturb and count % 97 == 0:
+                running = [r for w in eng.workers for r in w.running]
+                if running:
+                    eng.abort(running[len(running) // 2].id)
+            if disturb and count % 89 == 0:
+                late = RequestSpec(
+                    prompt_tokens=40 + count % 50,
+                    max_tokens=5 + count % 13,
+                    arrival_time=max(0.0, eng.now - 1e-6),
+                )
+                ids.append(eng.submit(late))
+            if count % 50 == 0:
+                assert_blocks_conserved(eng)
+            del t
+        assert_blocks_conserved(eng)
+        # plain Python ints, as the serving layer writes them out (not numpy scalars)
+        assert {type(x) for ev in events for pair in ev.tokens for x in pair} <= {int}
+        assert {type(f.output_tokens) for ev in events for f in ev.finished} <= {int}
+        stats = eng.statistics()
+        assert stats.kv_used_blocks == 0 and stats.running == 0
+        return events
+    finally:
+        engine_module.VECTOR_MIN = saved
+
+
+SCENARIOS: dict[str, Callable[[], tuple[Deployment, dict[str, Any]]]] = {
+    "gpt-oss-loaded": lambda: (deployment(GPT_OSS_20B), {"rate": 400.0}),
+    "preemptions": lambda: (deployment(LLAMA8B, blocks=300), {"rate": 200.0}),
+    "no-chunked-prefill": lambda: (
+        deployment(LLAMA8B, enable_chunked_prefill=False, max_num_batched_tokens=4096),
+        {"rate": 300.0},
+    ),
+    "small-budget": lambda: (
+        deployment(GPT_OSS_20B, max_num_batched_tokens=512, long_prefill_token_threshold=128),
+        {"rate": 300.0},
+    ),
+    "groups": lambda: (deployment(LLAMA8B), {"rate": 300.0, "groups": True}),
+    "prefix-cache": lambda: (deployment(LLAMA8B), {"rate": 300.0, "hashes": True}),
+    "kv-aware-replicas": lambda: (
+        deployment(LLAMA8B, replicas=2, router="kv_aware"),
+        {"rate": 500.0},
+    ),
+    "sjf": lambda: (deployment(LLAMA8B, policy="sjf", blocks=400), {"rate": 300.0}),
+}
+
+
+@pytest.mark.parametrize("disturb", [False, True], ids=["plain", "aborts-and-late-joins"])
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_vectorised_mode_gives_the_same_events(name: str, disturb: bool) -> None:
+    """Every event (tokens, completions with their times, step prices and utilisations)
+    is identical whether the engine never, sometimes or almost always steps over numpy
+    columns; blocks are conserved throughout."""
+    dep, options = SCENARIOS[name]()
+    specs = _specs(
+        400,
+        seed=7,
+        rate=options["rate"],
+        groups=options.get("groups", False),
+        hashes=options.get("hashes", False),
+    )
+    reference = _drive(dep, specs, 1 << 30, disturb=disturb)
+    assert sum(1 for ev in reference for _ in ev.finished) > 300
+    for vector_min in (engine_module.VECTOR_MIN, 2):
+        assert _drive(dep, specs, vector_min, disturb=disturb) == reference
+
+
+def test_vectorised_mode_is_entered_under_load() -> None:
+    """A loaded plain deployment does step in the vectorised mode (so the comparison above
+    compares two different paths)."""
+    eng = Engine(deployment(GPT_OSS_20B))
+    for s in _specs(400, seed=7, rate=400.0, groups=False, hashes=False):
+        eng.submit(s)
+    seen = 0
+    while eng.next_event_time() is not None:
+        eng.step()
+        seen += eng.workers[0].vec is not None
+    assert seen > 100
+
+
+def test_a_preordered_arrival_comes_before_an_event_at_its_time() -> None:
+    """Rule 11: an arrival submitted with ``preorder`` after the engine has filed a step
+    end at its very time is handled before that step end, as if it had been submitted
+    first (it joins the batch starting there); without it, it comes after."""
+    orders = []
+    for preorder in (None, 1):
+        eng = Engine(deployment(LLAMA8B))
+        eng.submit(RequestSpec(prompt_tokens=100, max_tokens=5), preorder=0)
+        eng.step()  # the arrival
+        eng.step()  # its prefill step starts at 0
+        end = eng.next_event_time()
+        assert end is not None and end > 0
+        eng.submit(RequestSpec(prompt_tokens=50, max_tokens=5, arrival_time=end), preorder=preorder)
+        first = eng.step()
+        orders.append((first.time, bool(first.arrived), first.step is not None))
+        if first.arrived:  # handled first: it joins the step that starts at `end`
+            second = eng.step()
+            assert second.step is not None and second.step.num_seqs == 2
+    assert orders == [(end, False, True), (end, True, False)]
+
+
+@pytest.mark.parametrize("config", [GPT_OSS_20B, LLAMA8B], ids=["windows", "full"])
+def test_decode_terms_are_the_batch_terms_of_the_same_batch(config: Any) -> None:
+    """`Roofline.decode_terms` (decoding contexts as an array, then a few other
+    sequences) gives exactly the integers `batch_terms` sums over the whole batch, around
+    the window's edge too."""
+    rf = Engine(deployment(config)).roofline
+    rng = np.random.default_rng(3)
+    for size in (0, 1, 40, 300):
+        c = rng.integers(0, 400, size).astype(np.int64)
+        c[: min(size, 3)] = [126, 127, 128][: min(size, 3)]
+        extra_n, extra_c = [1, 700, 33], [5, 0, 120]
+        got = rf.decode_terms(c, extra_n, extra_c)
+        want = rf.batch_terms([1] * size + extra_n, c.tolist() + extra_c)
+        assert (got.tokens, got.seqs, got.sums) == (want.tokens, want.seqs, want.sums)
+        assert rf.price(got) == rf.price(want)
