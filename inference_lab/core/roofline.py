@@ -526,28 +526,7 @@ class Roofline:
         of ``att`` (``att`` = the positions attended at the chunk's midpoint, capped by
         the window); per MLA class, :class:`BatchTerms`' four sums. With data-parallel
         attention, one rank's step on its own (:meth:`group_price` adds the experts)."""
-        fixed = self._by_tokens.get(tokens)
-        if fixed is None:
-            fixed = self._by_tokens[tokens] = self._token_terms(tokens)
-        flops, mem, collective = list(fixed[0]), list(fixed[1]), fixed[2]
-        if nreq:
-            a = self._attn_idx
-            for (_window, attn_coef, kv_coef), (dot, total) in zip(
-                self._windows, sums, strict=True
-            ):
-                flops[a] += attn_coef * float(dot)
-                mem[a] += kv_coef * float(total)
-            if self._mla:
-                self._add_mla(flops, mem, mla)
-            mem[a] += self._state_bytes * nreq
-        compute = memory = roof = 0.0
-        bw = self.bandwidth
-        for rate, f, byt in zip(self._rates, flops, mem, strict=True):
-            tc = f / rate
-            tm = byt / bw
-            compute += tc
-            memory += tm
-            roof += tc if tc > tm else tm
+        roof, collective, compute, memory = self._roof(tokens, nreq, sums, mla)
         roof += collective + self._overhead
         # compute and memory at datasheet peaks (x 1.0 is exact: the defaults move nothing)
         return StepCost(
