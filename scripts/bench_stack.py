@@ -33,18 +33,16 @@ Nothing listens; no traffic leaves the process.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
 from typing import Any
 
 import trio
+from benchkit import parked_stream_tokens
 from hypercorn.config import Config as HyperConfig
 
-from inference_lab.api.encoding import StreamEncoder
-from inference_lab.api.requests import parse_completion_request
-from inference_lab.serve.streaming import Delivery, StreamSink, write_stream
+from inference_lab.serve.streaming import Delivery
 from inference_lab.serve.transport import chunk_writer, local_connection
 
 FRAME = (
@@ -160,46 +158,9 @@ async def per_token(streams: int, rounds: int, direct: bool) -> float:
     written by the hand-over itself; else by the writer it wakes)."""
     delivery = Delivery()
     delivery.direct = direct
-    request = {"model": "m", "prompt": "x", "max_tokens": 1 << 30, "stream": True}
-    parsed = parse_completion_request(request, 16)
-    sinks: list[StreamSink] = []
-    parked = trio.Event()
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        sink = StreamSink(StreamEncoder(parsed, request_id="cmpl-bench", created=0))
-        sink.last = 1 << 30  # every token is mid-stream
-        sinks.append(sink)
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        if len(sinks) == streams:
-            parked.set()
-        await write_stream(send, sink, delivery)
-
-    async def drain(client: trio.SocketStream) -> None:
-        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
-            while await client.receive_some(1 << 20):
-                pass
-
     config = HyperConfig()
     config.accesslog = None
-    spent = 0.0
-    async with trio.open_nursery() as nursery:
-        for _ in range(streams):
-            server, client = local_connection(app, config)
-            nursery.start_soon(server.run)
-            await client.send_all(REQUEST)
-            nursery.start_soon(drain, client)
-        await parked.wait()
-        await trio.sleep(0.01)  # every writer parked for frames
-        start = time.process_time()
-        for _ in range(rounds):
-            for sink in sinks:
-                sink.on_tokens(1)
-            for _ in range(3):  # the writers (woken ones) and the readers run
-                await trio.lowlevel.checkpoint()
-        spent = time.process_time() - start
-        nursery.cancel_scope.cancel()
+    spent = await parked_stream_tokens(streams, rounds, delivery, config, REQUEST)
     return spent / (rounds * streams)
 
 

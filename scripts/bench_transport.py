@@ -44,7 +44,6 @@ Only 127.0.0.1 is contacted (the stamp's figure); everything else stays in the p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import re
@@ -308,52 +307,15 @@ async def write(units: int, off: str) -> None:
 
 
 async def token(units: int, off: str) -> None:
-    from inference_lab.api.encoding import StreamEncoder
-    from inference_lab.api.requests import parse_completion_request
+    from benchkit import parked_stream_tokens
+
     from inference_lab.serve import streaming
-    from inference_lab.serve.streaming import Delivery, StreamSink, write_stream
-    from inference_lab.serve.transport import local_connection
 
     if off == "chunk_writer":
         streaming.chunk_writer = lambda send: None  # type: ignore[assignment]
-    delivery = Delivery()
+    delivery = streaming.Delivery()
     delivery.direct = off != "handover"
-    body = {"model": "m", "prompt": "x", "max_tokens": 1 << 30, "stream": True}
-    parsed = parse_completion_request(body, 16)
-    sinks: list[StreamSink] = []
-    parked = trio.Event()
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return
-        sink = StreamSink(StreamEncoder(parsed, request_id="cmpl-bench", created=0))
-        sink.last = 1 << 30  # every token is mid-stream
-        sinks.append(sink)
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        if len(sinks) == STREAMS:
-            parked.set()
-        await write_stream(send, sink, delivery)
-
-    async def drain(client: trio.SocketStream) -> None:
-        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
-            while await client.receive_some(1 << 20):
-                pass
-
-    config = _config()
-    async with trio.open_nursery() as nursery:
-        for _ in range(STREAMS):
-            server, client = local_connection(app, config)
-            nursery.start_soon(server.run)
-            await client.send_all(REQUEST)
-            nursery.start_soon(drain, client)
-        await parked.wait()
-        await trio.testing.wait_all_tasks_blocked()  # every writer parked for frames
-        for _ in range(units):
-            for sink in sinks:
-                sink.on_tokens(1)
-            for _ in range(3):  # the writers (woken ones) and the readers run
-                await trio.lowlevel.checkpoint()
-        nursery.cancel_scope.cancel()
+    await parked_stream_tokens(STREAMS, units, delivery, _config(), REQUEST)
 
 
 WORKLOADS: dict[str, Callable[[int, str], Awaitable[None]]] = {

@@ -492,3 +492,61 @@ async def scrape_loop(
                 await stop.wait()
     finally:
         await stream.aclose()
+
+
+async def parked_stream_tokens(
+    streams: int, rounds: int, delivery: Any, config: Any, request: bytes
+) -> float:
+    """Open ``streams`` in-memory hypercorn connections whose requests each park a stream
+    writer (``serve.streaming.write_stream``, delivering through ``delivery``) on a sink
+    that never ends, then hand every sink one mid-stream token ``rounds`` times, letting
+    the writers and the readers run after each round; the CPU seconds the rounds took.
+    The app ignores ``request``'s method and path; hypercorn's ``config`` is used as given."""
+    import contextlib
+
+    import trio.testing
+
+    from inference_lab.api.encoding import StreamEncoder
+    from inference_lab.api.requests import parse_completion_request
+    from inference_lab.serve.streaming import StreamSink, write_stream
+    from inference_lab.serve.transport import local_connection
+
+    body = {"model": "m", "prompt": "x", "max_tokens": 1 << 30, "stream": True}
+    parsed = parse_completion_request(body, 16)
+    sinks: list[StreamSink] = []
+    parked = trio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        sink = StreamSink(StreamEncoder(parsed, request_id="cmpl-bench", created=0))
+        sink.last = 1 << 30  # every token is mid-stream
+        sinks.append(sink)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if len(sinks) == streams:
+            parked.set()
+        await write_stream(send, sink, delivery)
+
+    async def drain(client: trio.SocketStream) -> None:
+        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+            while await client.receive_some(1 << 20):
+                pass
+
+    spent = 0.0
+    async with trio.open_nursery() as nursery:
+        for _ in range(streams):
+            server, client = local_connection(app, config)
+            nursery.start_soon(server.run)
+            await client.send_all(request)
+            nursery.start_soon(drain, client)
+        await parked.wait()
+        await trio.testing.wait_all_tasks_blocked()  # every writer parked for frames
+        start = time.process_time()
+        for _ in range(rounds):
+            for sink in sinks:
+                sink.on_tokens(1)
+            for _ in range(3):  # the writers (woken ones) and the readers run
+                await trio.lowlevel.checkpoint()
+        spent = time.process_time() - start
+        nursery.cancel_scope.cancel()
+    return spent

@@ -1490,29 +1490,20 @@ class Engine:
             heapq.heappush(self._heap, (now + duration, w.boundary_seq, _BOUNDARY, w))
             self._steps += 1
             roof = cost.roofline if cost.roofline > 0 else 1.0
-            if self._spec is None:
-                info = StepInfo(
-                    worker=w.index,
-                    start=now,
-                    duration=duration,
-                    num_seqs=terms.seqs,
-                    num_tokens=terms.tokens,
-                    kv_usage=(w.total_blocks - w.pool.free) / w.total_blocks,
-                    flop_util=cost.compute / roof,
-                    bw_util=cost.memory / roof,
-                    preempted=preempted,
-                )
-            else:
-                info = StepInfo(
-                    worker=w.index,
-                    start=now,
-                    duration=duration,
-                    num_seqs=terms.seqs,
-                    num_tokens=terms.tokens,
-                    kv_usage=(w.total_blocks - w.pool.free) / w.total_blocks,
-                    flop_util=cost.compute / roof,
-                    bw_util=cost.memory / roof,
-                    preempted=preempted,
+            info = StepInfo(
+                worker=w.index,
+                start=now,
+                duration=duration,
+                num_seqs=terms.seqs,
+                num_tokens=terms.tokens,
+                kv_usage=(w.total_blocks - w.pool.free) / w.total_blocks,
+                flop_util=cost.compute / roof,
+                bw_util=cost.memory / roof,
+                preempted=preempted,
+            )
+            if self._spec is not None:
+                info = attrs.evolve(
+                    info,
                     drafts=counts[0],
                     draft_tokens=counts[1],
                     accepted_tokens=counts[2],
