@@ -358,6 +358,9 @@ class MemoryTransport:
         # readable.
         return self.peer_closed
 
+    def last_receipt(self) -> float | None:
+        return None  # a memory stream has no kernel to stamp its bytes
+
     def close(self) -> None:
         self._send.close()
         self._receive.close()

@@ -74,6 +74,7 @@ CLIENT_MAY_IMPORT = (
     "inference_lab.errors",
     "inference_lab.validation",
     "inference_lab.jsonbytes",
+    "inference_lab.kernel_time",
 )
 
 TRANSPORT = "inference_lab.serve.transport"

@@ -18,8 +18,10 @@ from typing import Any
 import attrs
 import pytest
 import trio
+import trio.testing
 
 from inference_lab import cli
+from inference_lab.client.http import Origin, Transport
 from inference_lab.client.replay import (
     ReplayConfig,
     ReplayResult,
@@ -38,6 +40,7 @@ from inference_lab.traffic.sessions import SessionRecord, Turn, read_sessions, w
 from inference_lab.traffic.traces import read_trace
 
 from .conftest import CONFIG_FILES, GPT, ROOT
+from .fake_openai_server import FakeConfig, MemoryFake
 
 WORKLOADS = ROOT / "configs" / "workloads"
 
@@ -253,6 +256,61 @@ async def test_a_mooncake_trace_is_sent_at_its_times_and_shares_blocks(
     for r in result.records:
         assert r.start >= times[r.line] - 1e-3
     assert sum(1 for r in result.records if (r.cached_tokens or 0) >= 1024) >= 2
+
+
+class _StampedTransport:
+    """A memory transport whose reads the kernel stamped ``early`` seconds before they
+    returned, and whose connections take ``connect_delay`` seconds to open."""
+
+    def __init__(self, inner: Any, early: float) -> None:
+        self.inner = inner
+        self.early = early
+        self.receipt: float | None = None
+
+    async def send_all(self, data: bytes) -> None:
+        await self.inner.send_all(data)
+
+    async def receive_some(self, max_bytes: int) -> bytes:
+        data: bytes = await self.inner.receive_some(max_bytes)
+        self.receipt = trio.current_time() - self.early
+        return data
+
+    def is_readable(self) -> bool:
+        return bool(self.inner.is_readable())
+
+    def last_receipt(self) -> float | None:
+        return self.receipt
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+async def test_a_turns_ttft_counts_from_its_send_to_its_bytes_arrival(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """Rule 4: the TTFT runs from the request leaving for the socket to the kernel's
+    receipt of the first token's bytes. Each turn here opens a new connection taking 1 s
+    (the fake closes each after its answer) and each read is stamped 0.1 s before it
+    returns; the fake's first token comes 0.25 s after the request: the TTFT is 0.15 s,
+    though the turn took over 1.25 s."""
+    async with trio.open_nursery() as nursery:
+        fake = MemoryFake(nursery, FakeConfig(token_delay=0.25, close_connections=True))
+
+        async def connect(origin: Origin) -> Transport:
+            await trio.sleep(1.0)
+            return _StampedTransport(await fake.connect(origin), early=0.1)
+
+        path = sessions_file(tmp_path, [0.0])
+        config = ReplayConfig(
+            url="http://127.0.0.1:9", model="m", sessions=path, endpoint="completions"
+        )
+        with trio.fail_after(100):
+            result = await run_replay(config, load_traffic(config), connect=connect)
+        nursery.cancel_scope.cancel()
+    assert [r.outcome for r in result.records] == ["ok"] * 3
+    for r in result.records:
+        assert r.end - r.start > 1.25
+        assert r.ttft == pytest.approx(0.15, abs=1e-9)
 
 
 # -- the command line -----------------------------------------------------------------------

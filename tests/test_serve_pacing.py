@@ -550,3 +550,45 @@ async def test_a_restarted_engine_keeps_the_calibration_and_stats_show_it(
     (entry,) = stats["models"]
     assert entry["pacing_lag_ms"]["early_wake"] == round(TIMER_LATE * 1e3, 4)
     assert entry["pacing_lag_ms"]["early_wake_samples"] == 12
+
+
+class OrderSink:
+    """Logs (virtual time, name) each time the engine hands it tokens, into a shared log."""
+
+    def __init__(self, name: str, log: list[tuple[float, str]]) -> None:
+        self.name = name
+        self.log = log
+        self.done = trio.Event()
+        self.decoding = trio.Event()  # set at its third hand-over
+
+    def on_tokens(self, count: int) -> None:
+        self.log.append((trio.current_time(), self.name))
+        if sum(1 for _, name in self.log if name == self.name) == 3:
+            self.decoding.set()
+
+    def on_finished(self, finished: object) -> None:
+        self.done.set()
+
+    def on_failed(self, message: str) -> None:
+        self.done.set()
+
+
+async def test_a_first_token_is_handed_over_before_the_steps_mid_stream_tokens(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Runtime Rule 9: in the step where B's prefill ends, A (admitted earlier, decoding)
+    also gets a token; B's first token is handed over first, A's after it."""
+    log: list[tuple[float, str]] = []
+    async with serve() as s:
+        rt = s.runtime()
+        a = OrderSink("A", log)
+        rt.admit_nowait(prompt_tokens=40, max_tokens=40, priority=0, sink=a)
+        await a.decoding.wait()
+        b = OrderSink("B", log)
+        rt.admit_nowait(prompt_tokens=30, max_tokens=5, priority=0, sink=b)
+        await b.done.wait()
+        await a.done.wait()
+    first_b = next(i for i, (_, name) in enumerate(log) if name == "B")
+    at = log[first_b][0]
+    same_step = [name for t, name in log if t == at]
+    assert same_step == ["B", "A"]

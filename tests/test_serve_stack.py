@@ -33,14 +33,13 @@ from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
 from quart_trio.asgi import TrioASGIHTTPConnection
 
+from inference_lab.kernel_time import SO_TIMESTAMPNS, enable_receive_timestamps
 from inference_lab.serve import create_app
 from inference_lab.serve.asgi import LabHTTPConnection
 from inference_lab.serve.completions import _receive_nowait, read_body
 from inference_lab.serve.transport.connection import (
-    SO_TIMESTAMPNS,
     LabTCPServer,
     ReceiptStream,
-    enable_receive_timestamps,
     install_connection_hook,
     received_at,
 )

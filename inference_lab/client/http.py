@@ -17,6 +17,11 @@ Rule 3: closing is synchronous (``Transport.close``), so cleanup code that canno
   ``finally`` of a cancelled request — can always release its connection.
 Rule 4: every network or protocol failure surfaces as ``ConnectionFailed``, with the
   original exception chained; callers never see ``OSError`` or ``h11`` errors directly.
+Rule 5: a connection notes when its latest request went out (``sent_at``: just before its
+  bytes are handed to the transport) and when the bytes of its latest read arrived
+  (``received_at``: the kernel's receive timestamp where the transport has one,
+  :mod:`inference_lab.kernel_time`, else when the read returned), so a latency measured
+  from the two counts neither the client's own encoding nor its own wake-up.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from typing import Protocol
 import attrs
 import h11
 import trio
+
+from inference_lab.kernel_time import enable_receive_timestamps, receive_stamped
 
 __all__ = [
     "Connect",
@@ -117,6 +124,11 @@ class Transport(Protocol):
         idle connections only, to drop the ones the server closed."""
         ...
 
+    def last_receipt(self) -> float | None:
+        """The trio time the kernel received the bytes of the latest read, or None when this
+        transport cannot tell (Rule 5)."""
+        ...
+
     def close(self) -> None:
         """Close now: synchronous and idempotent (Rule 3)."""
 
@@ -128,16 +140,24 @@ Connect = Callable[[Origin], Awaitable[Transport]]
 class TCPTransport:
     """A ``Transport`` over a trio TCP stream (what ``connect_tcp`` returns)."""
 
-    __slots__ = ("_stream",)
+    __slots__ = ("_stream", "_stamped", "_receipt")
 
     def __init__(self, stream: trio.SocketStream) -> None:
         self._stream = stream
+        self._stamped = enable_receive_timestamps(stream.socket)
+        self._receipt: float | None = None
 
     async def send_all(self, data: bytes) -> None:
         await self._stream.send_all(data)
 
     async def receive_some(self, max_bytes: int) -> bytes:
-        return await self._stream.receive_some(max_bytes)
+        if not self._stamped:
+            return await self._stream.receive_some(max_bytes)
+        data, self._receipt = await receive_stamped(self._stream.socket, max_bytes)
+        return data
+
+    def last_receipt(self) -> float | None:
+        return self._receipt
 
     def is_readable(self) -> bool:
         return self._stream.socket.is_readable()
@@ -160,13 +180,17 @@ class Connection:
     ``ConnectionPool.release``.
     """
 
-    __slots__ = ("_h11", "_stream", "reused")
+    __slots__ = ("_h11", "_stream", "reused", "sent_at", "received_at")
 
     def __init__(self, stream: Transport) -> None:
         self._stream = stream
         self._h11 = h11.Connection(h11.CLIENT)
         self.reused = False
         """True once this connection carried an earlier exchange (keep-alive reuse)."""
+        self.sent_at = 0.0
+        """The trio time the latest request's bytes were handed to the transport (Rule 5)."""
+        self.received_at = 0.0
+        """The trio time the bytes of the latest read arrived (Rule 5)."""
 
     async def send_request(
         self, method: str, target: str, headers: list[tuple[str, str]], body: bytes
@@ -188,6 +212,7 @@ class Connection:
             if body:
                 data += h.send(h11.Data(data=body)) or b""
             data += h.send(h11.EndOfMessage()) or b""
+            self.sent_at = trio.current_time()
             await self._stream.send_all(data)
         except _NETWORK_ERRORS as exc:
             raise ConnectionFailed(_describe(exc)) from exc
@@ -249,7 +274,10 @@ class Connection:
                 return b"".join(parts)
 
     async def _receive(self) -> None:
-        data = await self._stream.receive_some(RECEIVE_SIZE)
+        stream = self._stream
+        data = await stream.receive_some(RECEIVE_SIZE)
+        stamp = stream.last_receipt()
+        self.received_at = trio.current_time() if stamp is None else stamp
         # b"" tells h11 the peer closed: it ends a close-delimited body or raises
         # RemoteProtocolError on the next event if the message was incomplete.
         self._h11.receive_data(data)

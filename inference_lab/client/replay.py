@@ -20,8 +20,12 @@ Rule 3: prompts are sized by the server's byte rule (:mod:`.wire`): ``n`` tokens
         in every session, and Mooncake requests sharing leading ``hash_ids`` share their
         leading 512-token blocks of text.
 Rule 4: every request streams with ``stream_options.include_usage``; a turn's record
-        holds its TTFT (first content frame), its end, and the usage's prompt, cached
-        (``prompt_tokens_details.cached_tokens``) and completion tokens.
+        holds its TTFT, its end, and the usage's prompt, cached
+        (``prompt_tokens_details.cached_tokens``) and completion tokens. The TTFT is
+        counted from the request's bytes leaving for the socket to the arrival of the
+        bytes that brought the first content frame (by the kernel's receive timestamp
+        where the socket has one: ``http.py`` Rule 5), so the client's own JSON encoding
+        and scheduling are not in it.
 Rule 5: it connects only to the origin in ``url`` (``http.py``), and every request is
         bounded by ``request_timeout``.
 """
@@ -103,7 +107,7 @@ class ReplayConfig:
 @attrs.frozen(kw_only=True)
 class TurnRecord:
     """One request. Times are seconds since the run started (``start``, ``end``) or since
-    this request started (``ttft``). ``session`` and ``turn`` are -1 for a trace request
+    this request was sent (``ttft``: Rule 4). ``session`` and ``turn`` are -1 for a trace request
     (``line`` is its line in the trace file)."""
 
     session: int
@@ -204,13 +208,13 @@ class _Replay:
         started = trio.current_time()
         payload = json.dumps(body, separators=(",", ":")).encode()
         with trio.move_on_after(self.cfg.request_timeout) as scope:
-            await self._exchange(path, payload, answer, started)
+            await self._exchange(path, payload, answer)
         if scope.cancelled_caught:
             answer.outcome = "timeout"
             answer.error = f"no answer in {self.cfg.request_timeout} s"
         return answer, started - self.t0, trio.current_time() - self.t0
 
-    async def _exchange(self, path: str, payload: bytes, answer: _Answer, started: float) -> None:
+    async def _exchange(self, path: str, payload: bytes, answer: _Answer) -> None:
         conn = None
         try:
             while True:
@@ -233,7 +237,7 @@ class _Replay:
                 while True:
                     data, ended = await conn.receive_body_chunk()
                     if data:
-                        now = trio.current_time() - started
+                        now = conn.received_at - conn.sent_at  # Rule 4
                         for event in parser.feed(data):
                             answer.feed(event.data, now)
                     if ended:

@@ -31,6 +31,11 @@ Rule 7: an engine failure stops only this model: the inbox is closed (new reques
 Rule 8: with a ``kv_events`` sink the engine records its KV-cache events, and the engine
         task hands them over once per wake-up that stepped, in one synchronous call that
         must not block (the serve app's publisher queues them for its own thread).
+Rule 9: a step's tokens are handed over in the reverse of the engine's order, which is
+        the running requests' admission order: a stream whose first token the step
+        brings (its prefill just ended: the latest admitted of the step's emitters) is
+        written before the step's mid-stream tokens, whose writes would otherwise delay
+        it (a few tens of microseconds each on a socket).
 """
 
 from __future__ import annotations
@@ -690,7 +695,9 @@ class ModelRuntime:
                 handle = by_id.get(rid)
                 if handle is not None:
                     self._release_slot(handle)  # ... then the pending slots
-        for rid, count in events.tokens:
+        # Latest admitted first: a stream whose prefill just ended (its first token) is
+        # handed its token before the step's mid-stream ones (Rule 9).
+        for rid, count in reversed(events.tokens):
             handle = by_id.get(rid)
             if handle is not None:
                 handle.sink.on_tokens(count)

@@ -64,10 +64,7 @@ import fcntl
 import logging
 import math
 import os
-import platform
-import socket
 import struct
-import sys
 import termios
 import time
 from collections.abc import Callable
@@ -86,6 +83,12 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 
 from inference_lab.errors import error_body
+from inference_lab.kernel_time import (
+    MAX_RECEIPT_AGE,
+    enable_receive_timestamps,
+    receive_stamped,
+    receives_timestamps,
+)
 from inference_lab.serve.transport.accept_log import install_accept_log_filter
 
 __all__ = [
@@ -109,59 +112,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("inference_lab.serve")
-
-#: Seconds beyond which a server's own receipt time is not believed (a clock step).
-MAX_RECEIPT_AGE = 1.0
-
-#: ``SO_TIMESTAMPNS`` (Python's socket module does not name it): the kernel then stamps
-#: each received packet (``CLOCK_REALTIME``, a ``struct timespec``) and ``recvmsg`` hands
-#: the stamp of the latest one read back as ancillary data of the same type. Its number is
-#: 35 on Linux's generic socket ABI (x86, arm, riscv); elsewhere the option is not used.
-_GENERIC_ABI = ("x86_64", "i386", "i686", "aarch64", "arm64", "armv7l", "riscv64")
-SO_TIMESTAMPNS: int | None = getattr(
-    socket,
-    "SO_TIMESTAMPNS",
-    35 if sys.platform == "linux" and platform.machine() in _GENERIC_ABI else None,
-)
-_TIMESPEC = struct.Struct("@ll")
-_ANCILLARY_SPACE = socket.CMSG_SPACE(_TIMESPEC.size)
-
-
-def enable_receive_timestamps(sock: Any) -> bool:
-    """Have the kernel stamp the packets ``sock`` receives (``SO_TIMESTAMPNS``). On a
-    listening socket this is inherited by the connections it accepts, and it turns the
-    kernel's stamping on before their first bytes arrive. False where the platform or the
-    socket has no such option (nothing changed)."""
-    if SO_TIMESTAMPNS is None:
-        return False
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
-    except (AttributeError, OSError):
-        return False
-    return True
-
-
-def receives_timestamps(sock: Any) -> bool:
-    """Whether the kernel stamps the packets ``sock`` receives (see
-    :func:`enable_receive_timestamps`); False where it cannot be asked."""
-    if SO_TIMESTAMPNS is None:
-        return False
-    try:
-        return bool(sock.getsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS))
-    except (AttributeError, OSError):
-        return False
-
-
-def _kernel_receipt(ancillary: list[tuple[int, int, bytes]]) -> float | None:
-    """The trio time of the receive timestamp in ``recvmsg``'s ancillary data, or None
-    (no stamp, or one not within MAX_RECEIPT_AGE before now: a clock step)."""
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(payload) >= _TIMESPEC.size:
-            seconds, nanoseconds = _TIMESPEC.unpack_from(payload)
-            age = time.time() - (float(seconds) + float(nanoseconds) * 1e-9)
-            if -1e-3 < age < MAX_RECEIPT_AGE:
-                return trio.current_time() - max(0.0, age)
-    return None
 
 
 class ReceiptStream:
@@ -230,7 +180,7 @@ class ReceiptStream:
         stamp: float | None = None
         try:
             if self.stamped:
-                data, stamp = await self._receive_stamped(max_bytes)
+                data, stamp = await receive_stamped(self._stream.socket, max_bytes)
             else:
                 data = await self._stream.receive_some(max_bytes)
         except BaseException:
@@ -272,24 +222,6 @@ class ReceiptStream:
             except Exception:  # noqa: BLE001 - the connection's teardown goes on
                 logger.exception("a connection's close callback failed")
         self._on_end = self._on_close = None
-
-    async def _receive_stamped(self, max_bytes: int | None) -> tuple[bytes, float | None]:
-        """``trio.SocketStream.receive_some`` as a ``recvmsg`` that also reads the receive
-        timestamp (the same errors: a closed socket is ClosedResourceError, a broken
-        connection BrokenResourceError; hypercorn has one reader per connection)."""
-        if max_bytes is None:
-            max_bytes = 65536
-        if max_bytes < 1:
-            raise ValueError("max_bytes must be >= 1")
-        try:
-            data, ancillary, _flags, _address = await self._stream.socket.recvmsg(
-                max_bytes, _ANCILLARY_SPACE
-            )
-        except OSError as exc:
-            if exc.errno in (errno.EBADF, errno.ENOTSOCK):
-                raise trio.ClosedResourceError("this socket was already closed") from None
-            raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
-        return data, _kernel_receipt(ancillary) if ancillary else None
 
     def send_nowait(self, data: bytes) -> int:
         """Write what the socket takes of ``data`` now, without a scheduling point: the
