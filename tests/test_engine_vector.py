@@ -11,19 +11,28 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 
 from inference_lab.core import engine as engine_module
 from inference_lab.core.config import Deployment
 from inference_lab.core.engine import Engine, RequestSpec, StepEvents
-from tests.engine_util import GPT_OSS_20B, LLAMA8B, assert_blocks_conserved, deployment
+from tests.engine_util import (
+    DEEPSEEK_V3,
+    GPT_OSS_20B,
+    LLAMA8B,
+    assert_blocks_conserved,
+    deployment,
+)
 
 
-def _specs(count: int, seed: int, *, rate: float, groups: bool, hashes: bool) -> list[RequestSpec]:
+def _specs(
+    count: int, seed: int, *, rate: float, groups: bool, hashes: bool, prompt_mu: float = 5.5
+) -> list[RequestSpec]:
     rng = np.random.default_rng(seed)
     times = np.cumsum(rng.exponential(1.0 / rate, count))
-    prompts = np.maximum(rng.lognormal(5.5, 0.8, count), 1).astype(int)
+    prompts = np.maximum(rng.lognormal(prompt_mu, 0.8, count), 1).astype(int)
     outputs = np.maximum(rng.lognormal(3.5, 0.8, count), 1).astype(int)
     out = []
     for i in range(count):
@@ -86,6 +95,11 @@ def _drive(
         engine_module.VECTOR_MIN = saved
 
 
+def _without_speculation(dep: Deployment) -> Deployment:
+    """``dep`` without its ``[speculative]`` table (which keeps the vectorised mode off)."""
+    return attrs.evolve(dep, speculative=None)
+
+
 SCENARIOS: dict[str, Callable[[], tuple[Deployment, dict[str, Any]]]] = {
     "gpt-oss-loaded": lambda: (deployment(GPT_OSS_20B), {"rate": 400.0}),
     "preemptions": lambda: (deployment(LLAMA8B, blocks=300), {"rate": 200.0}),
@@ -104,6 +118,13 @@ SCENARIOS: dict[str, Callable[[], tuple[Deployment, dict[str, Any]]]] = {
         {"rate": 500.0},
     ),
     "sjf": lambda: (deployment(LLAMA8B, policy="sjf", blocks=400), {"rate": 300.0}),
+    # short prompts: decoding contexts cross the 128-position window, blocks grow often
+    "gpt-oss-window-crossing": lambda: (
+        deployment(GPT_OSS_20B, block_size=16),
+        {"rate": 600.0, "prompt_mu": 3.8},
+    ),
+    # MLA layers (their terms take each row's positions) on lockstep dp-attention ranks
+    "mla-dp-attention": lambda: (_without_speculation(deployment(DEEPSEEK_V3)), {"rate": 800.0}),
 }
 
 
@@ -120,6 +141,7 @@ def test_vectorised_mode_gives_the_same_events(name: str, disturb: bool) -> None
         rate=options["rate"],
         groups=options.get("groups", False),
         hashes=options.get("hashes", False),
+        prompt_mu=options.get("prompt_mu", 5.5),
     )
     reference = _drive(dep, specs, 1 << 30, disturb=disturb)
     assert sum(1 for ev in reference for _ in ev.finished) > 300
@@ -176,3 +198,43 @@ def test_decode_terms_are_the_batch_terms_of_the_same_batch(config: Any) -> None
         want = rf.batch_terms([1] * size + extra_n, c.tolist() + extra_c)
         assert (got.tokens, got.seqs, got.sums) == (want.tokens, want.seqs, want.sums)
         assert rf.price(got) == rf.price(want)
+
+
+def test_the_lazy_decoding_rows_are_filed_and_summed_exactly() -> None:
+    """`running_arrays` Rule 4: after every event, each decoding row's lazy columns plus the
+    decode counter are its request's true positions and tokens, it is filed to finish
+    when its output reaches its target and to grow when its positions reach what its
+    blocks hold, and the window sums the roofline is given are the sums over its rows --
+    on a run whose contexts cross the 128-position window while decoding."""
+    dep = deployment(GPT_OSS_20B, block_size=16)
+    saved = engine_module.VECTOR_MIN
+    engine_module.VECTOR_MIN = 2
+    try:
+        eng = Engine(dep)
+        for s in _specs(400, seed=11, rate=600.0, groups=False, hashes=False, prompt_mu=3.8):
+            eng.submit(s)
+        checked = crossed = 0
+        while eng.next_event_time() is not None:
+            eng.step()
+            w = eng.workers[0]
+            vec = w.vec
+            if vec is None or not vec.decoding:
+                continue
+            g, k = vec.g, vec.decoding
+            rows = w.running[:k]
+            comp = [int(c) + g for c in vec.computed[:k]]
+            out = [int(o) + g for o in vec.output[:k]]
+            for r, c, o, base in zip(rows, comp, out, vec.computed[:k].tolist(), strict=True):
+                assert r in vec.finish_cal[r.target - (o - g)]
+                assert (r, base) in vec.grow_cal[max(r.room - base, g)]
+                assert r.room == eng.roofline.room_for(r.blocks) or r.room <= c
+                assert w.blocks_for(c) <= r.blocks
+            want = [
+                sum(min(c, window - 1) if window else c for c in comp) for window in vec.windows
+            ]
+            assert vec.decode_sums() == want
+            checked += 1
+            crossed += any(c < 127 for c in comp) and any(c >= 127 for c in comp)
+        assert checked > 200 and crossed > 50
+    finally:
+        engine_module.VECTOR_MIN = saved

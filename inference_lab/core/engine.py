@@ -648,23 +648,48 @@ class _Worker:
         group is admitted); in the vectorised mode ``n`` and ``c`` are None and the
         step's terms are in ``step_terms``.
 
-        The rows ``[0, vec.decoding)`` are known to decode (one position each); only the
-        others' chunks are worked out."""
+        The rows ``[0, vec.decoding)`` are known to decode (one position each; lazily:
+        :mod:`~inference_lab.core.running_arrays` Rule 4): only those filed to grow now
+        and the others' chunks are worked out."""
         running = self.running
         k = len(running)
         vec = self.vec
         if vec is None:
-            vec = self.vec = RunningArrays(running)
-        comp = vec.computed[:k]
+            vec = self.vec = RunningArrays(running, windows=self.roofline.window_classes())
         decoding = vec.decoding
         budget = self.budget
+        g = vec.g
+        due = vec.grow_cal.get(g)  # decoding rows whose next position needs a block
+        need = 0
+        if due is not None:
+            blocks_for = self.blocks_for
+            wants = [blocks_for(c + g + 1) for _, c in due]
+            for (r, _), want in zip(due, wants, strict=True):
+                if want > r.blocks:
+                    need += want - r.blocks
+        grow_rows: list[int] = []  # the other grow_rows that need blocks, and their positions
+        pos: list[int] = []
+        d: Any = None
         if decoding == k:
             total = k
             if total > budget:
                 return None
-            grow = (comp >= vec.room[:k]).nonzero()[0]  # comp + 1 > room
-            pos = comp[grow] + 1 if grow.size else grow
-            d = None
+        elif k - decoding <= _FEW_ROWS:  # a step's admissions: in Python, row by row
+            cap = self.chunk_cap
+            d = []
+            total = decoding
+            for i, (prompt, _, _, c, out, _, room) in enumerate(
+                vec.table[1:8, decoding:k].T.tolist(), decoding
+            ):
+                left = prompt + (out - 1 if out > 1 else 0) - c
+                n = (left if left < cap else cap) if left > 0 else 1
+                d.append(n)
+                total += n
+                if c + n > room:
+                    grow_rows.append(i)
+                    pos.append(c + n)
+            if total > budget:
+                return None
         else:
             rest = slice(decoding, k)
             c = vec.computed[rest]
@@ -676,32 +701,42 @@ class _Worker:
                 return None
             ends = c + d
             grow_rest = np.flatnonzero(ends > vec.room[rest])
-            grow = np.flatnonzero(comp[:decoding] >= vec.room[:decoding])
-            pos = np.concatenate((comp[grow] + 1, ends[grow_rest]))
-            grow = np.concatenate((grow, grow_rest + decoding))
+            if grow_rest.size:
+                grow_rows += (grow_rest + decoding).tolist()
+                pos += ends[grow_rest].tolist()
         pool = self.pool
-        if grow.size:  # a few rows a step: element by element, not fancy indexing
+        if grow_rows:  # a few grow_rows a step: element by element, not fancy indexing
             blocks = vec.blocks
-            rows = grow.tolist()
-            old = [int(blocks[i]) for i in rows]
-            wanted = [self.blocks_for(p) for p in pos.tolist()]
-            need = 0
+            old = [int(blocks[i]) for i in grow_rows]
+            wanted = [self.blocks_for(p) for p in pos]
             for b, w in zip(old, wanted, strict=True):
                 if w > b:
                     need += w - b
-            if need > pool.free:
-                return None
-            pool.free -= need
-            room_for = self.roofline.room_for
+        if need > pool.free:
+            return None
+        pool.free -= need
+        room_for = self.roofline.room_for
+        if grow_rows:
             room = vec.room
-            for i, b, w in zip(rows, old, wanted, strict=True):
+            for i, b, w in zip(grow_rows, old, wanted, strict=True):
                 held = w if w > b else b
                 blocks[i] = held
                 room[i] = room_for(held)
-        if d is None:
-            vec.n[:k] = 1
-        else:
-            vec.n[:decoding] = 1
+        if due is not None:  # grown, each is filed for its next block
+            grow_cal = vec.grow_cal
+            del grow_cal[g]
+            for entry, want in zip(due, wants, strict=True):
+                r, c = entry
+                if want > r.blocks:
+                    r.blocks = want
+                r.room = room_for(r.blocks)
+                key = r.room - c
+                slot = grow_cal.get(key)
+                if slot is None:
+                    grow_cal[key] = [entry]
+                else:
+                    slot.append(entry)
+        if d is not None:
             vec.n[decoding:k] = d
         vec.step_decoding = decoding
         self.step_gamma = 0
@@ -734,15 +769,18 @@ class _Worker:
         if not isinstance(batch, _VectorBatch):
             return batch, ns, cs, 0
         size = vec.size
-        comp = vec.computed  # (a new array if admissions grew the table)
         rf = self.roofline
         if rf.has_mla():
-            self.step_terms = rf.batch_terms(vec.n[:size], comp[:size])
+            self.step_terms = rf.batch_terms(vec.n[:size], vec.computed_now())
         elif decoding == size:
-            self.step_terms = rf.decode_terms(comp[:decoding], [], [])
+            self.step_terms = rf.decode_terms_of(decoding, vec.decode_sums(), (), ())
         else:
-            self.step_terms = rf.decode_terms(
-                comp[:decoding], vec.n[decoding:size].tolist(), comp[decoding:size].tolist()
+            comp = vec.computed  # (a new array if admissions grew the table)
+            self.step_terms = rf.decode_terms_of(
+                decoding,
+                vec.decode_sums(),
+                vec.n[decoding:size].tolist(),
+                comp[decoding:size].tolist(),
             )
         return batch, None, None, 0
 
@@ -1392,7 +1430,9 @@ class Engine:
     ) -> None:
         """:meth:`_complete` over the columns (Rule 10): every row was in the step, each
         at its ``n``; the same tokens, first-token times and completions, in row order.
-        The rows ``[0, step_decoding)`` decoded: each emits one token."""
+        The rows ``[0, step_decoding)`` decoded: each emits one token (the decode counter
+        moves on; their finishes are the ones filed for it), and the rows after them
+        that emitted for the first time decode from now on."""
         vec = w.vec
         assert vec is not None  # a _VectorBatch in flight
         k = vec.size
@@ -1400,13 +1440,20 @@ class Engine:
         comp = vec.computed
         out = vec.output
         running = w.running
+        # the decoding rows' positions and tokens, lazily; those whose last token it was
+        finishing: list[Any] | None = vec.advance()
         if decoding:
-            vec.table[4:6, :decoding] += 1  # computed and output
             emit.extend(vec.pairs[:decoding])  # (id, 1) each
+        done: list[int] = []
+        if finishing is not None:
+            index = running.index
+            done = sorted([index(r) for r in finishing])
         still = k  # the first row that did not emit (k: none)
         if 0 < k - decoding <= _FEW_ROWS:  # a step's admissions: in Python, row by row
             rows = vec.table[:, decoding:k].T.tolist()
-            for i, (rid, prompt, max_tokens, _, c, before, _, _, n) in enumerate(rows, decoding):
+            for i, (rid, prompt, max_tokens, target, c, before, _, _, n) in enumerate(
+                rows, decoding
+            ):
                 c += n
                 comp[i] = c
                 if c >= prompt:
@@ -1418,6 +1465,8 @@ class Engine:
                             running[i].first_token_time = now
                         emit.append((rid, new - before))
                         out[i] = new
+                        if new >= target:
+                            done.append(i)
                         continue
                 if still == k:
                     still = i
@@ -1445,20 +1494,23 @@ class Engine:
                         strict=True,
                     )
                 )
+                done += (np.flatnonzero(before_all >= vec.target[rest]) + decoding).tolist()
             if idx.size < k - decoding:
                 still = decoding + int(np.argmin(emitting))
-        done_rows = (out[:k] >= vec.target[:k]).nonzero()[0]
-        if done_rows.size:
-            done = done_rows.tolist()
+        if done:
             for i in done:
                 r = running[i]
                 vec.sync_row(r, i)
+                if i < decoding:
+                    vec.stop_decoding(r, i)
                 self._finish(w, r, now, finished)
             vec.drop(done)
             for i in reversed(done):
                 del running[i]
             still -= sum(1 for i in done if i < still)
-        vec.decoding = still
+            vec.decoding -= sum(1 for i in done if i < decoding)
+        if still > vec.decoding:
+            vec.start_decoding(running[vec.decoding : still], still)
 
     def _boundary(self, w: _Worker, now: float) -> StepEvents:
         tokens: list[tuple[int, int]] = []

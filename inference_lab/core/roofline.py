@@ -419,15 +419,25 @@ class Roofline:
         decoding ones is ``sum(att)``), in fewer array operations. Not for MLA classes
         (the engine's vectorised mode asks :meth:`batch_terms` then)."""
         add = np.add.reduce
-        k = len(c)
-        sums: list[list[int]] = []
-        if k:  # sum(min(c + 1, window)) = sum(min(c, window - 1)) + k
-            for window, _, _ in self._windows:
-                total = int(add(np.minimum(c, window - 1) if window > 0 else c)) + k
-                sums.append([total, total])
-        else:
-            sums = [[0, 0] for _ in self._windows]
-        terms = BatchTerms(k, k, sums, [[0, 0, 0, 0] for _ in self._mla])
+        sums = [
+            int(add(np.minimum(c, window - 1) if window > 0 else c))
+            for window, _, _ in self._windows
+        ]
+        return self.decode_terms_of(len(c), sums, ns, cs)
+
+    def window_classes(self) -> tuple[int, ...]:
+        """The attention window of each class the terms sum over, in their order (0: full
+        attention)."""
+        return tuple(window for window, _, _ in self._windows)
+
+    def decode_terms_of(
+        self, k: int, sums: Sequence[int], ns: Sequence[int], cs: Sequence[int]
+    ) -> BatchTerms:
+        """:meth:`decode_terms` of ``k`` decoding sequences given, per window class
+        (:meth:`window_classes`), the sum over them of ``min(c, window - 1)`` (of ``c``
+        for full attention), which the engine keeps as the sequences advance:
+        ``sum(min(c + 1, window)) = sum(min(c, window - 1)) + k``."""
+        terms = BatchTerms(k, k, [[s + k, s + k] for s in sums], [[0, 0, 0, 0] for _ in self._mla])
         for n, ci in zip(ns, cs, strict=True):
             self.add_sequence(terms, n, ci)
         return terms

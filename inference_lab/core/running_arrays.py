@@ -20,6 +20,18 @@ Rule 3: a vectorised step is the same step the per-request loop would choose: ev
         chunks and the free blocks all their new blocks, so neither the order nor a
         preemption can change anything), each with the same positions; the integers
         handed to the roofline are the same, so the price is the same to the last bit.
+Rule 4: the decoding rows ``[0, decoding)`` are lazy: each step adds one position and one
+        token to every one of them, so their ``computed`` and ``output`` columns hold the
+        value minus the decode counter ``g`` (one increment per completed step) and a
+        decode step writes no column. Their ``n`` is 1. What happens to one of them at a
+        known count is filed once in a calendar keyed by the value of ``g`` at which it
+        happens: it finishes (``output`` reaches ``target``), it needs a KV block
+        (``computed`` reaches ``room``; filed again after each growth) and, per sliding
+        window ``W``, its context saturates (``computed`` reaches ``W - 1``). The window
+        sums the roofline needs (:meth:`decode_sums`) are kept up to date from these, so
+        a decode step costs O(1) plus its events. Calendars hold the request objects
+        (rows move when others are dropped); a row leaving the decoding set is taken
+        out of every calendar it is in.
 """
 
 from __future__ import annotations
@@ -55,15 +67,49 @@ class RunningArrays:
     ``n`` is each row's positions in the step in flight (set when the step is chosen).
     Views ``[:size]`` of the columns are what the engine reads and writes."""
 
-    __slots__ = ("size", "decoding", "step_decoding", "pairs", "table", *_COLUMNS)
+    __slots__ = (
+        "size",
+        "decoding",
+        "step_decoding",
+        "pairs",
+        "table",
+        "g",
+        "windows",
+        "base_sum",
+        "sat",
+        "unsat",
+        "unsat_sum",
+        "sat_cal",
+        "finish_cal",
+        "grow_cal",
+        *_COLUMNS,
+    )
 
-    def __init__(self, requests: Sequence[PlainRequest], capacity: int = 64) -> None:
+    def __init__(
+        self, requests: Sequence[PlainRequest], capacity: int = 64, windows: Sequence[int] = ()
+    ) -> None:
         size = len(requests)
         self.size = size
         #: rows ``[0, decoding)`` decode (their prefill done): a step gives each one
         #: position; ``step_decoding`` is that count for the step in flight
         self.decoding = 0
         self.step_decoding = 0
+        #: Rule 4: the decode counter, and the attention window classes (0: full) whose
+        #: sums :meth:`decode_sums` keeps
+        self.g = 0
+        self.windows = tuple(windows)
+        #: sum of the decoding rows' stored (offset) ``computed``
+        self.base_sum = 0
+        #: per window class: decoding rows saturated (``computed >= W - 1``), the others,
+        #: the sum of the others' stored ``computed``, and when each of them saturates
+        self.sat = [0] * len(self.windows)
+        self.unsat = [0] * len(self.windows)
+        self.unsat_sum = [0] * len(self.windows)
+        self.sat_cal: list[dict[int, int]] = [{} for _ in self.windows]
+        #: ``g`` value -> the decoding requests that finish then; -> those whose next
+        #: position needs a KV block then, each with its stored ``computed``
+        self.finish_cal: dict[int, list[PlainRequest]] = {}
+        self.grow_cal: dict[int, list[tuple[PlainRequest, int]]] = {}
         #: per row, the (id, 1) a decode step emits: made once, reused every step
         self.pairs: list[tuple[int, int]] = [(r.id, 1) for r in requests]
         self._bind(np.zeros((len(_COLUMNS), max(capacity, 2 * size)), np.int64))
@@ -120,25 +166,149 @@ class RunningArrays:
 
     def sync(self, requests: Sequence[PlainRequest]) -> None:
         """Write the rows' ``computed``, ``output``, ``blocks`` and ``room`` back to their
-        requests (Rule 2). O(rows), in Python: only when leaving the vectorised mode or
-        when a reader needs the objects."""
+        requests (Rule 2; a decoding row's lazy values with ``g`` added, its ``blocks``
+        and ``room`` are its request's already: Rule 4). O(rows), in Python: only when
+        leaving the vectorised mode or when a reader needs the objects."""
         k = self.size
-        for r, c, o, b, room in zip(
-            requests,
-            self.computed[:k].tolist(),
-            self.output[:k].tolist(),
-            self.blocks[:k].tolist(),
-            self.room[:k].tolist(),
-            strict=True,
+        d = self.decoding
+        g = self.g
+        for i, (r, c, o, b, room) in enumerate(
+            zip(
+                requests,
+                self.computed[:k].tolist(),
+                self.output[:k].tolist(),
+                self.blocks[:k].tolist(),
+                self.room[:k].tolist(),
+                strict=True,
+            )
         ):
-            r.computed = c
-            r.output = o
-            r.blocks = b
-            r.room = room
+            if i < d:
+                r.computed = c + g
+                r.output = o + g
+            else:
+                r.computed = c
+                r.output = o
+                r.blocks = b
+                r.room = room
 
     def sync_row(self, r: PlainRequest, i: int) -> None:
         """Write row ``i`` back to its request ``r``."""
-        r.computed, r.output, r.blocks, r.room = self.table[4:8, i].tolist()
+        c, o, b, room = self.table[4:8, i].tolist()
+        if i < self.decoding:
+            r.computed = c + self.g
+            r.output = o + self.g
+        else:
+            r.computed, r.output, r.blocks, r.room = c, o, b, room
+
+    def computed_now(self) -> IntArray:
+        """Every row's ``computed`` (a copy; the decoding rows' with ``g`` added)."""
+        comp: IntArray = self.computed[: self.size].copy()
+        comp[: self.decoding] += self.g
+        return comp
+
+    # ------------------------------------------------------------------ Rule 4
+    def start_decoding(self, requests: Sequence[PlainRequest], stop: int) -> None:
+        """Rows ``[decoding, stop)`` (``requests`` are their objects, in order) decode
+        from now on: their ``computed`` and ``output`` take the lazy form, their ``n`` is
+        1, their requests hold their ``blocks`` and ``room``, and their finish, next
+        growth and window saturations are filed."""
+        start = self.decoding
+        g = self.g
+        self.table[4:6, start:stop] -= g
+        self.n[start:stop] = 1
+        rows = self.table[3:8, start:stop].T.tolist()  # target, computed, output, blocks, room
+        finish_cal = self.finish_cal
+        grow_cal = self.grow_cal
+        windows = self.windows
+        base_sum = 0
+        for r, (target, c, o, b, room) in zip(requests, rows, strict=True):
+            r.blocks = b
+            r.room = room
+            base_sum += c
+            key = target - o
+            slot = finish_cal.get(key)
+            if slot is None:
+                finish_cal[key] = [r]
+            else:
+                slot.append(r)
+            key = room - c  # (``room`` may be short of what its blocks hold: ask now)
+            if key < g:
+                key = g
+            entry = (r, c)
+            grow = grow_cal.get(key)
+            if grow is None:
+                grow_cal[key] = [entry]
+            else:
+                grow.append(entry)
+            for j, window in enumerate(windows):
+                if window <= 0:
+                    continue
+                if c + g >= window - 1:
+                    self.sat[j] += 1
+                else:
+                    self.unsat[j] += 1
+                    self.unsat_sum[j] += c
+                    cal = self.sat_cal[j]
+                    key = window - 1 - c
+                    cal[key] = cal.get(key, 0) + 1
+        self.base_sum += base_sum
+        self.decoding = stop
+
+    def stop_decoding(self, r: PlainRequest, i: int) -> None:
+        """Row ``i`` (request ``r``), decoding, is about to be dropped: take it out of the
+        sums and of the calendars it is in (its finish has been taken already)."""
+        c = int(self.computed[i])
+        self.base_sum -= c
+        key = r.room - c
+        grow = self.grow_cal[key]
+        if len(grow) == 1:
+            del self.grow_cal[key]
+        else:
+            grow.remove((r, c))
+        g = self.g
+        for j, window in enumerate(self.windows):
+            if window <= 0:
+                continue
+            if c + g >= window - 1:
+                self.sat[j] -= 1
+            else:
+                self.unsat[j] -= 1
+                self.unsat_sum[j] -= c
+                cal = self.sat_cal[j]
+                key = window - 1 - c
+                left = cal[key] - 1
+                if left:
+                    cal[key] = left
+                else:
+                    del cal[key]
+
+    def advance(self) -> list[PlainRequest] | None:
+        """A step ended: every decoding row gained a position and a token (``g`` moves on);
+        the windows' newly saturated rows move over, and the requests whose last token
+        that was are returned (None: none)."""
+        g = self.g + 1
+        self.g = g
+        for j, cal in enumerate(self.sat_cal):
+            if cal:
+                count = cal.pop(g, 0)
+                if count:
+                    self.sat[j] += count
+                    self.unsat[j] -= count
+                    self.unsat_sum[j] -= count * (self.windows[j] - 1 - g)
+        return self.finish_cal.pop(g, None)
+
+    def decode_sums(self) -> list[int]:
+        """Per window class, the sum over the decoding rows of ``min(computed, W - 1)``
+        (``computed`` for full attention): what the roofline's decode terms need."""
+        g = self.g
+        k = self.decoding
+        out = []
+        for j, window in enumerate(self.windows):
+            if window <= 0:
+                out.append(self.base_sum + k * g)
+            else:
+                out.append(self.sat[j] * (window - 1) + self.unsat_sum[j] + self.unsat[j] * g)
+        return out
 
     def drop(self, rows: list[int]) -> None:
         """Drop the rows ``rows`` (ascending indices below ``size``), keeping the order of
