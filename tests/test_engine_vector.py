@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 
 from inference_lab.core import engine as engine_module
-from inference_lab.core.config import Deployment
+from inference_lab.core.config import Deployment, EfficiencyOverride
 from inference_lab.core.engine import Engine, RequestSpec, StepEvents
 from tests.engine_util import (
     DEEPSEEK_V3,
     GPT_OSS_20B,
     LLAMA8B,
+    ROOT,
     assert_blocks_conserved,
     deployment,
 )
@@ -238,3 +239,45 @@ def test_the_lazy_decoding_rows_are_filed_and_summed_exactly() -> None:
         assert checked > 200 and crossed > 50
     finally:
         engine_module.VECTOR_MIN = saved
+
+
+@pytest.mark.parametrize(
+    "config", [GPT_OSS_20B, LLAMA8B, ROOT / "configs" / "Qwen3-30B-A3B.toml"], ids=str
+)
+def test_the_common_price_is_the_general_one_to_the_bit(config: Any) -> None:
+    """`Roofline.price`'s body for the common case (no step table, MLA class or DP
+    attention) gives exactly the `StepCost` of the general body, over batches from one
+    decoding sequence to a full budget of prefill, with and without a step overhead,
+    time_correction and tensor parallelism."""
+    dep = deployment(config)
+    variants = [
+        dep,
+        attrs.evolve(
+            dep,
+            hardware=attrs.evolve(
+                dep.hardware,
+                efficiency=EfficiencyOverride(flops=0.7, step_overhead=0.003),
+                time_correction=attrs.evolve(dep.hardware.time_correction, alpha=1.1, beta=2e-4),
+            ),
+        ),
+        attrs.evolve(  # with all-reduces
+            dep,
+            hardware=attrs.evolve(
+                dep.hardware, tp=4, efficiency=EfficiencyOverride(step_overhead=0.0031)
+            ),
+        ),
+    ]
+    rng = np.random.default_rng(5)
+    for d in variants:
+        rf = Engine(d).roofline
+        assert rf._plain
+        for size in (1, 2, 37, 256):
+            ns = rng.integers(1, 3, size).tolist()
+            ns[0] = int(rng.integers(1, 4000))  # a prefill chunk
+            cs = rng.integers(0, 9000, size).tolist()
+            terms = rf.batch_terms(ns, cs)
+            general = rf._price(terms.tokens, terms.seqs, terms.sums, terms.mla)
+            assert rf.price(terms) == general
+            assert rf.price(terms) == general  # the second time from the cache
+        empty = rf.batch_terms([], [])
+        assert rf.price(empty) == rf._price(0, 0, empty.sums, empty.mla)

@@ -1294,9 +1294,16 @@ class Engine:
 
     def step(self) -> StepEvents:
         """Handle the earliest event and return what became visible at its time."""
-        if self.next_event_time() is None:
-            raise RuntimeError("step() called with no event pending")
-        t, _seq, kind, payload = heapq.heappop(self._heap)
+        heap = self._heap
+        while True:  # the earliest live event (next_event_time's clean-up, inline)
+            if not heap:
+                raise RuntimeError("step() called with no event pending")
+            t, seq, kind, payload = heapq.heappop(heap)
+            if kind == _ARRIVAL:
+                if payload.state == _PENDING:
+                    break  # (else an aborted arrival)
+            elif seq == payload.boundary_seq:
+                break  # (else a step end moved by a late arrival)
         if t > self.now:
             self.now = t
         now = self.now
@@ -1320,7 +1327,7 @@ class Engine:
                 w.scheduled = True
                 w.boundary_seq = next(self._seq)
                 heapq.heappush(self._heap, (now, w.boundary_seq, _BOUNDARY, w))
-            elif w.batch and r.stamp < w.step_start and w.waiting.count == 1:
+            elif r.stamp < w.step_start and w.waiting.count == 1 and w.batch:
                 self._join_late(w, r)
             return StepEvents(time=now, tokens=(), finished=(), arrived=(r.id,), step=None)
         if kind == _GROUP_BOUNDARY:
@@ -1519,7 +1526,7 @@ class Engine:
         batch, ns, cs, preempted = w.schedule(now)
         self._preemptions += preempted
         info = None
-        if batch:
+        if type(batch) is _VectorBatch or batch:  # (a _VectorBatch is never empty)
             if self._spec is None:
                 if ns is None:  # the vectorised mode priced its batch (Rule 10)
                     terms = w.step_terms
@@ -1755,7 +1762,10 @@ class Engine:
 
     # ------------------------------------------------------------------ state
     def num_waiting(self) -> int:
-        return sum(w.waiting.count for w in self.workers)
+        workers = self.workers
+        if len(workers) == 1:
+            return workers[0].waiting.count
+        return sum(w.waiting.count for w in workers)
 
     def num_running(self) -> int:
         """Running requests (a group counts once; see ``statistics().running_seqs``)."""

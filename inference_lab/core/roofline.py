@@ -269,6 +269,11 @@ class Roofline:
         self._a2a_calls = 2 * moe_layers
         self._moe_k = moe_k
         self._by_tokens: dict[int, tuple[tuple[float, ...], tuple[float, ...], float]] = {}
+        #: :meth:`price`'s common case: no step table, no MLA class, no DP attention
+        self._plain = self._table is None and not self._mla and dp == 1
+        self._plain_by_tokens: dict[
+            int, tuple[float, float, float, list[tuple[int, float, float]]]
+        ] = {}
         self._experts_by_tokens: dict[int, tuple[float, float, float]] = {}
         # the drafter of a speculative deployment
         self.speculative = spec
@@ -464,11 +469,64 @@ class Roofline:
     def price(self, terms: BatchTerms) -> StepCost:
         """The cost of the batch ``terms`` sums up (with data-parallel attention, a step in
         which one rank runs it and the others idle: :meth:`group_price`)."""
+        if self._plain:
+            return self._plain_price(terms.tokens, terms.seqs, terms.sums)
         if self._table is not None and terms.seqs:
             return self._table_price(terms)
         if self.dp > 1:
             return self.group_price((terms,))
         return self._price(terms.tokens, terms.seqs, terms.sums, terms.mla)
+
+    def _plain_price(self, tokens: int, nreq: int, sums: Sequence[Sequence[int]]) -> StepCost:
+        """:meth:`_price` without a step table, MLA classes or data-parallel attention (the
+        common case, priced every step): the same operations on the same floats in the
+        same order, so the same bits, with the weight streams' own times (the streams
+        but attention's) taken once per token count."""
+        fixed = self._plain_by_tokens.get(tokens)
+        if fixed is None:
+            fixed = self._plain_by_tokens[tokens] = self._plain_terms(tokens)
+        fa, ma, collective, others = fixed
+        if nreq:
+            for (_window, attn_coef, kv_coef), (dot, total) in zip(
+                self._windows, sums, strict=True
+            ):
+                fa += attn_coef * float(dot)
+                ma += kv_coef * float(total)
+            ma += self._state_bytes * nreq
+        a = self._attn_idx
+        compute = memory = roof = 0.0
+        for i, tc, tm in others:
+            if i == a:
+                tc = fa / self._rates[a]
+                tm = ma / self.bandwidth
+            compute += tc
+            memory += tm
+            roof += tc if tc > tm else tm
+        roof += collective + self._overhead
+        return StepCost(
+            self.alpha * roof + self.beta,
+            roof,
+            compute * self._eta_flops,
+            memory * self._eta_bw,
+        )
+
+    def _plain_terms(
+        self, tokens: int
+    ) -> tuple[float, float, float, list[tuple[int, float, float]]]:
+        """For :meth:`_plain_price`: the attention stream's flops and bytes owed to the
+        token count, the collectives' time, and per stream in order its compute and
+        memory times (attention's are worked out per step)."""
+        fixed = self._by_tokens.get(tokens)
+        if fixed is None:
+            fixed = self._by_tokens[tokens] = self._token_terms(tokens)
+        flops, mem, collective = fixed
+        a = self._attn_idx
+        bw = self.bandwidth
+        others = [
+            (i, f / rate, byt / bw)
+            for i, (rate, f, byt) in enumerate(zip(self._rates, flops, mem, strict=True))
+        ]
+        return flops[a], mem[a], collective, others
 
     def group_price(self, ranks: Sequence[BatchTerms]) -> StepCost:
         """Data-parallel attention (Rule 6): the lockstep step of a replica's ranks, each

@@ -214,9 +214,21 @@ class RunningArrays:
         growth and window saturations are filed."""
         start = self.decoding
         g = self.g
-        self.table[4:6, start:stop] -= g
-        self.n[start:stop] = 1
         rows = self.table[3:8, start:stop].T.tolist()  # target, computed, output, blocks, room
+        if stop - start <= 4:  # a step's few: element by element
+            comp, out, n = self.computed, self.output, self.n
+            for i, row in enumerate(rows, start):
+                row[1] -= g
+                row[2] -= g
+                comp[i] = row[1]
+                out[i] = row[2]
+                n[i] = 1
+        else:
+            self.table[4:6, start:stop] -= g
+            self.n[start:stop] = 1
+            for row in rows:
+                row[1] -= g
+                row[2] -= g
         finish_cal = self.finish_cal
         grow_cal = self.grow_cal
         windows = self.windows
