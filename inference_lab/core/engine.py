@@ -1526,7 +1526,8 @@ class Engine:
         batch, ns, cs, preempted = w.schedule(now)
         self._preemptions += preempted
         info = None
-        if type(batch) is _VectorBatch or batch:  # (a _VectorBatch is never empty)
+        vector = type(batch) is _VectorBatch  # (never empty: no need to ask its length)
+        if vector or batch:
             if self._spec is None:
                 if ns is None:  # the vectorised mode priced its batch (Rule 10)
                     terms = w.step_terms
