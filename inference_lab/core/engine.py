@@ -489,6 +489,9 @@ class _Worker:
         #: requests' columns while in it.
         self.vector_ok = self.spec is None
         self.vec: RunningArrays | None = None
+        #: from ``flat[0]`` positions on, ``blocks_for(p) = ceil(p / block_size) +
+        #: flat[1]`` (the private blocks no longer grow)
+        self.flat = roofline.flat_blocks()
 
     @property
     def free_blocks(self) -> int:
@@ -661,13 +664,24 @@ class _Worker:
         g = vec.g
         due = vec.grow_cal.get(g)  # decoding rows whose next position needs a block
         need = 0
+        wants: list[int] | None = None  # (None: each of them takes one block)
         if due is not None:
-            blocks_for = self.blocks_for
-            wants = [blocks_for(c + g + 1) for _, c in due]
-            for (r, _), want in zip(due, wants, strict=True):
-                if want > r.blocks:
-                    need += want - r.blocks
-        grow_rows: list[int] = []  # the other grow_rows that need blocks, and their positions
+            # Past the private blocks' table, a row whose room is what its blocks hold
+            # grows by one block per block_size positions: the common case, in O(1) each.
+            flat, tail = self.flat
+            bs = self.block_size
+            for r, c in due:
+                room = r.room
+                if room - c != g or room < flat or room != (r.blocks - tail) * bs:
+                    blocks_for = self.blocks_for
+                    wants = [blocks_for(c + g + 1) for _, c in due]
+                    for (q, _), want in zip(due, wants, strict=True):
+                        if want > q.blocks:
+                            need += want - q.blocks
+                    break
+            else:
+                need = len(due)
+        grow_rows: list[int] = []  # the other rows that need blocks, and their positions
         pos: list[int] = []
         d: Any = None
         if decoding == k:
@@ -705,7 +719,7 @@ class _Worker:
                 grow_rows += (grow_rest + decoding).tolist()
                 pos += ends[grow_rest].tolist()
         pool = self.pool
-        if grow_rows:  # a few grow_rows a step: element by element, not fancy indexing
+        if grow_rows:  # a few rows a step: element by element, not fancy indexing
             blocks = vec.blocks
             old = [int(blocks[i]) for i in grow_rows]
             wanted = [self.blocks_for(p) for p in pos]
@@ -725,7 +739,17 @@ class _Worker:
         if due is not None:  # grown, each is filed for its next block
             grow_cal = vec.grow_cal
             del grow_cal[g]
-            for entry, want in zip(due, wants, strict=True):
+            if wants is None:  # one block each: all are filed block_size positions on
+                for r, _ in due:
+                    r.blocks += 1
+                    r.room += bs
+                later = grow_cal.get(g + bs)
+                if later is None:
+                    grow_cal[g + bs] = due
+                else:
+                    later += due
+                wants = []
+            for entry, want in zip(due, wants, strict=False):
                 r, c = entry
                 if want > r.blocks:
                     r.blocks = want

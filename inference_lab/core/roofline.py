@@ -726,6 +726,13 @@ class Roofline:
         table = self._private_table
         return content + table[positions if positions < len(table) else -1]
 
+    def flat_blocks(self) -> tuple[int, int]:
+        """``(p0, tail)``: from ``p0`` positions on, ``blocks_for(p) = ceil(p /
+        block_size) + tail`` (the private blocks stay ``tail``), and ``room_for(b) = (b -
+        tail) * block_size`` whenever that is at least ``p0``."""
+        table = self._private_table
+        return len(table) - 1, table[-1]
+
     def room_for(self, blocks: int) -> int:
         """The most resident positions ``blocks`` KV blocks hold: the largest ``p`` with
         ``blocks_for(p) <= blocks`` (0 when not even one position fits). ``blocks_for`` is
