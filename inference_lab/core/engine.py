@@ -658,7 +658,8 @@ class _Worker:
         k = len(running)
         vec = self.vec
         if vec is None:
-            vec = self.vec = RunningArrays(running, windows=self.roofline.window_classes())
+            rf = self.roofline
+            vec = self.vec = RunningArrays(running, rf.room_for, windows=rf.window_classes())
         decoding = vec.decoding
         budget = self.budget
         g = vec.g
@@ -684,26 +685,30 @@ class _Worker:
         grow_rows: list[int] = []  # the other rows that need blocks, and their positions
         pos: list[int] = []
         d: Any = None
+        # the positions and contexts of the rows that do not decode, then of admissions
+        rest_n: list[int] = []
+        rest_c: list[int] = []
         if decoding == k:
             total = k
             if total > budget:
                 return None
         elif k - decoding <= _FEW_ROWS:  # a step's admissions: in Python, row by row
             cap = self.chunk_cap
-            d = []
             total = decoding
             for i, (prompt, _, _, c, out, _, room) in enumerate(
                 vec.table[1:8, decoding:k].T.tolist(), decoding
             ):
                 left = prompt + (out - 1 if out > 1 else 0) - c
                 n = (left if left < cap else cap) if left > 0 else 1
-                d.append(n)
+                rest_n.append(n)
+                rest_c.append(c)
                 total += n
                 if c + n > room:
                     grow_rows.append(i)
                     pos.append(c + n)
             if total > budget:
                 return None
+            d = rest_n
         else:
             rest = slice(decoding, k)
             c = vec.computed[rest]
@@ -718,6 +723,8 @@ class _Worker:
             if grow_rest.size:
                 grow_rows += (grow_rest + decoding).tolist()
                 pos += ends[grow_rest].tolist()
+            rest_n = d.tolist()
+            rest_c = c.tolist()
         pool = self.pool
         if grow_rows:  # a few rows a step: element by element, not fancy indexing
             blocks = vec.blocks
@@ -783,6 +790,8 @@ class _Worker:
                 cs = [q.computed for q, _ in batch]
             if isinstance(batch, _VectorBatch):
                 vec.append(r, n)
+                rest_n.append(n)
+                rest_c.append(r.computed)
             else:
                 batch.append((r, n))
                 ns.append(n)
@@ -792,20 +801,11 @@ class _Worker:
         self.step_mark = mark
         if not isinstance(batch, _VectorBatch):
             return batch, ns, cs, 0
-        size = vec.size
         rf = self.roofline
         if rf.has_mla():
-            self.step_terms = rf.batch_terms(vec.n[:size], vec.computed_now())
-        elif decoding == size:
-            self.step_terms = rf.decode_terms_of(decoding, vec.decode_sums(), (), ())
+            self.step_terms = rf.batch_terms(vec.n[: vec.size], vec.computed_now())
         else:
-            comp = vec.computed  # (a new array if admissions grew the table)
-            self.step_terms = rf.decode_terms_of(
-                decoding,
-                vec.decode_sums(),
-                vec.n[decoding:size].tolist(),
-                comp[decoding:size].tolist(),
-            )
+            self.step_terms = rf.decode_terms_of(decoding, vec.decode_sums(), rest_n, rest_c)
         return batch, None, None, 0
 
     # ------------------------------------------------------------------ one iteration

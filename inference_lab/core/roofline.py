@@ -442,10 +442,24 @@ class Roofline:
         (:meth:`window_classes`), the sum over them of ``min(c, window - 1)`` (of ``c``
         for full attention), which the engine keeps as the sequences advance:
         ``sum(min(c + 1, window)) = sum(min(c, window - 1)) + k``."""
-        terms = BatchTerms(k, k, [[s + k, s + k] for s in sums], [[0, 0, 0, 0] for _ in self._mla])
-        for n, ci in zip(ns, cs, strict=True):
-            self.add_sequence(terms, n, ci)
-        return terms
+        if self._mla:
+            terms = BatchTerms(
+                k, k, [[s + k, s + k] for s in sums], [[0, 0, 0, 0] for _ in self._mla]
+            )
+            for n, ci in zip(ns, cs, strict=True):
+                self.add_sequence(terms, n, ci)
+            return terms
+        # add_sequence's sums, inline: integers, so in any order the same
+        mids = [c + (n + 1) // 2 for n, c in zip(ns, cs, strict=True)]
+        out = []
+        for (window, _, _), s in zip(self._windows, sums, strict=True):
+            dot = total = s + k
+            for n, m in zip(ns, mids, strict=True):
+                att = m if window <= 0 or m < window else window
+                dot += n * att
+                total += att
+            out.append([dot, total])
+        return BatchTerms(k + sum(ns), k + len(ns), out, [])
 
     def add_sequence(self, terms: BatchTerms, n: int, c: int) -> None:
         """Add to ``terms`` one sequence computing ``n`` new positions on top of ``c``:

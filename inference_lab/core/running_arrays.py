@@ -36,7 +36,7 @@ Rule 4: the decoding rows ``[0, decoding)`` are lazy: each step adds one positio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -82,14 +82,21 @@ class RunningArrays:
         "sat_cal",
         "finish_cal",
         "grow_cal",
+        "room_for",
         *_COLUMNS,
     )
 
     def __init__(
-        self, requests: Sequence[PlainRequest], capacity: int = 64, windows: Sequence[int] = ()
+        self,
+        requests: Sequence[PlainRequest],
+        room_for: Callable[[int], int],
+        capacity: int = 64,
+        windows: Sequence[int] = (),
     ) -> None:
         size = len(requests)
         self.size = size
+        #: the most positions a number of KV blocks holds (``Roofline.room_for``)
+        self.room_for = room_for
         #: rows ``[0, decoding)`` decode (their prefill done): a step gives each one
         #: position; ``step_decoding`` is that count for the step in flight
         self.decoding = 0
@@ -243,9 +250,12 @@ class RunningArrays:
                 finish_cal[key] = [r]
             else:
                 slot.append(r)
-            key = room - c  # (``room`` may be short of what its blocks hold: ask now)
-            if key < g:
-                key = g
+            key = room - c
+            if key < g:  # ``room`` short of what its blocks hold (0: never asked)
+                room = r.room = self.room_for(b)
+                key = room - c
+                if key < g:
+                    key = g
             entry = (r, c)
             grow = grow_cal.get(key)
             if grow is None:
