@@ -449,6 +449,8 @@ class Roofline:
             for n, ci in zip(ns, cs, strict=True):
                 self.add_sequence(terms, n, ci)
             return terms
+        if not ns:
+            return BatchTerms(k, k, [[s + k, s + k] for s in sums], [])
         # add_sequence's sums, inline: integers, so in any order the same
         mids = [c + (n + 1) // 2 for n, c in zip(ns, cs, strict=True)]
         out = []

@@ -97,7 +97,7 @@ MAX_REFUSAL_STREAK = 100_000
 #: The `limit` of a request refused by the waiting-queue bound (Rule 4).
 QUEUE_LIMIT = "max_waiting"
 #: An open loop's arrivals are handed to the engine this many at a time (Rule 2).
-FEED_CHUNK = 4096
+FEED_CHUNK = 256
 
 
 @attrs.frozen
