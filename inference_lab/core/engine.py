@@ -1332,31 +1332,62 @@ class Engine:
             self.now = t
         now = self.now
         if kind == _ARRIVAL:
-            r: _Request = payload
-            self._pending -= 1
-            hint = r.hint
-            w = self._route(r) if hint is None else self.workers[hint]
-            r.worker = w.index
-            r.state = _WAITING
-            w.waiting.push(r)
-            g = w.group
-            if g is not None:
-                if not g.scheduled:
-                    g.scheduled = True
-                    g.boundary_seq = next(self._seq)
-                    heapq.heappush(self._heap, (now, g.boundary_seq, _GROUP_BOUNDARY, g))
-                elif g.busy and r.stamp < g.step_start and w.waiting.count == 1:
-                    self._join_late(w, r)
-            elif not w.scheduled:
-                w.scheduled = True
-                w.boundary_seq = next(self._seq)
-                heapq.heappush(self._heap, (now, w.boundary_seq, _BOUNDARY, w))
-            elif r.stamp < w.step_start and w.waiting.count == 1 and w.batch:
-                self._join_late(w, r)
-            return StepEvents(time=now, tokens=(), finished=(), arrived=(r.id,), step=None)
+            self._arrive(payload, now)
+            return StepEvents(time=now, tokens=(), finished=(), arrived=(payload.id,), step=None)
         if kind == _GROUP_BOUNDARY:
             return self._group_boundary(payload, now)
         return self._boundary(payload, now)
+
+    def take_arrivals(self, before: float) -> int:
+        """Handle the arrivals at the head of the event queue stamped before ``before``,
+        up to the first other event: exactly what as many ``step()`` calls would do, in
+        the same order, without a ``StepEvents`` each (each would report only its
+        request in ``arrived``). Returns how many it handled (0: the next event is not
+        such an arrival). For a caller that only counts arrivals: the simulator's loop."""
+        heap = self._heap
+        count = 0
+        while heap:
+            t, seq, kind, payload = heap[0]
+            if kind == _ARRIVAL:
+                if payload.state != _PENDING:
+                    heapq.heappop(heap)  # an aborted arrival
+                    continue
+                if t >= before:
+                    break
+                heapq.heappop(heap)
+                if t > self.now:
+                    self.now = t
+                self._arrive(payload, self.now)
+                count += 1
+            elif seq != payload.boundary_seq:
+                heapq.heappop(heap)  # a step end moved by a late arrival
+            else:
+                break
+        return count
+
+    def _arrive(self, r: _Request, now: float) -> None:
+        """The arrival of ``r`` at ``now``: it enters its worker's waiting queue, which
+        steps at ``now`` if idle (or takes it into the step in flight: Rule 2)."""
+        self._pending -= 1
+        hint = r.hint
+        w = self._route(r) if hint is None else self.workers[hint]
+        r.worker = w.index
+        r.state = _WAITING
+        w.waiting.push(r)
+        g = w.group
+        if g is not None:
+            if not g.scheduled:
+                g.scheduled = True
+                g.boundary_seq = next(self._seq)
+                heapq.heappush(self._heap, (now, g.boundary_seq, _GROUP_BOUNDARY, g))
+            elif g.busy and r.stamp < g.step_start and w.waiting.count == 1:
+                self._join_late(w, r)
+        elif not w.scheduled:
+            w.scheduled = True
+            w.boundary_seq = next(self._seq)
+            heapq.heappush(self._heap, (now, w.boundary_seq, _BOUNDARY, w))
+        elif r.stamp < w.step_start and w.waiting.count == 1 and w.batch:
+            self._join_late(w, r)
 
     def _join_late(self, w: _Worker, r: _Request) -> None:
         """``r`` reached the engine after the boundary of the step in flight although it
