@@ -86,6 +86,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from inference_lab.core.builders import frozen_builder
 from inference_lab.core.config import Deployment
 from inference_lab.core.kv_cache import NOT_CACHED, BlockPool, KVCacheManager, KVEvent
 from inference_lab.core.roofline import BatchTerms, Roofline, StepCost
@@ -203,6 +204,12 @@ class StepEvents:
     finished: tuple[Finished, ...]
     arrived: tuple[int, ...]
     step: StepInfo | None
+
+
+# positional constructors of the records built every step / request (:mod:`builders`)
+_step_events = frozen_builder(StepEvents)
+_step_info = frozen_builder(StepInfo)
+_finished = frozen_builder(Finished)
 
 
 @attrs.frozen(kw_only=True)
@@ -1333,7 +1340,7 @@ class Engine:
         now = self.now
         if kind == _ARRIVAL:
             self._arrive(payload, now)
-            return StepEvents(time=now, tokens=(), finished=(), arrived=(payload.id,), step=None)
+            return _step_events(now, (), (), (payload.id,), None)
         if kind == _GROUP_BOUNDARY:
             return self._group_boundary(payload, now)
         return self._boundary(payload, now)
@@ -1471,7 +1478,7 @@ class Engine:
         del self._requests[r.id]
         self._finished += 1
         finished.append(
-            Finished(
+            _finished(
                 request_id=r.id,
                 prompt_tokens=r.prompt,
                 output_tokens=r.output,
@@ -1605,7 +1612,7 @@ class Engine:
             heapq.heappush(self._heap, (now + duration, w.boundary_seq, _BOUNDARY, w))
             self._steps += 1
             roof = cost.roofline if cost.roofline > 0 else 1.0
-            info = StepInfo(
+            info = _step_info(
                 worker=w.index,
                 start=now,
                 duration=duration,
@@ -1628,9 +1635,7 @@ class Engine:
         else:
             w.batch = []
             w.scheduled = False
-        return StepEvents(
-            time=now, tokens=tuple(tokens), finished=tuple(finished), arrived=(), step=info
-        )
+        return _step_events(now, tuple(tokens), tuple(finished), (), info)
 
     def _group_boundary(self, g: _Group, now: float) -> StepEvents:
         """Rule 9: the lockstep step of a replica's ranks ends at ``now``; each rank chooses

@@ -40,6 +40,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from inference_lab.core.builders import frozen_builder
 from inference_lab.core.config import (
     BYTES_PER_VALUE,
     AttentionLayer,
@@ -66,6 +67,9 @@ class StepCost:
     compute: float
     memory: float
 
+
+#: :class:`StepCost` from its fields in order, as its ``__init__`` (:mod:`.builders`)
+_step_cost = frozen_builder(StepCost)
 
 #: Batches of at most this many sequences are priced in Python integers (``batch_terms``).
 SMALL_BATCH = 32
@@ -519,7 +523,7 @@ class Roofline:
             memory += tm
             roof += tc if tc > tm else tm
         roof += collective + self._overhead
-        return StepCost(
+        return _step_cost(
             self.alpha * roof + self.beta,
             roof,
             compute * self._eta_flops,
