@@ -1569,15 +1569,17 @@ class Engine:
         if done:
             for i in done:
                 r = running[i]
-                vec.sync_row(r, i)
                 if i < decoding:
-                    vec.stop_decoding(r, i)
+                    vec.finish_decoding(r, i)
+                else:
+                    vec.sync_row(r, i)
                 self._finish(w, r, now, finished)
             vec.drop(done)
             for i in reversed(done):
                 del running[i]
-            still -= sum(1 for i in done if i < still)
-            vec.decoding -= sum(1 for i in done if i < decoding)
+            still -= len(done) if still == k else sum(1 for i in done if i < still)
+            if finishing is not None:  # (the decoding rows done: those filed to finish)
+                vec.decoding -= len(finishing)
         if still > vec.decoding:
             vec.start_decoding(running[vec.decoding : still], still)
 

@@ -276,10 +276,13 @@ class RunningArrays:
         self.base_sum += base_sum
         self.decoding = stop
 
-    def stop_decoding(self, r: PlainRequest, i: int) -> None:
-        """Row ``i`` (request ``r``), decoding, is about to be dropped: take it out of the
-        sums and of the calendars it is in (its finish has been taken already)."""
+    def finish_decoding(self, r: PlainRequest, i: int) -> None:
+        """Row ``i`` (request ``r``), decoding, emitted its last token and is about to be
+        dropped: write its ``computed`` and ``output`` (its target) back, take it out of
+        the sums and of the calendars it is in (its finish has been taken already)."""
         c = int(self.computed[i])
+        r.computed = c + self.g
+        r.output = r.target
         self.base_sum -= c
         key = r.room - c
         grow = self.grow_cal[key]
