@@ -7,7 +7,7 @@ import attrs
 import pytest
 
 from inference_lab.core.builders import frozen_builder
-from inference_lab.core.engine import Finished, StepEvents, StepInfo
+from inference_lab.core.engine import Finished, RequestSpec, StepEvents, StepInfo
 from inference_lab.core.roofline import StepCost
 
 
@@ -26,7 +26,7 @@ def _values(cls: type) -> dict[str, object]:
     return out
 
 
-@pytest.mark.parametrize("cls", [StepEvents, StepInfo, Finished, StepCost], ids=str)
+@pytest.mark.parametrize("cls", [StepEvents, StepInfo, Finished, StepCost, RequestSpec], ids=str)
 def test_a_built_record_is_the_one_init_gives(cls: type) -> None:
     values = _values(cls)
     build = frozen_builder(cls)

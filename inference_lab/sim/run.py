@@ -54,6 +54,7 @@ import attrs
 import numpy as np
 
 from inference_lab.core.admission import Admission
+from inference_lab.core.builders import frozen_builder
 from inference_lab.core.config import Deployment, Workload
 from inference_lab.core.engine import (
     Engine,
@@ -264,6 +265,7 @@ def run_simulation(
         feed_times = np.array([a.time for a in initial], dtype=np.float64)
         feed_count = 0
     fed = 0  # arrivals of the open loop handed to the engine
+    new_spec = frozen_builder(RequestSpec)  # (RequestSpec's __init__, at half the cost)
     next_feed = float(feed_times[0]) if feed_count else math.inf
     never_fit: list[int] = []  # positions of the fed arrivals that can never run
 
@@ -278,7 +280,7 @@ def run_simulation(
             feed_outputs[fed:end].tolist(),
             strict=True,
         ):
-            spec = RequestSpec(prompt_tokens=p, max_tokens=o, arrival_time=t)
+            spec = new_spec(prompt_tokens=p, max_tokens=o, arrival_time=t)
             try:
                 request_id = engine.submit(spec, preorder=i)
             except RequestRefused as exc:
