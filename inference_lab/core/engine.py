@@ -1436,12 +1436,13 @@ class Engine:
 
     def _complete(
         self, w: _Worker, now: float, emit: list[tuple[int, int]], finished: list[Finished]
-    ) -> None:
+    ) -> tuple[tuple[int, int], ...]:
         """The step of ``w`` that ends at ``now``: its members' positions become computed
-        (a verify's accepted ones: Rule 8), their tokens emitted, the finished ones freed."""
+        (a verify's accepted ones: Rule 8), their tokens emitted, the finished ones freed.
+        Returns the tokens of its first members (the vectorised mode's decoding rows:
+        one each), which come before those it adds to ``emit``."""
         if isinstance(w.batch, _VectorBatch):
-            self._complete_vector(w, now, emit, finished)
-            return
+            return self._complete_vector(w, now, emit, finished)
         any_done = False
         add = emit.append
         running = _RUNNING
@@ -1469,6 +1470,7 @@ class Engine:
                         self._finish(w, r, now, finished)
         if any_done:
             w.running = [r for r in w.running if r.state == _RUNNING]
+        return ()
 
     def _finish(self, w: _Worker, r: _Request, now: float, finished: list[Finished]) -> None:
         """``r`` emitted its last token at ``now``: free it and report it."""
@@ -1496,7 +1498,7 @@ class Engine:
 
     def _complete_vector(
         self, w: _Worker, now: float, emit: list[tuple[int, int]], finished: list[Finished]
-    ) -> None:
+    ) -> tuple[tuple[int, int], ...]:
         """:meth:`_complete` over the columns (Rule 10): every row was in the step, each
         at its ``n``; the same tokens, first-token times and completions, in row order.
         The rows ``[0, step_decoding)`` decoded: each emits one token (the decode counter
@@ -1511,12 +1513,13 @@ class Engine:
         running = w.running
         # the decoding rows' positions and tokens, lazily; those whose last token it was
         finishing: list[Any] | None = vec.advance()
-        if decoding:
-            emit.extend(vec.pairs[:decoding])  # (id, 1) each
+        head = vec.head  # the decoding rows' (id, 1) each, kept while they stay the same
+        if head is None:
+            head = vec.head = tuple(vec.pairs[:decoding])
         done: list[int] = []
         if finishing is not None:
             index = running.index
-            done = sorted([index(r) for r in finishing])
+            done = [index(finishing[0])] if len(finishing) == 1 else sorted(map(index, finishing))
         still = k  # the first row that did not emit (k: none)
         if 0 < k - decoding <= _FEW_ROWS:  # a step's admissions: in Python, row by row
             rows = vec.table[:, decoding:k].T.tolist()
@@ -1582,11 +1585,12 @@ class Engine:
                 vec.decoding -= len(finishing)
         if still > vec.decoding:
             vec.start_decoding(running[vec.decoding : still], still)
+        return head
 
     def _boundary(self, w: _Worker, now: float) -> StepEvents:
         tokens: list[tuple[int, int]] = []
         finished: list[Finished] = []
-        self._complete(w, now, tokens, finished)
+        head = self._complete(w, now, tokens, finished)
         batch, ns, cs, preempted = w.schedule(now)
         self._preemptions += preempted
         info = None
@@ -1637,7 +1641,8 @@ class Engine:
         else:
             w.batch = []
             w.scheduled = False
-        return _step_events(now, tuple(tokens), tuple(finished), (), info)
+        emitted = head + tuple(tokens) if tokens else head if head else ()
+        return _step_events(now, emitted, tuple(finished), (), info)
 
     def _group_boundary(self, g: _Group, now: float) -> StepEvents:
         """Rule 9: the lockstep step of a replica's ranks ends at ``now``; each rank chooses
@@ -1645,7 +1650,10 @@ class Engine:
         tokens: list[tuple[int, int]] = []
         finished: list[Finished] = []
         for w in g.ranks:
-            self._complete(w, now, tokens, finished)
+            rest = len(tokens)
+            head = self._complete(w, now, tokens, finished)
+            if head:  # this rank's first tokens, before those it added
+                tokens[rest:rest] = head
         preempted = 0
         spec = self._spec is not None
         counts: list[Any] = [0, 0, 0, []]

@@ -83,6 +83,7 @@ class RunningArrays:
         "finish_cal",
         "grow_cal",
         "room_for",
+        "head",
         *_COLUMNS,
     )
 
@@ -97,6 +98,8 @@ class RunningArrays:
         self.size = size
         #: the most positions a number of KV blocks holds (``Roofline.room_for``)
         self.room_for = room_for
+        #: ``tuple(pairs[:decoding])`` while the decoding rows stay the same (None: ask)
+        self.head: tuple[tuple[int, int], ...] | None = None
         #: rows ``[0, decoding)`` decode (their prefill done): a step gives each one
         #: position; ``step_decoding`` is that count for the step in flight
         self.decoding = 0
@@ -221,6 +224,7 @@ class RunningArrays:
         growth and window saturations are filed."""
         start = self.decoding
         g = self.g
+        self.head = None
         rows = self.table[3:8, start:stop].T.tolist()  # target, computed, output, blocks, room
         if stop - start <= 4:  # a step's few: element by element
             comp, out, n = self.computed, self.output, self.n
@@ -284,6 +288,7 @@ class RunningArrays:
         r.computed = c + self.g
         r.output = r.target
         self.base_sum -= c
+        self.head = None
         key = r.room - c
         grow = self.grow_cal[key]
         if len(grow) == 1:
