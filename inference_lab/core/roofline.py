@@ -276,8 +276,11 @@ class Roofline:
         #: :meth:`price`'s common case: no step table, no MLA class, no DP attention
         self._plain = self._table is None and not self._mla and dp == 1
         self._plain_by_tokens: dict[
-            int, tuple[float, float, float, list[tuple[int, float, float]]]
+            int, tuple[float, float, float, list[tuple[float, float]], list[tuple[float, float]]]
         ] = {}
+        self._coefs = [(attn_coef, kv_coef) for _, attn_coef, kv_coef in self._windows]
+        self._window_sizes = [window for window, _, _ in self._windows]
+        self._attn_rate = self._rates[self._attn_idx]
         self._experts_by_tokens: dict[int, tuple[float, float, float]] = {}
         # the drafter of a speculative deployment
         self.speculative = spec
@@ -456,11 +459,11 @@ class Roofline:
         if not ns:
             return BatchTerms(k, k, [[s + k, s + k] for s in sums], [])
         # add_sequence's sums, inline: integers, so in any order the same
-        mids = [c + (n + 1) // 2 for n, c in zip(ns, cs, strict=True)]
         out = []
-        for (window, _, _), s in zip(self._windows, sums, strict=True):
+        for window, s in zip(self._window_sizes, sums, strict=True):
             dot = total = s + k
-            for n, m in zip(ns, mids, strict=True):
+            for n, c in zip(ns, cs, strict=True):
+                m = c + (n + 1) // 2
                 att = m if window <= 0 or m < window else window
                 dot += n * att
                 total += att
@@ -505,20 +508,23 @@ class Roofline:
         fixed = self._plain_by_tokens.get(tokens)
         if fixed is None:
             fixed = self._plain_by_tokens[tokens] = self._plain_terms(tokens)
-        fa, ma, collective, others = fixed
+        fa, ma, collective, before, after = fixed
         if nreq:
-            for (_window, attn_coef, kv_coef), (dot, total) in zip(
-                self._windows, sums, strict=True
-            ):
+            for (attn_coef, kv_coef), (dot, total) in zip(self._coefs, sums, strict=True):
                 fa += attn_coef * float(dot)
                 ma += kv_coef * float(total)
             ma += self._state_bytes * nreq
-        a = self._attn_idx
         compute = memory = roof = 0.0
-        for i, tc, tm in others:
-            if i == a:
-                tc = fa / self._rates[a]
-                tm = ma / self.bandwidth
+        for tc, tm in before:  # the streams in _rates order: those before attention's,
+            compute += tc
+            memory += tm
+            roof += tc if tc > tm else tm
+        tc = fa / self._attn_rate  # attention's,
+        tm = ma / self.bandwidth
+        compute += tc
+        memory += tm
+        roof += tc if tc > tm else tm
+        for tc, tm in after:  # and those after it
             compute += tc
             memory += tm
             roof += tc if tc > tm else tm
@@ -532,21 +538,19 @@ class Roofline:
 
     def _plain_terms(
         self, tokens: int
-    ) -> tuple[float, float, float, list[tuple[int, float, float]]]:
+    ) -> tuple[float, float, float, list[tuple[float, float]], list[tuple[float, float]]]:
         """For :meth:`_plain_price`: the attention stream's flops and bytes owed to the
-        token count, the collectives' time, and per stream in order its compute and
-        memory times (attention's are worked out per step)."""
+        token count, the collectives' time, and the compute and memory times of the
+        streams before and after attention's, in order (attention's are worked out per
+        step)."""
         fixed = self._by_tokens.get(tokens)
         if fixed is None:
             fixed = self._by_tokens[tokens] = self._token_terms(tokens)
         flops, mem, collective = fixed
         a = self._attn_idx
         bw = self.bandwidth
-        others = [
-            (i, f / rate, byt / bw)
-            for i, (rate, f, byt) in enumerate(zip(self._rates, flops, mem, strict=True))
-        ]
-        return flops[a], mem[a], collective, others
+        times = [(f / rate, byt / bw) for rate, f, byt in zip(self._rates, flops, mem, strict=True)]
+        return flops[a], mem[a], collective, times[:a], times[a + 1 :]
 
     def group_price(self, ranks: Sequence[BatchTerms]) -> StepCost:
         """Data-parallel attention (Rule 6): the lockstep step of a replica's ranks, each

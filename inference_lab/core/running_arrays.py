@@ -10,8 +10,9 @@ over its requests (:meth:`inference_lab.core.engine._Worker.schedule`, ``_comple
 Rule 1: row ``i`` is ``running[i]``, always: a row is added exactly when a request is
         appended to ``running`` and rows are dropped with the same mask as the list.
 Rule 2: while the columns exist they, not the request objects, hold ``computed``,
-        ``output``, ``blocks`` and ``room`` of the running requests; :meth:`sync` writes
-        them back before anything else reads those fields, and the engine leaves the
+        ``output``, ``blocks`` and ``room`` of the running requests (a decoding row's
+        ``blocks`` and ``room`` excepted: its request holds them, Rule 4); :meth:`sync`
+        writes them back before anything else reads those fields, and the engine leaves the
         vectorised mode (``sync`` and drop the columns) before any path that changes them
         by the objects (preemption, abort, groups, a batch the budget or the free blocks
         cannot hold whole).
@@ -30,8 +31,9 @@ Rule 4: the decoding rows ``[0, decoding)`` are lazy: each step adds one positio
         window ``W``, its context saturates (``computed`` reaches ``W - 1``). The window
         sums the roofline needs (:meth:`decode_sums`) are kept up to date from these, so
         a decode step costs O(1) plus its events. Calendars hold the request objects
-        (rows move when others are dropped); a row leaving the decoding set is taken
-        out of every calendar it is in.
+        (rows move when others are dropped), so a decoding row's ``blocks`` and ``room``
+        are kept on its request; a row leaving the decoding set is taken out of the sums
+        and of every calendar it is in.
 """
 
 from __future__ import annotations
