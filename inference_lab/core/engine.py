@@ -1521,9 +1521,11 @@ class Engine:
             index = running.index
             done = [index(finishing[0])] if len(finishing) == 1 else sorted(map(index, finishing))
         still = k  # the first row that did not emit (k: none)
+        starting: list[list[int]] | None = None  # the rows that start decoding, if known
         if 0 < k - decoding <= _FEW_ROWS:  # a step's admissions: in Python, row by row
             rows = vec.table[:, decoding:k].T.tolist()
-            for i, (rid, prompt, max_tokens, target, c, before, _, _, n) in enumerate(
+            starting = []
+            for i, (rid, prompt, max_tokens, target, c, before, blocks, room, n) in enumerate(
                 rows, decoding
             ):
                 c += n
@@ -1539,6 +1541,8 @@ class Engine:
                         out[i] = new
                         if new >= target:
                             done.append(i)
+                        elif still == k:
+                            starting.append([target, c, new, blocks, room])
                         continue
                 if still == k:
                     still = i
@@ -1581,10 +1585,8 @@ class Engine:
             for i in reversed(done):
                 del running[i]
             still -= len(done) if still == k else sum(1 for i in done if i < still)
-            if finishing is not None:  # (the decoding rows done: those filed to finish)
-                vec.decoding -= len(finishing)
         if still > vec.decoding:
-            vec.start_decoding(running[vec.decoding : still], still)
+            vec.start_decoding(running[vec.decoding : still], still, starting)
         return head
 
     def _boundary(self, w: _Worker, now: float) -> StepEvents:

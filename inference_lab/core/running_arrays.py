@@ -32,8 +32,9 @@ Rule 4: the decoding rows ``[0, decoding)`` are lazy: each step adds one positio
         sums the roofline needs (:meth:`decode_sums`) are kept up to date from these, so
         a decode step costs O(1) plus its events. Calendars hold the request objects
         (rows move when others are dropped), so a decoding row's ``blocks`` and ``room``
-        are kept on its request; a row leaving the decoding set is taken out of the sums
-        and of every calendar it is in.
+        are kept on its request, and of its columns only ``computed``, ``output`` and
+        ``n`` are kept (its others are not read again); a row leaving the decoding set
+        is taken out of the sums and of every calendar it is in.
 """
 
 from __future__ import annotations
@@ -219,15 +220,20 @@ class RunningArrays:
         return comp
 
     # ------------------------------------------------------------------ Rule 4
-    def start_decoding(self, requests: Sequence[PlainRequest], stop: int) -> None:
+    def start_decoding(
+        self, requests: Sequence[PlainRequest], stop: int, rows: list[list[int]] | None = None
+    ) -> None:
         """Rows ``[decoding, stop)`` (``requests`` are their objects, in order) decode
         from now on: their ``computed`` and ``output`` take the lazy form, their ``n`` is
         1, their requests hold their ``blocks`` and ``room``, and their finish, next
-        growth and window saturations are filed."""
+        growth and window saturations are filed. ``rows``: their ``target``,
+        ``computed``, ``output``, ``blocks`` and ``room`` if the caller has them (else
+        they are read)."""
         start = self.decoding
         g = self.g
         self.head = None
-        rows = self.table[3:8, start:stop].T.tolist()  # target, computed, output, blocks, room
+        if rows is None:
+            rows = self.table[3:8, start:stop].T.tolist()
         if stop - start <= 4:  # a step's few: element by element
             comp, out, n = self.computed, self.output, self.n
             for i, row in enumerate(rows, start):
@@ -343,14 +349,25 @@ class RunningArrays:
         return out
 
     def drop(self, rows: list[int]) -> None:
-        """Drop the rows ``rows`` (ascending indices below ``size``), keeping the order of
-        the others: each later row moves up (one slice copy per dropped row; a step
-        drops few)."""
+        """Drop the rows ``rows`` (ascending indices below ``size``; a decoding one taken
+        out of the calendars already), keeping the order of the others: each later row
+        moves up (a slice copy per dropped row; a step drops few). Of the decoding rows
+        that move, only ``computed`` and ``output`` are copied (Rule 4: their ``n`` is
+        already 1 and nothing reads their other columns)."""
         table = self.table
+        lazy = table[4:6]
         k = self.size
+        d = self.decoding
         pairs = self.pairs
         for i in reversed(rows):
-            table[:, i : k - 1] = table[:, i + 1 : k]
+            if i < d:
+                lazy[:, i : d - 1] = lazy[:, i + 1 : d]
+                if k > d:
+                    table[:, d - 1 : k - 1] = table[:, d:k]
+                d -= 1
+            else:
+                table[:, i : k - 1] = table[:, i + 1 : k]
             del pairs[i]
             k -= 1
         self.size = k
+        self.decoding = d
