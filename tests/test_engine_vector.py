@@ -312,3 +312,23 @@ def test_arrivals_taken_in_runs_are_the_steps_they_stand_for() -> None:
     events, arrived = drive(runs=True)
     assert (events, arrived) == drive(runs=False)
     assert arrived == 300 - len(range(7, 300, 23))
+
+
+def test_preordered_arrivals_in_any_order_are_handled_by_time_then_preorder() -> None:
+    """Rule 11: arrivals submitted with ``preorder`` are handled by (time, preorder)
+    whatever order they were submitted in (the open loop's in-order ones queue beside
+    the heap, the others go to the heap), and before a later-filed event at their time."""
+    eng = Engine(deployment(LLAMA8B))
+    times = [0.5, 0.25, 0.25, 0.75, 0.5]
+    ids = {}
+    for preorder in (4, 0, 1, 3, 2):  # not in order
+        ids[preorder] = eng.submit(
+            RequestSpec(prompt_tokens=10, max_tokens=2, arrival_time=times[preorder]),
+            preorder=preorder,
+        )
+    order = []
+    while eng.next_event_time() is not None:
+        ev = eng.step()
+        order += ev.arrived
+    by_time = sorted(ids, key=lambda p: (times[p], p))
+    assert order == [ids[p] for p in by_time]
