@@ -315,9 +315,8 @@ def test_arrivals_taken_in_runs_are_the_steps_they_stand_for() -> None:
 
 
 def test_preordered_arrivals_in_any_order_are_handled_by_time_then_preorder() -> None:
-    """Rule 11: arrivals submitted with ``preorder`` are handled by (time, preorder)
-    whatever order they were submitted in (the open loop's in-order ones queue beside
-    the heap, the others go to the heap), and before a later-filed event at their time."""
+    """Rule 11: arrivals submitted with ``preorder`` are handled by (time, preorder),
+    whatever order they were submitted in."""
     eng = Engine(deployment(LLAMA8B))
     times = [0.5, 0.25, 0.25, 0.75, 0.5]
     ids = {}

@@ -1067,10 +1067,6 @@ class Engine:
             )
         self.now = 0.0
         self._heap: list[tuple[float, int, int, Any]] = []
-        #: arrivals submitted with ``preorder`` in (time, sequence) order, as heap entries:
-        #: a queue beside the heap (Rule 11), so that the heap holds only what is not
-        #: filed in order (step ends, other arrivals) and stays small
-        self._preordered: deque[tuple[float, int, int, Any]] = deque()
         self._seq = itertools.count()
         self._ids = itertools.count(1)
         self._requests: dict[int, _Request] = {}
@@ -1157,15 +1153,8 @@ class Engine:
         self.workers[0].kv.prepare(r)  # the same answer on every worker
         self._requests[rid] = r
         self._pending += 1
-        if preorder is None:
-            heapq.heappush(self._heap, (arrival, next(self._seq), _ARRIVAL, r))
-        else:
-            entry = (arrival, preorder - _PREORDER, _ARRIVAL, r)
-            queue = self._preordered
-            if not queue or queue[-1] < entry:  # (the open loop's: in order)
-                queue.append(entry)
-            else:
-                heapq.heappush(self._heap, entry)
+        seq = next(self._seq) if preorder is None else preorder - _PREORDER
+        heapq.heappush(self._heap, (arrival, seq, _ARRIVAL, r))
         return rid
 
     def abort(self, request_id: int) -> bool:
@@ -1175,7 +1164,7 @@ class Engine:
         if r is None:
             return False
         if r.state == _PENDING:
-            self._pending -= 1  # its queued entry is skipped lazily
+            self._pending -= 1  # its heap entry is skipped lazily
         elif r.state == _WAITING:
             self.workers[r.worker].waiting.remove(r)
         elif r.state == _RUNNING:
@@ -1190,13 +1179,6 @@ class Engine:
 
     # ------------------------------------------------------------------ time
     def next_event_time(self) -> float | None:
-        entry = self._next_entry()
-        return None if entry is None else entry[0]
-
-    def _next_entry(self) -> tuple[float, int, int, Any] | None:
-        """The earliest live event (heap entry form), left in place: the head of the heap
-        or of the preordered arrivals, whichever comes first by (time, sequence) -- the
-        order one heap of both would give. Stale heads are dropped on the way."""
         heap = self._heap
         while heap:
             _, seq, kind, payload = heap[0]
@@ -1206,20 +1188,7 @@ class Engine:
                 heapq.heappop(heap)  # a step end moved by a late arrival
             else:
                 break
-        queue = self._preordered
-        while queue and queue[0][3].state != _PENDING:
-            queue.popleft()  # an aborted arrival
-        if queue and (not heap or queue[0] < heap[0]):  # (sequences differ: no tie)
-            return queue[0]
-        return heap[0] if heap else None
-
-    def _pop_entry(self, entry: tuple[float, int, int, Any]) -> None:
-        """Remove ``entry``, which ``_next_entry`` just gave."""
-        queue = self._preordered
-        if queue and queue[0] is entry:
-            queue.popleft()
-        else:
-            heapq.heappop(self._heap)
+        return heap[0][0] if heap else None
 
     def advance_to(self, t: float) -> None:
         """Move the clock forward to ``t`` (only past idle time: never past an event)."""
@@ -1356,11 +1325,16 @@ class Engine:
 
     def step(self) -> StepEvents:
         """Handle the earliest event and return what became visible at its time."""
-        entry = self._next_entry()
-        if entry is None:
-            raise RuntimeError("step() called with no event pending")
-        self._pop_entry(entry)
-        t, _, kind, payload = entry
+        heap = self._heap
+        while True:  # the earliest live event (next_event_time's clean-up, inline)
+            if not heap:
+                raise RuntimeError("step() called with no event pending")
+            t, seq, kind, payload = heapq.heappop(heap)
+            if kind == _ARRIVAL:
+                if payload.state == _PENDING:
+                    break  # (else an aborted arrival)
+            elif seq == payload.boundary_seq:
+                break  # (else a step end moved by a late arrival)
         if t > self.now:
             self.now = t
         now = self.now
@@ -1377,17 +1351,26 @@ class Engine:
         the same order, without a ``StepEvents`` each (each would report only its
         request in ``arrived``). Returns how many it handled (0: the next event is not
         such an arrival). For a caller that only counts arrivals: the simulator's loop."""
+        heap = self._heap
         count = 0
-        while True:
-            entry = self._next_entry()
-            if entry is None or entry[2] != _ARRIVAL or entry[0] >= before:
-                return count
-            self._pop_entry(entry)
-            t = entry[0]
-            if t > self.now:
-                self.now = t
-            self._arrive(entry[3], self.now)
-            count += 1
+        while heap:
+            t, seq, kind, payload = heap[0]
+            if kind == _ARRIVAL:
+                if payload.state != _PENDING:
+                    heapq.heappop(heap)  # an aborted arrival
+                    continue
+                if t >= before:
+                    break
+                heapq.heappop(heap)
+                if t > self.now:
+                    self.now = t
+                self._arrive(payload, self.now)
+                count += 1
+            elif seq != payload.boundary_seq:
+                heapq.heappop(heap)  # a step end moved by a late arrival
+            else:
+                break
+        return count
 
     def _arrive(self, r: _Request, now: float) -> None:
         """The arrival of ``r`` at ``now``: it enters its worker's waiting queue, which
