@@ -223,11 +223,10 @@ def test_the_lazy_decoding_rows_are_filed_and_summed_exactly() -> None:
                 continue
             g, k = vec.g, vec.decoding
             rows = w.running[:k]
-            comp = [int(c) + g for c in vec.computed[:k]]
-            out = [int(o) + g for o in vec.output[:k]]
-            for r, c, o, base in zip(rows, comp, out, vec.computed[:k].tolist(), strict=True):
-                assert r in vec.finish_cal[r.target - (o - g)]
-                assert (r, base) in vec.grow_cal[max(r.room - base, g)]
+            comp = [r.lazy + g for r in rows]
+            for r, c in zip(rows, comp, strict=True):
+                assert r in vec.finish_cal[r.target - (c - r.prompt + 1 - g)]
+                assert (r, r.lazy) in vec.grow_cal[max(r.room - r.lazy, g)]
                 assert r.room == eng.roofline.room_for(r.blocks) or r.room <= c
                 assert w.blocks_for(c) <= r.blocks
             want = [

@@ -329,6 +329,7 @@ class _Request:
         "held",
         "cache_at",
         "cached",
+        "lazy",
     )
 
     def __init__(self, rid: int, spec: RequestSpec, arrival: float, target: int) -> None:
@@ -359,6 +360,7 @@ class _Request:
         self.held: list[int] | tuple[int, ...] = ()
         self.cache_at = NOT_CACHED
         self.cached = 0
+        self.lazy = 0  # decoding in the vectorised mode: computed - the decode counter
 
 
 class _WaitQueue:
@@ -810,7 +812,7 @@ class _Worker:
             return batch, ns, cs, 0
         rf = self.roofline
         if rf.has_mla():
-            self.step_terms = rf.batch_terms(vec.n[: vec.size], vec.computed_now())
+            self.step_terms = rf.batch_terms(vec.n[: vec.size], vec.computed_now(running))
         else:
             self.step_terms = rf.decode_terms_of(decoding, vec.decode_sums(), rest_n, rest_c)
         return batch, None, None, 0

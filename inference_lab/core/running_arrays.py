@@ -10,8 +10,8 @@ over its requests (:meth:`inference_lab.core.engine._Worker.schedule`, ``_comple
 Rule 1: row ``i`` is ``running[i]``, always: a row is added exactly when a request is
         appended to ``running`` and rows are dropped with the same mask as the list.
 Rule 2: while the columns exist they, not the request objects, hold ``computed``,
-        ``output``, ``blocks`` and ``room`` of the running requests (a decoding row's
-        ``blocks`` and ``room`` excepted: its request holds them, Rule 4); :meth:`sync`
+        ``output``, ``blocks`` and ``room`` of the running requests (but the decoding
+        ones': their requests hold them, Rule 4); :meth:`sync`
         writes them back before anything else reads those fields, and the engine leaves the
         vectorised mode (``sync`` and drop the columns) before any path that changes them
         by the objects (preemption, abort, groups, a batch the budget or the free blocks
@@ -22,9 +22,10 @@ Rule 3: a vectorised step is the same step the per-request loop would choose: ev
         preemption can change anything), each with the same positions; the integers
         handed to the roofline are the same, so the price is the same to the last bit.
 Rule 4: the decoding rows ``[0, decoding)`` are lazy: each step adds one position and one
-        token to every one of them, so their ``computed`` and ``output`` columns hold the
-        value minus the decode counter ``g`` (one increment per completed step) and a
-        decode step writes no column. Their ``n`` is 1. What happens to one of them at a
+        token to every one of them, so their requests hold ``lazy = computed - g``, ``g``
+        the decode counter (one increment per completed step), and a decode step writes
+        nothing (``output = computed - prompt + 1`` while decoding). Their ``n`` is 1
+        and their other columns are not read: a dropped decoding row moves no column. What happens to one of them at a
         known count is filed once in a calendar keyed by the value of ``g`` at which it
         happens: it finishes (``output`` reaches ``target``), it needs a KV block
         (``computed`` reaches ``room``; filed again after each growth) and, per sliding
@@ -32,9 +33,8 @@ Rule 4: the decoding rows ``[0, decoding)`` are lazy: each step adds one positio
         sums the roofline needs (:meth:`decode_sums`) are kept up to date from these, so
         a decode step costs O(1) plus its events. Calendars hold the request objects
         (rows move when others are dropped), so a decoding row's ``blocks`` and ``room``
-        are kept on its request, and of its columns only ``computed``, ``output`` and
-        ``n`` are kept (its others are not read again); a row leaving the decoding set
-        is taken out of the sums and of every calendar it is in.
+        are kept on its request too; a row leaving the decoding set is taken out of the
+        sums and of every calendar it is in.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class PlainRequest(Protocol):
     output: int
     blocks: int
     room: int
+    lazy: int
 
 
 _COLUMNS = ("ids", "prompt", "max_tokens", "target", "computed", "output", "blocks", "room", "n")
@@ -179,44 +180,37 @@ class RunningArrays:
 
     def sync(self, requests: Sequence[PlainRequest]) -> None:
         """Write the rows' ``computed``, ``output``, ``blocks`` and ``room`` back to their
-        requests (Rule 2; a decoding row's lazy values with ``g`` added, its ``blocks``
-        and ``room`` are its request's already: Rule 4). O(rows), in Python: only when
-        leaving the vectorised mode or when a reader needs the objects."""
+        requests (Rule 2; a decoding row's from its ``lazy`` value and ``g``, its
+        ``blocks`` and ``room`` are its request's already: Rule 4). O(rows), in Python:
+        only when leaving the vectorised mode or when a reader needs the objects."""
         k = self.size
         d = self.decoding
         g = self.g
-        for i, (r, c, o, b, room) in enumerate(
-            zip(
-                requests,
-                self.computed[:k].tolist(),
-                self.output[:k].tolist(),
-                self.blocks[:k].tolist(),
-                self.room[:k].tolist(),
-                strict=True,
-            )
+        for r in requests[:d]:
+            c = r.computed = r.lazy + g
+            r.output = c - r.prompt + 1  # (decoding: its prefill and out - 1 are done)
+        for r, c, o, b, room in zip(
+            requests[d:],
+            self.computed[d:k].tolist(),
+            self.output[d:k].tolist(),
+            self.blocks[d:k].tolist(),
+            self.room[d:k].tolist(),
+            strict=True,
         ):
-            if i < d:
-                r.computed = c + g
-                r.output = o + g
-            else:
-                r.computed = c
-                r.output = o
-                r.blocks = b
-                r.room = room
+            r.computed = c
+            r.output = o
+            r.blocks = b
+            r.room = room
 
     def sync_row(self, r: PlainRequest, i: int) -> None:
-        """Write row ``i`` back to its request ``r``."""
-        c, o, b, room = self.table[4:8, i].tolist()
-        if i < self.decoding:
-            r.computed = c + self.g
-            r.output = o + self.g
-        else:
-            r.computed, r.output, r.blocks, r.room = c, o, b, room
+        """Write row ``i`` (not decoding) back to its request ``r``."""
+        r.computed, r.output, r.blocks, r.room = self.table[4:8, i].tolist()
 
-    def computed_now(self) -> IntArray:
-        """Every row's ``computed`` (a copy; the decoding rows' with ``g`` added)."""
+    def computed_now(self, requests: Sequence[PlainRequest]) -> IntArray:
+        """Every row's ``computed`` (``requests``: the rows' objects)."""
         comp: IntArray = self.computed[: self.size].copy()
-        comp[: self.decoding] += self.g
+        g = self.g
+        comp[: self.decoding] = [r.lazy + g for r in requests[: self.decoding]]
         return comp
 
     # ------------------------------------------------------------------ Rule 4
@@ -224,35 +218,30 @@ class RunningArrays:
         self, requests: Sequence[PlainRequest], stop: int, rows: list[list[int]] | None = None
     ) -> None:
         """Rows ``[decoding, stop)`` (``requests`` are their objects, in order) decode
-        from now on: their ``computed`` and ``output`` take the lazy form, their ``n`` is
-        1, their requests hold their ``blocks`` and ``room``, and their finish, next
-        growth and window saturations are filed. ``rows``: their ``target``,
-        ``computed``, ``output``, ``blocks`` and ``room`` if the caller has them (else
-        they are read)."""
+        from now on: their requests hold their lazy ``computed``, ``blocks`` and
+        ``room``, their ``n`` is 1, and their finish, next growth and window saturations
+        are filed. ``rows``: their ``target``, ``computed``, ``output``, ``blocks`` and
+        ``room`` if the caller has them (else they are read)."""
         start = self.decoding
         g = self.g
         self.head = None
         if rows is None:
             rows = self.table[3:8, start:stop].T.tolist()
         if stop - start <= 4:  # a step's few: element by element
-            comp, out, n = self.computed, self.output, self.n
-            for i, row in enumerate(rows, start):
-                row[1] -= g
-                row[2] -= g
-                comp[i] = row[1]
-                out[i] = row[2]
+            n = self.n
+            for i in range(start, stop):
                 n[i] = 1
         else:
-            self.table[4:6, start:stop] -= g
             self.n[start:stop] = 1
-            for row in rows:
-                row[1] -= g
-                row[2] -= g
+        for row in rows:
+            row[1] -= g
+            row[2] -= g
         finish_cal = self.finish_cal
         grow_cal = self.grow_cal
         windows = self.windows
         base_sum = 0
         for r, (target, c, o, b, room) in zip(requests, rows, strict=True):
+            r.lazy = c
             r.blocks = b
             r.room = room
             base_sum += c
@@ -292,7 +281,7 @@ class RunningArrays:
         """Row ``i`` (request ``r``), decoding, emitted its last token and is about to be
         dropped: write its ``computed`` and ``output`` (its target) back, take it out of
         the sums and of the calendars it is in (its finish has been taken already)."""
-        c = int(self.computed[i])
+        c = r.lazy
         r.computed = c + self.g
         r.output = r.target
         self.base_sum -= c
@@ -351,17 +340,14 @@ class RunningArrays:
     def drop(self, rows: list[int]) -> None:
         """Drop the rows ``rows`` (ascending indices below ``size``; a decoding one taken
         out of the calendars already), keeping the order of the others: each later row
-        moves up (a slice copy per dropped row; a step drops few). Of the decoding rows
-        that move, only ``computed`` and ``output`` are copied (Rule 4: their ``n`` is
-        already 1 and nothing reads their other columns)."""
+        moves up (a slice copy per dropped row; a step drops few). The decoding rows'
+        columns are not moved: only their ``n`` (all 1) is read (Rule 4)."""
         table = self.table
-        lazy = table[4:6]
         k = self.size
         d = self.decoding
         pairs = self.pairs
         for i in reversed(rows):
-            if i < d:
-                lazy[:, i : d - 1] = lazy[:, i + 1 : d]
+            if i < d:  # the decoding rows' columns are not read (their n stays 1)
                 if k > d:
                     table[:, d - 1 : k - 1] = table[:, d:k]
                 d -= 1
