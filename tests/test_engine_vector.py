@@ -330,3 +330,40 @@ def test_preordered_arrivals_in_any_order_are_handled_by_time_then_preorder() ->
         order += ev.arrived
     by_time = sorted(ids, key=lambda p: (times[p], p))
     assert order == [ids[p] for p in by_time]
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_admitting_a_plain_request_takes_its_first_chunk(chunked: bool) -> None:
+    """`admit_head`'s own reckoning for a plain request without a prefix to look up is
+    `first_chunk`'s: the same positions and blocks, refused in the same cases -- fresh
+    and preempted requests (a re-prefill of ``prompt + output - 1``), prompts around the
+    token budget and the long-prefill cap."""
+    dep = deployment(
+        GPT_OSS_20B,
+        max_num_batched_tokens=2048,
+        long_prefill_token_threshold=700,
+        enable_chunked_prefill=chunked,
+        max_num_seqs=1 << 20,
+    )
+    rng = np.random.default_rng(9)
+    checked = refused = 0
+    for _ in range(300):
+        eng = Engine(dep)
+        w = eng.workers[0]
+        prompt = int(rng.integers(1, 3000 if chunked else 1990))
+        eng.submit(RequestSpec(prompt_tokens=prompt, max_tokens=50))
+        eng.step()  # its arrival: it waits
+        r = w.waiting.peek()
+        assert r is not None
+        r.output = int(rng.choice([0, 1, 2, 30]))  # as if preempted after that many tokens
+        budget = int(rng.integers(1, 2049))
+        expected = w.first_chunk(r, budget)
+        admitted = w.admit_head(0.0, 1, budget)
+        if expected is None:
+            assert admitted is None
+            refused += 1
+            continue
+        assert admitted is not None
+        assert admitted[1] == expected[1] and r.blocks == expected[2]
+        checked += 1
+    assert checked > 100 and (refused > 10 or chunked)

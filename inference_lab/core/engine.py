@@ -958,10 +958,22 @@ class _Worker:
             return None
         if self.running_seqs + r.n > self.max_num_seqs and self.running_seqs:
             return None
-        chunk = self.first_chunk(r, budget)
-        if chunk is None:
-            return None
-        hit, n, need, touched = chunk
+        if r.n == 1 and not r.hash_limit:  # first_chunk of a plain request, no prefix
+            out = r.output
+            n = r.prompt + (out - 1 if out > 1 else 0)  # its whole (re-)prefill
+            if n > budget:
+                if not self.chunked:
+                    return None
+                n = budget
+            if n > self.chunk_cap:
+                n = self.chunk_cap
+            hit = touched = 0
+            need = self.blocks_for(n)
+        else:
+            chunk = self.first_chunk(r, budget)
+            if chunk is None:
+                return None
+            hit, n, need, touched = chunk
         if need + touched > self.pool.free:
             return None
         self.waiting.pop()
