@@ -498,6 +498,7 @@ class _Worker:
         #: requests' columns while in it.
         self.vector_ok = self.spec is None
         self.vec: RunningArrays | None = None
+        self.vector_batch = _VectorBatch(self)  # (what its step in flight is, in the mode)
         #: from ``flat[0]`` positions on, ``blocks_for(p) = ceil(p / block_size) +
         #: flat[1]`` (the private blocks no longer grow)
         self.flat = roofline.flat_blocks()
@@ -783,7 +784,7 @@ class _Worker:
         self.step_id += 1
         mark = self.step_id
         budget -= total
-        batch: Any = _VectorBatch(self)
+        batch: Any = self.vector_batch
         ns: Any = None
         cs: Any = None
         while budget > 0 and self.waiting.count:
@@ -1529,7 +1530,7 @@ class Engine:
         finishing: list[Any] | None = vec.advance()
         head = vec.head  # the decoding rows' (id, 1) each, kept while they stay the same
         if head is None:
-            head = vec.head = tuple(vec.pairs[:decoding])
+            head = vec.head = tuple(vec.pairs)
         done: list[int] = []
         if finishing is not None:
             index = running.index

@@ -102,7 +102,7 @@ class RunningArrays:
         self.size = size
         #: the most positions a number of KV blocks holds (``Roofline.room_for``)
         self.room_for = room_for
-        #: ``tuple(pairs[:decoding])`` while the decoding rows stay the same (None: ask)
+        #: ``tuple(pairs)`` while the decoding rows stay the same (None: ask)
         self.head: tuple[tuple[int, int], ...] | None = None
         #: rows ``[0, decoding)`` decode (their prefill done): a step gives each one
         #: position; ``step_decoding`` is that count for the step in flight
@@ -124,8 +124,8 @@ class RunningArrays:
         #: position needs a KV block then, each with its stored ``computed``
         self.finish_cal: dict[int, list[PlainRequest]] = {}
         self.grow_cal: dict[int, list[tuple[PlainRequest, int]]] = {}
-        #: per row, the (id, 1) a decode step emits: made once, reused every step
-        self.pairs: list[tuple[int, int]] = [(r.id, 1) for r in requests]
+        #: per decoding row, the (id, 1) a decode step emits: made once, reused every step
+        self.pairs: list[tuple[int, int]] = []
         self._bind(np.zeros((len(_COLUMNS), max(capacity, 2 * size)), np.int64))
         if size:
             self.table[:8, :size] = [
@@ -175,7 +175,6 @@ class RunningArrays:
             r.room,
             n,
         )
-        self.pairs.append((r.id, 1))
         self.size = i + 1
 
     def sync(self, requests: Sequence[PlainRequest]) -> None:
@@ -240,6 +239,7 @@ class RunningArrays:
         grow_cal = self.grow_cal
         windows = self.windows
         base_sum = 0
+        self.pairs += [(r.id, 1) for r in requests]
         for r, (target, c, o, b, room) in zip(requests, rows, strict=True):
             r.lazy = c
             r.blocks = b
@@ -328,14 +328,12 @@ class RunningArrays:
         """Per window class, the sum over the decoding rows of ``min(computed, W - 1)``
         (``computed`` for full attention): what the roofline's decode terms need."""
         g = self.g
-        k = self.decoding
-        out = []
-        for j, window in enumerate(self.windows):
-            if window <= 0:
-                out.append(self.base_sum + k * g)
-            else:
-                out.append(self.sat[j] * (window - 1) + self.unsat_sum[j] + self.unsat[j] * g)
-        return out
+        full = self.base_sum + self.decoding * g
+        sat, unsat, unsat_sum = self.sat, self.unsat, self.unsat_sum
+        return [
+            full if window <= 0 else sat[j] * (window - 1) + unsat_sum[j] + unsat[j] * g
+            for j, window in enumerate(self.windows)
+        ]
 
     def drop(self, rows: list[int]) -> None:
         """Drop the rows ``rows`` (ascending indices below ``size``; a decoding one taken
@@ -351,9 +349,9 @@ class RunningArrays:
                 if k > d:
                     table[:, d - 1 : k - 1] = table[:, d:k]
                 d -= 1
+                del pairs[i]
             else:
                 table[:, i : k - 1] = table[:, i + 1 : k]
-            del pairs[i]
             k -= 1
         self.size = k
         self.decoding = d
