@@ -1533,8 +1533,9 @@ class Engine:
             head = vec.head = tuple(vec.pairs)
         done: list[int] = []
         if finishing is not None:
-            index = running.index
-            done = [index(finishing[0])] if len(finishing) == 1 else sorted(map(index, finishing))
+            done = [running.index(r, 0, decoding) for r in finishing]
+            if len(done) > 1:
+                done.sort()
         still = k  # the first row that did not emit (k: none)
         starting: list[list[int]] | None = None  # the rows that start decoding, if known
         if 0 < k - decoding <= _FEW_ROWS:  # a step's admissions: in Python, row by row
