@@ -84,7 +84,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 
 from inference_lab.core.builders import frozen_builder
 from inference_lab.core.config import Deployment
@@ -99,9 +98,6 @@ _PENDING, _WAITING, _RUNNING, _DONE = 0, 1, 2, 3
 #: requests, and leaves it when it runs fewer than half as many: for a small batch the
 #: per-request loop is cheaper than numpy's fixed cost per call.
 VECTOR_MIN = 32
-#: A vectorised step works out at most this many rows that are not decoding (its
-#: admissions) one by one in Python: cheaper than a dozen numpy calls on a few elements.
-_FEW_ROWS = 8
 _ARRIVAL, _BOUNDARY, _GROUP_BOUNDARY = 0, 1, 2
 #: Heap sequence numbers of arrivals submitted with ``preorder`` start here: below every
 #: number the engine's own counter gives (Rule 11).
@@ -642,15 +638,15 @@ class _Worker:
             vec.sync(self.running[: vec.size])
 
     def devectorise(self) -> None:
-        """Leave the vectorised mode (Rule 10): the objects take the columns' values back
-        and a step in flight becomes the list of (request, positions) it stands for."""
+        """Leave the vectorised mode (Rule 10): the decoding requests take their counts
+        back and a step in flight becomes the list of (request, positions) it stands for."""
         vec = self.vec
         if vec is None:
             return
         rows = self.running[: vec.size]
         vec.sync(rows)
         if isinstance(self.batch, _VectorBatch):
-            self.batch = list(zip(rows, vec.n[: vec.size].tolist(), strict=True))
+            self.batch = list(zip(rows, vec.ns(), strict=True))
         self.vec = None
 
     def _schedule_vector(self, now: float) -> tuple[Any, Any, Any, int] | None:
@@ -692,67 +688,42 @@ class _Worker:
                     break
             else:
                 need = len(due)
-        grow_rows: list[int] = []  # the other rows that need blocks, and their positions
-        pos: list[int] = []
-        d: Any = None
-        # the positions and contexts of the rows that do not decode, then of admissions
+        # the rows that do not decode: their positions and contexts, then admissions'
+        rest_rows = running[decoding:k]
         rest_n: list[int] = []
         rest_c: list[int] = []
-        if decoding == k:
-            total = k
-            if total > budget:
-                return None
-        elif k - decoding <= _FEW_ROWS:  # a step's admissions: in Python, row by row
+        grown: list[tuple[_Request, int]] = []  # those that need blocks: their positions
+        total = decoding
+        if rest_rows:  # a step's admissions and prefill chunks: in Python, row by row
             cap = self.chunk_cap
-            total = decoding
-            for i, (prompt, _, _, c, out, _, room) in enumerate(
-                vec.table[1:8, decoding:k].T.tolist(), decoding
-            ):
-                left = prompt + (out - 1 if out > 1 else 0) - c
+            for r in rest_rows:
+                c = r.computed
+                out = r.output
+                left = r.prompt + (out - 1 if out > 1 else 0) - c
                 n = (left if left < cap else cap) if left > 0 else 1
                 rest_n.append(n)
                 rest_c.append(c)
                 total += n
-                if c + n > room:
-                    grow_rows.append(i)
-                    pos.append(c + n)
-            if total > budget:
-                return None
-            d = rest_n
-        else:
-            rest = slice(decoding, k)
-            c = vec.computed[rest]
-            out = vec.output[rest]
-            left = vec.prompt[rest] + np.maximum(out - 1, 0) - c
-            d = np.where(left > 0, np.minimum(left, self.chunk_cap), 1)
-            total = decoding + int(np.add.reduce(d))
-            if total > budget:
-                return None
-            ends = c + d
-            grow_rest = np.flatnonzero(ends > vec.room[rest])
-            if grow_rest.size:
-                grow_rows += (grow_rest + decoding).tolist()
-                pos += ends[grow_rest].tolist()
-            rest_n = d.tolist()
-            rest_c = c.tolist()
+                if c + n > r.room:
+                    grown.append((r, c + n))
+        if total > budget:
+            return None
         pool = self.pool
-        if grow_rows:  # a few rows a step: element by element, not fancy indexing
-            blocks = vec.blocks
-            old = [int(blocks[i]) for i in grow_rows]
-            wanted = [self.blocks_for(p) for p in pos]
-            for b, w in zip(old, wanted, strict=True):
-                if w > b:
-                    need += w - b
+        wanted: list[int] = []
+        if grown:
+            blocks_for = self.blocks_for
+            wanted = [blocks_for(p) for _, p in grown]
+            for (r, _), w in zip(grown, wanted, strict=True):
+                if w > r.blocks:
+                    need += w - r.blocks
         if need > pool.free:
             return None
         pool.free -= need
         room_for = self.roofline.room_for
-        if grow_rows:
-            room = vec.room
-            for i, b, w in zip(grow_rows, old, wanted, strict=True):
-                held = w if w > b else b
-                blocks[i] = held
-                room[i] = room_for(held)
+        for (r, _), w in zip(grown, wanted, strict=True):
+            if w > r.blocks:
+                r.blocks = w
+            r.room = room_for(r.blocks)
         if due is not None:  # grown, each is filed for its next block
             grow_cal = vec.grow_cal
             del grow_cal[g]
@@ -765,20 +736,19 @@ class _Worker:
                     grow_cal[g + bs] = due
                 else:
                     later += due
-                wants = []
-            for entry, want in zip(due, wants, strict=False):
-                r, c = entry
-                if want > r.blocks:
-                    r.blocks = want
-                r.room = room_for(r.blocks)
-                key = r.room - c
-                slot = grow_cal.get(key)
-                if slot is None:
-                    grow_cal[key] = [entry]
-                else:
-                    slot.append(entry)
-        if d is not None:
-            vec.n[decoding:k] = d
+            else:
+                for entry, want in zip(due, wants, strict=True):
+                    r, c = entry
+                    if want > r.blocks:
+                        r.blocks = want
+                    r.room = room_for(r.blocks)
+                    key = r.room - c
+                    slot = grow_cal.get(key)
+                    if slot is None:
+                        grow_cal[key] = [entry]
+                    else:
+                        slot.append(entry)
+        vec.rest_n = rest_n
         vec.step_decoding = decoding
         self.step_gamma = 0
         self.step_id += 1
@@ -795,12 +765,11 @@ class _Worker:
             if isinstance(batch, _VectorBatch) and (r.n != 1 or pool.filling):
                 rows = self.running[: vec.size]
                 self.devectorise()
-                batch = list(zip(rows, vec.n[: vec.size].tolist(), strict=True))
+                batch = list(zip(rows, vec.ns(), strict=True))
                 ns = [n for _, n in batch]
                 cs = [q.computed for q, _ in batch]
             if isinstance(batch, _VectorBatch):
-                vec.append(r, n)
-                rest_n.append(n)
+                vec.append(n)  # (to rest_n)
                 rest_c.append(r.computed)
             else:
                 batch.append((r, n))
@@ -813,7 +782,7 @@ class _Worker:
             return batch, ns, cs, 0
         rf = self.roofline
         if rf.has_mla():
-            self.step_terms = rf.batch_terms(vec.n[: vec.size], vec.computed_now(running))
+            self.step_terms = rf.batch_terms(vec.ns(), vec.computed_now(running))
         else:
             self.step_terms = rf.decode_terms_of(decoding, vec.decode_sums(), rest_n, rest_c)
         return batch, None, None, 0
@@ -990,9 +959,10 @@ class _Worker:
 
 
 class _VectorBatch:
-    """The step in flight of a worker in the vectorised mode (Rule 10): every row of its
-    columns, each at its ``n``. Iterating it (the paths that need the objects) syncs them
-    first; appending a plain request adds its row, a group leaves the vectorised mode."""
+    """The step in flight of a worker in the vectorised mode (Rule 10): every row, each at
+    its ``n`` (1 for the decoding ones). Iterating it (the paths that need the objects)
+    syncs them first; appending a plain request adds its row, a group leaves the
+    vectorised mode."""
 
     __slots__ = ("worker",)
 
@@ -1012,7 +982,7 @@ class _VectorBatch:
         vec = self._rows()
         rows = w.running[: vec.size]
         vec.sync(rows)
-        return iter(list(zip(rows, vec.n[: vec.size].tolist(), strict=True)))
+        return iter(list(zip(rows, vec.ns(), strict=True)))
 
     def append(self, item: tuple[_Request, int]) -> None:
         """A request admitted into the step in flight (a late arrival, Rule 2)."""
@@ -1022,7 +992,7 @@ class _VectorBatch:
             w.devectorise()
             w.batch.append(item)
             return
-        self._rows().append(r, n)
+        self._rows().append(n)
 
 
 class _Group:
@@ -1514,17 +1484,15 @@ class Engine:
     def _complete_vector(
         self, w: _Worker, now: float, emit: list[tuple[int, int]], finished: list[Finished]
     ) -> tuple[tuple[int, int], ...]:
-        """:meth:`_complete` over the columns (Rule 10): every row was in the step, each
-        at its ``n``; the same tokens, first-token times and completions, in row order.
-        The rows ``[0, step_decoding)`` decoded: each emits one token (the decode counter
-        moves on; their finishes are the ones filed for it), and the rows after them
-        that emitted for the first time decode from now on."""
+        """:meth:`_complete` in the vectorised mode (Rule 10): every row was in the step,
+        each at its ``n``; the same tokens, first-token times and completions, in row
+        order. The rows ``[0, step_decoding)`` decoded: each emits one token (the decode
+        counter moves on; their finishes are the ones filed for it), returned as one
+        tuple; the rows after them that emitted for the first time decode from now on."""
         vec = w.vec
         assert vec is not None  # a _VectorBatch in flight
         k = vec.size
         decoding = vec.step_decoding
-        comp = vec.computed
-        out = vec.output
         running = w.running
         # the decoding rows' positions and tokens, lazily; those whose last token it was
         finishing: list[Any] | None = vec.advance()
@@ -1537,72 +1505,38 @@ class Engine:
             if len(done) > 1:
                 done.sort()
         still = k  # the first row that did not emit (k: none)
-        starting: list[list[int]] | None = None  # the rows that start decoding, if known
-        if 0 < k - decoding <= _FEW_ROWS:  # a step's admissions: in Python, row by row
-            rows = vec.table[:, decoding:k].T.tolist()
-            starting = []
-            for i, (rid, prompt, max_tokens, target, c, before, blocks, room, n) in enumerate(
-                rows, decoding
-            ):
-                c += n
-                comp[i] = c
+        if decoding < k:  # the others: the per-request loop's arithmetic
+            for i, (r, n) in enumerate(zip(running[decoding:k], vec.rest_n, strict=True), decoding):
+                c = r.computed + n
+                r.computed = c
+                prompt = r.prompt
                 if c >= prompt:
                     new = c - prompt + 1
-                    if new > max_tokens:
-                        new = max_tokens
+                    if new > r.max_tokens:
+                        new = r.max_tokens
+                    before = r.output
                     if new > before:
                         if before == 0:
-                            running[i].first_token_time = now
-                        emit.append((rid, new - before))
-                        out[i] = new
-                        if new >= target:
+                            r.first_token_time = now
+                        emit.append((r.id, new - before))
+                        r.output = new
+                        if new >= r.target:
                             done.append(i)
-                        elif still == k:
-                            starting.append([target, c, new, blocks, room])
                         continue
                 if still == k:
                     still = i
-        elif decoding < k:
-            rest = slice(decoding, k)
-            c = comp[rest]
-            c += vec.n[rest]
-            prompt = vec.prompt[rest]
-            before_all = out[rest]
-            new = np.minimum(c - prompt + 1, vec.max_tokens[rest])
-            emitting = (c >= prompt) & (new > before_all)
-            idx = np.flatnonzero(emitting)
-            if idx.size:
-                emitted = new[idx]
-                before = before_all[idx]
-                before_all[idx] = emitted
-                first = idx[before == 0]
-                if first.size:
-                    for i in (first + decoding).tolist():
-                        running[i].first_token_time = now
-                emit.extend(
-                    zip(
-                        vec.ids[rest][idx].tolist(),
-                        (emitted - before).tolist(),
-                        strict=True,
-                    )
-                )
-                done += (np.flatnonzero(before_all >= vec.target[rest]) + decoding).tolist()
-            if idx.size < k - decoding:
-                still = decoding + int(np.argmin(emitting))
         if done:
             for i in done:
                 r = running[i]
                 if i < decoding:
                     vec.finish_decoding(r, i)
-                else:
-                    vec.sync_row(r, i)
                 self._finish(w, r, now, finished)
             vec.drop(done)
             for i in reversed(done):
                 del running[i]
             still -= len(done) if still == k else sum(1 for i in done if i < still)
         if still > vec.decoding:
-            vec.start_decoding(running[vec.decoding : still], still, starting)
+            vec.start_decoding(running[vec.decoding : still])
         return head
 
     def _boundary(self, w: _Worker, now: float) -> StepEvents:

@@ -1,54 +1,51 @@
-"""A worker's running plain requests as numpy columns: the engine's vectorised step.
+"""A worker's running plain requests under load: the engine's vectorised step.
 
 When a worker runs many plain requests (``n = 1``) with neither speculative decoding nor
-prefix caching, the engine keeps their per-step state -- computed positions, output
-tokens, KV blocks and the positions those blocks hold -- in the int64 columns of a
-:class:`RunningArrays`, one row per entry of the worker's ``running`` list, and chooses
-and completes a step with a few numpy operations over the batch instead of a Python loop
-over its requests (:meth:`inference_lab.core.engine._Worker.schedule`, ``_complete``).
+prefix caching, most of them decode: each step gives every one of them one position and
+one token. A :class:`RunningArrays` keeps those **decoding rows** lazily -- a decode
+counter instead of a write per row, and calendars of the counts at which one finishes,
+needs a KV block or saturates a sliding window -- so that choosing and completing a step
+costs O(1) plus the step's events and its few other rows (admissions, prefill chunks),
+instead of a Python loop over the batch (:meth:`inference_lab.core.engine._Worker.
+schedule`, ``_complete``).
 
 Rule 1: row ``i`` is ``running[i]``, always: a row is added exactly when a request is
-        appended to ``running`` and rows are dropped with the same mask as the list.
-Rule 2: while the columns exist they, not the request objects, hold ``computed``,
-        ``output``, ``blocks`` and ``room`` of the running requests (but the decoding
-        ones': their requests hold them, Rule 4); :meth:`sync`
-        writes them back before anything else reads those fields, and the engine leaves the
-        vectorised mode (``sync`` and drop the columns) before any path that changes them
-        by the objects (preemption, abort, groups, a batch the budget or the free blocks
-        cannot hold whole).
+        appended to ``running`` and rows are dropped as the list's entries are; the rows
+        ``[0, decoding)`` decode, the others (``rest``) do not yet.
+Rule 2: a rest row's request holds its state (``computed``, ``output``, ``blocks``,
+        ``room``), as outside the mode; its positions in the step in flight are in
+        ``rest_n``. A decoding row's ``computed`` and ``output`` are lazy (Rule 4):
+        :meth:`sync` writes them before anything else reads those fields, and the engine
+        leaves the vectorised mode (``sync`` and drop the rows) before any path that
+        changes them by the objects (preemption, abort, groups, a batch the budget or the
+        free blocks cannot hold whole).
 Rule 3: a vectorised step is the same step the per-request loop would choose: every
         running request is in it (it is taken only when the budget holds all their
         chunks and the free blocks all their new blocks, so neither the order nor a
         preemption can change anything), each with the same positions; the integers
         handed to the roofline are the same, so the price is the same to the last bit.
-Rule 4: the decoding rows ``[0, decoding)`` are lazy: each step adds one position and one
-        token to every one of them, so their requests hold ``lazy = computed - g``, ``g``
-        the decode counter (one increment per completed step), and a decode step writes
-        nothing (``output = computed - prompt + 1`` while decoding). Their ``n`` is 1
-        and their other columns are not read: a dropped decoding row moves no column. What happens to one of them at a
-        known count is filed once in a calendar keyed by the value of ``g`` at which it
-        happens: it finishes (``output`` reaches ``target``), it needs a KV block
-        (``computed`` reaches ``room``; filed again after each growth) and, per sliding
-        window ``W``, its context saturates (``computed`` reaches ``W - 1``). The window
-        sums the roofline needs (:meth:`decode_sums`) are kept up to date from these, so
-        a decode step costs O(1) plus its events. Calendars hold the request objects
-        (rows move when others are dropped), so a decoding row's ``blocks`` and ``room``
-        are kept on its request too; a row leaving the decoding set is taken out of the
-        sums and of every calendar it is in.
+Rule 4: each step adds one position and one token to every decoding row, so its request
+        holds ``lazy = computed - g``, ``g`` the decode counter (one increment per
+        completed step), and a decode step writes nothing (``output = computed - prompt
+        + 1`` while decoding). What happens to a decoding row at a known count is filed
+        once in a calendar keyed by the value of ``g`` at which it happens: it finishes
+        (``output`` reaches ``target``), it needs a KV block (``computed`` reaches
+        ``room``; filed again after each growth) and, per sliding window ``W``, its
+        context saturates (``computed`` reaches ``W - 1``). The window sums the roofline
+        needs (:meth:`decode_sums`) are kept up to date from these, so a decode step costs
+        O(1) plus its events. Calendars hold the request objects (rows move when others
+        are dropped); a row leaving the decoding set is taken out of the sums and of
+        every calendar it is in.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
-
-import numpy as np
-
-IntArray = np.ndarray[Any, np.dtype[np.int64]]
+from typing import Protocol
 
 
 class PlainRequest(Protocol):
-    """What the columns mirror of an engine request (``engine._Request``)."""
+    """What the rows keep of an engine request (``engine._Request``)."""
 
     id: int
     prompt: int
@@ -61,22 +58,16 @@ class PlainRequest(Protocol):
     lazy: int
 
 
-_COLUMNS = ("ids", "prompt", "max_tokens", "target", "computed", "output", "blocks", "room", "n")
-
-
 class RunningArrays:
-    """The columns of a worker's running requests (Rule 1), with room to grow: the rows of
-    one 2-D array, so that adding or dropping requests is one operation for all columns.
-
-    ``n`` is each row's positions in the step in flight (set when the step is chosen).
-    Views ``[:size]`` of the columns are what the engine reads and writes."""
+    """The rows of a worker's running requests (Rule 1): the decoding ones' counter,
+    calendars and sums (Rule 4), the others' positions in the step in flight."""
 
     __slots__ = (
         "size",
         "decoding",
         "step_decoding",
+        "rest_n",
         "pairs",
-        "table",
         "g",
         "windows",
         "base_sum",
@@ -88,173 +79,95 @@ class RunningArrays:
         "grow_cal",
         "room_for",
         "head",
-        *_COLUMNS,
     )
 
     def __init__(
         self,
         requests: Sequence[PlainRequest],
         room_for: Callable[[int], int],
-        capacity: int = 64,
         windows: Sequence[int] = (),
     ) -> None:
-        size = len(requests)
-        self.size = size
-        #: the most positions a number of KV blocks holds (``Roofline.room_for``)
-        self.room_for = room_for
-        #: ``tuple(pairs)`` while the decoding rows stay the same (None: ask)
-        self.head: tuple[tuple[int, int], ...] | None = None
+        self.size = len(requests)
         #: rows ``[0, decoding)`` decode (their prefill done): a step gives each one
         #: position; ``step_decoding`` is that count for the step in flight
         self.decoding = 0
         self.step_decoding = 0
+        #: per rest row, its positions in the step in flight (set when it is chosen)
+        self.rest_n: list[int] = [0] * self.size
+        #: per decoding row, the (id, 1) a decode step emits: made once, reused every step
+        self.pairs: list[tuple[int, int]] = []
+        #: ``tuple(pairs)`` while the decoding rows stay the same (None: ask)
+        self.head: tuple[tuple[int, int], ...] | None = None
+        #: the most positions a number of KV blocks holds (``Roofline.room_for``)
+        self.room_for = room_for
         #: Rule 4: the decode counter, and the attention window classes (0: full) whose
         #: sums :meth:`decode_sums` keeps
         self.g = 0
         self.windows = tuple(windows)
-        #: sum of the decoding rows' stored (offset) ``computed``
+        #: sum of the decoding rows' ``lazy``
         self.base_sum = 0
         #: per window class: decoding rows saturated (``computed >= W - 1``), the others,
-        #: the sum of the others' stored ``computed``, and when each of them saturates
+        #: the sum of the others' ``lazy``, and how many of them saturate at each ``g``
         self.sat = [0] * len(self.windows)
         self.unsat = [0] * len(self.windows)
         self.unsat_sum = [0] * len(self.windows)
         self.sat_cal: list[dict[int, int]] = [{} for _ in self.windows]
         #: ``g`` value -> the decoding requests that finish then; -> those whose next
-        #: position needs a KV block then, each with its stored ``computed``
+        #: position needs a KV block then, each with its ``lazy``
         self.finish_cal: dict[int, list[PlainRequest]] = {}
         self.grow_cal: dict[int, list[tuple[PlainRequest, int]]] = {}
-        #: per decoding row, the (id, 1) a decode step emits: made once, reused every step
-        self.pairs: list[tuple[int, int]] = []
-        self._bind(np.zeros((len(_COLUMNS), max(capacity, 2 * size)), np.int64))
-        if size:
-            self.table[:8, :size] = [
-                [r.id for r in requests],
-                [r.prompt for r in requests],
-                [r.max_tokens for r in requests],
-                [r.target for r in requests],
-                [r.computed for r in requests],
-                [r.output for r in requests],
-                [r.blocks for r in requests],
-                [r.room for r in requests],
-            ]
 
-    def _bind(self, table: IntArray) -> None:
-        """Make ``table`` the storage: each column a view of one of its rows."""
-        self.table = table
-        (
-            self.ids,
-            self.prompt,
-            self.max_tokens,
-            self.target,
-            self.computed,
-            self.output,
-            self.blocks,
-            self.room,
-            self.n,
-        ) = table
-
-    def append(self, r: PlainRequest, n: int) -> None:
-        """Add ``r``'s row (it was just appended to ``running``), ``n`` positions in the
+    def append(self, n: int) -> None:
+        """A row for the request just appended to ``running``, ``n`` positions in the
         step being chosen."""
-        i = self.size
-        table = self.table
-        if i == table.shape[1]:
-            grown = np.zeros((len(_COLUMNS), 2 * i), np.int64)
-            grown[:, :i] = table
-            self._bind(grown)
-            table = grown
-        table[:, i] = (
-            r.id,
-            r.prompt,
-            r.max_tokens,
-            r.target,
-            r.computed,
-            r.output,
-            r.blocks,
-            r.room,
-            n,
-        )
-        self.size = i + 1
+        self.rest_n.append(n)
+        self.size += 1
+
+    def ns(self) -> list[int]:
+        """Every row's positions in the step in flight, in row order."""
+        return [1] * self.decoding + self.rest_n
 
     def sync(self, requests: Sequence[PlainRequest]) -> None:
-        """Write the rows' ``computed``, ``output``, ``blocks`` and ``room`` back to their
-        requests (Rule 2; a decoding row's from its ``lazy`` value and ``g``, its
-        ``blocks`` and ``room`` are its request's already: Rule 4). O(rows), in Python:
-        only when leaving the vectorised mode or when a reader needs the objects."""
-        k = self.size
-        d = self.decoding
+        """Write the decoding rows' ``computed`` and ``output`` to their requests
+        (``requests``: the rows' objects; Rule 2). O(rows): only when leaving the
+        vectorised mode or when a reader needs the objects."""
         g = self.g
-        for r in requests[:d]:
+        for r in requests[: self.decoding]:
             c = r.computed = r.lazy + g
-            r.output = c - r.prompt + 1  # (decoding: its prefill and out - 1 are done)
-        for r, c, o, b, room in zip(
-            requests[d:],
-            self.computed[d:k].tolist(),
-            self.output[d:k].tolist(),
-            self.blocks[d:k].tolist(),
-            self.room[d:k].tolist(),
-            strict=True,
-        ):
-            r.computed = c
-            r.output = o
-            r.blocks = b
-            r.room = room
+            r.output = c - r.prompt + 1
 
-    def sync_row(self, r: PlainRequest, i: int) -> None:
-        """Write row ``i`` (not decoding) back to its request ``r``."""
-        r.computed, r.output, r.blocks, r.room = self.table[4:8, i].tolist()
-
-    def computed_now(self, requests: Sequence[PlainRequest]) -> IntArray:
+    def computed_now(self, requests: Sequence[PlainRequest]) -> list[int]:
         """Every row's ``computed`` (``requests``: the rows' objects)."""
-        comp: IntArray = self.computed[: self.size].copy()
         g = self.g
-        comp[: self.decoding] = [r.lazy + g for r in requests[: self.decoding]]
-        return comp
+        d = self.decoding
+        return [r.lazy + g for r in requests[:d]] + [r.computed for r in requests[d:]]
 
     # ------------------------------------------------------------------ Rule 4
-    def start_decoding(
-        self, requests: Sequence[PlainRequest], stop: int, rows: list[list[int]] | None = None
-    ) -> None:
-        """Rows ``[decoding, stop)`` (``requests`` are their objects, in order) decode
-        from now on: their requests hold their lazy ``computed``, ``blocks`` and
-        ``room``, their ``n`` is 1, and their finish, next growth and window saturations
-        are filed. ``rows``: their ``target``, ``computed``, ``output``, ``blocks`` and
-        ``room`` if the caller has them (else they are read)."""
-        start = self.decoding
+    def start_decoding(self, requests: Sequence[PlainRequest]) -> None:
+        """The first rest rows (``requests``, in order) decode from now on: their
+        requests take the lazy form, and their finish, next growth and window
+        saturations are filed."""
         g = self.g
         self.head = None
-        if rows is None:
-            rows = self.table[3:8, start:stop].T.tolist()
-        if stop - start <= 4:  # a step's few: element by element
-            n = self.n
-            for i in range(start, stop):
-                n[i] = 1
-        else:
-            self.n[start:stop] = 1
-        for row in rows:
-            row[1] -= g
-            row[2] -= g
+        del self.rest_n[: len(requests)]
+        self.pairs += [(r.id, 1) for r in requests]
         finish_cal = self.finish_cal
         grow_cal = self.grow_cal
         windows = self.windows
         base_sum = 0
-        self.pairs += [(r.id, 1) for r in requests]
-        for r, (target, c, o, b, room) in zip(requests, rows, strict=True):
-            r.lazy = c
-            r.blocks = b
-            r.room = room
+        for r in requests:
+            c = r.lazy = r.computed - g
             base_sum += c
-            key = target - o
+            key = r.target - (r.output - g)
             slot = finish_cal.get(key)
             if slot is None:
                 finish_cal[key] = [r]
             else:
                 slot.append(r)
-            key = room - c
+            key = r.room - c
             if key < g:  # ``room`` short of what its blocks hold (0: never asked)
-                room = r.room = self.room_for(b)
-                key = room - c
+                r.room = self.room_for(r.blocks)
+                key = r.room - c
                 if key < g:
                     key = g
             entry = (r, c)
@@ -275,7 +188,7 @@ class RunningArrays:
                     key = window - 1 - c
                     cal[key] = cal.get(key, 0) + 1
         self.base_sum += base_sum
-        self.decoding = stop
+        self.decoding += len(requests)
 
     def finish_decoding(self, r: PlainRequest, i: int) -> None:
         """Row ``i`` (request ``r``), decoding, emitted its last token and is about to be
@@ -337,21 +250,12 @@ class RunningArrays:
 
     def drop(self, rows: list[int]) -> None:
         """Drop the rows ``rows`` (ascending indices below ``size``; a decoding one taken
-        out of the calendars already), keeping the order of the others: each later row
-        moves up (a slice copy per dropped row; a step drops few). The decoding rows'
-        columns are not moved: only their ``n`` (all 1) is read (Rule 4)."""
-        table = self.table
-        k = self.size
+        out of the calendars already), keeping the order of the others."""
         d = self.decoding
-        pairs = self.pairs
         for i in reversed(rows):
-            if i < d:  # the decoding rows' columns are not read (their n stays 1)
-                if k > d:
-                    table[:, d - 1 : k - 1] = table[:, d:k]
-                d -= 1
-                del pairs[i]
+            if i < d:
+                del self.pairs[i]
+                self.decoding -= 1
             else:
-                table[:, i : k - 1] = table[:, i + 1 : k]
-            k -= 1
-        self.size = k
-        self.decoding = d
+                del self.rest_n[i - d]
+        self.size -= len(rows)
