@@ -63,11 +63,13 @@ Rule 9: with ``dp_attention`` ranks, each rank is a worker (its own scheduler, w
         step of all of them and starts their next batches together, priced as one step
         (the slowest rank's part and the shared experts' part: the roofline's Rule 6).
 Rule 10: a worker running at least ``VECTOR_MIN`` plain requests, without speculative
-        decoding and with no block being cached or evictable, keeps their per-step state
-        in numpy columns (:mod:`inference_lab.core.running_arrays`) and chooses and
-        completes a step that takes every one of them whole with array operations; any
-        other step (a budget or free blocks too small for all, a group, a preemption, an
-        abort) leaves that mode first. Both ways produce the same events, to the bit.
+        decoding and with no block being cached or evictable, keeps its decoding ones
+        lazily (a decode counter and calendars of their events:
+        :mod:`inference_lab.core.running_arrays`) and chooses and completes a step that
+        takes every running request whole in O(1) plus the step's events and its other
+        rows; any other step (a budget or free blocks too small for all, a group, a
+        preemption, an abort) leaves that mode first. Both ways produce the same events,
+        to the bit.
 Rule 11: events at the same time are handled in the order they were filed; an arrival
         submitted with ``preorder`` is filed as if it had been submitted before the first
         step, so an open loop fed to the engine lazily, in arrival order and never later
@@ -95,8 +97,8 @@ from inference_lab.errors import RequestRefused
 
 _PENDING, _WAITING, _RUNNING, _DONE = 0, 1, 2, 3
 #: A worker enters the vectorised mode (Rule 10) when it runs at least this many plain
-#: requests, and leaves it when it runs fewer than half as many: for a small batch the
-#: per-request loop is cheaper than numpy's fixed cost per call.
+#: requests, and leaves it when it runs fewer than half as many: a small batch gains
+#: little from it, and entering it costs a pass over the rows.
 VECTOR_MIN = 32
 _ARRIVAL, _BOUNDARY, _GROUP_BOUNDARY = 0, 1, 2
 #: Heap sequence numbers of arrivals submitted with ``preorder`` start here: below every
@@ -491,7 +493,7 @@ class _Worker:
         self.step_gamma = 0
         #: Rule 10: the vectorised mode (plain requests, no speculation, no block being
         #: cached or evictable): whether the deployment allows it, and the running
-        #: requests' columns while in it.
+        #: requests' rows while in it.
         self.vector_ok = self.spec is None
         self.vec: RunningArrays | None = None
         self.vector_batch = _VectorBatch(self)  # (what its step in flight is, in the mode)
@@ -631,8 +633,8 @@ class _Worker:
 
     # ------------------------------------------------------------------ vectorised mode
     def sync_running(self) -> None:
-        """Rule 10: write the columns back to the running requests (their ``computed``,
-        ``output``, ``blocks`` and ``room``) before a reader looks at the objects."""
+        """Rule 10: write the decoding requests' lazy ``computed`` and ``output`` back
+        before a reader looks at the objects."""
         vec = self.vec
         if vec is not None:
             vec.sync(self.running[: vec.size])
@@ -650,7 +652,7 @@ class _Worker:
         self.vec = None
 
     def _schedule_vector(self, now: float) -> tuple[Any, Any, Any, int] | None:
-        """Rule 10: the batch starting at ``now`` chosen over the columns, when the step
+        """Rule 10: the batch starting at ``now`` chosen over the rows, when the step
         takes every running request whole (the budget holds all their chunks, the free
         blocks all their new blocks); None (nothing changed) otherwise. Returns what
         :meth:`schedule` returns, the batch a :class:`_VectorBatch` (or a list, when a
