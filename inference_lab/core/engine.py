@@ -722,10 +722,11 @@ class _Worker:
             return None
         pool.free -= need
         room_for = self.roofline.room_for
-        for (r, _), w in zip(grown, wanted, strict=True):
-            if w > r.blocks:
-                r.blocks = w
-            r.room = room_for(r.blocks)
+        if grown:
+            for (r, _), w in zip(grown, wanted, strict=True):
+                if w > r.blocks:
+                    r.blocks = w
+                r.room = room_for(r.blocks)
         if due is not None:  # grown, each is filed for its next block
             grow_cal = vec.grow_cal
             del grow_cal[g]
@@ -1503,7 +1504,8 @@ class Engine:
             head = vec.head = tuple(vec.pairs)
         done: list[int] = []
         if finishing is not None:
-            done = [running.index(r, 0, decoding) for r in finishing]
+            for r in finishing:
+                done.append(running.index(r, 0, decoding))
             if len(done) > 1:
                 done.sort()
         still = k  # the first row that did not emit (k: none)

@@ -457,7 +457,10 @@ class Roofline:
                 self.add_sequence(terms, n, ci)
             return terms
         if not ns:
-            return BatchTerms(k, k, [[s + k, s + k] for s in sums], [])
+            pairs = []
+            for s in sums:
+                pairs.append([s + k, s + k])
+            return BatchTerms(k, k, pairs, [])
         # add_sequence's sums, inline: integers, so in any order the same
         out = []
         for window, s in zip(self._window_sizes, sums, strict=True):

@@ -150,12 +150,13 @@ class RunningArrays:
         g = self.g
         self.head = None
         del self.rest_n[: len(requests)]
-        self.pairs += [(r.id, 1) for r in requests]
+        pairs = self.pairs
         finish_cal = self.finish_cal
         grow_cal = self.grow_cal
         windows = self.windows
         base_sum = 0
         for r in requests:
+            pairs.append((r.id, 1))
             c = r.lazy = r.computed - g
             base_sum += c
             key = r.target - (r.output - g)
@@ -241,12 +242,15 @@ class RunningArrays:
         """Per window class, the sum over the decoding rows of ``min(computed, W - 1)``
         (``computed`` for full attention): what the roofline's decode terms need."""
         g = self.g
-        full = self.base_sum + self.decoding * g
-        sat, unsat, unsat_sum = self.sat, self.unsat, self.unsat_sum
-        return [
-            full if window <= 0 else sat[j] * (window - 1) + unsat_sum[j] + unsat[j] * g
-            for j, window in enumerate(self.windows)
-        ]
+        out = []
+        for window, sat, unsat, unsat_sum in zip(
+            self.windows, self.sat, self.unsat, self.unsat_sum, strict=True
+        ):
+            if window <= 0:
+                out.append(self.base_sum + self.decoding * g)
+            else:
+                out.append(sat * (window - 1) + unsat_sum + unsat * g)
+        return out
 
     def drop(self, rows: list[int]) -> None:
         """Drop the rows ``rows`` (ascending indices below ``size``; a decoding one taken
