@@ -367,3 +367,25 @@ def test_admitting_a_plain_request_takes_its_first_chunk(chunked: bool) -> None:
         assert admitted[1] == expected[1] and r.blocks == expected[2]
         checked += 1
     assert checked > 100 and (refused > 10 or chunked)
+
+
+@pytest.mark.parametrize(
+    "dep",
+    [
+        deployment(GPT_OSS_20B),
+        deployment(GPT_OSS_20B, blocks=40),
+        deployment(LLAMA8B, blocks=300),
+        deployment(LLAMA8B, enable_chunked_prefill=False, max_num_batched_tokens=4096),
+    ],
+    ids=["gpt-oss", "gpt-oss-40-blocks", "llama-300-blocks", "no-chunked-prefill"],
+)
+def test_the_plain_fit_bound_is_check_fits(dep: Deployment) -> None:
+    """`submit` skips `check_fits` for a plain request within the engine's bound on its
+    total: a plain request fits exactly when its total is within that bound."""
+    eng = Engine(dep)
+    bound = eng._fits_total
+    assert bound > 0
+    for total in [*range(max(2, bound - 70), bound + 70), bound * 2]:
+        for prompt in (1, total // 2, total - 1):
+            fits = eng.check_fits(prompt, total - prompt) is None
+            assert fits == (total <= bound), (total, prompt)

@@ -1069,6 +1069,15 @@ class Engine:
         self._finished = 0
         self._aborted = 0
         self._max_num_seqs = deployment.scheduler.max_num_seqs
+        #: a plain request of at most this many positions (prompt + max_tokens) passes
+        #: every check of check_fits (each is a bound on the total: max_seq_len, the KV
+        #: blocks it needs -- non-decreasing in the total --, the budget without chunks)
+        sched = deployment.scheduler
+        self._fits_total = min(
+            deployment.model.max_seq_len,
+            self.roofline.room_for(self.roofline.total_blocks),
+            (sched.max_num_batched_tokens + 1) if not sched.enable_chunked_prefill else 1 << 62,
+        )
 
     # ------------------------------------------------------------------ admission
     def check_fits(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> RequestRefused | None:
@@ -1132,9 +1141,10 @@ class Engine:
             raise ValueError(f"target must be in 1..max_tokens, got {target}")
         if spec.worker is not None and not 0 <= spec.worker < len(self.workers):
             raise ValueError(f"worker must be in 0..{len(self.workers) - 1}, got {spec.worker}")
-        refused = self.check_fits(spec.prompt_tokens, spec.max_tokens, spec.n)
-        if refused is not None:
-            raise refused
+        if spec.n != 1 or spec.prompt_tokens + spec.max_tokens > self._fits_total:
+            refused = self.check_fits(spec.prompt_tokens, spec.max_tokens, spec.n)
+            if refused is not None:
+                raise refused
         rid = next(self._ids)
         arrival = spec.arrival_time if spec.arrival_time > self.now else self.now
         r = _Request(rid, spec, arrival, target)

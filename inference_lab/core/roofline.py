@@ -280,6 +280,7 @@ class Roofline:
         ] = {}
         self._coefs = [(attn_coef, kv_coef) for _, attn_coef, kv_coef in self._windows]
         self._window_sizes = [window for window, _, _ in self._windows]
+        self._coef_pair = (self._coefs[0], self._coefs[1]) if len(self._coefs) == 2 else None
         self._attn_rate = self._rates[self._attn_idx]
         self._experts_by_tokens: dict[int, tuple[float, float, float]] = {}
         # the drafter of a speculative deployment
@@ -513,9 +514,18 @@ class Roofline:
             fixed = self._plain_by_tokens[tokens] = self._plain_terms(tokens)
         fa, ma, collective, before, after = fixed
         if nreq:
-            for (attn_coef, kv_coef), (dot, total) in zip(self._coefs, sums, strict=True):
-                fa += attn_coef * float(dot)
-                ma += kv_coef * float(total)
+            pair = self._coef_pair
+            if pair is not None:  # two window classes (a sliding window and full), unrolled
+                (a0, k0), (a1, k1) = pair
+                (dot0, total0), (dot1, total1) = sums
+                fa += a0 * float(dot0)
+                ma += k0 * float(total0)
+                fa += a1 * float(dot1)
+                ma += k1 * float(total1)
+            else:
+                for (attn_coef, kv_coef), (dot, total) in zip(self._coefs, sums, strict=True):
+                    fa += attn_coef * float(dot)
+                    ma += kv_coef * float(total)
             ma += self._state_bytes * nreq
         compute = memory = roof = 0.0
         for tc, tm in before:  # the streams in _rates order: those before attention's,
