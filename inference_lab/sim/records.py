@@ -139,12 +139,16 @@ class StepTotals:
         self.accepted_tokens = 0
         self.time_s = 0.0
         self.plain_time_s = 0.0
+        self._kv_append = self.kv_usage.append
+        self._flop_append = self.flop_util.append
+        self._bw_append = self.bw_util.append
 
     def add(self, s: StepInfo) -> None:
-        self.kv_usage.append(s.kv_usage)
-        self.flop_util.append(s.flop_util)
-        self.bw_util.append(s.bw_util)
-        self.preempted += s.preempted
+        self._kv_append(s.kv_usage)
+        self._flop_append(s.flop_util)
+        self._bw_append(s.bw_util)
+        if s.preempted:
+            self.preempted += s.preempted
         if self.speculative:
             self.time_s += s.duration
             d = s.drafts
