@@ -233,6 +233,7 @@ def test_the_lazy_decoding_rows_are_filed_and_summed_exactly() -> None:
                 sum(min(c, window - 1) if window else c for c in comp) for window in vec.windows
             ]
             assert vec.decode_sums() == want
+            assert vec.decode_totals() == [[s + k, s + k] for s in want]
             checked += 1
             crossed += any(c < 127 for c in comp) and any(c >= 127 for c in comp)
         assert checked > 200 and crossed > 50

@@ -787,7 +787,11 @@ class _Worker:
         if rf.has_mla():
             self.step_terms = rf.batch_terms(vec.ns(), vec.computed_now(running))
         else:
-            self.step_terms = rf.decode_terms_of(decoding, vec.decode_sums(), rest_n, rest_c)
+            self.step_terms = (
+                rf.decode_terms_of(decoding, vec.decode_sums(), rest_n, rest_c)
+                if rest_n
+                else BatchTerms(decoding, decoding, vec.decode_totals(), [])  # (the same)
+            )
         return batch, None, None, 0
 
     # ------------------------------------------------------------------ one iteration
@@ -1608,7 +1612,7 @@ class Engine:
             w.batch = []
             w.scheduled = False
         emitted = head + tuple(tokens) if tokens else head if head else ()
-        return _step_events(now, emitted, tuple(finished), (), info)
+        return _step_events(now, emitted, tuple(finished) if finished else (), (), info)
 
     def _group_boundary(self, g: _Group, now: float) -> StepEvents:
         """Rule 9: the lockstep step of a replica's ranks ends at ``now``; each rank chooses

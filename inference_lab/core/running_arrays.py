@@ -238,6 +238,23 @@ class RunningArrays:
                     self.unsat_sum[j] -= count * (self.windows[j] - 1 - g)
         return self.finish_cal.pop(g, None)
 
+    def decode_totals(self) -> list[list[int]]:
+        """The window sums of a step of the decoding rows alone (``BatchTerms.sums``): per
+        class, ``sum(min(computed + 1, W))`` twice (``n`` is 1: ``n * att = att``),
+        i.e. :meth:`decode_sums` plus the row count."""
+        g = self.g
+        k = self.decoding
+        out = []
+        for window, sat, unsat, unsat_sum in zip(
+            self.windows, self.sat, self.unsat, self.unsat_sum, strict=True
+        ):
+            if window <= 0:
+                t = self.base_sum + k * g + k
+            else:
+                t = sat * (window - 1) + unsat_sum + unsat * g + k
+            out.append([t, t])
+        return out
+
     def decode_sums(self) -> list[int]:
         """Per window class, the sum over the decoding rows of ``min(computed, W - 1)``
         (``computed`` for full attention): what the roofline's decode terms need."""
