@@ -1379,7 +1379,11 @@ class Engine:
         steps at ``now`` if idle (or takes it into the step in flight: Rule 2)."""
         self._pending -= 1
         hint = r.hint
-        w = self._route(r) if hint is None else self.workers[hint]
+        workers = self.workers
+        if hint is not None:
+            w = workers[hint]
+        else:  # (one worker: the router's answer, without asking)
+            w = workers[0] if len(workers) == 1 else self._route(r)
         r.worker = w.index
         r.state = _WAITING
         w.waiting.push(r)
