@@ -1551,7 +1551,7 @@ class Engine:
             for i in done:
                 r = running[i]
                 if i < decoding:
-                    vec.finish_decoding(r, i)
+                    vec.finish_decoding(r)
                 self._finish(w, r, now, finished)
             vec.drop(done)
             for i in reversed(done):

@@ -191,8 +191,8 @@ class RunningArrays:
         self.base_sum += base_sum
         self.decoding += len(requests)
 
-    def finish_decoding(self, r: PlainRequest, i: int) -> None:
-        """Row ``i`` (request ``r``), decoding, emitted its last token and is about to be
+    def finish_decoding(self, r: PlainRequest) -> None:
+        """The decoding request ``r`` emitted its last token and its row is about to be
         dropped: write its ``computed`` and ``output`` (its target) back, take it out of
         the sums and of the calendars it is in (its finish has been taken already)."""
         c = r.lazy
