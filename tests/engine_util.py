@@ -15,6 +15,7 @@ from inference_lab.core.kv_cache import NOT_CACHED
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA8B = ROOT / "configs" / "Llama-3.1-8B-Instruct.toml"
 GPT_OSS_20B = ROOT / "configs" / "gpt-oss-20b.toml"
+DEEPSEEK_V3 = ROOT / "configs" / "frontier" / "DeepSeek-V3.toml"
 
 
 def deployment(

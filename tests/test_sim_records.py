@@ -19,7 +19,7 @@ from inference_lab.core.config import (
     load_deployment,
     load_workload,
 )
-from inference_lab.core.engine import Finished, StepInfo
+from inference_lab.core.engine import Engine, Finished, StepInfo
 from inference_lab.sim import run as run_module
 from inference_lab.sim.records import ArrivalTable, FinishedTable, StepTotals
 from inference_lab.sim.run import SimResult, run_simulation, write_request_csv
@@ -231,6 +231,50 @@ def test_a_lazily_fed_open_loop_runs_as_if_submitted_up_front(
         assert any(r.limit == "max_seq_len" for r in lazy.refused)
     if "bounded" in case:
         assert any(r.limit == "max_waiting" for r in lazy.refused)
+
+
+@pytest.mark.parametrize("case", ["poisson", "batched", "burst", "never-fit", "closed"])
+def test_arrivals_taken_in_runs_give_the_run_of_one_event_at_a_time(case: str) -> None:
+    """Rule 7 of `sim.run`: the loop that takes arrivals in runs (`Engine.take_arrivals`)
+    gives the same summary, JSON (peak queue and capacity verdict included), refusals,
+    records and request CSV as the loop that sees every arrival's `StepEvents` (an
+    `on_events` callback turns the runs off)."""
+    if case == "closed":
+        workload, config, scheduler = _closed_loop(), GPT_OSS, {}
+    else:
+        workload, config, scheduler = CASES[case]
+    dep = load_deployment(config, "b200")
+    if scheduler:
+        dep = attrs.evolve(dep, scheduler=attrs.evolve(dep.scheduler, **scheduler))
+    taken: list[int] = []
+    take = Engine.take_arrivals
+
+    def counting(engine: Engine, before: float) -> int:
+        taken.append(take(engine, before))
+        return taken[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Engine, "take_arrivals", counting)
+        runs = run_simulation(dep, workload)
+    assert sum(taken) > len(runs.finished) // 2  # most arrivals were taken in runs
+    seen: list[int] = []
+    each = run_simulation(dep, workload, on_events=lambda ev: seen.extend(ev.arrived))
+    assert len(seen) == len(runs.finished) + sum(
+        1 for r in runs.refused if r.limit != "max_seq_len"
+    )
+    doc, ref = runs.to_dict(), each.to_dict()
+    doc.pop("time"), ref.pop("time")
+    assert doc == ref
+    assert runs.peak_waiting == each.peak_waiting and runs.capacity == each.capacity
+    assert runs.refused == each.refused
+    assert list(runs.finished) == list(each.finished)
+    assert _csv(runs) == _csv(each)
+
+
+def _closed_loop() -> Workload:
+    return attrs.evolve(
+        _workload("poisson", 600), arrival_pattern="closed_loop", num_concurrent_users=48
+    )
 
 
 def test_the_request_csv_is_the_one_written_from_held_records() -> None:

@@ -63,11 +63,13 @@ Rule 9: with ``dp_attention`` ranks, each rank is a worker (its own scheduler, w
         step of all of them and starts their next batches together, priced as one step
         (the slowest rank's part and the shared experts' part: the roofline's Rule 6).
 Rule 10: a worker running at least ``VECTOR_MIN`` plain requests, without speculative
-        decoding and with no block being cached or evictable, keeps their per-step state
-        in numpy columns (:mod:`inference_lab.core.running_arrays`) and chooses and
-        completes a step that takes every one of them whole with array operations; any
-        other step (a budget or free blocks too small for all, a group, a preemption, an
-        abort) leaves that mode first. Both ways produce the same events, to the bit.
+        decoding and with no block being cached or evictable, keeps its decoding ones
+        lazily (a decode counter and calendars of their events:
+        :mod:`inference_lab.core.running_arrays`) and chooses and completes a step that
+        takes every running request whole in O(1) plus the step's events and its other
+        rows; any other step (a budget or free blocks too small for all, a group, a
+        preemption, an abort) leaves that mode first. Both ways produce the same events,
+        to the bit.
 Rule 11: events at the same time are handled in the order they were filed; an arrival
         submitted with ``preorder`` is filed as if it had been submitted before the first
         step, so an open loop fed to the engine lazily, in arrival order and never later
@@ -84,8 +86,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 
+from inference_lab.core.builders import frozen_builder
 from inference_lab.core.config import Deployment
 from inference_lab.core.kv_cache import NOT_CACHED, BlockPool, KVCacheManager, KVEvent
 from inference_lab.core.roofline import BatchTerms, Roofline, StepCost
@@ -95,12 +97,9 @@ from inference_lab.errors import RequestRefused
 
 _PENDING, _WAITING, _RUNNING, _DONE = 0, 1, 2, 3
 #: A worker enters the vectorised mode (Rule 10) when it runs at least this many plain
-#: requests, and leaves it when it runs fewer than half as many: for a small batch the
-#: per-request loop is cheaper than numpy's fixed cost per call.
+#: requests, and leaves it when it runs fewer than half as many: a small batch gains
+#: little from it, and entering it costs a pass over the rows.
 VECTOR_MIN = 32
-#: A vectorised step works out at most this many rows that are not decoding (its
-#: admissions) one by one in Python: cheaper than a dozen numpy calls on a few elements.
-_FEW_ROWS = 8
 _ARRIVAL, _BOUNDARY, _GROUP_BOUNDARY = 0, 1, 2
 #: Heap sequence numbers of arrivals submitted with ``preorder`` start here: below every
 #: number the engine's own counter gives (Rule 11).
@@ -203,6 +202,12 @@ class StepEvents:
     finished: tuple[Finished, ...]
     arrived: tuple[int, ...]
     step: StepInfo | None
+
+
+# positional constructors of the records built every step / request (:mod:`builders`)
+_step_events = frozen_builder(StepEvents)
+_step_info = frozen_builder(StepInfo)
+_finished = frozen_builder(Finished)
 
 
 @attrs.frozen(kw_only=True)
@@ -322,6 +327,7 @@ class _Request:
         "held",
         "cache_at",
         "cached",
+        "lazy",
     )
 
     def __init__(self, rid: int, spec: RequestSpec, arrival: float, target: int) -> None:
@@ -352,6 +358,7 @@ class _Request:
         self.held: list[int] | tuple[int, ...] = ()
         self.cache_at = NOT_CACHED
         self.cached = 0
+        self.lazy = 0  # decoding in the vectorised mode: computed - the decode counter
 
 
 class _WaitQueue:
@@ -486,9 +493,13 @@ class _Worker:
         self.step_gamma = 0
         #: Rule 10: the vectorised mode (plain requests, no speculation, no block being
         #: cached or evictable): whether the deployment allows it, and the running
-        #: requests' columns while in it.
+        #: requests' rows while in it.
         self.vector_ok = self.spec is None
         self.vec: RunningArrays | None = None
+        self.vector_batch = _VectorBatch(self)  # (what its step in flight is, in the mode)
+        #: from ``flat[0]`` positions on, ``blocks_for(p) = ceil(p / block_size) +
+        #: flat[1]`` (the private blocks no longer grow)
+        self.flat = roofline.flat_blocks()
 
     @property
     def free_blocks(self) -> int:
@@ -622,93 +633,131 @@ class _Worker:
 
     # ------------------------------------------------------------------ vectorised mode
     def sync_running(self) -> None:
-        """Rule 10: write the columns back to the running requests (their ``computed``,
-        ``output``, ``blocks`` and ``room``) before a reader looks at the objects."""
+        """Rule 10: write the decoding requests' lazy ``computed`` and ``output`` back
+        before a reader looks at the objects."""
         vec = self.vec
         if vec is not None:
             vec.sync(self.running[: vec.size])
 
     def devectorise(self) -> None:
-        """Leave the vectorised mode (Rule 10): the objects take the columns' values back
-        and a step in flight becomes the list of (request, positions) it stands for."""
+        """Leave the vectorised mode (Rule 10): the decoding requests take their counts
+        back and a step in flight becomes the list of (request, positions) it stands for."""
         vec = self.vec
         if vec is None:
             return
         rows = self.running[: vec.size]
         vec.sync(rows)
         if isinstance(self.batch, _VectorBatch):
-            self.batch = list(zip(rows, vec.n[: vec.size].tolist(), strict=True))
+            self.batch = list(zip(rows, vec.ns(), strict=True))
         self.vec = None
 
     def _schedule_vector(self, now: float) -> tuple[Any, Any, Any, int] | None:
-        """Rule 10: the batch starting at ``now`` chosen over the columns, when the step
+        """Rule 10: the batch starting at ``now`` chosen over the rows, when the step
         takes every running request whole (the budget holds all their chunks, the free
         blocks all their new blocks); None (nothing changed) otherwise. Returns what
         :meth:`schedule` returns, the batch a :class:`_VectorBatch` (or a list, when a
         group is admitted); in the vectorised mode ``n`` and ``c`` are None and the
         step's terms are in ``step_terms``.
 
-        The rows ``[0, vec.decoding)`` are known to decode (one position each); only the
-        others' chunks are worked out."""
+        The rows ``[0, vec.decoding)`` are known to decode (one position each; lazily:
+        :mod:`~inference_lab.core.running_arrays` Rule 4): only those filed to grow now
+        and the others' chunks are worked out."""
         running = self.running
         k = len(running)
         vec = self.vec
         if vec is None:
-            vec = self.vec = RunningArrays(running)
-        comp = vec.computed[:k]
+            rf = self.roofline
+            vec = self.vec = RunningArrays(running, rf.room_for, windows=rf.window_classes())
         decoding = vec.decoding
         budget = self.budget
-        if decoding == k:
-            total = k
-            if total > budget:
-                return None
-            grow = (comp >= vec.room[:k]).nonzero()[0]  # comp + 1 > room
-            pos = comp[grow] + 1 if grow.size else grow
-            d = None
-        else:
-            rest = slice(decoding, k)
-            c = vec.computed[rest]
-            out = vec.output[rest]
-            left = vec.prompt[rest] + np.maximum(out - 1, 0) - c
-            d = np.where(left > 0, np.minimum(left, self.chunk_cap), 1)
-            total = decoding + int(np.add.reduce(d))
-            if total > budget:
-                return None
-            ends = c + d
-            grow_rest = np.flatnonzero(ends > vec.room[rest])
-            grow = np.flatnonzero(comp[:decoding] >= vec.room[:decoding])
-            pos = np.concatenate((comp[grow] + 1, ends[grow_rest]))
-            grow = np.concatenate((grow, grow_rest + decoding))
+        g = vec.g
+        due = vec.grow_cal.get(g)  # decoding rows whose next position needs a block
+        need = 0
+        wants: list[int] | None = None  # (None: each of them takes one block)
+        if due is not None:
+            # Past the private blocks' table, a row whose room is what its blocks hold
+            # grows by one block per block_size positions: the common case, in O(1) each.
+            flat, tail = self.flat
+            bs = self.block_size
+            for r, c in due:
+                room = r.room
+                if room - c != g or room < flat or room != (r.blocks - tail) * bs:
+                    blocks_for = self.blocks_for
+                    wants = [blocks_for(c + g + 1) for _, c in due]
+                    for (q, _), want in zip(due, wants, strict=True):
+                        if want > q.blocks:
+                            need += want - q.blocks
+                    break
+            else:
+                need = len(due)
+        # the rows that do not decode: their positions and contexts, then admissions'
+        rest_rows = running[decoding:k]
+        rest_n: list[int] = []
+        rest_c: list[int] = []
+        grown: list[tuple[_Request, int]] = []  # those that need blocks: their positions
+        total = decoding
+        if rest_rows:  # a step's admissions and prefill chunks: in Python, row by row
+            cap = self.chunk_cap
+            for r in rest_rows:
+                c = r.computed
+                out = r.output
+                left = r.prompt + (out - 1 if out > 1 else 0) - c
+                n = (left if left < cap else cap) if left > 0 else 1
+                rest_n.append(n)
+                rest_c.append(c)
+                total += n
+                if c + n > r.room:
+                    grown.append((r, c + n))
+        if total > budget:
+            return None
         pool = self.pool
-        if grow.size:  # a few rows a step: element by element, not fancy indexing
-            blocks = vec.blocks
-            rows = grow.tolist()
-            old = [int(blocks[i]) for i in rows]
-            wanted = [self.blocks_for(p) for p in pos.tolist()]
-            need = 0
-            for b, w in zip(old, wanted, strict=True):
-                if w > b:
-                    need += w - b
-            if need > pool.free:
-                return None
-            pool.free -= need
-            room_for = self.roofline.room_for
-            room = vec.room
-            for i, b, w in zip(rows, old, wanted, strict=True):
-                held = w if w > b else b
-                blocks[i] = held
-                room[i] = room_for(held)
-        if d is None:
-            vec.n[:k] = 1
-        else:
-            vec.n[:decoding] = 1
-            vec.n[decoding:k] = d
+        wanted: list[int] = []
+        if grown:
+            blocks_for = self.blocks_for
+            wanted = [blocks_for(p) for _, p in grown]
+            for (r, _), w in zip(grown, wanted, strict=True):
+                if w > r.blocks:
+                    need += w - r.blocks
+        if need > pool.free:
+            return None
+        pool.free -= need
+        room_for = self.roofline.room_for
+        if grown:
+            for (r, _), w in zip(grown, wanted, strict=True):
+                if w > r.blocks:
+                    r.blocks = w
+                r.room = room_for(r.blocks)
+        if due is not None:  # grown, each is filed for its next block
+            grow_cal = vec.grow_cal
+            del grow_cal[g]
+            if wants is None:  # one block each: all are filed block_size positions on
+                for r, _ in due:
+                    r.blocks += 1
+                    r.room += bs
+                later = grow_cal.get(g + bs)
+                if later is None:
+                    grow_cal[g + bs] = due
+                else:
+                    later += due
+            else:
+                for entry, want in zip(due, wants, strict=True):
+                    r, c = entry
+                    if want > r.blocks:
+                        r.blocks = want
+                    r.room = room_for(r.blocks)
+                    key = r.room - c
+                    slot = grow_cal.get(key)
+                    if slot is None:
+                        grow_cal[key] = [entry]
+                    else:
+                        slot.append(entry)
+        vec.rest_n = rest_n
         vec.step_decoding = decoding
         self.step_gamma = 0
         self.step_id += 1
         mark = self.step_id
         budget -= total
-        batch: Any = _VectorBatch(self)
+        batch: Any = self.vector_batch
         ns: Any = None
         cs: Any = None
         while budget > 0 and self.waiting.count:
@@ -719,11 +768,12 @@ class _Worker:
             if isinstance(batch, _VectorBatch) and (r.n != 1 or pool.filling):
                 rows = self.running[: vec.size]
                 self.devectorise()
-                batch = list(zip(rows, vec.n[: vec.size].tolist(), strict=True))
+                batch = list(zip(rows, vec.ns(), strict=True))
                 ns = [n for _, n in batch]
                 cs = [q.computed for q, _ in batch]
             if isinstance(batch, _VectorBatch):
-                vec.append(r, n)
+                vec.append(n)  # (to rest_n)
+                rest_c.append(r.computed)
             else:
                 batch.append((r, n))
                 ns.append(n)
@@ -733,16 +783,14 @@ class _Worker:
         self.step_mark = mark
         if not isinstance(batch, _VectorBatch):
             return batch, ns, cs, 0
-        size = vec.size
-        comp = vec.computed  # (a new array if admissions grew the table)
         rf = self.roofline
         if rf.has_mla():
-            self.step_terms = rf.batch_terms(vec.n[:size], comp[:size])
-        elif decoding == size:
-            self.step_terms = rf.decode_terms(comp[:decoding], [], [])
+            self.step_terms = rf.batch_terms(vec.ns(), vec.computed_now(running))
         else:
-            self.step_terms = rf.decode_terms(
-                comp[:decoding], vec.n[decoding:size].tolist(), comp[decoding:size].tolist()
+            self.step_terms = (
+                rf.decode_terms_of(decoding, vec.decode_sums(), rest_n, rest_c)
+                if rest_n
+                else BatchTerms(decoding, decoding, vec.decode_totals(), [])  # (the same)
             )
         return batch, None, None, 0
 
@@ -887,10 +935,22 @@ class _Worker:
             return None
         if self.running_seqs + r.n > self.max_num_seqs and self.running_seqs:
             return None
-        chunk = self.first_chunk(r, budget)
-        if chunk is None:
-            return None
-        hit, n, need, touched = chunk
+        if r.n == 1 and not r.hash_limit:  # first_chunk of a plain request, no prefix
+            out = r.output
+            n = r.prompt + (out - 1 if out > 1 else 0)  # its whole (re-)prefill
+            if n > budget:
+                if not self.chunked:
+                    return None
+                n = budget
+            if n > self.chunk_cap:
+                n = self.chunk_cap
+            hit = touched = 0
+            need = self.blocks_for(n)
+        else:
+            chunk = self.first_chunk(r, budget)
+            if chunk is None:
+                return None
+            hit, n, need, touched = chunk
         if need + touched > self.pool.free:
             return None
         self.waiting.pop()
@@ -906,9 +966,10 @@ class _Worker:
 
 
 class _VectorBatch:
-    """The step in flight of a worker in the vectorised mode (Rule 10): every row of its
-    columns, each at its ``n``. Iterating it (the paths that need the objects) syncs them
-    first; appending a plain request adds its row, a group leaves the vectorised mode."""
+    """The step in flight of a worker in the vectorised mode (Rule 10): every row, each at
+    its ``n`` (1 for the decoding ones). Iterating it (the paths that need the objects)
+    syncs them first; appending a plain request adds its row, a group leaves the
+    vectorised mode."""
 
     __slots__ = ("worker",)
 
@@ -928,7 +989,7 @@ class _VectorBatch:
         vec = self._rows()
         rows = w.running[: vec.size]
         vec.sync(rows)
-        return iter(list(zip(rows, vec.n[: vec.size].tolist(), strict=True)))
+        return iter(list(zip(rows, vec.ns(), strict=True)))
 
     def append(self, item: tuple[_Request, int]) -> None:
         """A request admitted into the step in flight (a late arrival, Rule 2)."""
@@ -938,7 +999,7 @@ class _VectorBatch:
             w.devectorise()
             w.batch.append(item)
             return
-        self._rows().append(r, n)
+        self._rows().append(n)
 
 
 class _Group:
@@ -1012,6 +1073,15 @@ class Engine:
         self._finished = 0
         self._aborted = 0
         self._max_num_seqs = deployment.scheduler.max_num_seqs
+        #: a plain request of at most this many positions (prompt + max_tokens) passes
+        #: every check of check_fits (each is a bound on the total: max_seq_len, the KV
+        #: blocks it needs -- non-decreasing in the total --, the budget without chunks)
+        sched = deployment.scheduler
+        self._fits_total = min(
+            deployment.model.max_seq_len,
+            self.roofline.room_for(self.roofline.total_blocks),
+            (sched.max_num_batched_tokens + 1) if not sched.enable_chunked_prefill else 1 << 62,
+        )
 
     # ------------------------------------------------------------------ admission
     def check_fits(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> RequestRefused | None:
@@ -1075,9 +1145,10 @@ class Engine:
             raise ValueError(f"target must be in 1..max_tokens, got {target}")
         if spec.worker is not None and not 0 <= spec.worker < len(self.workers):
             raise ValueError(f"worker must be in 0..{len(self.workers) - 1}, got {spec.worker}")
-        refused = self.check_fits(spec.prompt_tokens, spec.max_tokens, spec.n)
-        if refused is not None:
-            raise refused
+        if spec.n != 1 or spec.prompt_tokens + spec.max_tokens > self._fits_total:
+            refused = self.check_fits(spec.prompt_tokens, spec.max_tokens, spec.n)
+            if refused is not None:
+                raise refused
         rid = next(self._ids)
         arrival = spec.arrival_time if spec.arrival_time > self.now else self.now
         r = _Request(rid, spec, arrival, target)
@@ -1256,38 +1327,80 @@ class Engine:
 
     def step(self) -> StepEvents:
         """Handle the earliest event and return what became visible at its time."""
-        if self.next_event_time() is None:
-            raise RuntimeError("step() called with no event pending")
-        t, _seq, kind, payload = heapq.heappop(self._heap)
+        heap = self._heap
+        while True:  # the earliest live event (next_event_time's clean-up, inline)
+            if not heap:
+                raise RuntimeError("step() called with no event pending")
+            t, seq, kind, payload = heapq.heappop(heap)
+            if kind == _ARRIVAL:
+                if payload.state == _PENDING:
+                    break  # (else an aborted arrival)
+            elif seq == payload.boundary_seq:
+                break  # (else a step end moved by a late arrival)
         if t > self.now:
             self.now = t
         now = self.now
         if kind == _ARRIVAL:
-            r: _Request = payload
-            self._pending -= 1
-            hint = r.hint
-            w = self._route(r) if hint is None else self.workers[hint]
-            r.worker = w.index
-            r.state = _WAITING
-            w.waiting.push(r)
-            g = w.group
-            if g is not None:
-                if not g.scheduled:
-                    g.scheduled = True
-                    g.boundary_seq = next(self._seq)
-                    heapq.heappush(self._heap, (now, g.boundary_seq, _GROUP_BOUNDARY, g))
-                elif g.busy and r.stamp < g.step_start and w.waiting.count == 1:
-                    self._join_late(w, r)
-            elif not w.scheduled:
-                w.scheduled = True
-                w.boundary_seq = next(self._seq)
-                heapq.heappush(self._heap, (now, w.boundary_seq, _BOUNDARY, w))
-            elif w.batch and r.stamp < w.step_start and w.waiting.count == 1:
-                self._join_late(w, r)
-            return StepEvents(time=now, tokens=(), finished=(), arrived=(r.id,), step=None)
+            self._arrive(payload, now)
+            return _step_events(now, (), (), (payload.id,), None)
         if kind == _GROUP_BOUNDARY:
             return self._group_boundary(payload, now)
         return self._boundary(payload, now)
+
+    def take_arrivals(self, before: float) -> int:
+        """Handle the arrivals at the head of the event queue stamped before ``before``,
+        up to the first other event: exactly what as many ``step()`` calls would do, in
+        the same order, without a ``StepEvents`` each (each would report only its
+        request in ``arrived``). Returns how many it handled (0: the next event is not
+        such an arrival). For a caller that only counts arrivals: the simulator's loop."""
+        heap = self._heap
+        count = 0
+        while heap:
+            t, seq, kind, payload = heap[0]
+            if kind == _ARRIVAL:
+                if payload.state != _PENDING:
+                    heapq.heappop(heap)  # an aborted arrival
+                    continue
+                if t >= before:
+                    break
+                heapq.heappop(heap)
+                if t > self.now:
+                    self.now = t
+                self._arrive(payload, self.now)
+                count += 1
+            elif seq != payload.boundary_seq:
+                heapq.heappop(heap)  # a step end moved by a late arrival
+            else:
+                break
+        return count
+
+    def _arrive(self, r: _Request, now: float) -> None:
+        """The arrival of ``r`` at ``now``: it enters its worker's waiting queue, which
+        steps at ``now`` if idle (or takes it into the step in flight: Rule 2)."""
+        self._pending -= 1
+        hint = r.hint
+        workers = self.workers
+        if hint is not None:
+            w = workers[hint]
+        else:  # (one worker: the router's answer, without asking)
+            w = workers[0] if len(workers) == 1 else self._route(r)
+        r.worker = w.index
+        r.state = _WAITING
+        w.waiting.push(r)
+        g = w.group
+        if g is not None:
+            if not g.scheduled:
+                g.scheduled = True
+                g.boundary_seq = next(self._seq)
+                heapq.heappush(self._heap, (now, g.boundary_seq, _GROUP_BOUNDARY, g))
+            elif g.busy and r.stamp < g.step_start and w.waiting.count == 1:
+                self._join_late(w, r)
+        elif not w.scheduled:
+            w.scheduled = True
+            w.boundary_seq = next(self._seq)
+            heapq.heappush(self._heap, (now, w.boundary_seq, _BOUNDARY, w))
+        elif r.stamp < w.step_start and w.waiting.count == 1 and w.batch:
+            self._join_late(w, r)
 
     def _join_late(self, w: _Worker, r: _Request) -> None:
         """``r`` reached the engine after the boundary of the step in flight although it
@@ -1329,12 +1442,13 @@ class Engine:
 
     def _complete(
         self, w: _Worker, now: float, emit: list[tuple[int, int]], finished: list[Finished]
-    ) -> None:
+    ) -> tuple[tuple[int, int], ...]:
         """The step of ``w`` that ends at ``now``: its members' positions become computed
-        (a verify's accepted ones: Rule 8), their tokens emitted, the finished ones freed."""
+        (a verify's accepted ones: Rule 8), their tokens emitted, the finished ones freed.
+        Returns the tokens of its first members (the vectorised mode's decoding rows:
+        one each), which come before those it adds to ``emit``."""
         if isinstance(w.batch, _VectorBatch):
-            self._complete_vector(w, now, emit, finished)
-            return
+            return self._complete_vector(w, now, emit, finished)
         any_done = False
         add = emit.append
         running = _RUNNING
@@ -1362,6 +1476,7 @@ class Engine:
                         self._finish(w, r, now, finished)
         if any_done:
             w.running = [r for r in w.running if r.state == _RUNNING]
+        return ()
 
     def _finish(self, w: _Worker, r: _Request, now: float, finished: list[Finished]) -> None:
         """``r`` emitted its last token at ``now``: free it and report it."""
@@ -1371,7 +1486,7 @@ class Engine:
         del self._requests[r.id]
         self._finished += 1
         finished.append(
-            Finished(
+            _finished(
                 request_id=r.id,
                 prompt_tokens=r.prompt,
                 output_tokens=r.output,
@@ -1389,85 +1504,72 @@ class Engine:
 
     def _complete_vector(
         self, w: _Worker, now: float, emit: list[tuple[int, int]], finished: list[Finished]
-    ) -> None:
-        """:meth:`_complete` over the columns (Rule 10): every row was in the step, each
-        at its ``n``; the same tokens, first-token times and completions, in row order.
-        The rows ``[0, step_decoding)`` decoded: each emits one token."""
+    ) -> tuple[tuple[int, int], ...]:
+        """:meth:`_complete` in the vectorised mode (Rule 10): every row was in the step,
+        each at its ``n``; the same tokens, first-token times and completions, in row
+        order. The rows ``[0, step_decoding)`` decoded: each emits one token (the decode
+        counter moves on; their finishes are the ones filed for it), returned as one
+        tuple; the rows after them that emitted for the first time decode from now on."""
         vec = w.vec
         assert vec is not None  # a _VectorBatch in flight
         k = vec.size
         decoding = vec.step_decoding
-        comp = vec.computed
-        out = vec.output
         running = w.running
-        if decoding:
-            vec.table[4:6, :decoding] += 1  # computed and output
-            emit.extend(vec.pairs[:decoding])  # (id, 1) each
+        # the decoding rows' positions and tokens, lazily; those whose last token it was
+        finishing: list[Any] | None = vec.advance()
+        head = vec.head  # the decoding rows' (id, 1) each, kept while they stay the same
+        if head is None:
+            head = vec.head = tuple(vec.pairs)
+        done: list[int] = []
+        if finishing is not None:
+            for r in finishing:
+                done.append(running.index(r, 0, decoding))
+            if len(done) > 1:
+                done.sort()
         still = k  # the first row that did not emit (k: none)
-        if 0 < k - decoding <= _FEW_ROWS:  # a step's admissions: in Python, row by row
-            rows = vec.table[:, decoding:k].T.tolist()
-            for i, (rid, prompt, max_tokens, _, c, before, _, _, n) in enumerate(rows, decoding):
-                c += n
-                comp[i] = c
+        if decoding < k:  # the others: the per-request loop's arithmetic
+            for i, (r, n) in enumerate(zip(running[decoding:k], vec.rest_n, strict=True), decoding):
+                c = r.computed + n
+                r.computed = c
+                prompt = r.prompt
                 if c >= prompt:
                     new = c - prompt + 1
-                    if new > max_tokens:
-                        new = max_tokens
+                    if new > r.max_tokens:
+                        new = r.max_tokens
+                    before = r.output
                     if new > before:
                         if before == 0:
-                            running[i].first_token_time = now
-                        emit.append((rid, new - before))
-                        out[i] = new
+                            r.first_token_time = now
+                        emit.append((r.id, new - before))
+                        r.output = new
+                        if new >= r.target:
+                            done.append(i)
                         continue
                 if still == k:
                     still = i
-        elif decoding < k:
-            rest = slice(decoding, k)
-            c = comp[rest]
-            c += vec.n[rest]
-            prompt = vec.prompt[rest]
-            before_all = out[rest]
-            new = np.minimum(c - prompt + 1, vec.max_tokens[rest])
-            emitting = (c >= prompt) & (new > before_all)
-            idx = np.flatnonzero(emitting)
-            if idx.size:
-                emitted = new[idx]
-                before = before_all[idx]
-                before_all[idx] = emitted
-                first = idx[before == 0]
-                if first.size:
-                    for i in (first + decoding).tolist():
-                        running[i].first_token_time = now
-                emit.extend(
-                    zip(
-                        vec.ids[rest][idx].tolist(),
-                        (emitted - before).tolist(),
-                        strict=True,
-                    )
-                )
-            if idx.size < k - decoding:
-                still = decoding + int(np.argmin(emitting))
-        done_rows = (out[:k] >= vec.target[:k]).nonzero()[0]
-        if done_rows.size:
-            done = done_rows.tolist()
+        if done:
             for i in done:
                 r = running[i]
-                vec.sync_row(r, i)
+                if i < decoding:
+                    vec.finish_decoding(r)
                 self._finish(w, r, now, finished)
             vec.drop(done)
             for i in reversed(done):
                 del running[i]
-            still -= sum(1 for i in done if i < still)
-        vec.decoding = still
+            still -= len(done) if still == k else sum(1 for i in done if i < still)
+        if still > vec.decoding:
+            vec.start_decoding(running[vec.decoding : still])
+        return head
 
     def _boundary(self, w: _Worker, now: float) -> StepEvents:
         tokens: list[tuple[int, int]] = []
         finished: list[Finished] = []
-        self._complete(w, now, tokens, finished)
+        head = self._complete(w, now, tokens, finished)
         batch, ns, cs, preempted = w.schedule(now)
         self._preemptions += preempted
         info = None
-        if batch:
+        vector = type(batch) is _VectorBatch  # (never empty: no need to ask its length)
+        if vector or batch:
             if self._spec is None:
                 if ns is None:  # the vectorised mode priced its batch (Rule 10)
                     terms = w.step_terms
@@ -1490,7 +1592,7 @@ class Engine:
             heapq.heappush(self._heap, (now + duration, w.boundary_seq, _BOUNDARY, w))
             self._steps += 1
             roof = cost.roofline if cost.roofline > 0 else 1.0
-            info = StepInfo(
+            info = _step_info(
                 worker=w.index,
                 start=now,
                 duration=duration,
@@ -1513,9 +1615,8 @@ class Engine:
         else:
             w.batch = []
             w.scheduled = False
-        return StepEvents(
-            time=now, tokens=tuple(tokens), finished=tuple(finished), arrived=(), step=info
-        )
+        emitted = head + tuple(tokens) if tokens else head if head else ()
+        return _step_events(now, emitted, tuple(finished) if finished else (), (), info)
 
     def _group_boundary(self, g: _Group, now: float) -> StepEvents:
         """Rule 9: the lockstep step of a replica's ranks ends at ``now``; each rank chooses
@@ -1523,7 +1624,10 @@ class Engine:
         tokens: list[tuple[int, int]] = []
         finished: list[Finished] = []
         for w in g.ranks:
-            self._complete(w, now, tokens, finished)
+            rest = len(tokens)
+            head = self._complete(w, now, tokens, finished)
+            if head:  # this rank's first tokens, before those it added
+                tokens[rest:rest] = head
         preempted = 0
         spec = self._spec is not None
         counts: list[Any] = [0, 0, 0, []]
@@ -1703,7 +1807,10 @@ class Engine:
 
     # ------------------------------------------------------------------ state
     def num_waiting(self) -> int:
-        return sum(w.waiting.count for w in self.workers)
+        workers = self.workers
+        if len(workers) == 1:
+            return workers[0].waiting.count
+        return sum(w.waiting.count for w in workers)
 
     def num_running(self) -> int:
         """Running requests (a group counts once; see ``statistics().running_seqs``)."""

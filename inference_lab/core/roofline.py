@@ -40,6 +40,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from inference_lab.core.builders import frozen_builder
 from inference_lab.core.config import (
     BYTES_PER_VALUE,
     AttentionLayer,
@@ -66,6 +67,9 @@ class StepCost:
     compute: float
     memory: float
 
+
+#: :class:`StepCost` from its fields in order, as its ``__init__`` (:mod:`.builders`)
+_step_cost = frozen_builder(StepCost)
 
 #: Batches of at most this many sequences are priced in Python integers (``batch_terms``).
 SMALL_BATCH = 32
@@ -269,6 +273,15 @@ class Roofline:
         self._a2a_calls = 2 * moe_layers
         self._moe_k = moe_k
         self._by_tokens: dict[int, tuple[tuple[float, ...], tuple[float, ...], float]] = {}
+        #: :meth:`price`'s common case: no step table, no MLA class, no DP attention
+        self._plain = self._table is None and not self._mla and dp == 1
+        self._plain_by_tokens: dict[
+            int, tuple[float, float, float, list[tuple[float, float]], list[tuple[float, float]]]
+        ] = {}
+        self._coefs = [(attn_coef, kv_coef) for _, attn_coef, kv_coef in self._windows]
+        self._window_sizes = [window for window, _, _ in self._windows]
+        self._coef_pair = (self._coefs[0], self._coefs[1]) if len(self._coefs) == 2 else None
+        self._attn_rate = self._rates[self._attn_idx]
         self._experts_by_tokens: dict[int, tuple[float, float, float]] = {}
         # the drafter of a speculative deployment
         self.speculative = spec
@@ -419,18 +432,47 @@ class Roofline:
         decoding ones is ``sum(att)``), in fewer array operations. Not for MLA classes
         (the engine's vectorised mode asks :meth:`batch_terms` then)."""
         add = np.add.reduce
-        k = len(c)
-        sums: list[list[int]] = []
-        if k:  # sum(min(c + 1, window)) = sum(min(c, window - 1)) + k
-            for window, _, _ in self._windows:
-                total = int(add(np.minimum(c, window - 1) if window > 0 else c)) + k
-                sums.append([total, total])
-        else:
-            sums = [[0, 0] for _ in self._windows]
-        terms = BatchTerms(k, k, sums, [[0, 0, 0, 0] for _ in self._mla])
-        for n, ci in zip(ns, cs, strict=True):
-            self.add_sequence(terms, n, ci)
-        return terms
+        sums = [
+            int(add(np.minimum(c, window - 1) if window > 0 else c))
+            for window, _, _ in self._windows
+        ]
+        return self.decode_terms_of(len(c), sums, ns, cs)
+
+    def window_classes(self) -> tuple[int, ...]:
+        """The attention window of each class the terms sum over, in their order (0: full
+        attention)."""
+        return tuple(window for window, _, _ in self._windows)
+
+    def decode_terms_of(
+        self, k: int, sums: Sequence[int], ns: Sequence[int], cs: Sequence[int]
+    ) -> BatchTerms:
+        """:meth:`decode_terms` of ``k`` decoding sequences given, per window class
+        (:meth:`window_classes`), the sum over them of ``min(c, window - 1)`` (of ``c``
+        for full attention), which the engine keeps as the sequences advance:
+        ``sum(min(c + 1, window)) = sum(min(c, window - 1)) + k``."""
+        if self._mla:
+            terms = BatchTerms(
+                k, k, [[s + k, s + k] for s in sums], [[0, 0, 0, 0] for _ in self._mla]
+            )
+            for n, ci in zip(ns, cs, strict=True):
+                self.add_sequence(terms, n, ci)
+            return terms
+        if not ns:
+            pairs = []
+            for s in sums:
+                pairs.append([s + k, s + k])
+            return BatchTerms(k, k, pairs, [])
+        # add_sequence's sums, inline: integers, so in any order the same
+        out = []
+        for window, s in zip(self._window_sizes, sums, strict=True):
+            dot = total = s + k
+            for n, c in zip(ns, cs, strict=True):
+                m = c + (n + 1) // 2
+                att = m if window <= 0 or m < window else window
+                dot += n * att
+                total += att
+            out.append([dot, total])
+        return BatchTerms(k + sum(ns), k + len(ns), out, [])
 
     def add_sequence(self, terms: BatchTerms, n: int, c: int) -> None:
         """Add to ``terms`` one sequence computing ``n`` new positions on top of ``c``:
@@ -454,11 +496,74 @@ class Roofline:
     def price(self, terms: BatchTerms) -> StepCost:
         """The cost of the batch ``terms`` sums up (with data-parallel attention, a step in
         which one rank runs it and the others idle: :meth:`group_price`)."""
+        if self._plain:
+            return self._plain_price(terms.tokens, terms.seqs, terms.sums)
         if self._table is not None and terms.seqs:
             return self._table_price(terms)
         if self.dp > 1:
             return self.group_price((terms,))
         return self._price(terms.tokens, terms.seqs, terms.sums, terms.mla)
+
+    def _plain_price(self, tokens: int, nreq: int, sums: Sequence[Sequence[int]]) -> StepCost:
+        """:meth:`_price` without a step table, MLA classes or data-parallel attention (the
+        common case, priced every step): the same operations on the same floats in the
+        same order, so the same bits, with the weight streams' own times (the streams
+        but attention's) taken once per token count."""
+        fixed = self._plain_by_tokens.get(tokens)
+        if fixed is None:
+            fixed = self._plain_by_tokens[tokens] = self._plain_terms(tokens)
+        fa, ma, collective, before, after = fixed
+        if nreq:
+            pair = self._coef_pair
+            if pair is not None:  # two window classes (a sliding window and full), unrolled
+                (a0, k0), (a1, k1) = pair
+                (dot0, total0), (dot1, total1) = sums
+                fa += a0 * float(dot0)
+                ma += k0 * float(total0)
+                fa += a1 * float(dot1)
+                ma += k1 * float(total1)
+            else:
+                for (attn_coef, kv_coef), (dot, total) in zip(self._coefs, sums, strict=True):
+                    fa += attn_coef * float(dot)
+                    ma += kv_coef * float(total)
+            ma += self._state_bytes * nreq
+        compute = memory = roof = 0.0
+        for tc, tm in before:  # the streams in _rates order: those before attention's,
+            compute += tc
+            memory += tm
+            roof += tc if tc > tm else tm
+        tc = fa / self._attn_rate  # attention's,
+        tm = ma / self.bandwidth
+        compute += tc
+        memory += tm
+        roof += tc if tc > tm else tm
+        for tc, tm in after:  # and those after it
+            compute += tc
+            memory += tm
+            roof += tc if tc > tm else tm
+        roof += collective + self._overhead
+        return _step_cost(
+            self.alpha * roof + self.beta,
+            roof,
+            compute * self._eta_flops,
+            memory * self._eta_bw,
+        )
+
+    def _plain_terms(
+        self, tokens: int
+    ) -> tuple[float, float, float, list[tuple[float, float]], list[tuple[float, float]]]:
+        """For :meth:`_plain_price`: the attention stream's flops and bytes owed to the
+        token count, the collectives' time, and the compute and memory times of the
+        streams before and after attention's, in order (attention's are worked out per
+        step)."""
+        fixed = self._by_tokens.get(tokens)
+        if fixed is None:
+            fixed = self._by_tokens[tokens] = self._token_terms(tokens)
+        flops, mem, collective = fixed
+        a = self._attn_idx
+        bw = self.bandwidth
+        times = [(f / rate, byt / bw) for rate, f, byt in zip(self._rates, flops, mem, strict=True)]
+        return flops[a], mem[a], collective, times[:a], times[a + 1 :]
 
     def group_price(self, ranks: Sequence[BatchTerms]) -> StepCost:
         """Data-parallel attention (Rule 6): the lockstep step of a replica's ranks, each
@@ -657,6 +762,13 @@ class Roofline:
         content = -(-positions // self.block_size)
         table = self._private_table
         return content + table[positions if positions < len(table) else -1]
+
+    def flat_blocks(self) -> tuple[int, int]:
+        """``(p0, tail)``: from ``p0`` positions on, ``blocks_for(p) = ceil(p /
+        block_size) + tail`` (the private blocks stay ``tail``), and ``room_for(b) = (b -
+        tail) * block_size`` whenever that is at least ``p0``."""
+        table = self._private_table
+        return len(table) - 1, table[-1]
 
     def room_for(self, blocks: int) -> int:
         """The most resident positions ``blocks`` KV blocks hold: the largest ``p`` with

@@ -1,39 +1,51 @@
-"""A worker's running plain requests as numpy columns: the engine's vectorised step.
+"""A worker's running plain requests under load: the engine's vectorised step.
 
 When a worker runs many plain requests (``n = 1``) with neither speculative decoding nor
-prefix caching, the engine keeps their per-step state -- computed positions, output
-tokens, KV blocks and the positions those blocks hold -- in the int64 columns of a
-:class:`RunningArrays`, one row per entry of the worker's ``running`` list, and chooses
-and completes a step with a few numpy operations over the batch instead of a Python loop
-over its requests (:meth:`inference_lab.core.engine._Worker.schedule`, ``_complete``).
+prefix caching, most of them decode: each step gives every one of them one position and
+one token. A :class:`RunningArrays` keeps those **decoding rows** lazily -- a decode
+counter instead of a write per row, and calendars of the counts at which one finishes,
+needs a KV block or saturates a sliding window -- so that choosing and completing a step
+costs O(1) plus the step's events and its few other rows (admissions, prefill chunks),
+instead of a Python loop over the batch (:meth:`inference_lab.core.engine._Worker.
+schedule`, ``_complete``).
 
 Rule 1: row ``i`` is ``running[i]``, always: a row is added exactly when a request is
-        appended to ``running`` and rows are dropped with the same mask as the list.
-Rule 2: while the columns exist they, not the request objects, hold ``computed``,
-        ``output``, ``blocks`` and ``room`` of the running requests; :meth:`sync` writes
-        them back before anything else reads those fields, and the engine leaves the
-        vectorised mode (``sync`` and drop the columns) before any path that changes them
-        by the objects (preemption, abort, groups, a batch the budget or the free blocks
-        cannot hold whole).
+        appended to ``running`` and rows are dropped as the list's entries are; the rows
+        ``[0, decoding)`` decode, the others (``rest``) do not yet.
+Rule 2: a rest row's request holds its state (``computed``, ``output``, ``blocks``,
+        ``room``), as outside the mode; its positions in the step in flight are in
+        ``rest_n``. A decoding row's ``computed`` and ``output`` are lazy (Rule 4):
+        :meth:`sync` writes them before anything else reads those fields, and the engine
+        leaves the vectorised mode (``sync`` and drop the rows) before any path that
+        changes them by the objects (preemption, abort, groups, a batch the budget or the
+        free blocks cannot hold whole).
 Rule 3: a vectorised step is the same step the per-request loop would choose: every
         running request is in it (it is taken only when the budget holds all their
         chunks and the free blocks all their new blocks, so neither the order nor a
         preemption can change anything), each with the same positions; the integers
         handed to the roofline are the same, so the price is the same to the last bit.
+Rule 4: each step adds one position and one token to every decoding row, so its request
+        holds ``lazy = computed - g``, ``g`` the decode counter (one increment per
+        completed step), and a decode step writes nothing (``output = computed - prompt
+        + 1`` while decoding). What happens to a decoding row at a known count is filed
+        once in a calendar keyed by the value of ``g`` at which it happens: it finishes
+        (``output`` reaches ``target``), it needs a KV block (``computed`` reaches
+        ``room``; filed again after each growth) and, per sliding window ``W``, its
+        context saturates (``computed`` reaches ``W - 1``). The window sums the roofline
+        needs (:meth:`decode_sums`) are kept up to date from these, so a decode step costs
+        O(1) plus its events. Calendars hold the request objects (rows move when others
+        are dropped); a row leaving the decoding set is taken out of the sums and of
+        every calendar it is in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Protocol
-
-import numpy as np
-
-IntArray = np.ndarray[Any, np.dtype[np.int64]]
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 
 class PlainRequest(Protocol):
-    """What the columns mirror of an engine request (``engine._Request``)."""
+    """What the rows keep of an engine request (``engine._Request``)."""
 
     id: int
     prompt: int
@@ -43,112 +55,228 @@ class PlainRequest(Protocol):
     output: int
     blocks: int
     room: int
-
-
-_COLUMNS = ("ids", "prompt", "max_tokens", "target", "computed", "output", "blocks", "room", "n")
+    lazy: int
 
 
 class RunningArrays:
-    """The columns of a worker's running requests (Rule 1), with room to grow: the rows of
-    one 2-D array, so that adding or dropping requests is one operation for all columns.
+    """The rows of a worker's running requests (Rule 1): the decoding ones' counter,
+    calendars and sums (Rule 4), the others' positions in the step in flight."""
 
-    ``n`` is each row's positions in the step in flight (set when the step is chosen).
-    Views ``[:size]`` of the columns are what the engine reads and writes."""
+    __slots__ = (
+        "size",
+        "decoding",
+        "step_decoding",
+        "rest_n",
+        "pairs",
+        "g",
+        "windows",
+        "base_sum",
+        "sat",
+        "unsat",
+        "unsat_sum",
+        "sat_cal",
+        "finish_cal",
+        "grow_cal",
+        "room_for",
+        "head",
+    )
 
-    __slots__ = ("size", "decoding", "step_decoding", "pairs", "table", *_COLUMNS)
-
-    def __init__(self, requests: Sequence[PlainRequest], capacity: int = 64) -> None:
-        size = len(requests)
-        self.size = size
+    def __init__(
+        self,
+        requests: Sequence[PlainRequest],
+        room_for: Callable[[int], int],
+        windows: Sequence[int] = (),
+    ) -> None:
+        self.size = len(requests)
         #: rows ``[0, decoding)`` decode (their prefill done): a step gives each one
         #: position; ``step_decoding`` is that count for the step in flight
         self.decoding = 0
         self.step_decoding = 0
-        #: per row, the (id, 1) a decode step emits: made once, reused every step
-        self.pairs: list[tuple[int, int]] = [(r.id, 1) for r in requests]
-        self._bind(np.zeros((len(_COLUMNS), max(capacity, 2 * size)), np.int64))
-        if size:
-            self.table[:8, :size] = [
-                [r.id for r in requests],
-                [r.prompt for r in requests],
-                [r.max_tokens for r in requests],
-                [r.target for r in requests],
-                [r.computed for r in requests],
-                [r.output for r in requests],
-                [r.blocks for r in requests],
-                [r.room for r in requests],
-            ]
+        #: per rest row, its positions in the step in flight (set when it is chosen)
+        self.rest_n: list[int] = [0] * self.size
+        #: per decoding row, the (id, 1) a decode step emits: made once, reused every step
+        self.pairs: list[tuple[int, int]] = []
+        #: ``tuple(pairs)`` while the decoding rows stay the same (None: ask)
+        self.head: tuple[tuple[int, int], ...] | None = None
+        #: the most positions a number of KV blocks holds (``Roofline.room_for``)
+        self.room_for = room_for
+        #: Rule 4: the decode counter, and the attention window classes (0: full) whose
+        #: sums :meth:`decode_sums` keeps
+        self.g = 0
+        self.windows = tuple(windows)
+        #: sum of the decoding rows' ``lazy``
+        self.base_sum = 0
+        #: per window class: decoding rows saturated (``computed >= W - 1``), the others,
+        #: the sum of the others' ``lazy``, and how many of them saturate at each ``g``
+        self.sat = [0] * len(self.windows)
+        self.unsat = [0] * len(self.windows)
+        self.unsat_sum = [0] * len(self.windows)
+        self.sat_cal: list[dict[int, int]] = [{} for _ in self.windows]
+        #: ``g`` value -> the decoding requests that finish then; -> those whose next
+        #: position needs a KV block then, each with its ``lazy``
+        self.finish_cal: dict[int, list[PlainRequest]] = {}
+        self.grow_cal: dict[int, list[tuple[PlainRequest, int]]] = {}
 
-    def _bind(self, table: IntArray) -> None:
-        """Make ``table`` the storage: each column a view of one of its rows."""
-        self.table = table
-        (
-            self.ids,
-            self.prompt,
-            self.max_tokens,
-            self.target,
-            self.computed,
-            self.output,
-            self.blocks,
-            self.room,
-            self.n,
-        ) = table
-
-    def append(self, r: PlainRequest, n: int) -> None:
-        """Add ``r``'s row (it was just appended to ``running``), ``n`` positions in the
+    def append(self, n: int) -> None:
+        """A row for the request just appended to ``running``, ``n`` positions in the
         step being chosen."""
-        i = self.size
-        table = self.table
-        if i == table.shape[1]:
-            grown = np.zeros((len(_COLUMNS), 2 * i), np.int64)
-            grown[:, :i] = table
-            self._bind(grown)
-            table = grown
-        table[:, i] = (
-            r.id,
-            r.prompt,
-            r.max_tokens,
-            r.target,
-            r.computed,
-            r.output,
-            r.blocks,
-            r.room,
-            n,
-        )
-        self.pairs.append((r.id, 1))
-        self.size = i + 1
+        self.rest_n.append(n)
+        self.size += 1
+
+    def ns(self) -> list[int]:
+        """Every row's positions in the step in flight, in row order."""
+        return [1] * self.decoding + self.rest_n
 
     def sync(self, requests: Sequence[PlainRequest]) -> None:
-        """Write the rows' ``computed``, ``output``, ``blocks`` and ``room`` back to their
-        requests (Rule 2). O(rows), in Python: only when leaving the vectorised mode or
-        when a reader needs the objects."""
-        k = self.size
-        for r, c, o, b, room in zip(
-            requests,
-            self.computed[:k].tolist(),
-            self.output[:k].tolist(),
-            self.blocks[:k].tolist(),
-            self.room[:k].tolist(),
-            strict=True,
-        ):
-            r.computed = c
-            r.output = o
-            r.blocks = b
-            r.room = room
+        """Write the decoding rows' ``computed`` and ``output`` to their requests
+        (``requests``: the rows' objects; Rule 2). O(rows): only when leaving the
+        vectorised mode or when a reader needs the objects."""
+        g = self.g
+        for r in requests[: self.decoding]:
+            c = r.computed = r.lazy + g
+            r.output = c - r.prompt + 1
 
-    def sync_row(self, r: PlainRequest, i: int) -> None:
-        """Write row ``i`` back to its request ``r``."""
-        r.computed, r.output, r.blocks, r.room = self.table[4:8, i].tolist()
+    def computed_now(self, requests: Sequence[PlainRequest]) -> list[int]:
+        """Every row's ``computed`` (``requests``: the rows' objects)."""
+        g = self.g
+        d = self.decoding
+        return [r.lazy + g for r in requests[:d]] + [r.computed for r in requests[d:]]
+
+    # ------------------------------------------------------------------ Rule 4
+    def start_decoding(self, requests: Sequence[PlainRequest]) -> None:
+        """The first rest rows (``requests``, in order) decode from now on: their
+        requests take the lazy form, and their finish, next growth and window
+        saturations are filed."""
+        g = self.g
+        self.head = None
+        del self.rest_n[: len(requests)]
+        pairs = self.pairs
+        finish_cal = self.finish_cal
+        grow_cal = self.grow_cal
+        windows = self.windows
+        base_sum = 0
+        for r in requests:
+            pairs.append((r.id, 1))
+            c = r.lazy = r.computed - g
+            base_sum += c
+            key = r.target - (r.output - g)
+            slot = finish_cal.get(key)
+            if slot is None:
+                finish_cal[key] = [r]
+            else:
+                slot.append(r)
+            key = r.room - c
+            if key < g:  # ``room`` short of what its blocks hold (0: never asked)
+                r.room = self.room_for(r.blocks)
+                key = r.room - c
+                if key < g:
+                    key = g
+            entry = (r, c)
+            grow = grow_cal.get(key)
+            if grow is None:
+                grow_cal[key] = [entry]
+            else:
+                grow.append(entry)
+            for j, window in enumerate(windows):
+                if window <= 0:
+                    continue
+                if c + g >= window - 1:
+                    self.sat[j] += 1
+                else:
+                    self.unsat[j] += 1
+                    self.unsat_sum[j] += c
+                    cal = self.sat_cal[j]
+                    key = window - 1 - c
+                    cal[key] = cal.get(key, 0) + 1
+        self.base_sum += base_sum
+        self.decoding += len(requests)
+
+    def finish_decoding(self, r: PlainRequest) -> None:
+        """The decoding request ``r`` emitted its last token and its row is about to be
+        dropped: write its ``computed`` and ``output`` (its target) back, take it out of
+        the sums and of the calendars it is in (its finish has been taken already)."""
+        c = r.lazy
+        r.computed = c + self.g
+        r.output = r.target
+        self.base_sum -= c
+        self.head = None
+        key = r.room - c
+        grow = self.grow_cal[key]
+        if len(grow) == 1:
+            del self.grow_cal[key]
+        else:
+            grow.remove((r, c))
+        g = self.g
+        for j, window in enumerate(self.windows):
+            if window <= 0:
+                continue
+            if c + g >= window - 1:
+                self.sat[j] -= 1
+            else:
+                self.unsat[j] -= 1
+                self.unsat_sum[j] -= c
+                cal = self.sat_cal[j]
+                key = window - 1 - c
+                left = cal[key] - 1
+                if left:
+                    cal[key] = left
+                else:
+                    del cal[key]
+
+    def advance(self) -> list[PlainRequest] | None:
+        """A step ended: every decoding row gained a position and a token (``g`` moves on);
+        the windows' newly saturated rows move over, and the requests whose last token
+        that was are returned (None: none)."""
+        g = self.g + 1
+        self.g = g
+        for j, cal in enumerate(self.sat_cal):
+            if cal:
+                count = cal.pop(g, 0)
+                if count:
+                    self.sat[j] += count
+                    self.unsat[j] -= count
+                    self.unsat_sum[j] -= count * (self.windows[j] - 1 - g)
+        return self.finish_cal.pop(g, None)
+
+    def decode_totals(self) -> list[list[int]]:
+        """The window sums of a step of the decoding rows alone (``BatchTerms.sums``): per
+        class, ``sum(min(computed + 1, W))`` twice (``n`` is 1: ``n * att = att``),
+        i.e. :meth:`decode_sums` plus the row count."""
+        g = self.g
+        k = self.decoding
+        out = []
+        for window, sat, unsat, unsat_sum in zip(
+            self.windows, self.sat, self.unsat, self.unsat_sum, strict=True
+        ):
+            if window <= 0:
+                t = self.base_sum + k * g + k
+            else:
+                t = sat * (window - 1) + unsat_sum + unsat * g + k
+            out.append([t, t])
+        return out
+
+    def decode_sums(self) -> list[int]:
+        """Per window class, the sum over the decoding rows of ``min(computed, W - 1)``
+        (``computed`` for full attention): what the roofline's decode terms need."""
+        g = self.g
+        out = []
+        for window, sat, unsat, unsat_sum in zip(
+            self.windows, self.sat, self.unsat, self.unsat_sum, strict=True
+        ):
+            if window <= 0:
+                out.append(self.base_sum + self.decoding * g)
+            else:
+                out.append(sat * (window - 1) + unsat_sum + unsat * g)
+        return out
 
     def drop(self, rows: list[int]) -> None:
-        """Drop the rows ``rows`` (ascending indices below ``size``), keeping the order of
-        the others: each later row moves up (one slice copy per dropped row; a step
-        drops few)."""
-        table = self.table
-        k = self.size
-        pairs = self.pairs
+        """Drop the rows ``rows`` (ascending indices below ``size``; a decoding one taken
+        out of the calendars already), keeping the order of the others."""
+        d = self.decoding
         for i in reversed(rows):
-            table[:, i : k - 1] = table[:, i + 1 : k]
-            del pairs[i]
-            k -= 1
-        self.size = k
+            if i < d:
+                del self.pairs[i]
+                self.decoding -= 1
+            else:
+                del self.rest_n[i - d]
+        self.size -= len(rows)

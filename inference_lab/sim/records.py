@@ -20,7 +20,7 @@ summary functions (columns) and the CSV writer (records, one at a time).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
 import numpy as np
@@ -51,17 +51,17 @@ class FinishedTable(Sequence[Finished]):
         self._floats: dict[str, array[float]] = {name: array("d") for name in _FLOATS}
         self._ints: dict[str, array[int]] = {name: array("q") for name in _INTS}
         self._length = array("b")  # 1: finish_reason "length", 0: "stop"
+        fl, it = self._floats, self._ints
+        #: the columns' appends, in the order `extend` takes a record's fields
+        self._appends: tuple[Callable[[Any], None], ...] = (
+            *(fl[name].append for name in _FLOATS),
+            *(it[name].append for name in _INTS),
+            self._length.append,
+        )
 
     def extend(self, records: Sequence[Finished]) -> None:
         """Append `records` (a step's completions)."""
-        fl = self._floats
-        at, fst = fl["arrival_time"].append, fl["first_scheduled_time"].append
-        ftt, fin = fl["first_token_time"].append, fl["finish_time"].append
-        it = self._ints
-        rid, prompt = it["request_id"].append, it["prompt_tokens"].append
-        out, pre, n = it["output_tokens"].append, it["preemptions"].append, it["n"].append
-        cached, worker = it["cached_tokens"].append, it["worker"].append
-        length = self._length.append
+        at, fst, ftt, fin, rid, prompt, out, pre, n, cached, worker, length = self._appends
         for f in records:
             at(f.arrival_time)
             fst(f.first_scheduled_time)
@@ -139,12 +139,16 @@ class StepTotals:
         self.accepted_tokens = 0
         self.time_s = 0.0
         self.plain_time_s = 0.0
+        self._kv_append = self.kv_usage.append
+        self._flop_append = self.flop_util.append
+        self._bw_append = self.bw_util.append
 
     def add(self, s: StepInfo) -> None:
-        self.kv_usage.append(s.kv_usage)
-        self.flop_util.append(s.flop_util)
-        self.bw_util.append(s.bw_util)
-        self.preempted += s.preempted
+        self._kv_append(s.kv_usage)
+        self._flop_append(s.flop_util)
+        self._bw_append(s.bw_util)
+        if s.preempted:
+            self.preempted += s.preempted
         if self.speculative:
             self.time_s += s.duration
             d = s.drafts

@@ -28,6 +28,11 @@ Rule 5: requests carry block hashes only when the deployment caches prefixes (th
 Rule 6: with `series_interval`, a `SeriesRecorder` (`inference_lab.sim.series`) samples the
         run at that interval of simulated time: constant work per event and one point per
         interval, never a row per step.
+Rule 7: without a waiting-queue bound, a recorder or an `on_events` callback, the arrivals
+        at the head of the engine's queue are handled as one run (`Engine.take_arrivals`,
+        the same work in the same order as a `step()` each); a run stops at the next feed
+        and at the middle of the arrival window, so the queue figures read after it are
+        those read after its last arrival one by one.
 Rule 7: what the run keeps grows by a few numbers per request and per step, never by an
         object: completions and step figures go to compact columns
         (`inference_lab.sim.records`); an open loop's arrivals stay arrays, and an
@@ -49,6 +54,7 @@ import attrs
 import numpy as np
 
 from inference_lab.core.admission import Admission
+from inference_lab.core.builders import frozen_builder
 from inference_lab.core.config import Deployment, Workload
 from inference_lab.core.engine import (
     Engine,
@@ -97,7 +103,7 @@ MAX_REFUSAL_STREAK = 100_000
 #: The `limit` of a request refused by the waiting-queue bound (Rule 4).
 QUEUE_LIMIT = "max_waiting"
 #: An open loop's arrivals are handed to the engine this many at a time (Rule 2).
-FEED_CHUNK = 4096
+FEED_CHUNK = 256
 
 
 @attrs.frozen
@@ -259,6 +265,7 @@ def run_simulation(
         feed_times = np.array([a.time for a in initial], dtype=np.float64)
         feed_count = 0
     fed = 0  # arrivals of the open loop handed to the engine
+    new_spec = frozen_builder(RequestSpec)  # (RequestSpec's __init__, at half the cost)
     next_feed = float(feed_times[0]) if feed_count else math.inf
     never_fit: list[int] = []  # positions of the fed arrivals that can never run
 
@@ -273,7 +280,7 @@ def run_simulation(
             feed_outputs[fed:end].tolist(),
             strict=True,
         ):
-            spec = RequestSpec(prompt_tokens=p, max_tokens=o, arrival_time=t)
+            spec = new_spec(prompt_tokens=p, max_tokens=o, arrival_time=t)
             try:
                 request_id = engine.submit(spec, preorder=i)
             except RequestRefused as exc:
@@ -323,6 +330,11 @@ def run_simulation(
                 )
             )
 
+    # Rule 7: arrivals in a run, when nothing needs them one event at a time
+    take_arrivals = (
+        engine.take_arrivals if not bound and recorder is None and on_events is None else None
+    )
+    past_mid = math.nextafter(mid_arrival, math.inf)
     while True:
         t_next = next_event_time()
         if fed < feed_count and (t_next is None or next_feed <= t_next):
@@ -330,6 +342,20 @@ def run_simulation(
             continue
         if t_next is None:
             break
+        if take_arrivals is not None:
+            arrived = take_arrivals(next_feed if t_next > mid_arrival else min(next_feed, past_mid))
+            if arrived:
+                waiting = num_waiting()
+                if engine.now <= mid_arrival:
+                    waiting_at_mid = waiting
+                waiting_at_end = waiting
+                if waiting > peak_waiting:
+                    peak_waiting = waiting
+                events += arrived
+                if events >= report_at:
+                    report_at += PROGRESS_EVERY
+                    report()
+                continue
         if t_next >= series_end and recorder is not None:
             series_end = recorder.close_until(t_next, engine)
         ev = step()
