@@ -186,23 +186,25 @@ def test_a_preordered_arrival_comes_before_an_event_at_its_time() -> None:
 
 @pytest.mark.parametrize("config", [GPT_OSS_20B, LLAMA8B], ids=["windows", "full"])
 def test_decode_terms_are_the_batch_terms_of_the_same_batch(config: Any) -> None:
-    """`Roofline.decode_terms` (decoding contexts as an array, then a few other
-    sequences) gives exactly the integers `batch_terms` sums over the whole batch, around
-    the window's edge too."""
+    """`Roofline.decode_terms_of` (decoding sequences given by their count and window
+    sums, then a few other sequences) gives exactly the integers `batch_terms` sums over
+    the whole batch, around the window's edge too."""
     rf = Engine(deployment(config)).roofline
+    windows = rf.window_classes()
     rng = np.random.default_rng(3)
     for size in (0, 1, 40, 300):
         c = rng.integers(0, 400, size).astype(np.int64)
         c[: min(size, 3)] = [126, 127, 128][: min(size, 3)]
         extra_n, extra_c = [1, 700, 33], [5, 0, 120]
-        got = rf.decode_terms(c, extra_n, extra_c)
+        sums = [int(np.minimum(c, w - 1).sum()) if w > 0 else int(c.sum()) for w in windows]
+        got = rf.decode_terms_of(size, sums, extra_n, extra_c)
         want = rf.batch_terms([1] * size + extra_n, c.tolist() + extra_c)
         assert (got.tokens, got.seqs, got.sums) == (want.tokens, want.seqs, want.sums)
         assert rf.price(got) == rf.price(want)
 
 
 def test_the_lazy_decoding_rows_are_filed_and_summed_exactly() -> None:
-    """`running_arrays` Rule 4: after every event, each decoding row's lazy columns plus the
+    """`running_rows` Rule 4: after every event, each decoding row's lazy columns plus the
     decode counter are its request's true positions and tokens, it is filed to finish
     when its output reaches its target and to grow when its positions reach what its
     blocks hold, and the window sums the roofline is given are the sums over its rows --

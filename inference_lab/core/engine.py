@@ -65,7 +65,7 @@ Rule 9: with ``dp_attention`` ranks, each rank is a worker (its own scheduler, w
 Rule 10: a worker running at least ``VECTOR_MIN`` plain requests, without speculative
         decoding and with no block being cached or evictable, keeps its decoding ones
         lazily (a decode counter and calendars of their events:
-        :mod:`inference_lab.core.running_arrays`) and chooses and completes a step that
+        :mod:`inference_lab.core.running_rows`) and chooses and completes a step that
         takes every running request whole in O(1) plus the step's events and its other
         rows; any other step (a budget or free blocks too small for all, a group, a
         preemption, an abort) leaves that mode first. Both ways produce the same events,
@@ -91,7 +91,7 @@ from inference_lab.core.builders import frozen_builder
 from inference_lab.core.config import Deployment
 from inference_lab.core.kv_cache import NOT_CACHED, BlockPool, KVCacheManager, KVEvent
 from inference_lab.core.roofline import BatchTerms, Roofline, StepCost
-from inference_lab.core.running_arrays import RunningArrays
+from inference_lab.core.running_rows import RunningRows
 from inference_lab.core.speculative import AcceptanceDraws, RateAcceptance, expected_length
 from inference_lab.errors import RequestRefused
 
@@ -495,7 +495,7 @@ class _Worker:
         #: cached or evictable): whether the deployment allows it, and the running
         #: requests' rows while in it.
         self.vector_ok = self.spec is None
-        self.vec: RunningArrays | None = None
+        self.vec: RunningRows | None = None
         self.vector_batch = _VectorBatch(self)  # (what its step in flight is, in the mode)
         #: from ``flat[0]`` positions on, ``blocks_for(p) = ceil(p / block_size) +
         #: flat[1]`` (the private blocks no longer grow)
@@ -660,14 +660,14 @@ class _Worker:
         step's terms are in ``step_terms``.
 
         The rows ``[0, vec.decoding)`` are known to decode (one position each; lazily:
-        :mod:`~inference_lab.core.running_arrays` Rule 4): only those filed to grow now
+        :mod:`~inference_lab.core.running_rows` Rule 4): only those filed to grow now
         and the others' chunks are worked out."""
         running = self.running
         k = len(running)
         vec = self.vec
         if vec is None:
             rf = self.roofline
-            vec = self.vec = RunningArrays(running, rf.room_for, windows=rf.window_classes())
+            vec = self.vec = RunningRows(running, rf.room_for, windows=rf.window_classes())
         decoding = vec.decoding
         budget = self.budget
         g = vec.g
@@ -976,7 +976,7 @@ class _VectorBatch:
     def __init__(self, worker: _Worker) -> None:
         self.worker = worker
 
-    def _rows(self) -> RunningArrays:
+    def _rows(self) -> RunningRows:
         vec = self.worker.vec
         assert vec is not None  # the worker leaves the mode through devectorise()
         return vec

@@ -425,19 +425,6 @@ class Roofline:
                 terms.mla.append(row)
         return terms
 
-    def decode_terms(self, c: IntArray, ns: list[int], cs: list[int]) -> BatchTerms:
-        """The terms of a batch whose sequences ``c`` (an int64 array of their computed
-        positions) each compute one position, followed by the sequences ``ns`` / ``cs``:
-        the same integers :meth:`batch_terms` sums over all of them (``n . att`` of the
-        decoding ones is ``sum(att)``), in fewer array operations. Not for MLA classes
-        (the engine's vectorised mode asks :meth:`batch_terms` then)."""
-        add = np.add.reduce
-        sums = [
-            int(add(np.minimum(c, window - 1) if window > 0 else c))
-            for window, _, _ in self._windows
-        ]
-        return self.decode_terms_of(len(c), sums, ns, cs)
-
     def window_classes(self) -> tuple[int, ...]:
         """The attention window of each class the terms sum over, in their order (0: full
         attention)."""
@@ -446,10 +433,12 @@ class Roofline:
     def decode_terms_of(
         self, k: int, sums: Sequence[int], ns: Sequence[int], cs: Sequence[int]
     ) -> BatchTerms:
-        """:meth:`decode_terms` of ``k`` decoding sequences given, per window class
-        (:meth:`window_classes`), the sum over them of ``min(c, window - 1)`` (of ``c``
-        for full attention), which the engine keeps as the sequences advance:
-        ``sum(min(c + 1, window)) = sum(min(c, window - 1)) + k``."""
+        """The terms of a batch of ``k`` decoding sequences (one position each) followed by
+        the sequences ``ns`` / ``cs``: the same integers :meth:`batch_terms` sums over all
+        of them, given, per window class (:meth:`window_classes`), the sum over the
+        decoding ones of ``min(c, window - 1)`` (of ``c`` for full attention), which the
+        engine keeps as the sequences advance (``sum(min(c + 1, window)) =
+        sum(min(c, window - 1)) + k``; ``n . att`` of a decoding sequence is ``att``)."""
         if self._mla:
             terms = BatchTerms(
                 k, k, [[s + k, s + k] for s in sums], [[0, 0, 0, 0] for _ in self._mla]

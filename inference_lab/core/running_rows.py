@@ -2,7 +2,7 @@
 
 When a worker runs many plain requests (``n = 1``) with neither speculative decoding nor
 prefix caching, most of them decode: each step gives every one of them one position and
-one token. A :class:`RunningArrays` keeps those **decoding rows** lazily -- a decode
+one token. A :class:`RunningRows` keeps those **decoding rows** lazily -- a decode
 counter instead of a write per row, and calendars of the counts at which one finishes,
 needs a KV block or saturates a sliding window -- so that choosing and completing a step
 costs O(1) plus the step's events and its few other rows (admissions, prefill chunks),
@@ -58,7 +58,7 @@ class PlainRequest(Protocol):
     lazy: int
 
 
-class RunningArrays:
+class RunningRows:
     """The rows of a worker's running requests (Rule 1): the decoding ones' counter,
     calendars and sums (Rule 4), the others' positions in the step in flight."""
 
