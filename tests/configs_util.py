@@ -165,3 +165,21 @@ def config_error(func: Any, *args: Any, **kwargs: Any) -> str:
     message = str(info.value)
     assert "\n" not in message, message
     return message
+
+
+def moe_config(**hardware: Any) -> dict[str, Any]:
+    """A bf16 MoE of 1e9 active / 4e9 resident parameters, 8 experts, 2 per token, in all 4
+    layers: per expert (4e9 - 1e9) / 6 = 5e8, shared 1e9 - 2 * 5e8 = 0."""
+    return dense_config(
+        model={
+            "weights": [
+                {
+                    "precision": "bf16",
+                    "active_params": 1_000_000_000,
+                    "resident_params": 4_000_000_000,
+                    "routing": {"routed_experts": 8, "experts_per_tok": 2, "moe_layers": 4},
+                }
+            ]
+        },
+        hardware={"gpu": hardware},
+    )

@@ -22,7 +22,7 @@ from inference_lab.core.admission import Admission
 from inference_lab.core.config import Deployment, load_deployment, load_model_config
 from inference_lab.core.engine import Engine, RequestSpec, StepEvents
 from inference_lab.core.speculative import FixedAcceptance, RateAcceptance, expected_length
-from tests.configs_util import dense_config, write_setup
+from tests.configs_util import moe_config, write_setup
 from tests.engine_util import run, tokens_by_request
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -270,19 +270,7 @@ def test_a_group_draws_once_for_its_sequences() -> None:
 
 
 def dp_deployment(tmp_path: Path) -> Deployment:
-    config = dense_config(
-        model={
-            "weights": [
-                {
-                    "precision": "bf16",
-                    "active_params": 1_000_000_000,
-                    "resident_params": 4_000_000_000,
-                    "routing": {"routed_experts": 8, "experts_per_tok": 2, "moe_layers": 4},
-                }
-            ]
-        },
-        hardware={"gpu": {"tp": 4, "ep": 4, "dp_attention": 2}},
-    )
+    config = moe_config(tp=4, ep=4, dp_attention=2)
     path, profiles = write_setup(tmp_path, config)
     return load_model_config(path, profiles).deployments["gpu"]
 

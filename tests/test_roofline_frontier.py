@@ -17,7 +17,7 @@ import pytest
 
 from inference_lab.core.config import Deployment, load_model_config
 from inference_lab.core.roofline import Roofline, all_to_all_time
-from tests.configs_util import attention, config_error, dense_config, merge, write_setup
+from tests.configs_util import attention, config_error, dense_config, merge, moe_config, write_setup
 
 
 def approx(value: float) -> Any:
@@ -45,24 +45,6 @@ def mla(count: int = 2, **changes: Any) -> dict[str, Any]:
             "v_head_dim": 128,
         },
         changes,
-    )
-
-
-def moe_config(**hardware: Any) -> dict[str, Any]:
-    """A bf16 MoE of 1e9 active / 4e9 resident parameters, 8 experts, 2 per token, in all 4
-    layers: per expert (4e9 - 1e9) / 6 = 5e8, shared 1e9 - 2 * 5e8 = 0."""
-    return dense_config(
-        model={
-            "weights": [
-                {
-                    "precision": "bf16",
-                    "active_params": 1_000_000_000,
-                    "resident_params": 4_000_000_000,
-                    "routing": {"routed_experts": 8, "experts_per_tok": 2, "moe_layers": 4},
-                }
-            ]
-        },
-        hardware={"gpu": hardware},
     )
 
 

@@ -999,18 +999,24 @@ def _resolve(file: Path, written: str) -> Path:
     return path if path.is_absolute() else file.parent / path
 
 
+def _read_text(path: Path, where: str) -> str:
+    """The UTF-8 text of a file a config names; ConfigError starting with ``where`` (the
+    config file and key) when it is missing or unreadable."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{where}: cannot read {path}: {exc}") from None
+
+
 def load_acceptance_rounds(file: Path, path: Path, gamma: int, where: str) -> tuple[float, ...]:
     """A CSV of measured speculative-decoding rounds: one accepted draft count per line
     (0..``gamma``; a header line whose first cell is not a number is skipped; further
     cells are ignored). Returns the per-position acceptance rates: the share of rounds
     that accepted at least ``j`` tokens, ``j = 1..gamma``. ConfigError names the file and
     line."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{file}: {where}: no such file {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{file}: {where}: cannot read {path}: {exc}") from None
+    text = _read_text(path, f"{file}: {where}")
     counts = [0] * (gamma + 1)
     rounds = 0
     for number, line in enumerate(text.splitlines(), start=1):
@@ -1049,12 +1055,7 @@ def load_step_table(file: Path, written: str, where: str) -> StepTable:
     path = Path(written).expanduser()
     if not path.is_absolute():
         path = file.parent / path
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{file}: {where}: no such file {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{file}: {where}: cannot read {path}: {exc}") from None
+    text = _read_text(path, f"{file}: {where}")
     return parse_step_table(text, str(path))
 
 
@@ -1276,12 +1277,7 @@ def _read_rate_points(path: Path, workload: Path) -> tuple[tuple[float, float], 
     """A rate schedule's points from a CSV of ``time_s,rate`` rows (a header line whose
     first cell is not a number is skipped). ConfigError names the file and line."""
     where = f"{workload}: rate_schedule.points_file"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{where}: no such file {path}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{where}: cannot read {path}: {exc}") from None
+    text = _read_text(path, where)
     points: list[tuple[float, float]] = []
     for number, line in enumerate(text.splitlines(), start=1):
         cells = [c.strip() for c in line.split(",")]
