@@ -10,6 +10,7 @@ just before a boundary would wait one step more than the model says.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -139,3 +140,49 @@ def test_late_hand_over_conserves_blocks_and_completes_everything(
     assert emitted == ids
     for w in eng.workers:
         assert w.free_blocks == w.total_blocks
+
+
+# ------------------------------------------------------------------ frontend latency (Rule 12)
+
+
+def test_a_frontend_latency_delays_the_engine_and_counts_in_ttft_and_e2e() -> None:
+    """With ``frontend_latency`` L a request arriving at t enters the engine at t + L:
+    every step and token of a lone request moves by L, and its ``Finished`` reports the
+    arrival t, so TTFT and E2E grow by exactly L."""
+    latency = 0.0025
+    runs = []
+    for frontend in (0.0, latency):
+        eng = Engine(deployment(frontend_latency=frontend))
+        rid = eng.submit(spec(100, 4, arrival_time=2.0))
+        events = run(eng)
+        runs.append((finished(events)[rid], token_times(events)[rid], events))
+    (f0, t0, _), (f1, t1, events) = runs
+    assert f1.arrival_time == 2.0
+    assert f1.first_scheduled_time == pytest.approx(2.0 + latency, abs=1e-12)
+    assert f1.first_token_time - f1.arrival_time == pytest.approx(
+        f0.first_token_time - f0.arrival_time + latency, abs=1e-12
+    )
+    assert f1.finish_time == pytest.approx(f0.finish_time + latency, abs=1e-12)
+    assert t1 == pytest.approx([t + latency for t in t0], abs=1e-12)
+    assert min(ev.step.start for ev in events if ev.step is not None) == pytest.approx(
+        2.0 + latency, abs=1e-12
+    )
+
+
+def test_a_frontend_latency_applies_to_joining_a_step_in_flight() -> None:
+    """Rule 2 with Rule 12: a request handed over late joins the step in flight only if
+    its arrival plus the frontend latency precedes the step's start. Stamped 1 us before a
+    boundary, it waits for the next one once a 10 us latency puts it after the boundary."""
+    b = third_boundary()
+    firsts = []
+    for frontend in (0.0, 1e-5):
+        eng = Engine(deployment(frontend_latency=frontend))
+        eng.submit(spec(40, 30))
+        events = run(eng, until=b)
+        late = eng.submit(spec(25, 5, arrival_time=b - 1e-6))
+        events += run(eng)
+        assert_blocks_conserved(eng)
+        firsts.append((token_times(events)[late][0], finished(events)[late].arrival_time))
+    (joined, arrival0), (waited, arrival1) = firsts
+    assert arrival0 == arrival1 == b - 1e-6
+    assert waited > joined

@@ -292,7 +292,7 @@ async def test_a_turns_ttft_counts_from_its_send_to_its_bytes_arrival(
     receipt of the first token's bytes. Each turn here opens a new connection taking 1 s
     (the fake closes each after its answer) and each read is stamped 0.1 s before it
     returns; the fake's first token comes 0.25 s after the request: the TTFT is 0.15 s,
-    though the turn took over 1.25 s."""
+    though the turn took over 1.25 s. ``sent`` is the send: 1 s after the turn started where it opened a connection."""
     async with trio.open_nursery() as nursery:
         fake = MemoryFake(nursery, FakeConfig(token_delay=0.25, close_connections=True))
 
@@ -311,6 +311,9 @@ async def test_a_turns_ttft_counts_from_its_send_to_its_bytes_arrival(
     for r in result.records:
         assert r.end - r.start > 1.25
         assert r.ttft == pytest.approx(0.15, abs=1e-9)
+    # ``sent``: the first turn reuses the preflight's connection; the others connect first
+    sends = [r.sent - r.start for r in result.records if r.sent is not None]
+    assert sends == pytest.approx([0.0, 1.0, 1.0], abs=1e-9)
 
 
 # -- the command line -----------------------------------------------------------------------

@@ -92,6 +92,29 @@ async def test_lone_request_ttft_is_its_prefill_cost_and_e2e_the_sum_of_steps(
     assert got == [approx(t) for t in expected]
 
 
+async def test_a_frontend_latency_delays_every_token_by_it_and_counts_in_the_metrics(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    """``frontend_latency`` L: the engine takes a request L after its arrival, so each
+    token of a lone request leaves L later than without it, and the server's own TTFT
+    (its Prometheus histogram) counts from the arrival, L included."""
+    latency = 0.004
+    settings = make_settings(frontend_latency=latency)
+    expected = lone_request_times(settings.deployments[0], P, 4)
+    async with serve(settings) as s:
+        t0 = trio.current_time()
+        async with s.stream(chat_body(max_tokens=4, stream=True)) as stream:
+            got = await timed_stream(stream, t0)
+        metrics = (await (await s.client.get("/metrics")).get_data()).decode()
+    assert got == [approx(t + latency) for t in expected]
+    total = next(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:time_to_first_token_seconds_sum")
+    )
+    assert total == approx(expected[0] + latency)
+
+
 async def test_request_into_a_server_idle_for_an_hour_is_paced_the_same(
     serve: ServeFactory, autojump_clock: trio.testing.MockClock
 ) -> None:

@@ -106,9 +106,10 @@ class ReplayConfig:
 
 @attrs.frozen(kw_only=True)
 class TurnRecord:
-    """One request. Times are seconds since the run started (``start``, ``end``) or since
-    this request was sent (``ttft``: Rule 4). ``session`` and ``turn`` are -1 for a trace request
-    (``line`` is its line in the trace file)."""
+    """One request. Times are seconds since the run started (``start``, ``end``; ``sent``:
+    when its bytes were handed to the socket, None if they never were) or since it was sent
+    (``ttft``: Rule 4). ``session`` and ``turn`` are -1 for a trace request (``line`` is its
+    line in the trace file)."""
 
     session: int
     turn: int
@@ -122,6 +123,7 @@ class TurnRecord:
     cached_tokens: int | None = None
     completion_tokens: int | None = None
     error: str | None = None
+    sent: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -142,6 +144,7 @@ class ReplayError(Exception):
 class _Answer:
     status: int | None = None
     outcome: Outcome = "cancelled"
+    sent: float | None = None
     ttft: float | None = None
     text: list[str] = attrs.field(factory=list)
     prompt_tokens: int | None = None
@@ -221,6 +224,7 @@ class _Replay:
                 conn = await self.pool.acquire()
                 try:
                     await conn.send_request("POST", path, self.headers, payload)
+                    answer.sent = conn.sent_at - self.t0
                     break
                 except ConnectionFailed:
                     conn.close()
@@ -282,6 +286,7 @@ class _Replay:
             cached_tokens=answer.cached_tokens,
             completion_tokens=answer.completion_tokens,
             error=answer.error,
+            sent=answer.sent,
         )
         self.records.append(record)
         return record

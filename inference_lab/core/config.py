@@ -62,7 +62,7 @@ T = TypeVar("T")
 
 def _ge(lo: float) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     def check(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
-        if value is not None and value < lo:
+        if value is not None and not value >= lo:  # (NaN too)
             raise FieldError(attr.name, f"must be >= {lo}, got {value!r}")
 
     return check
@@ -78,7 +78,7 @@ def _gt(lo: float) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
 
 def _le(hi: float) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     def check(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
-        if value is not None and value > hi:
+        if value is not None and not value <= hi:  # (NaN too)
             raise FieldError(attr.name, f"must be <= {hi}, got {value!r}")
 
     return check
@@ -434,6 +434,9 @@ class SchedulerConfig:
     #: Keep finished requests' full blocks cached and reuse them for requests that carry
     #: the same block hashes (vLLM's automatic prefix caching; on by default there too).
     enable_prefix_caching: bool = True
+    #: Seconds from a request's arrival to its entering the engine: a real server's API
+    #: process (parsing, tokenising, handing over to the engine). Counted in TTFT and E2E.
+    frontend_latency: float = attrs.field(default=0.0, validator=[_ge(0), _le(60)])
 
 
 @attrs.frozen(kw_only=True)

@@ -74,6 +74,11 @@ Rule 11: events at the same time are handled in the order they were filed; an ar
         submitted with ``preorder`` is filed as if it had been submitted before the first
         step, so an open loop fed to the engine lazily, in arrival order and never later
         than its arrival time, runs exactly as if every arrival had been submitted first.
+Rule 12: ``frontend_latency`` (seconds, ``[scheduler]``) is what a real server's API
+        process takes before its engine sees a request: a request submitted with
+        ``arrival_time`` t is an arrival at ``t + frontend_latency`` to everything here
+        (its event, its stamp for Rule 2), while the ``Finished`` it ends with reports
+        ``arrival_time`` t, so its TTFT, queue time and E2E include the latency.
 """
 
 from __future__ import annotations
@@ -330,7 +335,9 @@ class _Request:
         "lazy",
     )
 
-    def __init__(self, rid: int, spec: RequestSpec, arrival: float, target: int) -> None:
+    def __init__(
+        self, rid: int, spec: RequestSpec, arrival: float, target: int, stamp: float
+    ) -> None:
         self.id = rid
         self.n = spec.n
         self.prompt = spec.prompt_tokens
@@ -338,7 +345,8 @@ class _Request:
         self.target = target
         self.priority = spec.priority
         self.arrival = arrival
-        self.stamp = spec.arrival_time  # the caller's arrival time (may precede ``arrival``)
+        # the caller's arrival time plus the frontend latency (may precede ``arrival``)
+        self.stamp = stamp
         self.hint = spec.worker  # the worker the caller routed it to, if it did
         self.computed = 0
         self.output = 0
@@ -1082,6 +1090,8 @@ class Engine:
             self.roofline.room_for(self.roofline.total_blocks),
             (sched.max_num_batched_tokens + 1) if not sched.enable_chunked_prefill else 1 << 62,
         )
+        #: seconds from a request's arrival to its entering the engine (Rule 12)
+        self._frontend = sched.frontend_latency
 
     # ------------------------------------------------------------------ admission
     def check_fits(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> RequestRefused | None:
@@ -1150,8 +1160,9 @@ class Engine:
             if refused is not None:
                 raise refused
         rid = next(self._ids)
-        arrival = spec.arrival_time if spec.arrival_time > self.now else self.now
-        r = _Request(rid, spec, arrival, target)
+        stamp = spec.arrival_time + self._frontend if self._frontend else spec.arrival_time
+        arrival = stamp if stamp > self.now else self.now
+        r = _Request(rid, spec, arrival, target, stamp)
         self.workers[0].kv.prepare(r)  # the same answer on every worker
         self._requests[rid] = r
         self._pending += 1
@@ -1253,7 +1264,7 @@ class Engine:
     # ------------------------------------------------------------------ admission ledger
     def _probe(self, spec: RequestSpec) -> _Request:
         """A request not submitted, as the router and the block counts see it."""
-        r = _Request(0, spec, self.now, spec.max_tokens)
+        r = _Request(0, spec, self.now, spec.max_tokens, self.now)
         self.workers[0].kv.prepare(r)
         return r
 
@@ -1491,7 +1502,7 @@ class Engine:
                 prompt_tokens=r.prompt,
                 output_tokens=r.output,
                 finish_reason="length" if r.output >= r.max_tokens else "stop",
-                arrival_time=r.arrival,
+                arrival_time=r.arrival - self._frontend if self._frontend else r.arrival,
                 first_scheduled_time=r.first_scheduled,
                 first_token_time=r.first_token_time,
                 finish_time=now,
