@@ -527,3 +527,30 @@ def test_a_burst_in_the_simulator_admits_seats_plus_places(tmp_path: Path) -> No
     result = run_simulation(dep, load_workload(wl))
     assert (len(result.finished), len(result.refused)) == (5, 5)
     assert {r.reason for r in result.refused} == {"3 waiting (max_waiting = 3)"}
+
+
+def test_a_frontend_latency_is_shown_and_counted_from_the_arrival(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`[scheduler] frontend_latency` (engine Rule 12) on an open loop fed lazily: the
+    configuration print names it, every request keeps its arrival time, and its queue
+    time and TTFT include the latency."""
+    text = Path(GPT_OSS).read_text()
+    config = write(
+        tmp_path / "gpt.toml",
+        text.replace("[scheduler]\n", "[scheduler]\nfrontend_latency = 0.005\n"),
+    )
+    rows = []
+    for cfg in (GPT_OSS, config):
+        path = tmp_path / f"{len(rows)}.csv"
+        rc = run_cli(
+            "--config", cfg, "--hardware", "b200", "--workload", QUICK, "--request-csv", str(path)
+        )  # fmt: skip
+        assert rc == 0
+        with path.open(newline="") as fh:
+            rows.append(list(csv.DictReader(fh)))
+    assert "frontend latency 5 ms" in capsys.readouterr().out
+    plain, delayed = rows
+    assert [r["arrival_time_s"] for r in delayed] == [r["arrival_time_s"] for r in plain]
+    assert min(float(r["queue_ms"]) for r in delayed) >= 5.0 - 1e-9
+    assert min(float(r["queue_ms"]) for r in plain) < 5.0

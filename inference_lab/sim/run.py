@@ -617,7 +617,12 @@ def format_config(
         + f" ({kv_gib:,.1f} GiB)",
         f"scheduler  max_num_batched_tokens {sched.max_num_batched_tokens}, max_num_seqs "
         f"{sched.max_num_seqs}, max_waiting {sched.max_waiting}, policy {sched.policy}, "
-        f"chunked prefill {chunk}",
+        f"chunked prefill {chunk}"
+        + (
+            f", frontend latency {sched.frontend_latency * 1e3:g} ms"
+            if sched.frontend_latency
+            else ""
+        ),
     ]
     eff = deployment.efficiency
     if not eff.is_identity:
