@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -81,7 +82,7 @@ def main() -> int:
     if args.frontend_latency is not None and not 0 <= args.frontend_latency <= 60:
         parser.error("--frontend-latency must be a number of seconds in 0..60")
     config_path = resolve_shipped(args.config, "config", "--config")
-    keep = tempfile.TemporaryDirectory()
+    keep = tempfile.TemporaryDirectory()  # the config's copy, until the server has read it
     if args.frontend_latency is not None:
         config_path = with_frontend_latency(config_path, args.frontend_latency, Path(keep.name))
     deployment = load_deployment(config_path, args.hardware)
@@ -163,9 +164,9 @@ def main() -> int:
     for turn in sorted({k for k, _, _ in pairs}):
         sims = [sv for k, sv, _ in pairs if k == turn]
         clients = [cv for k, _, cv in pairs if k == turn]
-        sp50, cp50 = _median(sims), _median(clients)
+        sp50, cp50 = statistics.median(sims), statistics.median(clients)
         smean, cmean = sum(sims) / len(sims), sum(clients) / len(clients)
-        each = _median([abs(cv - sv) / sv for k, sv, cv in pairs if k == turn])
+        each = statistics.median([abs(cv - sv) / sv for k, sv, cv in pairs if k == turn])
         print(
             f"{turn:>4} {len(sims):>5} {sp50:>9.2f} {cp50:>10.2f} {_err(cp50, sp50):>7}"
             f" {smean:>9.2f} {cmean:>11.2f} {_err(cmean, smean):>7} {each:>11.1%}"
@@ -253,12 +254,6 @@ def resimulate(
             turn, ttft = client[f.request_id]
             out.append((turn, 1000 * (f.first_token_time - f.arrival_time), ttft))
     return out
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _server_mean_ttft(url: str) -> float:
