@@ -224,6 +224,10 @@ def test_banner_names_models_hardware_bounds_and_address() -> None:
     assert GPT in lines[1] and "max_num_seqs 256" in lines[1] and "max_waiting 64" in lines[1]
     assert LLAMA in lines[2]
     assert lines[-1].startswith("listening on http://127.0.0.1:8080")
+    assert "frontend latency" not in banner
+    delayed = make_settings(GPT, frontend_latency=0.002)
+    line = serve_cli._banner(delayed, "b200", "http://127.0.0.1:8080").splitlines()[1]
+    assert "frontend latency 2 ms" in line
 
 
 def test_banner_shows_expert_parallelism_and_dp_attention() -> None:

@@ -283,6 +283,8 @@ def _banner(
         extra = f"  tp {hw.tp}" + (f" x {hw.replicas} replicas" if hw.replicas > 1 else "")
         if hw.dp_attention > 1 or hw.ep > 1:
             extra += f" (ep {hw.ep}, dp attention {hw.dp_attention})"
+        if sched.frontend_latency:
+            extra += f"  frontend latency {sched.frontend_latency * 1e3:g} ms"
         lines.append(
             f"  {dep.model.name:<{width}}  max_num_seqs {sched.max_num_seqs}  "
             f"max_waiting {bound}{extra}  ({dep.config_path})"
