@@ -973,3 +973,25 @@ def test_prefix_caching_keys_are_validated(
     path, message = load_error(tmp_path, dense_config(**changes))
     assert message.startswith(f"{path}: {key}: ")
     assert fragment in message
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"), [("-0.001", "must be >= 0"), ("61", "must be <= 60"), ("nan", "nan")]
+)
+def test_frontend_latency_is_range_checked_nan_included(
+    tmp_path: Path, value: str, fragment: str
+) -> None:
+    """``[scheduler] frontend_latency`` is seconds in 0..60; NaN fails the bounds too (a
+    comparison with NaN is false, so a bound must be checked as ``not value >= lo``)."""
+    text = dumps(dense_config(scheduler={"frontend_latency": 0.5}))
+    assert "frontend_latency = 0.5" in text
+    path, message = load_error(
+        tmp_path, text.replace("frontend_latency = 0.5", f"frontend_latency = {value}")
+    )
+    assert message.startswith(f"{path}: scheduler.frontend_latency: ")
+    assert fragment in message
+
+
+def test_a_frontend_latency_loads_into_the_scheduler(tmp_path: Path) -> None:
+    cfg = load(tmp_path, dense_config(scheduler={"frontend_latency": 0.002}))
+    assert cfg.scheduler.frontend_latency == 0.002
