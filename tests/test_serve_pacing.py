@@ -553,6 +553,32 @@ async def test_a_runtime_that_adopts_a_calibration_is_on_time_from_its_first_tok
     assert snap.lag_mean * snap.events == pytest.approx(2 * BACKDATED)
 
 
+#: How long the engine's every step takes to compute in the test below (exact in binary).
+STEP_COMPUTE = 2.0**-13
+
+
+async def test_the_early_wake_covers_the_steps_computation_too(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Runtime Rule 2: a sample is how late a timer wake-up's step had been computed, its
+    tokens ready to leave, so the early wake learns the timer's lateness and the step's
+    own computation (here each ``step()`` takes STEP_COMPUTE of virtual time): after the
+    first wake-up every step's tokens are ready at its due time."""
+    real_step = Engine.step
+
+    def slow_step(engine: Engine) -> Any:
+        autojump_clock.jump(STEP_COMPUTE)
+        return real_step(engine)
+
+    monkeypatch.setattr(Engine, "step", slow_step)
+    rt, wakes = await _lone_request(monkeypatch, adopt=None)
+    calibration = rt.calibration()
+    assert wakes >= 10
+    assert calibration.samples == wakes
+    assert calibration.early == pytest.approx(TIMER_LATE + STEP_COMPUTE, rel=0.02)
+    assert TIMER_LATE + STEP_COMPUTE < MAX_EARLY
+
+
 def test_an_adopted_calibration_is_kept_within_bounds() -> None:
     rt = ModelRuntime(make_settings().deployments[0])
     rt.adopt_calibration(PacingCalibration(1.0, 3))

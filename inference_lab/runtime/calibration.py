@@ -1,14 +1,15 @@
 """The pacer's early wake: how long before a step's end the pacer wakes the engine task.
 
 The pacer's timer and its hand-over to the engine task land a little after the deadline
-on any real machine, so a pacer that woke exactly on time would release every step's
-tokens late. It wakes early instead, by an amount learned from its own wake-ups.
+on any real machine, and the step's computation takes a little longer, so a pacer that
+woke exactly on time would release every step's tokens late. It wakes early instead, by
+an amount learned from its own wake-ups.
 
 Rule 1: the early wake stays within ``0 .. MAX_EARLY``.
-Rule 2: each sample (how late a timer wake-up found its step, negative when early) moves
-        the early wake by an exponential average of gain :data:`EARLY_GAIN`; the first
-        samples are averaged evenly (gain ``1/k`` for the k-th), so a fresh runtime is
-        calibrated after a few wake-ups.
+Rule 2: each sample (how late a timer wake-up's step had been computed, its tokens ready
+        to leave; negative when early) moves the early wake by an exponential average
+        of gain :data:`EARLY_GAIN`; the first samples are averaged evenly (gain ``1/k``
+        for the k-th), so a fresh runtime is calibrated after a few wake-ups.
 Rule 3: a runtime may start from another's calibration on the same machine
         (:meth:`EarlyWake.adopt`) and keeps learning from there.
 """
@@ -19,8 +20,10 @@ import attrs
 
 __all__ = ["EARLY_GAIN", "MAX_EARLY", "EarlyWake", "PacingCalibration"]
 
-#: The pacer wakes the engine at most this many seconds before a step's end is due.
-MAX_EARLY = 0.00025
+#: The pacer wakes the engine at most this many seconds before a step's end is due (a
+#: timer's wake-up and a step's computation take a few tens of microseconds each; a
+#: machine that stalls for longer must not teach the pacer to release tokens that early).
+MAX_EARLY = 0.0005
 #: The weight of each new sample once the first ``1 / EARLY_GAIN`` have been averaged.
 EARLY_GAIN = 0.05
 

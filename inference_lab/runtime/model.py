@@ -9,8 +9,10 @@ Rule 1: one nursery per model holds the engine task, which owns the :class:`Engi
         the pacer task, which owns wall-clock time; memory channels link them.
 Rule 2: the engine does not run ahead of wall-clock: it steps an event once its time has
         come, less the pacer's learned early wake under trio's real clock
-        (:mod:`inference_lab.runtime.calibration`). A step's tokens are released when the
-        ``step()`` handling its end returns them; how late that was is the pacing lag
+        (:mod:`inference_lab.runtime.calibration`), which is learned from when the
+        ``step()`` of a timer's wake-up returned, so that it covers the step's own
+        computation too. A step's tokens are released when the ``step()`` handling its
+        end returns them; how late the engine task took up the event is the pacing lag
         (:mod:`inference_lab.runtime.lag`).
 Rule 3: an arrival is stamped with wall-clock time, and an idle engine's clock is moved up
         to it first, so a request into a long-idle server is paced like one under load.
@@ -671,8 +673,9 @@ class ModelRuntime:
             events = engine.step()
             signed = now - (epoch + t)
             if first:
-                # how late the pacer's timer and its hand-over to this task landed
-                wake.learn(signed)
+                # how late the step's tokens start to leave: the pacer's timer, its
+                # hand-over to this task and the step's own computation
+                wake.learn(trio.current_time() - (epoch + t))
                 first = False
             lag = signed if signed > 0.0 else 0.0
             lag_meter.record(lag)
