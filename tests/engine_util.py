@@ -10,7 +10,7 @@ import attrs
 
 from inference_lab.core.config import Deployment, load_deployment
 from inference_lab.core.engine import Engine, Finished, RequestSpec, StepEvents
-from inference_lab.core.kv_cache import NOT_CACHED
+from inference_lab.core.engine.block_pool import NOT_CACHED
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA8B = ROOT / "configs" / "Llama-3.1-8B-Instruct.toml"
@@ -78,9 +78,9 @@ def assert_blocks_conserved(engine: Engine) -> None:
     step in flight holds exactly the blocks of the positions it has once that step ends
     (no more, no fewer). Without cached blocks this is free + held == total."""
     for w in engine.workers:
-        w.sync_running()  # the vectorised mode's columns hold the running requests' blocks
+        w.sync_running()  # the fast path's rows hold the running requests' counts
         pool = w.pool
-        own = sum(r.blocks - len(r.held) for r in w.running)
+        own = sum(r.num_blocks - len(r.held_hashes) for r in w.running)
         referenced = {h: c for h, c in pool.ref.items() if c > 0}
         assert w.free_blocks + own + len(referenced) == w.total_blocks, (
             w.free_blocks,
@@ -89,15 +89,18 @@ def assert_blocks_conserved(engine: Engine) -> None:
             w.total_blocks,
         )
         assert w.free_blocks >= 0
-        assert referenced == Counter(h for r in w.running for h in r.held)
+        assert referenced == Counter(h for r in w.running for h in r.held_hashes)
         assert set(pool.evictable) == {h for h, c in pool.ref.items() if c == 0}
         assert len(pool.evictable) <= w.free_blocks
-        assert pool.filling == sum(1 for r in w.running if r.cache_at != NOT_CACHED)
+        assert pool.filling == sum(1 for r in w.running if r.next_cache_position != NOT_CACHED)
         for r in w.running:
-            assert tuple(r.held) == r.hashes[: len(r.held)], r.id
-            assert r.blocks >= len(r.held)
+            assert tuple(r.held_hashes) == r.block_hashes[: len(r.held_hashes)], r.id
+            assert r.num_blocks >= len(r.held_hashes)
         for r in w.waiting:
-            assert r.blocks == 0 and not r.held, r.id
+            assert r.num_blocks == 0 and not r.held_hashes, r.id
         for r, n in w.batch:
             if r in w.running:
-                assert r.blocks == w.group_blocks(r, r.computed + n), (r.id, r.blocks)
+                assert r.num_blocks == w.kv.group_blocks(r, r.num_computed + n), (
+                    r.id,
+                    r.num_blocks,
+                )

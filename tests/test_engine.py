@@ -245,7 +245,7 @@ def test_policy_victim_choice(policy: str, victim: int) -> None:
     # preempted requests are pushed to the FRONT of waiting: the first victim is last there
     first_victim = eng.workers[0].waiting.front[-1]
     assert ids[first_victim.id] == victim
-    assert first_victim.preemptions == 1 and first_victim.computed == 0
+    assert first_victim.preemptions == 1 and first_victim.num_computed == 0
     fin = finished(run(eng))
     assert {ids[rid]: f.output_tokens for rid, f in fin.items()} == {1: 10, 2: 30, 3: 20}
     assert_blocks_conserved(eng)
@@ -290,10 +290,10 @@ def test_abort_running_returns_every_block(phase: str) -> None:
     rid = eng.submit(spec(64, 20))
     if phase == "mid_prefill":
         run(eng, until=_cost(eng, [16], [0]) * 1.5)
-        assert eng.workers[0].running and eng.workers[0].running[0].computed < 64
+        assert eng.workers[0].running and eng.workers[0].running[0].num_computed < 64
     else:
         run(eng, until=0.01)
-        assert eng.workers[0].running[0].output >= 1
+        assert eng.workers[0].running[0].num_output >= 1
     assert eng.workers[0].free_blocks < eng.workers[0].total_blocks
     assert eng.abort(rid)
     assert eng.workers[0].free_blocks == eng.workers[0].total_blocks

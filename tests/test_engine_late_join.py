@@ -142,7 +142,7 @@ def test_late_hand_over_conserves_blocks_and_completes_everything(
         assert w.free_blocks == w.total_blocks
 
 
-# ------------------------------------------------------------------ frontend latency (Rule 12)
+# ------------------------------------------------------------------ frontend latency (Rule 7)
 
 
 def test_a_frontend_latency_delays_the_engine_and_counts_in_ttft_and_e2e() -> None:
@@ -170,7 +170,7 @@ def test_a_frontend_latency_delays_the_engine_and_counts_in_ttft_and_e2e() -> No
 
 
 def test_a_frontend_latency_applies_to_joining_a_step_in_flight() -> None:
-    """Rule 2 with Rule 12: a request handed over late joins the step in flight only if
+    """Rule 2 with Rule 7: a request handed over late joins the step in flight only if
     its arrival plus the frontend latency precedes the step's start. Stamped 1 us before a
     boundary, it waits for the next one once a 10 us latency puts it after the boundary."""
     b = third_boundary()

@@ -1,4 +1,4 @@
-"""Speculative decoding and data-parallel attention in the engine (engine Rules 8 and 9).
+"""Speculative decoding and data-parallel attention in the engine (drafting Rule 1, dp_group Rule 1).
 
 A verify step computes ``1 + gamma`` positions per decoding sequence and reserves their
 KV blocks and token budget; its end advances the sequence by ``1 + accepted`` (capped by
@@ -115,11 +115,11 @@ def test_every_step_frees_exactly_what_a_preemption_or_abort_takes_back() -> Non
         if ev.step is not None:
             preempted += ev.step.preempted
         w = engine.workers[0]
-        held = sum(r.blocks for r in w.running)
+        held = sum(r.num_blocks for r in w.running)
         assert w.free_blocks + held == w.total_blocks
         for r, _advance in w.batch:
             if r in w.running:
-                assert r.blocks >= w.blocks_for(r.computed + 1)
+                assert r.num_blocks >= w.kv.blocks_for(r.num_computed + 1)
     assert preempted > 0
     for rid in ids:
         engine.abort(rid)

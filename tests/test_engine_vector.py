@@ -1,7 +1,8 @@
-"""The engine's vectorised mode (Rule 10) changes nothing: the same events, to the bit.
+"""The scheduler's two ways in (its Rule 5; the fast path's Rule 2) give the same events,
+to the bit.
 
 Each scenario runs the same operations (submissions, late arrivals, aborts at fixed
-event counts) on three engines: one that never enters the vectorised mode, one that enters
+event counts) on three engines: one that never takes the fast path, one that takes
 it at the default size and one that enters it for any batch of two or more requests, and
 compares every ``StepEvents`` they return, and the KV block accounting along the way.
 """
@@ -15,9 +16,9 @@ import attrs
 import numpy as np
 import pytest
 
-from inference_lab.core import engine as engine_module
 from inference_lab.core.config import Deployment, EfficiencyOverride
 from inference_lab.core.engine import Engine, RequestSpec, StepEvents
+from inference_lab.core.engine import fast_path as fast_module
 from tests.engine_util import (
     DEEPSEEK_V3,
     GPT_OSS_20B,
@@ -58,11 +59,11 @@ def _specs(
 def _drive(
     dep: Deployment, specs: list[RequestSpec], vector_min: int, *, disturb: bool
 ) -> list[StepEvents]:
-    """Run ``specs`` on a fresh engine whose vectorised mode starts at ``vector_min``
+    """Run ``specs`` on a fresh engine whose fast path starts at ``vector_min``
     running requests; with ``disturb``, abort a running request every 97 events and hand
     over a late arrival (stamped before the step in flight) every 89."""
-    saved = engine_module.VECTOR_MIN
-    engine_module.VECTOR_MIN = vector_min
+    saved = fast_module.FAST_PATH_MIN
+    fast_module.FAST_PATH_MIN = vector_min
     try:
         eng = Engine(dep)
         ids = [eng.submit(s) for s in specs]
@@ -93,11 +94,11 @@ def _drive(
         assert stats.kv_used_blocks == 0 and stats.running == 0
         return events
     finally:
-        engine_module.VECTOR_MIN = saved
+        fast_module.FAST_PATH_MIN = saved
 
 
 def _without_speculation(dep: Deployment) -> Deployment:
-    """``dep`` without its ``[speculative]`` table (which keeps the vectorised mode off)."""
+    """``dep`` without its ``[speculative]`` table (which keeps the fast path off)."""
     return attrs.evolve(dep, speculative=None)
 
 
@@ -146,12 +147,12 @@ def test_vectorised_mode_gives_the_same_events(name: str, disturb: bool) -> None
     )
     reference = _drive(dep, specs, 1 << 30, disturb=disturb)
     assert sum(1 for ev in reference for _ in ev.finished) > 300
-    for vector_min in (engine_module.VECTOR_MIN, 2):
+    for vector_min in (fast_module.FAST_PATH_MIN, 2):
         assert _drive(dep, specs, vector_min, disturb=disturb) == reference
 
 
 def test_vectorised_mode_is_entered_under_load() -> None:
-    """A loaded plain deployment does step in the vectorised mode (so the comparison above
+    """A loaded plain deployment does step in the fast path (so the comparison above
     compares two different paths)."""
     eng = Engine(deployment(GPT_OSS_20B))
     for s in _specs(400, seed=7, rate=400.0, groups=False, hashes=False):
@@ -210,8 +211,8 @@ def test_the_lazy_decoding_rows_are_filed_and_summed_exactly() -> None:
     blocks hold, and the window sums the roofline is given are the sums over its rows --
     on a run whose contexts cross the 128-position window while decoding."""
     dep = deployment(GPT_OSS_20B, block_size=16)
-    saved = engine_module.VECTOR_MIN
-    engine_module.VECTOR_MIN = 2
+    saved = fast_module.FAST_PATH_MIN
+    fast_module.FAST_PATH_MIN = 2
     try:
         eng = Engine(dep)
         for s in _specs(400, seed=11, rate=600.0, groups=False, hashes=False, prompt_mu=3.8):
@@ -225,12 +226,12 @@ def test_the_lazy_decoding_rows_are_filed_and_summed_exactly() -> None:
                 continue
             g, k = vec.g, vec.decoding
             rows = w.running[:k]
-            comp = [r.lazy + g for r in rows]
+            comp = [r.lazy_base + g for r in rows]
             for r, c in zip(rows, comp, strict=True):
-                assert r in vec.finish_cal[r.target - (c - r.prompt + 1 - g)]
-                assert (r, r.lazy) in vec.grow_cal[max(r.room - r.lazy, g)]
-                assert r.room == eng.roofline.room_for(r.blocks) or r.room <= c
-                assert w.blocks_for(c) <= r.blocks
+                assert r in vec.finish_cal[r.target_tokens - (c - r.prompt_tokens + 1 - g)]
+                assert (r, r.lazy_base) in vec.grow_cal[max(r.block_room - r.lazy_base, g)]
+                assert r.block_room == eng.roofline.room_for(r.num_blocks) or r.block_room <= c
+                assert w.kv.blocks_for(c) <= r.num_blocks
             want = [
                 sum(min(c, window - 1) if window else c for c in comp) for window in vec.windows
             ]
@@ -240,7 +241,7 @@ def test_the_lazy_decoding_rows_are_filed_and_summed_exactly() -> None:
             crossed += any(c < 127 for c in comp) and any(c >= 127 for c in comp)
         assert checked > 200 and crossed > 50
     finally:
-        engine_module.VECTOR_MIN = saved
+        fast_module.FAST_PATH_MIN = saved
 
 
 @pytest.mark.parametrize(
@@ -358,7 +359,7 @@ def test_admitting_a_plain_request_takes_its_first_chunk(chunked: bool) -> None:
         eng.step()  # its arrival: it waits
         r = w.waiting.peek()
         assert r is not None
-        r.output = int(rng.choice([0, 1, 2, 30]))  # as if preempted after that many tokens
+        r.num_output = int(rng.choice([0, 1, 2, 30]))  # as if preempted after that many tokens
         budget = int(rng.integers(1, 2049))
         expected = w.first_chunk(r, budget)
         admitted = w.admit_head(0.0, 1, budget)
@@ -367,7 +368,7 @@ def test_admitting_a_plain_request_takes_its_first_chunk(chunked: bool) -> None:
             refused += 1
             continue
         assert admitted is not None
-        assert admitted[1] == expected[1] and r.blocks == expected[2]
+        assert admitted[1] == expected[1] and r.num_blocks == expected[2]
         checked += 1
     assert checked > 100 and (refused > 10 or chunked)
 

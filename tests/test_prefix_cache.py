@@ -1,5 +1,6 @@
 """Prefix caching in the engine: the block pool, the KV cache manager and the scheduler
-asking them (``inference_lab/core/kv_cache.py``, Rule 7 of ``engine.py``).
+asking them (``core/engine/block_pool.py``, ``core/engine/kv_cache_manager.py``; engine
+Rule 4).
 
 Hashes here are plain integers: the engine treats a chain as opaque, and two requests
 share block ``i`` exactly when their first ``i + 1`` hashes are equal.
@@ -15,8 +16,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inference_lab.core.engine import Engine, RequestSpec, StepEvents
-from inference_lab.core.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored
+from inference_lab.core.engine import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Engine,
+    RequestSpec,
+    StepEvents,
+)
 from tests.engine_util import (
     assert_blocks_conserved,
     deployment,
@@ -319,9 +326,9 @@ def test_a_fully_cached_readmission_decodes_at_once() -> None:
         emitted += sum(n for rid, n in ev.tokens if rid == b)
         rb = eng._requests.get(b)
         if readmitted is None and rb is not None and rb.preemptions and ev.step is not None:
-            mine = [(r.computed, n) for r, n in w.batch if r is rb]
+            mine = [(r.num_computed, n) for r, n in w.batch if r is rb]
             if mine:
-                readmitted = (rb.output, *mine[0], emitted)
+                readmitted = (rb.num_output, *mine[0], emitted)
         elif readmitted is not None and len(readmitted) == 4:
             readmitted = (*readmitted, sum(n for rid, n in ev.tokens if rid == b))
     assert readmitted == (17, 48, 1, 17, 1)  # output 17, 48 cached, one position, +1 token

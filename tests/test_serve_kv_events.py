@@ -16,7 +16,7 @@ import pytest
 import trio
 import zmq
 
-from inference_lab.core.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored
+from inference_lab.core.engine import AllBlocksCleared, BlockRemoved, BlockStored
 from inference_lab.errors import ConfigError
 from inference_lab.serve import load_settings
 from inference_lab.serve.kv_events import (

@@ -532,7 +532,7 @@ def test_a_burst_in_the_simulator_admits_seats_plus_places(tmp_path: Path) -> No
 def test_a_frontend_latency_is_shown_and_counted_from_the_arrival(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`[scheduler] frontend_latency` (engine Rule 12) on an open loop fed lazily: the
+    """`[scheduler] frontend_latency` (engine Rule 7) on an open loop fed lazily: the
     configuration print names it, every request keeps its arrival time, and its queue
     time and TTFT include the latency."""
     text = Path(GPT_OSS).read_text()

@@ -2,6 +2,6 @@
 KV cache (block pool and manager).
 
 Nothing here does I/O or reads a clock: no trio, quart, hypercorn, ``time``, ``random`` or
-asyncio (``tests/test_engine.py`` walks this folder's imports). Time and random generators
+asyncio (``tests/test_layers.py`` walks this folder's imports). Time and random generators
 are arguments.
 """

@@ -60,7 +60,7 @@ class _Room:
     #: Queued requests holding waiting places.
     places: int = 0
     #: Whether no sequence runs and no seat is held (then any group is admitted alone,
-    #: however wide: engine Rule 5).
+    #: however wide: scheduler Rule 2).
     empty: bool = False
 
     @classmethod

@@ -54,8 +54,14 @@ import trio
 
 from inference_lab.core.admission import Admission
 from inference_lab.core.config import Deployment
-from inference_lab.core.engine import Engine, EngineStatistics, Finished, RequestSpec, StepEvents
-from inference_lab.core.kv_cache import KVEvent
+from inference_lab.core.engine import (
+    Engine,
+    EngineStatistics,
+    Finished,
+    KVEvent,
+    RequestSpec,
+    StepEvents,
+)
 from inference_lab.errors import EngineUnavailable, QueueFull, RequestRefused
 from inference_lab.runtime.calibration import EarlyWake, PacingCalibration
 from inference_lab.runtime.lag import LagMeter, LagStatistics

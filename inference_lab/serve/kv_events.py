@@ -47,7 +47,7 @@ import attrs
 import numpy as np
 
 from inference_lab.core.config import Deployment
-from inference_lab.core.kv_cache import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from inference_lab.core.engine import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from inference_lab.errors import ConfigError
 
 __all__ = [

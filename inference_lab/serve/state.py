@@ -32,7 +32,7 @@ import trio
 from inference_lab.api.hashing import PromptHashing
 from inference_lab.api.requests import ParsedRequest
 from inference_lab.core.config import Deployment
-from inference_lab.core.kv_cache import AllBlocksCleared
+from inference_lab.core.engine import AllBlocksCleared
 from inference_lab.errors import ApiError, truncate_echo
 from inference_lab.runtime.model import ModelRuntime
 from inference_lab.serve.harness.intercept import Harness

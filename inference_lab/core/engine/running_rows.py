@@ -1,4 +1,4 @@
-"""A worker's running plain requests under load: the engine's vectorised step.
+"""A worker's running plain requests under load: the rows of the scheduler's fast path.
 
 When a worker runs many plain requests (``n = 1``) with neither speculative decoding nor
 prefix caching, most of them decode: each step gives every one of them one position and
@@ -6,36 +6,30 @@ one token. A :class:`RunningRows` keeps those **decoding rows** lazily -- a deco
 counter instead of a write per row, and calendars of the counts at which one finishes,
 needs a KV block or saturates a sliding window -- so that choosing and completing a step
 costs O(1) plus the step's events and its few other rows (admissions, prefill chunks),
-instead of a Python loop over the batch (:meth:`inference_lab.core.engine._Worker.
-schedule`, ``_complete``).
+instead of a Python loop over the batch (:mod:`~inference_lab.core.engine.fast_path`).
 
 Rule 1: row ``i`` is ``running[i]``, always: a row is added exactly when a request is
         appended to ``running`` and rows are dropped as the list's entries are; the rows
         ``[0, decoding)`` decode, the others (``rest``) do not yet.
-Rule 2: a rest row's request holds its state (``computed``, ``output``, ``blocks``,
-        ``room``), as outside the mode; its positions in the step in flight are in
-        ``rest_n``. A decoding row's ``computed`` and ``output`` are lazy (Rule 4):
-        :meth:`sync` writes them before anything else reads those fields, and the engine
-        leaves the vectorised mode (``sync`` and drop the rows) before any path that
-        changes them by the objects (preemption, abort, groups, a batch the budget or the
-        free blocks cannot hold whole).
-Rule 3: a vectorised step is the same step the per-request loop would choose: every
-        running request is in it (it is taken only when the budget holds all their
-        chunks and the free blocks all their new blocks, so neither the order nor a
-        preemption can change anything), each with the same positions; the integers
-        handed to the roofline are the same, so the price is the same to the last bit.
-Rule 4: each step adds one position and one token to every decoding row, so its request
-        holds ``lazy = computed - g``, ``g`` the decode counter (one increment per
-        completed step), and a decode step writes nothing (``output = computed - prompt
-        + 1`` while decoding). What happens to a decoding row at a known count is filed
-        once in a calendar keyed by the value of ``g`` at which it happens: it finishes
-        (``output`` reaches ``target``), it needs a KV block (``computed`` reaches
-        ``room``; filed again after each growth) and, per sliding window ``W``, its
-        context saturates (``computed`` reaches ``W - 1``). The window sums the roofline
-        needs (:meth:`decode_sums`) are kept up to date from these, so a decode step costs
-        O(1) plus its events. Calendars hold the request objects (rows move when others
-        are dropped); a row leaving the decoding set is taken out of the sums and of
-        every calendar it is in.
+Rule 2: a rest row's request holds its state (``num_computed``, ``num_output``,
+        ``num_blocks``, ``block_room``), as outside the fast path; its positions in the
+        step in flight are in ``rest_n``. A decoding row's ``num_computed`` and
+        ``num_output`` are lazy (Rule 3): :meth:`sync` writes them before anything else
+        reads those fields, and the scheduler leaves the fast path (``sync`` and drop the
+        rows) before any path that changes them by the objects (preemption, abort, groups,
+        a batch the budget or the free blocks cannot hold whole).
+Rule 3: each step adds one position and one token to every decoding row, so its request
+        holds ``lazy_base = num_computed - g``, ``g`` the decode counter (one increment per
+        completed step), and a decode step writes nothing (``num_output = num_computed -
+        prompt + 1`` while decoding). What happens to a decoding row at a known count is
+        filed once in a calendar keyed by the value of ``g`` at which it happens: it
+        finishes (``num_output`` reaches ``target_tokens``), it needs a KV block
+        (``num_computed`` reaches ``block_room``; filed again after each growth) and, per
+        sliding window ``W``, its context saturates (``num_computed`` reaches ``W - 1``).
+        The window sums the roofline needs (:meth:`decode_sums`) are kept up to date from
+        these, so a decode step costs O(1) plus its events. Calendars hold the request
+        objects (rows move when others are dropped); a row leaving the decoding set is
+        taken out of the sums and of every calendar it is in.
 """
 
 from __future__ import annotations
@@ -45,22 +39,22 @@ from typing import Protocol
 
 
 class PlainRequest(Protocol):
-    """What the rows keep of an engine request (``engine._Request``)."""
+    """What the rows keep of an engine request (``request.Request``)."""
 
     id: int
-    prompt: int
+    prompt_tokens: int
     max_tokens: int
-    target: int
-    computed: int
-    output: int
-    blocks: int
-    room: int
-    lazy: int
+    target_tokens: int
+    num_computed: int
+    num_output: int
+    num_blocks: int
+    block_room: int
+    lazy_base: int
 
 
 class RunningRows:
     """The rows of a worker's running requests (Rule 1): the decoding ones' counter,
-    calendars and sums (Rule 4), the others' positions in the step in flight."""
+    calendars and sums (Rule 3), the others' positions in the step in flight."""
 
     __slots__ = (
         "size",
@@ -100,20 +94,20 @@ class RunningRows:
         self.head: tuple[tuple[int, int], ...] | None = None
         #: the most positions a number of KV blocks holds (``Roofline.room_for``)
         self.room_for = room_for
-        #: Rule 4: the decode counter, and the attention window classes (0: full) whose
+        #: Rule 3: the decode counter, and the attention window classes (0: full) whose
         #: sums :meth:`decode_sums` keeps
         self.g = 0
         self.windows = tuple(windows)
-        #: sum of the decoding rows' ``lazy``
+        #: sum of the decoding rows' ``lazy_base``
         self.base_sum = 0
         #: per window class: decoding rows saturated (``computed >= W - 1``), the others,
-        #: the sum of the others' ``lazy``, and how many of them saturate at each ``g``
+        #: the sum of the others' ``lazy_base``, and how many of them saturate at each ``g``
         self.sat = [0] * len(self.windows)
         self.unsat = [0] * len(self.windows)
         self.unsat_sum = [0] * len(self.windows)
         self.sat_cal: list[dict[int, int]] = [{} for _ in self.windows]
         #: ``g`` value -> the decoding requests that finish then; -> those whose next
-        #: position needs a KV block then, each with its ``lazy``
+        #: position needs a KV block then, each with its ``lazy_base``
         self.finish_cal: dict[int, list[PlainRequest]] = {}
         self.grow_cal: dict[int, list[tuple[PlainRequest, int]]] = {}
 
@@ -133,16 +127,16 @@ class RunningRows:
         vectorised mode or when a reader needs the objects."""
         g = self.g
         for r in requests[: self.decoding]:
-            c = r.computed = r.lazy + g
-            r.output = c - r.prompt + 1
+            c = r.num_computed = r.lazy_base + g
+            r.num_output = c - r.prompt_tokens + 1
 
     def computed_now(self, requests: Sequence[PlainRequest]) -> list[int]:
         """Every row's ``computed`` (``requests``: the rows' objects)."""
         g = self.g
         d = self.decoding
-        return [r.lazy + g for r in requests[:d]] + [r.computed for r in requests[d:]]
+        return [r.lazy_base + g for r in requests[:d]] + [r.num_computed for r in requests[d:]]
 
-    # ------------------------------------------------------------------ Rule 4
+    # ------------------------------------------------------------------ Rule 3
     def start_decoding(self, requests: Sequence[PlainRequest]) -> None:
         """The first rest rows (``requests``, in order) decode from now on: their
         requests take the lazy form, and their finish, next growth and window
@@ -157,18 +151,18 @@ class RunningRows:
         base_sum = 0
         for r in requests:
             pairs.append((r.id, 1))
-            c = r.lazy = r.computed - g
+            c = r.lazy_base = r.num_computed - g
             base_sum += c
-            key = r.target - (r.output - g)
+            key = r.target_tokens - (r.num_output - g)
             slot = finish_cal.get(key)
             if slot is None:
                 finish_cal[key] = [r]
             else:
                 slot.append(r)
-            key = r.room - c
-            if key < g:  # ``room`` short of what its blocks hold (0: never asked)
-                r.room = self.room_for(r.blocks)
-                key = r.room - c
+            key = r.block_room - c
+            if key < g:  # ``block_room`` short of what its blocks hold (0: never asked)
+                r.block_room = self.room_for(r.num_blocks)
+                key = r.block_room - c
                 if key < g:
                     key = g
             entry = (r, c)
@@ -195,12 +189,12 @@ class RunningRows:
         """The decoding request ``r`` emitted its last token and its row is about to be
         dropped: write its ``computed`` and ``output`` (its target) back, take it out of
         the sums and of the calendars it is in (its finish has been taken already)."""
-        c = r.lazy
-        r.computed = c + self.g
-        r.output = r.target
+        c = r.lazy_base
+        r.num_computed = c + self.g
+        r.num_output = r.target_tokens
         self.base_sum -= c
         self.head = None
-        key = r.room - c
+        key = r.block_room - c
         grow = self.grow_cal[key]
         if len(grow) == 1:
             del self.grow_cal[key]

@@ -1,0 +1,350 @@
+"""The scheduler's fast path: a loaded worker's step taken whole, in O(1) plus its events.
+
+When a worker runs many plain requests (``n = 1``) with neither speculative decoding nor
+a block being cached or evictable, most of them decode: each step gives every one of them
+one position and one token. The fast path keeps those **decoding rows** lazily
+(:mod:`~inference_lab.core.engine.running_rows`: a decode counter, calendars of the counts
+at which one finishes, needs a KV block or saturates a sliding window) and chooses and
+completes a step that takes every running request whole in O(1) plus the step's events
+and its other rows (admissions, prefill chunks).
+
+Rule 1: a worker takes the fast path when it runs at least ``FAST_PATH_MIN`` plain
+        requests (half as many once in it), none filling the prefix cache and no cached
+        block evictable, and the step takes every running request whole (the budget holds
+        all their chunks, the free blocks all their new blocks); any other step (a budget
+        or free blocks too small for all, a group, a preemption, an abort) leaves it
+        first (:meth:`FastPath.devectorise`) and takes the per-request loop.
+Rule 2: a fast step is the same step the per-request loop would choose: every running
+        request is in it, each with the same positions (so neither the order nor a
+        preemption can change anything); the integers handed to the roofline are the same,
+        so the price is the same to the last bit, and the events are the same.
+Rule 3: this is the scheduler's other half (:class:`FastPath` is a base of
+        :class:`~inference_lab.core.engine.scheduler.Scheduler`): it asks the KV cache
+        manager for blocks like the per-request loop does and completes its other rows
+        with the same arithmetic (``request.complete_members``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from inference_lab.core.engine.block_pool import BlockPool
+from inference_lab.core.engine.kv_cache_manager import KVCacheManager
+from inference_lab.core.engine.request import Request, complete_members
+from inference_lab.core.engine.running_rows import PlainRequest, RunningRows
+from inference_lab.core.engine.scheduler_output import Batch, SchedulerOutput, scheduler_output
+from inference_lab.core.engine.wait_queue import WaitQueue
+from inference_lab.core.roofline import BatchTerms, Roofline
+
+__all__ = ["FAST_PATH_MIN", "FastBatch", "FastPath"]
+
+#: A worker takes the fast path (Rule 1) when it runs at least this many plain requests,
+#: and leaves it when it runs fewer than half as many: a small batch gains little from it,
+#: and entering it costs a pass over the rows.
+FAST_PATH_MIN = 32
+
+
+class FastPath:
+    """The fast path's half of a worker's scheduler (Rule 3). The attributes below are the
+    scheduler's (set by its ``__init__``)."""
+
+    running: list[Request]
+    running_seqs: int
+    pool: BlockPool
+    kv: KVCacheManager
+    roofline: Roofline
+    budget: int
+    chunk_cap: int
+    block_size: int
+    waiting: WaitQueue
+    batch: Batch
+    step_terms: BatchTerms | None
+    step_gamma: int
+    step_id: int
+    step_budget: int
+    step_mark: int
+    admit_head: Callable[[float, int, int], tuple[Request, int] | None]
+    finish: Callable[[Request], None]
+
+    def init_fast_path(self, roofline: Roofline, *, allowed: bool) -> None:
+        #: whether the deployment allows the fast path (no speculative decoding)
+        self.fast_allowed = allowed
+        #: the running requests' rows while in the fast path (None: not in it)
+        self.vec: RunningRows | None = None
+        self.fast_batch = FastBatch(self)  # (what its step in flight is, in the fast path)
+        #: from ``flat[0]`` positions on, ``blocks_for(p) = ceil(p / block_size) +
+        #: flat[1]`` (the private blocks no longer grow)
+        self.flat = roofline.flat_blocks()
+
+    def sync_running(self) -> None:
+        """Write the decoding requests' lazy ``num_computed`` and ``num_output`` back
+        before a reader looks at the objects."""
+        vec = self.vec
+        if vec is not None:
+            vec.sync(self.running[: vec.size])
+
+    def devectorise(self) -> None:
+        """Leave the fast path (Rule 1): the decoding requests take their counts back and
+        a step in flight becomes the list of (request, positions) it stands for."""
+        vec = self.vec
+        if vec is None:
+            return
+        rows = self.running[: vec.size]
+        vec.sync(rows)
+        if isinstance(self.batch, FastBatch):
+            self.batch = list(zip(rows, vec.ns(), strict=True))
+        self.vec = None
+
+    def schedule_fast(self, now: float) -> SchedulerOutput | None:
+        """The batch starting at ``now`` by the fast path, when Rule 1 lets it take it;
+        None otherwise (having left the fast path if it was in it)."""
+        size = len(self.running)
+        pool = self.pool
+        if (
+            size >= (FAST_PATH_MIN if self.vec is None else FAST_PATH_MIN // 2)
+            and self.running_seqs == size
+            and not pool.filling
+            and not pool.evictable
+        ):
+            chosen = self._schedule_whole(now)
+            if chosen is not None:
+                return chosen
+        if self.vec is not None:
+            self.devectorise()
+        return None
+
+    def _grow_due(
+        self, vec: RunningRows
+    ) -> tuple[list[tuple[PlainRequest, int]] | None, list[int] | None, int]:
+        """The decoding rows whose next position needs a block now (filed in the grow
+        calendar at the current count), the blocks each wants (None: one each, the common
+        case past the private blocks' table) and the blocks they need in all."""
+        g = vec.g
+        due = vec.grow_cal.get(g)
+        if due is None:
+            return None, None, 0
+        flat, tail = self.flat
+        bs = self.block_size
+        for r, c in due:
+            room = r.block_room
+            if room - c != g or room < flat or room != (r.num_blocks - tail) * bs:
+                blocks_for = self.kv.blocks_for
+                wants = [blocks_for(c + g + 1) for _, c in due]
+                need = 0
+                for (q, _), want in zip(due, wants, strict=True):
+                    if want > q.num_blocks:
+                        need += want - q.num_blocks
+                return due, wants, need
+        return due, None, len(due)
+
+    def _schedule_whole(self, now: float) -> SchedulerOutput | None:
+        """Rule 1: the batch starting at ``now`` chosen over the rows, when the step takes
+        every running request whole; None (nothing changed) otherwise.
+
+        The rows ``[0, vec.decoding)`` are known to decode (one position each; lazily:
+        :mod:`~inference_lab.core.engine.running_rows` Rule 4): only those filed to grow
+        now and the others' chunks are worked out."""
+        running = self.running
+        k = len(running)
+        vec = self.vec
+        if vec is None:
+            rf = self.roofline
+            vec = self.vec = RunningRows(running, rf.room_for, windows=rf.window_classes())
+        decoding = vec.decoding
+        budget = self.budget
+        due, wants, need = self._grow_due(vec)
+        # the rows that do not decode: their positions and contexts, then admissions'
+        rest_rows = running[decoding:k]
+        rest_n: list[int] = []
+        rest_c: list[int] = []
+        grown: list[tuple[Request, int]] = []  # those that need blocks: their positions
+        total = decoding
+        if rest_rows:  # a step's admissions and prefill chunks: in Python, row by row
+            cap = self.chunk_cap
+            for r in rest_rows:
+                c = r.num_computed
+                left = r.prefill_length() - c
+                n = (left if left < cap else cap) if left > 0 else 1
+                rest_n.append(n)
+                rest_c.append(c)
+                total += n
+                if c + n > r.block_room:
+                    grown.append((r, c + n))
+        if total > budget:
+            return None
+        kv = self.kv
+        wanted: list[int] = []
+        if grown:
+            blocks_for = kv.blocks_for
+            wanted = [blocks_for(p) for _, p in grown]
+            for (r, _), w in zip(grown, wanted, strict=True):
+                if w > r.num_blocks:
+                    need += w - r.num_blocks
+        if need > self.pool.free:
+            return None
+        for (r, _), w in zip(grown, wanted, strict=True):
+            kv.grow_to(r, w)
+        if due is not None:
+            self._grow_decoding(vec, due, wants)
+        vec.rest_n = rest_n
+        vec.step_decoding = decoding
+        self.step_gamma = 0
+        self.step_id += 1
+        mark = self.step_id
+        return self._admit_into_whole(now, mark, budget - total, vec, rest_c)
+
+    def _grow_decoding(
+        self, vec: RunningRows, due: list[tuple[PlainRequest, int]], wants: list[int] | None
+    ) -> None:
+        """The decoding rows ``due`` take the blocks their next position needs (``wants``
+        each; None: one block each) and are filed for their next growth."""
+        g = vec.g
+        grow_cal = vec.grow_cal
+        del grow_cal[g]
+        if wants is None:  # one block each: all are filed block_size positions on
+            self.kv.grow_by_one([r for r, _ in due])
+            bs = self.block_size
+            later = grow_cal.get(g + bs)
+            if later is None:
+                grow_cal[g + bs] = due
+            else:
+                later += due
+            return
+        grow_to = self.kv.grow_to
+        for entry, want in zip(due, wants, strict=True):
+            r, c = entry
+            grow_to(r, want)
+            key = r.block_room - c
+            slot = grow_cal.get(key)
+            if slot is None:
+                grow_cal[key] = [entry]
+            else:
+                slot.append(entry)
+
+    def _admit_into_whole(
+        self, now: float, mark: int, budget: int, vec: RunningRows, rest_c: list[int]
+    ) -> SchedulerOutput:
+        """Admissions into a fast step (marked ``mark``, ``budget`` tokens left) and its
+        price's terms; a group or a request that fills the prefix cache leaves the fast
+        path and the step becomes a list (Rule 1)."""
+        pool = self.pool
+        batch: Any = self.fast_batch
+        ns: Any = None
+        cs: Any = None
+        while budget > 0 and self.waiting.count:
+            admitted = self.admit_head(now, mark, budget)
+            if admitted is None:
+                break
+            r, n = admitted
+            if isinstance(batch, FastBatch) and (r.n != 1 or pool.filling):
+                rows = self.running[: vec.size]
+                self.devectorise()
+                batch = list(zip(rows, vec.ns(), strict=True))
+                ns = [n for _, n in batch]
+                cs = [q.num_computed for q, _ in batch]
+            if isinstance(batch, FastBatch):
+                vec.append(n)  # (to rest_n)
+                rest_c.append(r.num_computed)
+            else:
+                batch.append((r, n))
+                ns.append(n)
+                cs.append(r.num_computed)
+            budget -= n
+        self.step_budget = budget
+        self.step_mark = mark
+        if not isinstance(batch, FastBatch):
+            return scheduler_output(batch, ns, cs, None, 0)
+        rf = self.roofline
+        decoding = vec.decoding
+        rest_n = vec.rest_n
+        if rf.has_mla():
+            terms = rf.batch_terms(vec.ns(), vec.computed_now(self.running))
+        elif rest_n:
+            terms = rf.decode_terms_of(decoding, vec.decode_sums(), rest_n, rest_c)
+        else:
+            terms = BatchTerms(decoding, decoding, vec.decode_totals(), [])  # (the same)
+        return scheduler_output(batch, None, None, terms, 0)
+
+    def complete_fast(
+        self, now: float, emit: list[tuple[int, int]]
+    ) -> tuple[tuple[tuple[int, int], ...], list[Request]]:
+        """``Scheduler.complete`` for a fast step: every row was in the step, each at its
+        ``n``; the same tokens, first-token times and completions, in row order. The rows
+        ``[0, step_decoding)`` decoded: each emits one token (the decode counter moves on;
+        their finishes are the ones filed for it), returned as one tuple; the rows after
+        them that emitted for the first time decode from now on."""
+        vec = self.vec
+        assert vec is not None  # a FastBatch in flight
+        k = vec.size
+        decoding = vec.step_decoding
+        running = self.running
+        # the decoding rows' positions and tokens, lazily; those whose last token it was
+        finishing: list[Any] | None = vec.advance()
+        head = vec.head  # the decoding rows' (id, 1) each, kept while they stay the same
+        if head is None:
+            head = vec.head = tuple(vec.pairs)
+        done: list[int] = []
+        if finishing is not None:
+            for r in finishing:
+                done.append(running.index(r, 0, decoding))
+            if len(done) > 1:
+                done.sort()
+        still = k  # the first row that did not emit (k: none)
+        if decoding < k:  # the others: the per-request loop's arithmetic
+            members = list(zip(running[decoding:k], vec.rest_n, strict=True))
+            rest_done, rest_still = complete_members(members, now, emit)
+            done += [decoding + i for i in rest_done]
+            if rest_still < len(members):
+                still = decoding + rest_still
+        finished: list[Request] = []
+        if done:
+            for i in done:
+                r = running[i]
+                if i < decoding:
+                    vec.finish_decoding(r)
+                self.finish(r)
+                finished.append(r)
+            vec.drop(done)
+            for i in reversed(done):
+                del running[i]
+            still -= len(done) if still == k else sum(1 for i in done if i < still)
+        if still > vec.decoding:
+            vec.start_decoding(running[vec.decoding : still])
+        return head, finished
+
+
+class FastBatch:
+    """The step in flight of a worker in the fast path: every row, each at its ``n`` (1
+    for the decoding ones). Iterating it (the paths that need the objects) syncs them
+    first; appending a plain request adds its row, a group leaves the fast path."""
+
+    __slots__ = ("worker",)
+
+    def __init__(self, worker: FastPath) -> None:
+        self.worker = worker
+
+    def _rows(self) -> RunningRows:
+        vec = self.worker.vec
+        assert vec is not None  # the worker leaves the fast path through devectorise()
+        return vec
+
+    def __len__(self) -> int:
+        return self._rows().size
+
+    def __iter__(self) -> Iterator[tuple[Request, int]]:
+        w = self.worker
+        vec = self._rows()
+        rows = w.running[: vec.size]
+        vec.sync(rows)
+        return iter(list(zip(rows, vec.ns(), strict=True)))
+
+    def append(self, item: tuple[Request, int]) -> None:
+        """A request admitted into the step in flight (a late arrival, engine Rule 2)."""
+        r, n = item
+        w = self.worker
+        if r.n != 1 or w.pool.filling:
+            w.devectorise()
+            w.batch.append(item)
+            return
+        self._rows().append(n)
