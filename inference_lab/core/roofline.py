@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import array
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -53,6 +53,9 @@ from inference_lab.core.config import (
 from inference_lab.core.step_table import StepTable
 
 IntArray = np.ndarray[Any, np.dtype[np.int64]]
+#: :meth:`Roofline.decode_pricer`'s function: per-class sums -> (seconds, roofline,
+#: compute, memory)
+DecodePricer = Callable[[Sequence[int]], tuple[float, float, float, float]]
 
 
 @attrs.frozen
@@ -537,6 +540,51 @@ class Roofline:
             compute * self._eta_flops,
             memory * self._eta_bw,
         )
+
+    def decode_pricer(self, rows: int) -> DecodePricer | None:
+        """For steps of ``rows`` decoding sequences and nothing else (each window class's
+        ``n . att`` equals its ``att`` sum): a function from the per-class sums to
+        ``(seconds, roofline, compute, memory)``, the floats :meth:`price` gives for
+        ``BatchTerms(rows, rows, [[t, t] for t in sums])``, to the bit -- its constants
+        taken once, for a run of such steps (the engine's decode runs). None where the
+        price is not :meth:`_plain_price`'s (a step table, MLA classes, data-parallel
+        attention) or for no rows."""
+        if not self._plain or rows <= 0:
+            return None
+        fixed = self._plain_by_tokens.get(rows)
+        if fixed is None:
+            fixed = self._plain_by_tokens[rows] = self._plain_terms(rows)
+        fa0, ma0, collective, before, after = fixed
+        compute0 = memory0 = roof0 = 0.0
+        for tc, tm in before:  # the streams before attention's, in order (as _plain_price)
+            compute0 += tc
+            memory0 += tm
+            roof0 += tc if tc > tm else tm
+        tail = collective + self._overhead
+        state = self._state_bytes * rows
+        coefs = list(self._coefs)
+        attn_rate, bw = self._attn_rate, self.bandwidth
+        alpha, beta, eta_f, eta_b = self.alpha, self.beta, self._eta_flops, self._eta_bw
+
+        def decode_price(sums: Sequence[int]) -> tuple[float, float, float, float]:
+            fa, ma = fa0, ma0
+            for (attn_coef, kv_coef), total in zip(coefs, sums, strict=True):
+                fa += attn_coef * float(total)
+                ma += kv_coef * float(total)
+            ma += state
+            tc = fa / attn_rate
+            tm = ma / bw
+            compute = compute0 + tc
+            memory = memory0 + tm
+            roof = roof0 + (tc if tc > tm else tm)
+            for tc, tm in after:
+                compute += tc
+                memory += tm
+                roof += tc if tc > tm else tm
+            roof += tail
+            return alpha * roof + beta, roof, compute * eta_f, memory * eta_b
+
+        return decode_price
 
     def _plain_terms(
         self, tokens: int

@@ -47,30 +47,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-import attrs
-
 from inference_lab.core.config import Deployment
 from inference_lab.core.engine.block_pool import KVEvent
-from inference_lab.core.engine.calendar import ARRIVAL, BOUNDARY, GROUP_BOUNDARY, EventCalendar
-from inference_lab.core.engine.dp_group import DPGroup
-from inference_lab.core.engine.drafting import (
-    DraftCounts,
-    draft,
-    plain_equivalent,
-    price_lockstep,
-    price_step,
-)
-from inference_lab.core.engine.fast_path import FastBatch
 from inference_lab.core.engine.limits import check_fits, fits_total
 from inference_lab.core.engine.outputs import (
     EngineStatistics,
-    Finished,
     QueueView,
-    StepEvents,
-    StepInfo,
     engine_statistics,
-    step_events,
-    step_info,
 )
 from inference_lab.core.engine.request import (
     DONE,
@@ -80,27 +63,24 @@ from inference_lab.core.engine.request import (
     Request,
     RequestSpec,
 )
-from inference_lab.core.engine.router import Router
-from inference_lab.core.engine.scheduler import Scheduler
-from inference_lab.core.roofline import Roofline, StepCost
-from inference_lab.core.speculative import AcceptanceDraws, RateAcceptance, expected_length
+from inference_lab.core.engine.stepping import EventLoop
+from inference_lab.core.speculative import AcceptanceDraws, expected_length
 from inference_lab.errors import RequestRefused
 
 __all__ = ["Engine"]
 
 
-class Engine:
+class Engine(EventLoop):
     """One deployment: ``replicas`` workers behind a router (``replicas * dp_attention``
-    with data-parallel attention ranks), and the event calendar.
+    with data-parallel attention ranks), and the event calendar. Its event handling is
+    its base's (:class:`~inference_lab.core.engine.stepping.EventLoop`: ``step``,
+    ``take_arrivals``, ``run_until``); this class is the rest of its API.
 
     Called by ``inference-lab sim`` (as fast as the CPU allows) and by the serve runtime's
     engine task (paced to wall-clock). Not thread-safe; every method is synchronous.
     ``acceptance`` replaces the speculative decoding draws of ``[speculative]`` (a seeded
     :class:`~inference_lab.core.speculative.RateAcceptance`) with the caller's.
     """
-
-    #: Every step lasts this many times its roofline time (the test harness's slowdown).
-    step_time_factor = 1.0
 
     def __init__(
         self,
@@ -109,49 +89,12 @@ class Engine:
         record_kv_events: bool = False,
         acceptance: AcceptanceDraws | None = None,
     ) -> None:
-        self.deployment = deployment
-        self.roofline = Roofline(deployment)
-        self._kv_events: list[KVEvent] | None = [] if record_kv_events else None
-        self.workers = [
-            Scheduler(i, deployment, self.roofline, self._kv_events)
-            for i in range(deployment.workers)
-        ]
-        hw = deployment.hardware
-        dp = hw.dp_attention
-        self.groups = (
-            [DPGroup(self.workers[i : i + dp]) for i in range(0, len(self.workers), dp)]
-            if dp > 1
-            else []
-        )
-        #: each worker's lockstep group (None: it steps alone)
-        self._group_of: list[DPGroup | None] = [None] * len(self.workers)
-        for g in self.groups:
-            for w in g.ranks:
-                self._group_of[w.index] = g
-        spec = deployment.speculative
-        self._spec = spec
-        self._accept: AcceptanceDraws | None = None
-        if spec is not None:
-            self._accept = (
-                acceptance
-                if acceptance is not None
-                else RateAcceptance(deployment.acceptance_rates, spec.seed)
-            )
-        self.now = 0.0
-        self._calendar = EventCalendar()
+        super().__init__(deployment, record_kv_events=record_kv_events, acceptance=acceptance)
         self._ids = itertools.count(1)
-        self._requests: dict[int, Request] = {}
-        self._router = Router(hw.router, hw.affinity_load_ratio, hw.kv_aware_queue_weight)
-        self._pending = 0
-        self._preemptions = 0
-        self._steps = 0
-        self._finished = 0
         self._aborted = 0
         self._max_num_seqs = deployment.scheduler.max_num_seqs
         #: a plain request of at most this many positions passes every check of check_fits
         self._fits_total = fits_total(deployment, self.roofline)
-        #: seconds from a request's arrival to its entering the engine (Rule 7)
-        self._frontend = deployment.scheduler.frontend_latency
 
     # ------------------------------------------------------------------ admission
     def check_fits(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> RequestRefused | None:
@@ -288,253 +231,7 @@ class Engine:
                 best = eta
         return best
 
-    # ------------------------------------------------------------------ events
-    def step(self) -> StepEvents:
-        """Handle the earliest event and return what became visible at its time."""
-        t, kind, payload = self._calendar.pop()
-        if t > self.now:
-            self.now = t
-        now = self.now
-        if kind == ARRIVAL:
-            self._arrive(payload, now)
-            return step_events(now, (), (), (payload.id,), None)
-        if kind == GROUP_BOUNDARY:
-            return self._group_boundary(payload, now)
-        return self._boundary(payload, now)
-
-    def take_arrivals(self, before: float) -> int:
-        """Handle the arrivals at the head of the event queue stamped before ``before``,
-        up to the first other event: exactly what as many ``step()`` calls would do, in
-        the same order, without a ``StepEvents`` each (each would report only its
-        request in ``arrived``). Returns how many it handled (0: the next event is not
-        such an arrival). For a caller that only counts arrivals: the simulator's loop."""
-        take = self._calendar.pop_arrival_before
-        count = 0
-        while (arrival := take(before)) is not None:
-            t, r = arrival
-            if t > self.now:
-                self.now = t
-            self._arrive(r, self.now)
-            count += 1
-        return count
-
-    def _arrive(self, r: Request, now: float) -> None:
-        """The arrival of ``r`` at ``now``: it enters its worker's waiting queue, which
-        steps at ``now`` if idle (or takes it into the step in flight: Rule 2)."""
-        self._pending -= 1
-        hint = r.routed_worker
-        workers = self.workers
-        if hint is not None:
-            w = workers[hint]
-        else:  # (one worker: the router's answer, without asking)
-            w = workers[0] if len(workers) == 1 else self._router.choose(workers, r)
-        r.worker = w.index
-        r.status = WAITING
-        w.waiting.push(r)
-        g = self._group_of[w.index]
-        if g is not None:
-            if not g.scheduled:
-                g.scheduled = True
-                self._calendar.file_boundary(g, now, GROUP_BOUNDARY)
-            elif g.busy and r.stamped_time < g.step_start and w.waiting.count == 1:
-                self._join_late(w, r)
-        elif not w.scheduled:
-            w.scheduled = True
-            self._calendar.file_boundary(w, now, BOUNDARY)
-        elif r.stamped_time < w.step_start and w.waiting.count == 1 and w.batch:
-            self._join_late(w, r)
-
-    def _join_late(self, w: Scheduler, r: Request) -> None:
-        """``r`` reached the engine after the boundary of the step in flight although it
-        arrived (``stamped_time``) before it (the caller took time to hand it over): it
-        joins that step, as it would have at the boundary, if the step has room for it
-        (Rule 2). The step is priced again with it and its end moves accordingly; the
-        tokens of the step's other members were not yet emitted, so none is observed
-        early."""
-        g = self._group_of[w.index]
-        start = w.step_start if g is None else g.step_start
-        admitted = w.admit_head(start, w.step_mark, w.step_budget)
-        if admitted is None:
-            return
-        _, n = admitted
-        r.arrival_time = r.stamped_time  # it is treated as having arrived when stamped
-        w.batch.append(admitted)
-        terms = w.step_terms
-        assert terms is not None  # set with the step in flight
-        rf = self.roofline
-        rf.add_sequence(terms, n, r.num_computed)
-        if w.step_plain is not None:  # a speculative step: its batch without drafts too
-            rf.add_sequence(w.step_plain, n, r.num_computed)
-            w.step_pns.append(n)
-            w.step_cs.append(r.num_computed)
-        w.step_budget -= n
-        if g is not None:  # a rank idle in its group's step gets its first member
-            w.step_start = start
-            cost, _ = price_lockstep(rf, g.ranks)
-            end = start + cost.seconds * self.step_time_factor
-            for rank in g.ranks:
-                rank.step_end = end
-            self._calendar.file_boundary(g, end, GROUP_BOUNDARY)
-            return
-        cost = rf.price(terms) if w.step_plain is None else price_step(rf, w)[0]
-        end = w.step_start + cost.seconds * self.step_time_factor
-        w.step_end = end
-        self._calendar.file_boundary(w, end, BOUNDARY)
-
-    def _complete(
-        self, w: Scheduler, now: float, emit: list[tuple[int, int]], finished: list[Finished]
-    ) -> tuple[tuple[int, int], ...]:
-        """The step of ``w`` that ends at ``now`` (its scheduler's ``complete``), and a
-        ``Finished`` for each request that ended with it. Returns the tokens of its first
-        members (the fast path's decoding rows: one each), which come before those it
-        adds to ``emit``."""
-        head, done = w.complete(now, emit)
-        for r in done:
-            del self._requests[r.id]
-            self._finished += 1
-            finished.append(r.report(now, w.index, self._frontend))
-        return head
-
-    def _boundary(self, w: Scheduler, now: float) -> StepEvents:
-        """The step of ``w`` ends at ``now``: complete it, then choose, price and file its
-        next one (none: the worker idles until an arrival)."""
-        tokens: list[tuple[int, int]] = []
-        finished: list[Finished] = []
-        head = self._complete(w, now, tokens, finished)
-        out = w.schedule(now)
-        batch = out.batch
-        preempted = out.preempted
-        self._preemptions += preempted
-        info = None
-        if type(batch) is FastBatch or batch:  # (a FastBatch is never empty)
-            rf = self.roofline
-            if self._accept is None:
-                terms = out.terms
-                if terms is None:
-                    assert out.positions is not None and out.contexts is not None
-                    terms = rf.batch_terms(out.positions, out.contexts)
-                cost = rf.price(terms)
-                w.step_terms = terms
-            else:
-                assert isinstance(batch, list)  # (speculation keeps the fast path off)
-                counts = draft(rf, self._accept, w, batch)
-                cost, plain = price_step(rf, w)
-                assert w.step_terms is not None  # set by draft
-                terms = w.step_terms
-            duration = cost.seconds * self.step_time_factor
-            w.batch = batch
-            w.step_start = now
-            w.step_end = now + duration
-            self._calendar.file_boundary(w, now + duration, BOUNDARY)
-            self._steps += 1
-            roof = cost.roofline if cost.roofline > 0 else 1.0
-            info = step_info(
-                worker=w.index,
-                start=now,
-                duration=duration,
-                num_seqs=terms.seqs,
-                num_tokens=terms.tokens,
-                kv_usage=(w.total_blocks - w.pool.free) / w.total_blocks,
-                flop_util=cost.compute / roof,
-                bw_util=cost.memory / roof,
-                preempted=preempted,
-            )
-            if self._accept is not None:
-                info = self._with_drafts(info, counts, plain, [w])
-        else:
-            w.batch = []
-            w.scheduled = False
-        emitted = head + tuple(tokens) if tokens else head if head else ()
-        return step_events(now, emitted, tuple(finished) if finished else (), (), info)
-
-    def _with_drafts(
-        self, info: StepInfo, counts: DraftCounts, plain: StepCost, ranks: list[Scheduler]
-    ) -> StepInfo:
-        """``info`` with a speculative step's draft counts and its plain equivalent."""
-        return attrs.evolve(
-            info,
-            drafts=counts.drafts,
-            draft_tokens=counts.draft_tokens,
-            accepted_tokens=counts.accepted_tokens,
-            accepted_per_position=tuple(counts.per_position),
-            plain_duration=plain_equivalent(
-                self.roofline, plain, ranks, counts, self.step_time_factor
-            ),
-        )
-
-    def _group_boundary(self, g: DPGroup, now: float) -> StepEvents:
-        """The lockstep step of a replica's ranks ends at ``now`` (dp_group Rule 1): each
-        rank completes its part and chooses its next batch, and they start together,
-        priced as one step."""
-        tokens: list[tuple[int, int]] = []
-        finished: list[Finished] = []
-        for w in g.ranks:
-            rest = len(tokens)
-            head = self._complete(w, now, tokens, finished)
-            if head:  # this rank's first tokens, before those it added
-                tokens[rest:rest] = head
-        preempted = 0
-        counts = DraftCounts()
-        any_batch = False
-        rf = self.roofline
-        for w in g.ranks:
-            out = w.schedule(now)
-            batch = out.batch
-            preempted += out.preempted
-            w.batch = batch
-            if self._accept is not None:
-                assert isinstance(batch, list)  # (speculation keeps the fast path off)
-                counts.add(draft(rf, self._accept, w, batch))
-            elif out.terms is not None:  # the fast path summed them
-                w.step_terms = out.terms
-            else:
-                assert out.positions is not None and out.contexts is not None
-                w.step_terms = rf.batch_terms(out.positions, out.contexts)
-            if batch:
-                any_batch = True
-        self._preemptions += preempted
-        if not any_batch:
-            g.scheduled = False
-            g.busy = False
-            return StepEvents(
-                time=now, tokens=tuple(tokens), finished=tuple(finished), arrived=(), step=None
-            )
-        cost, plain = price_lockstep(rf, g.ranks)
-        duration = cost.seconds * self.step_time_factor
-        g.busy = True
-        g.step_start = now
-        for w in g.ranks:
-            w.step_start = now
-            w.step_end = now + duration
-        self._calendar.file_boundary(g, now + duration, GROUP_BOUNDARY)
-        self._steps += 1
-        roof = cost.roofline if cost.roofline > 0 else 1.0
-        used = sum(w.total_blocks - w.pool.free for w in g.ranks)
-        total = sum(w.total_blocks for w in g.ranks)
-        info = StepInfo(
-            worker=g.ranks[0].index,
-            start=now,
-            duration=duration,
-            num_seqs=sum(w.step_terms.seqs for w in g.ranks if w.step_terms is not None),
-            num_tokens=sum(w.step_terms.tokens for w in g.ranks if w.step_terms is not None),
-            kv_usage=used / total,
-            flop_util=cost.compute / roof,
-            bw_util=cost.memory / roof,
-            preempted=preempted,
-        )
-        if self._accept is not None:
-            info = self._with_drafts(info, counts, plain, g.ranks)
-        return StepEvents(
-            time=now, tokens=tuple(tokens), finished=tuple(finished), arrived=(), step=info
-        )
-
     # ------------------------------------------------------------------ state
-    def num_waiting(self) -> int:
-        workers = self.workers
-        if len(workers) == 1:
-            return workers[0].waiting.count
-        return sum(w.waiting.count for w in workers)
-
     def num_running(self) -> int:
         """Running requests (a group counts once; see ``statistics().running_seqs``)."""
         return sum(len(w.running) for w in self.workers)

@@ -22,6 +22,12 @@ Rule 3: this is the scheduler's other half (:class:`FastPath` is a base of
         :class:`~inference_lab.core.engine.scheduler.Scheduler`): it asks the KV cache
         manager for blocks like the per-request loop does and completes its other rows
         with the same arithmetic (``request.complete_members``).
+Rule 4: a run of pure decode steps (:meth:`FastPath.decode_run`) is the fast path's steps
+        one after another without the engine's calendar in between: each boundary advances
+        the decode counter, grows the rows filed for it and prices the next step from the
+        window sums, as a boundary handled alone does; it stops before a boundary at which
+        a row finishes, a request waits, the new blocks would not be free or another event
+        comes first, so everything those boundaries do is left to the per-step path.
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ from typing import Any
 
 from inference_lab.core.engine.block_pool import BlockPool
 from inference_lab.core.engine.kv_cache_manager import KVCacheManager
+from inference_lab.core.engine.outputs import StepLog
 from inference_lab.core.engine.request import Request, complete_members
 from inference_lab.core.engine.running_rows import PlainRequest, RunningRows
 from inference_lab.core.engine.scheduler_output import Batch, SchedulerOutput, scheduler_output
 from inference_lab.core.engine.wait_queue import WaitQueue
-from inference_lab.core.roofline import BatchTerms, Roofline
+from inference_lab.core.roofline import BatchTerms, Roofline, StepCost
 
 __all__ = ["FAST_PATH_MIN", "FastBatch", "FastPath"]
 
@@ -64,6 +71,7 @@ class FastPath:
     step_id: int
     step_budget: int
     step_mark: int
+    total_blocks: int
     admit_head: Callable[[float, int, int], tuple[Request, int] | None]
     finish: Callable[[Request], None]
 
@@ -115,12 +123,11 @@ class FastPath:
         return None
 
     def _grow_due(
-        self, vec: RunningRows
+        self, vec: RunningRows, g: int
     ) -> tuple[list[tuple[PlainRequest, int]] | None, list[int] | None, int]:
-        """The decoding rows whose next position needs a block now (filed in the grow
-        calendar at the current count), the blocks each wants (None: one each, the common
-        case past the private blocks' table) and the blocks they need in all."""
-        g = vec.g
+        """The decoding rows whose next position needs a block when the decode counter is
+        ``g`` (filed in the grow calendar there), the blocks each wants (None: one each,
+        the common case past the private blocks' table) and the blocks they need in all."""
         due = vec.grow_cal.get(g)
         if due is None:
             return None, None, 0
@@ -153,7 +160,7 @@ class FastPath:
             vec = self.vec = RunningRows(running, rf.room_for, windows=rf.window_classes())
         decoding = vec.decoding
         budget = self.budget
-        due, wants, need = self._grow_due(vec)
+        due, wants, need = self._grow_due(vec, vec.g)
         # the rows that do not decode: their positions and contexts, then admissions'
         rest_rows = running[decoding:k]
         rest_n: list[int] = []
@@ -312,6 +319,102 @@ class FastPath:
         if still > vec.decoding:
             vec.start_decoding(running[vec.decoding : still])
         return head, finished
+
+    # ------------------------------------------------------------------ decode runs
+    def decode_run(
+        self,
+        now: float,
+        limit: float,
+        price: Callable[[BatchTerms], StepCost],
+        factor: float,
+        log: StepLog,
+    ) -> int:
+        """Rule 4: handle this worker's step boundaries from the one due at ``now`` (not
+        handled yet) while each is earlier than ``limit`` and ends a pure decode step
+        and starts another: the step in flight ran every running request's decode and
+        nothing else, no row finishes at its end, nothing waits, and the rows' new blocks
+        are free. Each boundary is what ``Scheduler.complete``, ``schedule`` and the
+        engine's pricing (``price`` x ``factor``) would do, its step's figures appended to
+        ``log``; at the end the step in flight is the last one started (``step_start``,
+        ``step_end``). Returns how many boundaries it handled (0: the one at ``now`` is
+        not such a boundary, and nothing changed)."""
+        vec = self.vec
+        pool = self.pool
+        if (
+            vec is None
+            or type(self.batch) is not FastBatch
+            or vec.rest_n
+            or vec.decoding != vec.size
+            or vec.decoding < FAST_PATH_MIN // 2
+            or self.waiting.count
+            or pool.filling
+            or pool.evictable
+            or now >= limit
+        ):
+            return 0
+        rows = vec.decoding
+        finish_cal = vec.finish_cal
+        grow_cal = vec.grow_cal
+        rf = self.roofline
+        mla = rf.has_mla()
+        pricer = None if mla else rf.decode_pricer(rows)
+        total = self.total_blocks
+        kv_log, flop_log, bw_log = log.kv_usage.append, log.flop_util.append, log.bw_util.append
+        start = now
+        k = 0
+        while now < limit:
+            g = vec.g + 1
+            if g in finish_cal:
+                break  # a row's last token: the batch changes at this boundary
+            if g in grow_cal:
+                due, wants, need = self._grow_due(vec, g)
+                if need > pool.free:
+                    break  # the step cannot take every row whole
+                vec.advance()  # (None: nothing finishes)
+                assert due is not None
+                self._grow_decoding(vec, due, wants)
+            else:
+                vec.advance()
+            if pricer is not None:
+                seconds, roof, compute, memory = pricer(vec.decode_step_sums())
+            else:
+                terms = (
+                    rf.batch_terms(vec.ns(), vec.computed_now(self.running))
+                    if mla
+                    else BatchTerms(rows, rows, vec.decode_totals(), [])
+                )
+                cost = price(terms)
+                seconds, roof, compute, memory = (
+                    cost.seconds,
+                    cost.roofline,
+                    cost.compute,
+                    cost.memory,
+                )
+            start = now
+            now = now + seconds * factor
+            if roof <= 0:
+                roof = 1.0
+            kv_log((total - pool.free) / total)
+            flop_log(compute / roof)
+            bw_log(memory / roof)
+            k += 1
+        if not k:
+            return 0
+        # the step in flight: the last one started, as _schedule_whole and the engine set it
+        vec.rest_n = []
+        vec.step_decoding = rows
+        self.step_gamma = 0
+        self.step_id += k
+        self.step_budget = self.budget - rows
+        self.step_mark = self.step_id
+        self.step_terms = (
+            rf.batch_terms(vec.ns(), vec.computed_now(self.running))
+            if mla
+            else BatchTerms(rows, rows, vec.decode_totals(), [])
+        )
+        self.step_start = start
+        self.step_end = now
+        return k
 
 
 class FastBatch:

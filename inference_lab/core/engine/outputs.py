@@ -7,6 +7,9 @@ Rule 1: every value here is immutable; the serving layer and the simulator read 
 
 from __future__ import annotations
 
+from array import array
+from typing import Protocol
+
 import attrs
 
 from inference_lab.core.builders import frozen_builder
@@ -17,6 +20,7 @@ __all__ = [
     "QueueView",
     "StepEvents",
     "StepInfo",
+    "StepLog",
     "WorkerStatistics",
     "engine_statistics",
 ]
@@ -227,3 +231,18 @@ def engine_statistics(
         prefix_cache_hits=sum(ws.prefix_cache_hits for ws in workers),
         cached_blocks=sum(ws.cached_blocks for ws in workers),
     )
+
+
+class StepLog(Protocol):
+    """Where ``Engine.run_until`` writes the figures of the steps it starts (the
+    simulator's ``StepTotals``): per step its KV usage and its FLOP and bandwidth
+    utilisations, as a ``StepInfo`` would carry them, and the preemptions summed; a step
+    with more to say (drafts, a lockstep step) is handed over whole to ``add``, which
+    must keep those figures as the appends do."""
+
+    kv_usage: array[float]
+    flop_util: array[float]
+    bw_util: array[float]
+    preempted: int
+
+    def add(self, info: StepInfo) -> None: ...

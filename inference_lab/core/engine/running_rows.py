@@ -249,6 +249,22 @@ class RunningRows:
             out.append([t, t])
         return out
 
+    def decode_step_sums(self) -> list[int]:
+        """Per window class, ``sum(min(num_computed + 1, W))`` over the decoding rows: the
+        one sum a step of the decoding rows alone needs per class (its ``n . att`` and its
+        ``att`` are equal), as in :meth:`decode_totals`."""
+        g = self.g
+        k = self.decoding
+        out = []
+        for window, sat, unsat, unsat_sum in zip(
+            self.windows, self.sat, self.unsat, self.unsat_sum, strict=True
+        ):
+            if window <= 0:
+                out.append(self.base_sum + k * g + k)
+            else:
+                out.append(sat * (window - 1) + unsat_sum + unsat * g + k)
+        return out
+
     def decode_sums(self) -> list[int]:
         """Per window class, the sum over the decoding rows of ``min(computed, W - 1)``
         (``computed`` for full attention): what the roofline's decode terms need."""

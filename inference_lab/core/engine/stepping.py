@@ -1,0 +1,507 @@
+"""The engine's event loop: arrivals and step boundaries handled in time order.
+
+This is the engine's half that moves time (:class:`EventLoop`, the base of
+:class:`~inference_lab.core.engine.engine.Engine`, whose other half is its API): it pops
+the calendar's events, hands arrivals to their workers, ends each step in flight and
+starts the next one, priced by the roofline.
+
+Rule 1: a step's batch is chosen at its start time and its tokens and completions happen at
+        its end time: both are returned by the one ``step()`` call that handles the event at
+        that time (the step boundary), which also chooses the next batch. So an arrival
+        stamped before a boundary joins the batch that starts at that boundary -- also when
+        it reaches the engine after that boundary was handled (a paced caller hands arrivals
+        over with a delay): if the step in flight started after the arrival's stamp
+        and nothing else is waiting, the arrival joins it when the step has room (cap,
+        token budget, blocks), and the step is priced again with it (its end moves later;
+        the ``StepInfo`` reported at its start is not revised).
+Rule 2: :meth:`EventLoop.run_until` handles the events before a time exactly as as many
+        ``step()`` calls would, in the same order, leaving the same state; instead of a
+        ``StepEvents`` each it writes each started step's figures to a step log and each
+        completion to a list. A worker's pure decode steps (every running request
+        decoding, none finishing, nothing waiting, the new blocks free) are handled there
+        as one run by the fast path (:meth:`FastPath.decode_run`), with each step's
+        duration, start and figures those the boundaries one at a time give, to the bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from inference_lab.core.config import Deployment
+from inference_lab.core.engine.block_pool import KVEvent
+from inference_lab.core.engine.calendar import ARRIVAL, BOUNDARY, GROUP_BOUNDARY, EventCalendar
+from inference_lab.core.engine.dp_group import DPGroup
+from inference_lab.core.engine.drafting import (
+    DraftCounts,
+    draft,
+    plain_equivalent,
+    price_lockstep,
+    price_step,
+)
+from inference_lab.core.engine.fast_path import FastBatch
+from inference_lab.core.engine.outputs import (
+    Finished,
+    StepEvents,
+    StepInfo,
+    StepLog,
+    step_events,
+    step_info,
+)
+from inference_lab.core.engine.request import WAITING, Request
+from inference_lab.core.engine.router import Router
+from inference_lab.core.engine.scheduler import Scheduler
+from inference_lab.core.roofline import BatchTerms, Roofline, StepCost
+from inference_lab.core.speculative import AcceptanceDraws, RateAcceptance
+
+__all__ = ["EventLoop", "RunReport"]
+
+#: what ``_start_step`` returns for a step it started: its price, its terms, the requests
+#: preempted to make room, and with speculative decoding its drafts and its plain price
+Started = tuple[StepCost, BatchTerms, int, DraftCounts | None, StepCost]
+
+
+@attrs.define
+class RunReport:
+    """What :meth:`EventLoop.run_until` handled (Rule 2), for a caller that watches the
+    waiting queue (the simulator's peak and its capacity verdict).
+
+    Attributes:
+      events: events handled (each boundary of a decode run counts one).
+      arrivals: arrivals among them.
+      steps: steps started.
+      peak_waiting: the most requests waiting after an arrival or a step that preempted.
+      waiting_at_mid: requests waiting after the last arrival at or before ``mid`` (None:
+        no such arrival).
+      waiting_at_end: requests waiting after the last arrival (None: no arrival).
+      kv_usage: the KV usage of the last step started (None: none started).
+    """
+
+    events: int = 0
+    arrivals: int = 0
+    steps: int = 0
+    peak_waiting: int = 0
+    waiting_at_mid: int | None = None
+    waiting_at_end: int | None = None
+    kv_usage: float | None = None
+
+
+class EventLoop:
+    """The engine's event handling (Rules 1 and 2): its workers, their lockstep groups, the
+    calendar, the speculative draws and the counters it keeps."""
+
+    #: Every step lasts this many times its roofline time (the test harness's slowdown).
+    step_time_factor = 1.0
+
+    def __init__(
+        self,
+        deployment: Deployment,
+        *,
+        record_kv_events: bool,
+        acceptance: AcceptanceDraws | None,
+    ) -> None:
+        self.deployment = deployment
+        self.roofline = Roofline(deployment)
+        self._kv_events: list[KVEvent] | None = [] if record_kv_events else None
+        self.workers = [
+            Scheduler(i, deployment, self.roofline, self._kv_events)
+            for i in range(deployment.workers)
+        ]
+        hw = deployment.hardware
+        dp = hw.dp_attention
+        self.groups = (
+            [DPGroup(self.workers[i : i + dp]) for i in range(0, len(self.workers), dp)]
+            if dp > 1
+            else []
+        )
+        #: each worker's lockstep group (None: it steps alone)
+        self._group_of: list[DPGroup | None] = [None] * len(self.workers)
+        for g in self.groups:
+            for w in g.ranks:
+                self._group_of[w.index] = g
+        spec = deployment.speculative
+        self._spec = spec
+        self._accept: AcceptanceDraws | None = None
+        if spec is not None:
+            self._accept = (
+                acceptance
+                if acceptance is not None
+                else RateAcceptance(deployment.acceptance_rates, spec.seed)
+            )
+        self.now = 0.0
+        self._calendar = EventCalendar()
+        self._requests: dict[int, Request] = {}
+        self._router = Router(hw.router, hw.affinity_load_ratio, hw.kv_aware_queue_weight)
+        self._pending = 0
+        self._preemptions = 0
+        self._steps = 0
+        self._finished = 0
+        #: seconds from a request's arrival to its entering the engine (engine Rule 7)
+        self._frontend = deployment.scheduler.frontend_latency
+        #: the tokens ``run_until`` has a step end emit (nobody reads them there)
+        self._scratch: list[tuple[int, int]] = []
+
+    def step(self) -> StepEvents:
+        """Handle the earliest event and return what became visible at its time."""
+        t, kind, payload = self._calendar.pop()
+        if t > self.now:
+            self.now = t
+        now = self.now
+        if kind == ARRIVAL:
+            self._arrive(payload, now)
+            return step_events(now, (), (), (payload.id,), None)
+        if kind == GROUP_BOUNDARY:
+            return self._group_boundary(payload, now)
+        return self._boundary(payload, now)
+
+    def take_arrivals(self, before: float) -> int:
+        """Handle the arrivals at the head of the event queue stamped before ``before``,
+        up to the first other event: exactly what as many ``step()`` calls would do, in
+        the same order, without a ``StepEvents`` each (each would report only its
+        request in ``arrived``). Returns how many it handled (0: the next event is not
+        such an arrival). For a caller that only counts arrivals: the simulator's loop."""
+        take = self._calendar.pop_arrival_before
+        count = 0
+        while (arrival := take(before)) is not None:
+            t, r = arrival
+            if t > self.now:
+                self.now = t
+            self._arrive(r, self.now)
+            count += 1
+        return count
+
+    def _arrive(self, r: Request, now: float) -> None:
+        """The arrival of ``r`` at ``now``: it enters its worker's waiting queue, which
+        steps at ``now`` if idle (or takes it into the step in flight: Rule 2)."""
+        self._pending -= 1
+        hint = r.routed_worker
+        workers = self.workers
+        if hint is not None:
+            w = workers[hint]
+        else:  # (one worker: the router's answer, without asking)
+            w = workers[0] if len(workers) == 1 else self._router.choose(workers, r)
+        r.worker = w.index
+        r.status = WAITING
+        w.waiting.push(r)
+        g = self._group_of[w.index]
+        if g is not None:
+            if not g.scheduled:
+                g.scheduled = True
+                self._calendar.file_boundary(g, now, GROUP_BOUNDARY)
+            elif g.busy and r.stamped_time < g.step_start and w.waiting.count == 1:
+                self._join_late(w, r)
+        elif not w.scheduled:
+            w.scheduled = True
+            self._calendar.file_boundary(w, now, BOUNDARY)
+        elif r.stamped_time < w.step_start and w.waiting.count == 1 and w.batch:
+            self._join_late(w, r)
+
+    def _join_late(self, w: Scheduler, r: Request) -> None:
+        """``r`` reached the engine after the boundary of the step in flight although it
+        arrived (``stamped_time``) before it (the caller took time to hand it over): it
+        joins that step, as it would have at the boundary, if the step has room for it
+        (Rule 2). The step is priced again with it and its end moves accordingly; the
+        tokens of the step's other members were not yet emitted, so none is observed
+        early."""
+        g = self._group_of[w.index]
+        start = w.step_start if g is None else g.step_start
+        admitted = w.admit_head(start, w.step_mark, w.step_budget)
+        if admitted is None:
+            return
+        _, n = admitted
+        r.arrival_time = r.stamped_time  # it is treated as having arrived when stamped
+        w.batch.append(admitted)
+        terms = w.step_terms
+        assert terms is not None  # set with the step in flight
+        rf = self.roofline
+        rf.add_sequence(terms, n, r.num_computed)
+        if w.step_plain is not None:  # a speculative step: its batch without drafts too
+            rf.add_sequence(w.step_plain, n, r.num_computed)
+            w.step_pns.append(n)
+            w.step_cs.append(r.num_computed)
+        w.step_budget -= n
+        if g is not None:  # a rank idle in its group's step gets its first member
+            w.step_start = start
+            cost, _ = price_lockstep(rf, g.ranks)
+            end = start + cost.seconds * self.step_time_factor
+            for rank in g.ranks:
+                rank.step_end = end
+            self._calendar.file_boundary(g, end, GROUP_BOUNDARY)
+            return
+        cost = rf.price(terms) if w.step_plain is None else price_step(rf, w)[0]
+        end = w.step_start + cost.seconds * self.step_time_factor
+        w.step_end = end
+        self._calendar.file_boundary(w, end, BOUNDARY)
+
+    def _complete(
+        self, w: Scheduler, now: float, emit: list[tuple[int, int]], finished: list[Finished]
+    ) -> tuple[tuple[int, int], ...]:
+        """The step of ``w`` that ends at ``now`` (its scheduler's ``complete``), and a
+        ``Finished`` for each request that ended with it. Returns the tokens of its first
+        members (the fast path's decoding rows: one each), which come before those it
+        adds to ``emit``."""
+        head, done = w.complete(now, emit)
+        for r in done:
+            del self._requests[r.id]
+            self._finished += 1
+            finished.append(r.report(now, w.index, self._frontend))
+        return head
+
+    def _boundary(self, w: Scheduler, now: float) -> StepEvents:
+        """The step of ``w`` ends at ``now``: complete it, then choose, price and file its
+        next one (none: the worker idles until an arrival)."""
+        tokens: list[tuple[int, int]] = []
+        finished: list[Finished] = []
+        head = self._complete(w, now, tokens, finished)
+        started = self._start_step(w, now)
+        info = None if started is None else self._step_info(w, now, started)
+        emitted = head + tuple(tokens) if tokens else head if head else ()
+        return step_events(now, emitted, tuple(finished) if finished else (), (), info)
+
+    def _start_step(self, w: Scheduler, now: float) -> Started | None:
+        """Choose ``w``'s next batch at ``now``, price it and file its end; None when it
+        has nothing to run (it idles until an arrival)."""
+        out = w.schedule(now)
+        batch = out.batch
+        preempted = out.preempted
+        self._preemptions += preempted
+        if not (type(batch) is FastBatch or batch):  # (a FastBatch is never empty)
+            w.batch = []
+            w.scheduled = False
+            return None
+        rf = self.roofline
+        counts = None
+        if self._accept is None:
+            terms = out.terms
+            if terms is None:
+                assert out.positions is not None and out.contexts is not None
+                terms = rf.batch_terms(out.positions, out.contexts)
+            cost = plain = rf.price(terms)
+            w.step_terms = terms
+        else:
+            assert isinstance(batch, list)  # (speculation keeps the fast path off)
+            counts = draft(rf, self._accept, w, batch)
+            cost, plain = price_step(rf, w)
+            assert w.step_terms is not None  # set by draft
+            terms = w.step_terms
+        end = now + cost.seconds * self.step_time_factor
+        w.batch = batch
+        w.step_start = now
+        w.step_end = end
+        self._calendar.file_boundary(w, end, BOUNDARY)
+        self._steps += 1
+        return cost, terms, preempted, counts, plain
+
+    def _step_info(self, w: Scheduler, now: float, started: Started) -> StepInfo:
+        """The ``StepInfo`` of the step ``_start_step`` started on ``w`` at ``now``."""
+        cost, terms, preempted, counts, plain = started
+        roof = cost.roofline if cost.roofline > 0 else 1.0
+        info = step_info(
+            worker=w.index,
+            start=now,
+            duration=cost.seconds * self.step_time_factor,
+            num_seqs=terms.seqs,
+            num_tokens=terms.tokens,
+            kv_usage=(w.total_blocks - w.pool.free) / w.total_blocks,
+            flop_util=cost.compute / roof,
+            bw_util=cost.memory / roof,
+            preempted=preempted,
+        )
+        if counts is not None:
+            info = self._with_drafts(info, counts, plain, [w])
+        return info
+
+    def _with_drafts(
+        self, info: StepInfo, counts: DraftCounts, plain: StepCost, ranks: list[Scheduler]
+    ) -> StepInfo:
+        """``info`` with a speculative step's draft counts and its plain equivalent."""
+        return attrs.evolve(
+            info,
+            drafts=counts.drafts,
+            draft_tokens=counts.draft_tokens,
+            accepted_tokens=counts.accepted_tokens,
+            accepted_per_position=tuple(counts.per_position),
+            plain_duration=plain_equivalent(
+                self.roofline, plain, ranks, counts, self.step_time_factor
+            ),
+        )
+
+    def _group_boundary(self, g: DPGroup, now: float) -> StepEvents:
+        """The lockstep step of a replica's ranks ends at ``now`` (dp_group Rule 1): each
+        rank completes its part and chooses its next batch, and they start together,
+        priced as one step."""
+        tokens: list[tuple[int, int]] = []
+        finished: list[Finished] = []
+        for w in g.ranks:
+            rest = len(tokens)
+            head = self._complete(w, now, tokens, finished)
+            if head:  # this rank's first tokens, before those it added
+                tokens[rest:rest] = head
+        preempted = 0
+        counts = DraftCounts()
+        any_batch = False
+        rf = self.roofline
+        for w in g.ranks:
+            out = w.schedule(now)
+            batch = out.batch
+            preempted += out.preempted
+            w.batch = batch
+            if self._accept is not None:
+                assert isinstance(batch, list)  # (speculation keeps the fast path off)
+                counts.add(draft(rf, self._accept, w, batch))
+            elif out.terms is not None:  # the fast path summed them
+                w.step_terms = out.terms
+            else:
+                assert out.positions is not None and out.contexts is not None
+                w.step_terms = rf.batch_terms(out.positions, out.contexts)
+            if batch:
+                any_batch = True
+        self._preemptions += preempted
+        if not any_batch:
+            g.scheduled = False
+            g.busy = False
+            return StepEvents(
+                time=now, tokens=tuple(tokens), finished=tuple(finished), arrived=(), step=None
+            )
+        cost, plain = price_lockstep(rf, g.ranks)
+        duration = cost.seconds * self.step_time_factor
+        g.busy = True
+        g.step_start = now
+        for w in g.ranks:
+            w.step_start = now
+            w.step_end = now + duration
+        self._calendar.file_boundary(g, now + duration, GROUP_BOUNDARY)
+        self._steps += 1
+        roof = cost.roofline if cost.roofline > 0 else 1.0
+        used = sum(w.total_blocks - w.pool.free for w in g.ranks)
+        total = sum(w.total_blocks for w in g.ranks)
+        info = StepInfo(
+            worker=g.ranks[0].index,
+            start=now,
+            duration=duration,
+            num_seqs=sum(w.step_terms.seqs for w in g.ranks if w.step_terms is not None),
+            num_tokens=sum(w.step_terms.tokens for w in g.ranks if w.step_terms is not None),
+            kv_usage=used / total,
+            flop_util=cost.compute / roof,
+            bw_util=cost.memory / roof,
+            preempted=preempted,
+        )
+        if self._accept is not None:
+            info = self._with_drafts(info, counts, plain, g.ranks)
+        return StepEvents(
+            time=now, tokens=tuple(tokens), finished=tuple(finished), arrived=(), step=info
+        )
+
+    # ------------------------------------------------------------------ runs (Rule 2)
+    def run_until(
+        self,
+        before: float,
+        log: StepLog,
+        finished: list[Finished],
+        *,
+        mid: float = -math.inf,
+        stop_at_arrival: bool = False,
+        stop_on_finish: bool = False,
+    ) -> RunReport:
+        """Handle every event earlier than ``before`` as ``step()`` would (Rule 2), each
+        started step's figures written to ``log`` and each completion appended to
+        ``finished``. Stops before an arrival with ``stop_at_arrival`` (its caller decides
+        on it), and after the first event that completed a request with
+        ``stop_on_finish`` (its caller submits follow-ups). ``mid``: the time whose queue
+        the report gives."""
+        cal = self._calendar
+        report = RunReport()
+        while True:
+            t = cal.next_time()
+            if t is None or t >= before:
+                return report
+            if stop_at_arrival and cal.heap[0][2] == ARRIVAL:
+                return report
+            t, kind, payload = cal.pop()
+            if t > self.now:
+                self.now = t
+            now = self.now
+            report.events += 1
+            if kind == ARRIVAL:
+                self._arrive(payload, now)
+                report.arrivals += 1
+                waiting = self.num_waiting()
+                if waiting > report.peak_waiting:
+                    report.peak_waiting = waiting
+                if now <= mid:
+                    report.waiting_at_mid = waiting
+                report.waiting_at_end = waiting
+                continue
+            done = len(finished)
+            if kind == BOUNDARY:
+                self._run_boundary(payload, now, before, log, finished, report)
+            else:
+                ev = self._group_boundary(payload, now)
+                finished.extend(ev.finished)
+                if ev.step is not None:
+                    log.add(ev.step)
+                    self._report_step(report, ev.step.kv_usage, ev.step.preempted)
+            if stop_on_finish and len(finished) > done:
+                return report
+
+    def _run_boundary(
+        self,
+        w: Scheduler,
+        now: float,
+        before: float,
+        log: StepLog,
+        finished: list[Finished],
+        report: RunReport,
+    ) -> None:
+        """``run_until``'s handling of ``w``'s boundary at ``now``: with the boundaries
+        after it, as one decode run when the fast path can take them (Rule 2), else alone,
+        as ``_boundary`` without its ``StepEvents``."""
+        cal = self._calendar
+        nxt = cal.next_time()
+        limit = before if nxt is None or nxt > before else nxt
+        k = w.decode_run(now, limit, self.roofline.price, self.step_time_factor, log)
+        if k:
+            self.now = w.step_start
+            self._steps += k
+            report.events += k - 1
+            report.steps += k
+            report.kv_usage = log.kv_usage[-1]
+            cal.file_boundary(w, w.step_end, BOUNDARY)
+            return
+        self._complete(w, now, self._scratch, finished)
+        self._scratch.clear()
+        started = self._start_step(w, now)
+        if started is None:
+            return
+        cost, _terms, preempted, counts, _plain = started
+        if counts is not None:  # a speculative step: its draft figures too
+            info = self._step_info(w, now, started)
+            log.add(info)
+            self._report_step(report, info.kv_usage, preempted)
+            return
+        roof = cost.roofline if cost.roofline > 0 else 1.0
+        usage = (w.total_blocks - w.pool.free) / w.total_blocks
+        log.kv_usage.append(usage)
+        log.flop_util.append(cost.compute / roof)
+        log.bw_util.append(cost.memory / roof)
+        if preempted:
+            log.preempted += preempted
+        self._report_step(report, usage, preempted)
+
+    def _report_step(self, report: RunReport, kv_usage: float, preempted: int) -> None:
+        """A step started during ``run_until``: counted, and the queue after a
+        preemption looked at (the simulator's peak)."""
+        report.steps += 1
+        report.kv_usage = kv_usage
+        if preempted:
+            waiting = self.num_waiting()
+            if waiting > report.peak_waiting:
+                report.peak_waiting = waiting
+
+    def num_waiting(self) -> int:
+        """Requests waiting, over every worker."""
+        workers = self.workers
+        if len(workers) == 1:
+            return workers[0].waiting.count
+        return sum(w.waiting.count for w in workers)
