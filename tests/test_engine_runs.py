@@ -188,10 +188,10 @@ def test_decode_runs_do_happen(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[int] = []
     original = fast_module.FastPath.decode_run
 
-    def counting(self: Any, *args: Any) -> int:
-        k = original(self, *args)
-        seen.append(k)
-        return k
+    def counting(self: Any, *args: Any, **kw: Any) -> Any:
+        run = original(self, *args, **kw)
+        seen.append(0 if run is None else run.started)
+        return run
 
     monkeypatch.setattr(fast_module.FastPath, "decode_run", counting)
     dep, kw = SCENARIOS["gpt-oss-light"]()

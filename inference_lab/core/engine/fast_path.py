@@ -22,12 +22,14 @@ Rule 3: this is the scheduler's other half (:class:`FastPath` is a base of
         :class:`~inference_lab.core.engine.scheduler.Scheduler`): it asks the KV cache
         manager for blocks like the per-request loop does and completes its other rows
         with the same arithmetic (``request.complete_members``).
-Rule 4: a run of pure decode steps (:meth:`FastPath.decode_run`) is the fast path's steps
-        one after another without the engine's calendar in between: each boundary advances
-        the decode counter, grows the rows filed for it and prices the next step from the
-        window sums, as a boundary handled alone does; it stops before a boundary at which
-        a row finishes, a request waits, the new blocks would not be free or another event
-        comes first, so everything those boundaries do is left to the per-step path.
+Rule 4: a decode run (:meth:`FastPath.decode_run`) is the fast path's boundaries one after
+        another without the engine's calendar in between, until the next other event: each
+        ends the step in flight as ``complete_fast`` does (a pure decode step's end only
+        moves the decode counter on) and starts a pure decode step -- the rows filed for
+        it grow, its price comes from the window sums (the roofline's decode pricer) --
+        as a boundary handled alone does. A boundary whose next step is not a pure decode
+        one (a request waits, the new blocks would not be free, too few rows) ends the
+        run with its step in flight ended and the next one left to the per-step path.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import attrs
+
+from inference_lab.core.builders import frozen_builder
 from inference_lab.core.engine.block_pool import BlockPool
 from inference_lab.core.engine.kv_cache_manager import KVCacheManager
 from inference_lab.core.engine.outputs import StepLog
@@ -42,14 +47,29 @@ from inference_lab.core.engine.request import Request, complete_members
 from inference_lab.core.engine.running_rows import PlainRequest, RunningRows
 from inference_lab.core.engine.scheduler_output import Batch, SchedulerOutput, scheduler_output
 from inference_lab.core.engine.wait_queue import WaitQueue
-from inference_lab.core.roofline import BatchTerms, Roofline, StepCost
+from inference_lab.core.roofline import BatchTerms, DecodePricer, Roofline, StepCost
 
-__all__ = ["FAST_PATH_MIN", "FastBatch", "FastPath"]
+__all__ = ["FAST_PATH_MIN", "DecodeRun", "FastBatch", "FastPath"]
 
 #: A worker takes the fast path (Rule 1) when it runs at least this many plain requests,
 #: and leaves it when it runs fewer than half as many: a small batch gains little from it,
 #: and entering it costs a pass over the rows.
 FAST_PATH_MIN = 32
+
+
+@attrs.frozen
+class DecodeRun:
+    """What :meth:`FastPath.decode_run` did: the boundaries it handled, the steps it
+    started, the time of its last boundary, and whether that one's next step is the
+    caller's to start (``partial``: it ended the step in flight only)."""
+
+    boundaries: int
+    started: int
+    last: float
+    partial: bool
+
+
+decode_run_result = frozen_builder(DecodeRun)
 
 
 class FastPath:
@@ -81,6 +101,8 @@ class FastPath:
         #: the running requests' rows while in the fast path (None: not in it)
         self.vec: RunningRows | None = None
         self.fast_batch = FastBatch(self)  # (what its step in flight is, in the fast path)
+        #: the roofline's decode pricer per count of decoding rows (decode runs)
+        self.pricers: dict[int, DecodePricer | None] = {}
         #: from ``flat[0]`` positions on, ``blocks_for(p) = ceil(p / block_size) +
         #: flat[1]`` (the private blocks no longer grow)
         self.flat = roofline.flat_blocks()
@@ -328,62 +350,76 @@ class FastPath:
         price: Callable[[BatchTerms], StepCost],
         factor: float,
         log: StepLog,
-    ) -> int:
+        ended: list[tuple[Request, float]],
+        *,
+        stop_after_finish: bool = False,
+    ) -> DecodeRun | None:
         """Rule 4: handle this worker's step boundaries from the one due at ``now`` (not
-        handled yet) while each is earlier than ``limit`` and ends a pure decode step
-        and starts another: the step in flight ran every running request's decode and
-        nothing else, no row finishes at its end, nothing waits, and the rows' new blocks
-        are free. Each boundary is what ``Scheduler.complete``, ``schedule`` and the
-        engine's pricing (``price`` x ``factor``) would do, its step's figures appended to
-        ``log``; at the end the step in flight is the last one started (``step_start``,
-        ``step_end``). Returns how many boundaries it handled (0: the one at ``now`` is
-        not such a boundary, and nothing changed)."""
+        handled yet) while each is earlier than ``limit``: each ends the fast step in
+        flight (``Scheduler.complete``: requests finishing at a boundary go to ``ended``
+        with its time) and starts a pure decode step, priced as the engine prices it
+        (``price`` x ``factor``), its figures appended to ``log``. At a boundary whose next
+        step is not a pure decode one (a request waits, the new blocks are short, the
+        batch is too small for the fast path) or after one that finished a request with
+        ``stop_after_finish``, it ends the step in flight only and leaves starting the
+        next one to the caller. None when the boundary at ``now`` is not the end of a fast
+        step (nothing changed)."""
         vec = self.vec
         pool = self.pool
         if (
             vec is None
             or type(self.batch) is not FastBatch
-            or vec.rest_n
-            or vec.decoding != vec.size
-            or vec.decoding < FAST_PATH_MIN // 2
-            or self.waiting.count
             or pool.filling
             or pool.evictable
             or now >= limit
         ):
-            return 0
-        rows = vec.decoding
+            return None
         finish_cal = vec.finish_cal
         grow_cal = vec.grow_cal
         rf = self.roofline
         mla = rf.has_mla()
-        pricer = None if mla else rf.decode_pricer(rows)
         total = self.total_blocks
         kv_log, flop_log, bw_log = log.kv_usage.append, log.flop_util.append, log.bw_util.append
-        start = now
-        k = 0
+        scratch: list[tuple[int, int]] = []
+        pricer = None
+        priced_rows = -1
+        boundaries = started = 0
+        start = boundary = now
         while now < limit:
-            g = vec.g + 1
-            if g in finish_cal:
-                break  # a row's last token: the batch changes at this boundary
+            boundary = now
+            boundaries += 1
+            if vec.rest_n or vec.decoding != vec.size or vec.g + 1 in finish_cal:
+                _, done = self.complete_fast(now, scratch)  # the general end of a fast step
+                scratch.clear()
+                for r in done:
+                    ended.append((r, now))
+                if done and stop_after_finish:
+                    return self._settle(vec, boundaries, started, start, now, boundary, True)
+            else:
+                vec.advance()  # a pure decode step's end: a token each, nothing finishes
+            rows = vec.decoding
+            if (
+                self.waiting.count
+                or vec.size != rows
+                or rows < FAST_PATH_MIN // 2
+                or rows > self.budget
+            ):
+                return self._settle(vec, boundaries, started, start, now, boundary, True)
+            g = vec.g
             if g in grow_cal:
                 due, wants, need = self._grow_due(vec, g)
                 if need > pool.free:
-                    break  # the step cannot take every row whole
-                vec.advance()  # (None: nothing finishes)
+                    return self._settle(vec, boundaries, started, start, now, boundary, True)
                 assert due is not None
                 self._grow_decoding(vec, due, wants)
-            else:
-                vec.advance()
+            if rows != priced_rows:
+                pricer = None if mla else self._decode_pricer(rows)
+                priced_rows = rows
+                vec.step_decoding = rows
             if pricer is not None:
                 seconds, roof, compute, memory = pricer(vec.decode_step_sums())
             else:
-                terms = (
-                    rf.batch_terms(vec.ns(), vec.computed_now(self.running))
-                    if mla
-                    else BatchTerms(rows, rows, vec.decode_totals(), [])
-                )
-                cost = price(terms)
+                cost = price(self._decode_terms(vec, mla))
                 seconds, roof, compute, memory = (
                     cost.seconds,
                     cost.roofline,
@@ -397,24 +433,49 @@ class FastPath:
             kv_log((total - pool.free) / total)
             flop_log(compute / roof)
             bw_log(memory / roof)
-            k += 1
-        if not k:
-            return 0
-        # the step in flight: the last one started, as _schedule_whole and the engine set it
-        vec.rest_n = []
-        vec.step_decoding = rows
-        self.step_gamma = 0
-        self.step_id += k
-        self.step_budget = self.budget - rows
-        self.step_mark = self.step_id
-        self.step_terms = (
-            rf.batch_terms(vec.ns(), vec.computed_now(self.running))
-            if mla
-            else BatchTerms(rows, rows, vec.decode_totals(), [])
-        )
-        self.step_start = start
-        self.step_end = now
-        return k
+            started += 1
+        return self._settle(vec, boundaries, started, start, now, boundary, False)
+
+    def _decode_pricer(self, rows: int) -> DecodePricer | None:
+        """The roofline's decode pricer for ``rows`` rows, made once per count."""
+        pricers = self.pricers
+        if rows not in pricers:
+            pricers[rows] = self.roofline.decode_pricer(rows)
+        return pricers[rows]
+
+    def _decode_terms(self, vec: RunningRows, mla: bool) -> BatchTerms:
+        """The terms of a step of the decoding rows alone (as ``_admit_into_whole``)."""
+        if mla:
+            return self.roofline.batch_terms(vec.ns(), vec.computed_now(self.running))
+        rows = vec.decoding
+        return BatchTerms(rows, rows, vec.decode_totals(), [])
+
+    def _settle(
+        self,
+        vec: RunningRows,
+        boundaries: int,
+        started: int,
+        start: float,
+        end: float,
+        boundary: float,
+        partial: bool,
+    ) -> DecodeRun:
+        """A decode run ends: the step in flight is its last started one (the fields
+        ``_schedule_whole`` and the engine set), unless the run ends with a boundary whose
+        next step is the caller's to start (``partial``)."""
+        if started:
+            self.step_id += started
+            self.step_mark = self.step_id
+            self.step_gamma = 0
+            if not partial:
+                rows = vec.decoding
+                if vec.rest_n:
+                    vec.rest_n = []
+                self.step_budget = self.budget - rows
+                self.step_terms = self._decode_terms(vec, self.roofline.has_mla())
+                self.step_start = start
+                self.step_end = end
+        return decode_run_result(boundaries, started, boundary, partial)
 
 
 class FastBatch:

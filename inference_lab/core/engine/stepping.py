@@ -141,6 +141,8 @@ class EventLoop:
         self._frontend = deployment.scheduler.frontend_latency
         #: the tokens ``run_until`` has a step end emit (nobody reads them there)
         self._scratch: list[tuple[int, int]] = []
+        #: the requests a decode run ended, with their finish times
+        self._ended: list[tuple[Request, float]] = []
 
     def step(self) -> StepEvents:
         """Handle the earliest event and return what became visible at its time."""
@@ -435,7 +437,7 @@ class EventLoop:
                 continue
             done = len(finished)
             if kind == BOUNDARY:
-                self._run_boundary(payload, now, before, log, finished, report)
+                self._run_boundary(payload, now, before, log, finished, report, stop_on_finish)
             else:
                 ev = self._group_boundary(payload, now)
                 finished.extend(ev.finished)
@@ -453,6 +455,7 @@ class EventLoop:
         log: StepLog,
         finished: list[Finished],
         report: RunReport,
+        stop_on_finish: bool,
     ) -> None:
         """``run_until``'s handling of ``w``'s boundary at ``now``: with the boundaries
         after it, as one decode run when the fast path can take them (Rule 2), else alone,
@@ -460,17 +463,35 @@ class EventLoop:
         cal = self._calendar
         nxt = cal.next_time()
         limit = before if nxt is None or nxt > before else nxt
-        k = w.decode_run(now, limit, self.roofline.price, self.step_time_factor, log)
-        if k:
-            self.now = w.step_start
-            self._steps += k
-            report.events += k - 1
-            report.steps += k
-            report.kv_usage = log.kv_usage[-1]
-            cal.file_boundary(w, w.step_end, BOUNDARY)
-            return
-        self._complete(w, now, self._scratch, finished)
-        self._scratch.clear()
+        ended = self._ended
+        run = w.decode_run(
+            now,
+            limit,
+            self.roofline.price,
+            self.step_time_factor,
+            log,
+            ended,
+            stop_after_finish=stop_on_finish,
+        )
+        if run is not None:
+            for r, t in ended:
+                del self._requests[r.id]
+                self._finished += 1
+                finished.append(r.report(t, w.index, self._frontend))
+            ended.clear()
+            self._steps += run.started
+            report.events += run.boundaries - 1
+            report.steps += run.started
+            if run.started:
+                report.kv_usage = log.kv_usage[-1]
+            if not run.partial:
+                self.now = w.step_start
+                cal.file_boundary(w, w.step_end, BOUNDARY)
+                return
+            now = self.now = run.last  # its next step is ours to start
+        else:
+            self._complete(w, now, self._scratch, finished)
+            self._scratch.clear()
         started = self._start_step(w, now)
         if started is None:
             return
