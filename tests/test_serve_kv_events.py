@@ -1,6 +1,8 @@
 """KV-cache events over ZeroMQ (:mod:`inference_lab.serve.kv_events`), against real
-sockets: a pyzmq subscriber rebuilds each replica's set of cached blocks from the events
-of a served model and compares it with the engine's, including a replay after a gap.
+sockets: a pyzmq subscriber decodes every batch -- live and replayed -- with msgspec
+structs that mirror vLLM's own declarations, checks each one re-encodes to the very bytes
+received (field for field, defaults and omissions included), and rebuilds each replica's
+set of cached blocks from them, which must equal the engine's.
 
 These tests run on trio's real clock (the app paces to wall-clock; the publisher is a
 thread with real sockets), each bounded by ``trio.fail_after``.
@@ -26,6 +28,7 @@ from inference_lab.serve.kv_events import (
     check_endpoint,
     offset_endpoint,
 )
+from inference_lab.serve.kv_wire import VLLM_COMMIT, VLLM_RELEASE
 from inference_lab.serve.settings import settings_from_env
 from inference_lab.traffic.hashing import ROOT, block_hash
 
@@ -33,8 +36,13 @@ from .conftest import CONFIG_FILES, GPT, Served, ServeFactory, make_settings
 
 TOPIC = "kv@test@{model}"
 
+# -- vLLM's declarations, mirrored -------------------------------------------------------------
+# As declared in vllm/distributed/kv_events.py of vLLM 0.34.0 (commit 62d4bc3c7, read from
+# the release's wheel): the batch is array_like, the events are tagged maps (vLLM dropped
+# array_like from KVCacheEvent), both omit_defaults. ExternalBlockHash is ``bytes | int``.
+MIRRORED = ("0.34.0", "62d4bc3c7")
 
-# vLLM's decoding types: the batch positional, each event a map tagged by "type".
+
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list[Any]
@@ -46,18 +54,29 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 
 
 class WireStored(KVCacheEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class WireRemoved(KVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
+    block_hashes: list[bytes | int]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class WireCleared(KVCacheEvent, tag="AllBlocksCleared"):
@@ -69,15 +88,50 @@ class KVEventBatch(EventBatch):
 
 
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+ENCODER = msgspec.msgpack.Encoder()
+
+
+def ordered(value: Any) -> Any:
+    """A decoded msgpack value with every map as its list of (key, value) in wire order."""
+    if isinstance(value, dict):
+        return [(k, ordered(v)) for k, v in value.items()]
+    if isinstance(value, list):
+        return [ordered(v) for v in value]
+    return value
+
+
+def decode_exact(payload: bytes) -> KVEventBatch:
+    """Decode a payload with vLLM's declarations; re-encoded by msgspec as vLLM encodes
+    it, it must be the same msgpack value, map keys in the same order: the payload
+    carries exactly the fields vLLM would send for these values, in vLLM's order (the
+    width of a map's header may differ: msgspec writes a struct's as map16)."""
+    batch = DECODER.decode(payload)
+    theirs = msgspec.msgpack.decode(ENCODER.encode(batch))
+    assert ordered(msgspec.msgpack.decode(payload)) == ordered(theirs)
+    for event in batch.events:
+        if isinstance(event, WireStored):
+            assert event.extra_keys == [None] * len(event.block_hashes)
+            assert (event.group_idx, event.kv_cache_spec_kind) == (0, "full_attention")
+            assert (event.lora_id, event.lora_name, event.medium) == (None, None, "GPU")
+        elif isinstance(event, WireRemoved):
+            assert (event.group_idx, event.medium) == (0, "GPU")
+    return batch
+
+
+def test_the_mirror_names_the_release_the_wire_follows() -> None:
+    assert (VLLM_RELEASE, VLLM_COMMIT) == MIRRORED
 
 
 class Subscriber:
     """A KV-event consumer as llm-d's or Dynamo's: a SUB socket on the topic, a DEALER on
     the replay socket; it keeps each rank's set of cached hashes and fills any gap in the
-    sequence from the replay."""
+    sequence from the replay. Every batch goes through :func:`decode_exact`."""
 
-    def __init__(self, ctx: Any, endpoint: str, replay: str, topic: bytes) -> None:
+    def __init__(
+        self, ctx: Any, endpoint: str, replay: str, topic: bytes, *, token_ids: bool = True
+    ) -> None:
         self.ctx = ctx
+        self.token_ids = token_ids
         self.endpoint = endpoint
         self.topic = topic
         self.replay = ctx.socket(zmq.DEALER)
@@ -101,13 +155,17 @@ class Subscriber:
     def apply(self, seq: int, payload: bytes) -> None:
         assert seq == self.last + 1, (seq, self.last)
         self.last = seq
-        batch = DECODER.decode(payload)
+        batch = decode_exact(payload)
         assert batch.data_parallel_rank is not None
         rank = self.cached.setdefault(batch.data_parallel_rank, set())
         for event in batch.events:
             self.kinds[type(event).__name__] = self.kinds.get(type(event).__name__, 0) + 1
             if isinstance(event, WireStored):
-                check_token_ids(event)
+                assert all(isinstance(h, int) for h in event.block_hashes)  # 64-bit, as vLLM's
+                if self.token_ids:
+                    check_token_ids(event)
+                else:
+                    assert event.token_ids == []
                 self.block_size = event.block_size
                 rank.update(event.block_hashes)
             elif isinstance(event, WireRemoved):
@@ -117,16 +175,18 @@ class Subscriber:
                 rank.clear()
 
     def fill_gap(self, upto: int) -> None:
-        """Ask the replay socket for every batch after the last one applied."""
+        """Ask the replay socket for every batch after the last one applied (vLLM's
+        answer: ``[b"", topic, seq, payload]`` frames, then ``[b"", b"", -1, b""]``)."""
         self.replay.send_multipart((b"", (self.last + 1).to_bytes(8, "big")))
         while True:
             assert self.replay.poll(5000), "no replay answer"
             frames = self.replay.recv_multipart()
-            assert frames[0] == b""
-            seq_bytes, payload = frames[1], frames[2]
+            assert len(frames) == 4 and frames[0] == b""
+            topic, seq_bytes, payload = frames[1:]
             if seq_bytes == END_SEQ:
-                assert payload == b""
+                assert (topic, payload) == (b"", b"")
                 break
+            assert topic == self.topic
             seq = int.from_bytes(seq_bytes, "big")
             if seq > self.last:
                 self.apply(seq, payload)
@@ -153,7 +213,7 @@ def check_token_ids(event: WireStored) -> None:
     """A stored run's token ids hash to its block hashes (Rule 4 of api/hashing.py)."""
     bs = event.block_size
     assert len(event.token_ids) == bs * len(event.block_hashes)
-    parent = event.parent_block_hash if event.parent_block_hash is not None else ROOT
+    parent: Any = event.parent_block_hash if event.parent_block_hash is not None else ROOT
     for i, h in enumerate(event.block_hashes):
         ids = event.token_ids[i * bs : (i + 1) * bs]
         content = b"".join(t.to_bytes(8, "little", signed=True) for t in ids)
@@ -177,18 +237,25 @@ async def catch_up(s: Served, sub: Subscriber) -> None:
                 await trio.to_thread.run_sync(sub.fill_gap, batches)
 
 
-def kv_settings(blocks: int) -> Any:
+def kv_settings(blocks: int, *, token_ids: bool = True) -> Any:
+    """gpt-oss-20b on two replicas (data-parallel ranks 0 and 1, round robin) of
+    ``blocks`` KV blocks each, publishing on loopback."""
     settings = make_settings()
     dep = settings.deployments[0]
     dep = attrs.evolve(
-        dep, scheduler=attrs.evolve(dep.scheduler, kv_cache_capacity=blocks * dep.block_bytes)
+        dep,
+        scheduler=attrs.evolve(dep.scheduler, kv_cache_capacity=blocks * dep.block_bytes),
+        hardware=attrs.evolve(dep.hardware, replicas=2),
     )
     return attrs.evolve(
         settings,
         deployments=(dep,),
         enable_test_harness=True,
         kv_events=KVEventsSettings(
-            endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*", topic=TOPIC
+            endpoint="tcp://127.0.0.1:*",
+            replay_endpoint="tcp://127.0.0.1:*",
+            topic=TOPIC,
+            token_ids=token_ids,
         ),
     )
 
@@ -204,10 +271,11 @@ async def send(s: Served, prompt: str, max_tokens: int = 70) -> None:
 
 
 async def test_a_subscriber_rebuilds_the_cache_from_events_and_replay(serve: ServeFactory) -> None:
-    """Stores, evictions (a cache of 24 blocks), a gap while the subscriber is away
-    (filled from the replay socket) and a restart (AllBlocksCleared): after each phase
-    the subscriber's picture of every replica equals the engine's cached hashes, and
-    each stored run's token ids hash to its block hashes."""
+    """Stores, evictions (caches of 24 blocks), a gap while the subscriber is away
+    (filled from the replay socket) and a restart (AllBlocksCleared), on two replicas:
+    after each phase the subscriber's picture of every rank -- 0 and 1 -- equals the
+    engine's cached hashes, and each stored run's token ids hash to its block hashes.
+    Every batch, live or replayed, decodes with vLLM's declarations to its own bytes."""
     ctx = zmq.Context()
     try:
         with trio.fail_after(60):
@@ -225,6 +293,7 @@ async def test_a_subscriber_rebuilds_the_cache_from_events_and_replay(serve: Ser
                 await send(s, prompts[0])  # a resend: hits, stores its answer's blocks
                 await catch_up(s, sub)
                 assert sub.cached == engine_cached(s)
+                assert set(sub.cached) == {0, 1}
                 assert sub.kinds.get("WireStored", 0) > 0
 
                 sub.disconnect()  # away: what is published now is a gap
@@ -242,10 +311,40 @@ async def test_a_subscriber_rebuilds_the_cache_from_events_and_replay(serve: Ser
                 assert response.status_code == 200
                 await send(s, prompts[2])
                 await catch_up(s, sub)
-                assert sub.kinds.get("WireCleared", 0) == 1
+                assert sub.kinds.get("WireCleared", 0) == 2  # one per rank
                 assert sub.cached == engine_cached(s)
                 stats = publisher.statistics()
                 assert stats.dropped == 0 and stats.missing_tokens == 0
+            sub.disconnect()
+            sub.replay.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def test_without_token_ids_every_store_goes_out_with_none(serve: ServeFactory) -> None:
+    """``--kv-events-no-token-ids``: every BlockStored still decodes with vLLM's
+    declarations (``token_ids`` is declared without a default) but carries none, the
+    subscriber's picture is still the engine's, and no stream is remembered."""
+    ctx = zmq.Context()
+    try:
+        with trio.fail_after(60):
+            async with serve(kv_settings(24, token_ids=False)) as s:
+                publisher = s.state.kv_events.publishers[GPT]  # type: ignore[union-attr]
+                sub = Subscriber(
+                    ctx,
+                    publisher.endpoint,
+                    publisher.replay_endpoint or "",
+                    TOPIC.replace("{model}", GPT).encode(),
+                    token_ids=False,
+                )
+                for k in range(3):
+                    await send(s, f"secret {k}: " + "my password is hunter2 " * 40)
+                await catch_up(s, sub)
+                assert sub.kinds.get("WireStored", 0) > 0
+                assert sub.cached == engine_cached(s)
+                assert len(publisher._remembered) == 0 and len(publisher._admitted) == 0
+                assert publisher.statistics().missing_tokens == 0
+                assert s.state.kv_events.describe()[0].endswith(", without token ids")  # type: ignore[union-attr]
             sub.disconnect()
             sub.replay.close(linger=0)
     finally:
@@ -279,10 +378,14 @@ async def test_a_full_queue_drops_the_oldest_batches_as_a_gap() -> None:
             while True:
                 await trio.to_thread.run_sync(replay.poll, 5000)
                 frames = replay.recv_multipart()
-                if frames[1] == END_SEQ:
+                if frames[2] == END_SEQ:
                     break
-                got.append(int.from_bytes(frames[1], "big"))
+                assert frames[1] == b""  # the topic
+                decode_exact(frames[3])
+                got.append(int.from_bytes(frames[2], "big"))
         assert got == [3, 4]
+        stats = publisher.statistics()
+        assert (stats.replay_requests, stats.replays, stats.replayed) == (1, 1, 2)
         sub.close(linger=0)
         replay.close(linger=0)
     finally:
@@ -310,11 +413,16 @@ def test_one_batch_per_replica_in_order() -> None:
         payload = publisher._encoder.encode(
             [queued[0][1], [publisher._event(e) for e in queued[0][3]], 1]
         )
-        batch = DECODER.decode(payload)
+        batch = decode_exact(payload)
         assert batch.data_parallel_rank == 1
         stored = batch.events[0]
         assert isinstance(stored, WireStored) and stored.token_ids == []  # never remembered
-        assert (stored.medium, stored.block_size) == ("GPU", 64)
+        assert (stored.block_hashes, stored.parent_block_hash, stored.block_size) == (
+            [1, 2],
+            None,
+            64,
+        )
+        assert isinstance(batch.events[1], WireCleared)
         assert publisher.statistics().missing_tokens == 1
     finally:
         publisher.close()
@@ -349,6 +457,22 @@ def test_a_replay_endpoint_needs_an_endpoint() -> None:
         load_settings(config=CONFIG_FILES[GPT], kv_events_replay_endpoint="tcp://*:5558")
 
 
+def test_no_token_ids_needs_an_endpoint_and_reaches_the_settings() -> None:
+    with pytest.raises(ConfigError, match="^--kv-events-no-token-ids: needs --kv-events-endpoint"):
+        load_settings(
+            config=CONFIG_FILES[GPT],
+            kv_events_no_token_ids=True,
+            labels={
+                "kv_events_no_token_ids": "--kv-events-no-token-ids",
+                "kv_events_endpoint": "--kv-events-endpoint",
+            },
+        )
+    settings = load_settings(
+        config=CONFIG_FILES[GPT], kv_events_endpoint="tcp://*:5557", kv_events_no_token_ids=True
+    )
+    assert settings.kv_events == KVEventsSettings(endpoint="tcp://*:5557", token_ids=False)
+
+
 def test_the_environment_names_the_same_settings() -> None:
     env = {
         "INFERENCE_LAB_CONFIG": str(CONFIG_FILES[GPT]),
@@ -359,6 +483,8 @@ def test_the_environment_names_the_same_settings() -> None:
     assert settings_from_env(env).kv_events == KVEventsSettings(
         endpoint="tcp://*:5557", replay_endpoint="tcp://*:5558", topic="kv@{model}"
     )
+    quiet = settings_from_env({**env, "INFERENCE_LAB_KV_EVENTS_NO_TOKEN_IDS": "1"}).kv_events
+    assert quiet is not None and not quiet.token_ids
     with pytest.raises(ConfigError, match="^INFERENCE_LAB_KV_EVENTS_ENDPOINT: "):
         settings_from_env({**env, "INFERENCE_LAB_KV_EVENTS_ENDPOINT": "nope"})
 
@@ -368,6 +494,7 @@ def test_each_model_gets_its_own_ports() -> None:
     assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
     assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
     assert offset_endpoint("tcp://127.0.0.1:*", 3) == "tcp://127.0.0.1:*"
+    assert offset_endpoint("tcp://127.0.0.1:0", 3) == "tcp://127.0.0.1:0"  # as vLLM
     assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_1"
 
 

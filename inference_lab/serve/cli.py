@@ -236,6 +236,12 @@ def _add_hardening_flags(parser: argparse.ArgumentParser) -> None:
         help="the topic frame of every message; {model} is replaced by the model's name "
         "(default: empty)",
     )
+    kv.add_argument(
+        "--kv-events-no-token-ids",
+        action="store_true",
+        help="publish every BlockStored with empty token_ids: subscribers learn which "
+        "blocks are cached, not the prompts' tokens",
+    )
     parser.add_argument(
         "--shutdown-grace",
         type=number(ge=0),
@@ -346,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
             kv_events_endpoint=args.kv_events_endpoint,
             kv_events_replay_endpoint=args.kv_events_replay_endpoint,
             kv_events_topic=args.kv_events_topic,
+            kv_events_no_token_ids=bool(getattr(args, "kv_events_no_token_ids", False)),
             tool_call_probability=getattr(
                 args, "tool_call_probability", DEFAULT_TOOL_CALL_PROBABILITY
             ),

@@ -36,7 +36,7 @@ from inference_lab.core.config import (
 )
 from inference_lab.errors import ConfigError
 from inference_lab.resources import resolve_shipped, shipped_dir
-from inference_lab.serve.kv_events import KVEventsSettings, check_endpoint
+from inference_lab.serve.kv_events import KVEventsSettings, check_endpoint, exposure_warnings
 
 __all__ = [
     "DEFAULT_BODY_TIMEOUT",
@@ -75,6 +75,7 @@ ENV_LABELS: Mapping[str, str] = MappingProxyType(
             "kv_events_endpoint",
             "kv_events_replay_endpoint",
             "kv_events_topic",
+            "kv_events_no_token_ids",
             "tool_call_probability",
             "embedding_dim",
         )
@@ -167,6 +168,7 @@ def load_settings(
     kv_events_endpoint: str | None = None,
     kv_events_replay_endpoint: str | None = None,
     kv_events_topic: str = "",
+    kv_events_no_token_ids: bool = False,
     tool_call_probability: float = DEFAULT_TOOL_CALL_PROBABILITY,
     embedding_dim: int | None = None,
     on_skip: Callable[[str], None] | None = None,
@@ -223,11 +225,15 @@ def load_settings(
             if replay is not None
             else None,
             topic=kv_events_topic,
+            token_ids=not kv_events_no_token_ids,
         )
-    elif kv_events_replay_endpoint is not None:
-        raise ConfigError(
-            f"{label('kv_events_replay_endpoint')}: needs {label('kv_events_endpoint')}"
-        )
+    else:
+        for name, given in (
+            ("kv_events_replay_endpoint", kv_events_replay_endpoint is not None),
+            ("kv_events_no_token_ids", kv_events_no_token_ids),
+        ):
+            if given:
+                raise ConfigError(f"{label(name)}: needs {label('kv_events_endpoint')}")
     if not 0.0 <= tool_call_probability <= 1.0:
         raise ConfigError(
             f"{label('tool_call_probability')}: must be a number in 0..1, got {tool_call_probability}"
@@ -324,8 +330,9 @@ def is_loopback_host(host: str) -> bool:
 def startup_warnings(settings: ServeSettings, host: str | None = None) -> list[str]:
     """What an operator should hear before serving these settings on ``host`` (None: not
     known, a plain hypercorn launch), one line each: CORS ``*`` with the control plane
-    open to pages (a control token set) or the test harness on, and a non-loopback
-    address without an API key or with the harness on."""
+    open to pages (a control token set) or the test harness on, a non-loopback
+    address without an API key or with the harness on, and KV-event sockets bound on a
+    non-loopback address (``kv_events.exposure_warnings``)."""
     out: list[str] = []
     if "*" in settings.allowed_origins:
         if settings.control_token is not None:
@@ -355,7 +362,7 @@ def startup_warnings(settings: ServeSettings, host: str | None = None) -> list[s
                     "--control-token to manage the server remotely)"
                 )
             )
-    return out
+    return out + exposure_warnings(settings.kv_events)
 
 
 def _valid_token(token: str) -> bool:
@@ -455,7 +462,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
     ``_API_KEY``, ``_ALLOWED_ORIGINS``, ``_ENABLE_TEST_HARNESS``,
     ``_NO_SHOULD_RETRY_HEADER``, ``_NO_DASHBOARD``, ``_FINE_LATENCY_BUCKETS``,
     ``_KV_EVENTS_ENDPOINT``, ``_KV_EVENTS_REPLAY_ENDPOINT``, ``_KV_EVENTS_TOPIC``,
-    ``_TOOL_CALL_PROBABILITY``, ``_EMBEDDING_DIM``."""
+    ``_KV_EVENTS_NO_TOKEN_IDS``, ``_TOOL_CALL_PROBABILITY``, ``_EMBEDDING_DIM``."""
     env = os.environ if environ is None else environ
     enable_test_harness = _env_flag(env, "INFERENCE_LAB_ENABLE_TEST_HARNESS")
     default_max_tokens = _env_int(env, "INFERENCE_LAB_DEFAULT_MAX_TOKENS", 1)
@@ -479,6 +486,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
         kv_events_endpoint=env.get("INFERENCE_LAB_KV_EVENTS_ENDPOINT") or None,
         kv_events_replay_endpoint=env.get("INFERENCE_LAB_KV_EVENTS_REPLAY_ENDPOINT") or None,
         kv_events_topic=env.get("INFERENCE_LAB_KV_EVENTS_TOPIC") or "",
+        kv_events_no_token_ids=_env_flag(env, "INFERENCE_LAB_KV_EVENTS_NO_TOKEN_IDS"),
         tool_call_probability=_env_probability(env, "INFERENCE_LAB_TOOL_CALL_PROBABILITY"),
         embedding_dim=_env_int(env, "INFERENCE_LAB_EMBEDDING_DIM", 1),
         on_skip=lambda line: print(f"inference-lab: {line}", file=sys.stderr),

@@ -16,8 +16,17 @@ Against ``inference-lab serve --allowed-origins '*'`` it sends, concurrently:
 Then ``/health`` must answer, the log must hold no traceback and the server must hold
 nothing.
 
+Then two KV-event cases, each against its own server (``--kv-events-endpoint``):
+
+- a replay flood: the replay buffer filled, then 2 s of replay requests and 20,000 replay
+  requests from a client that never reads the answers, while live requests trickle in:
+  the worst delay of a live batch must stay under ``--kv-stall-limit``;
+- a subscriber that never reads: the server's RSS before and after rounds of requests
+  must grow by less than ``--kv-rss-limit`` MB (the PUB socket's high-water mark holds).
+
     python scripts/stress/hostile.py
     python scripts/stress/hostile.py --rounds 50
+    python scripts/stress/hostile.py --case kv-flood --kv-flood-requests 20000
 
 Only 127.0.0.1; bounded in count and time.
 """
@@ -25,8 +34,14 @@ Only 127.0.0.1; bounded in count and time.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import multiprocessing
+import os
+import socket
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +52,8 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # benchkit
 
 from common import (  # noqa: E402
     MODEL,
+    Server,
+    chat_request,
     fetch,
     get,
     leaks,
@@ -168,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="an idle h2c connection must be closed within this long (default: 15)",
     )
+    add_kv_arguments(parser)
     args = parser.parse_args(argv)
+    if args.case != "http":
+        return kv_main(args)
     with server(["--allowed-origins", "*"]) as srv:
         rss_before = rss_mb(srv.pid)
         figures = trio.run(main_async, srv.url, srv.port, args)
@@ -187,7 +207,330 @@ def main(argv: list[str] | None = None) -> int:
         and figures["rss_mb_before_after"][1] < figures["rss_mb_before_after"][0] + 100
     )
     report("hostile", figures, ok)
+    if args.case == "http" and not args.http_only:
+        return max(int(not ok), kv_main(args))
     return 0 if ok else 1
+
+
+# -- KV events: a replay flood and a subscriber that never reads ---------------------------------
+#
+# Against ``--kv-events-endpoint`` (the server's PUB socket connects to a SUB socket bound
+# here on 127.0.0.1) and ``--kv-events-replay-endpoint`` (the server binds a ROUTER on a
+# free loopback port). Live events come from a trickle of chat requests with distinct
+# prompts (each stores new blocks). The flooders run in their own processes so that their
+# busy loops do not starve this process's receiver.
+
+#: A live batch is "flowing again" once one arrives this soon after it was published (s).
+KV_FRESH = 0.5
+
+
+def free_port() -> int:
+    """A loopback TCP port free a moment ago (the server binds it next)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def kv_flood(endpoint: str, seconds: float, count: int) -> None:
+    """A replay flooder (its own process): requests for every buffered batch
+    (``start = 0``) from one DEALER that never reads its answers, for ``seconds`` or
+    ``count`` requests, whichever is given; queued requests are flushed before exit."""
+    import zmq
+
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.SNDHWM, max(count, 1000) + 1000)
+    dealer.connect(endpoint)
+    request = [b"", (0).to_bytes(8, "big")]
+    sent = 0
+    deadline = time.monotonic() + seconds
+    while (sent < count) if count else (time.monotonic() < deadline):
+        try:
+            dealer.send_multipart(request, flags=zmq.NOBLOCK)
+            sent += 1
+        except zmq.Again:
+            time.sleep(0.001)
+    dealer.close(linger=10_000)
+    ctx.term()
+    print(f"kv_flood: {sent} replay requests sent", file=sys.stderr, flush=True)
+
+
+class LiveReceiver:
+    """A SUB socket bound on loopback that records, for every batch it gets, its sequence
+    number, when it was published (the batch's ``ts``) and when it arrived. A thread of
+    its own owns the socket; :meth:`stop` ends it."""
+
+    def __init__(self, ctx: Any, *, read: bool = True) -> None:
+        import msgspec
+        import zmq
+
+        self._zmq = zmq
+        self._decode = msgspec.msgpack.Decoder().decode
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.LINGER, 0)
+        port = self.sub.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.arrivals: list[tuple[int, float, float]] = []  # (seq, published, arrived)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run if read else self._idle, daemon=True)
+        self._thread.start()
+
+    def _idle(self) -> None:
+        self._stop.wait()
+        self.sub.close(linger=0)
+
+    def _run(self) -> None:
+        zmq = self._zmq
+        while not self._stop.is_set():
+            if not self.sub.poll(50):
+                continue
+            while True:
+                try:
+                    _, seq, payload = self.sub.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                arrived = time.time()
+                ts = self._decode(payload)[0]
+                self.arrivals.append((int.from_bytes(seq, "big"), ts, arrived))
+        self.sub.close(linger=0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def worst_delay(self, since: float) -> float:
+        """The longest a batch published after ``since`` took to arrive (of those
+        arrived); 0 when none arrived."""
+        delays = [arr - ts for _, ts, arr in list(self.arrivals) if ts >= since]
+        return max(delays, default=0.0)
+
+    def gaps(self) -> int:
+        """Sequence numbers skipped so far (batches the publisher dropped or never sent)."""
+        seqs = [s for s, _, _ in list(self.arrivals)]
+        return sum(b - a - 1 for a, b in itertools.pairwise(seqs) if b > a + 1)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def trickle(port: int, stop: trio.Event, every: float, tag: str) -> int:
+    """One chat request with a prompt of its own every ``every`` seconds (up to 16 at
+    once) until ``stop``; returns how many were answered 200."""
+    done = 0
+    limit = trio.Semaphore(16)
+
+    async def one(i: int) -> None:
+        nonlocal done
+        async with limit:
+            prompt = f"{tag} {i}: " + "tell me more " * 40
+            response = await fetch(port, chat_request(1, stream=False, content=prompt), 30)
+            done += response.status == 200
+
+    async with trio.open_nursery() as nursery:
+        i = 0
+        while not stop.is_set():
+            nursery.start_soon(one, i)
+            i += 1
+            await trio.sleep(every)
+    return done
+
+
+async def fill(port: int, n: int, tag: str) -> int:
+    """``n`` chat requests with prompts of their own, 32 at once; how many got 200."""
+    done = 0
+    limit = trio.Semaphore(32)
+
+    async def one(i: int) -> None:
+        nonlocal done
+        async with limit:
+            prompt = f"{tag} {i}: " + "tell me more " * 40
+            response = await fetch(port, chat_request(1, stream=False, content=prompt), 60)
+            done += response.status == 200
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i)
+    return done
+
+
+async def flood_round(
+    srv: Server, live: LiveReceiver, replay: str, seconds: float, count: int, cap: float
+) -> dict[str, Any]:
+    """A flood (:func:`kv_flood`) while live requests trickle in: the worst delay of a
+    live batch from the flood's start until live batches arrive fresh again (at most
+    ``cap`` seconds after the flood), the server's CPU seconds meanwhile."""
+    ctx = multiprocessing.get_context("spawn")
+    flooder = ctx.Process(target=kv_flood, args=(replay, seconds, count), daemon=True)
+    stop = trio.Event()
+    out: dict[str, Any] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trickle, srv.port, stop, 0.02, f"live {seconds} {count}")
+        await trio.sleep(1.0)
+        start, cpu0 = time.time(), cpu_seconds(srv.pid)
+        flooder.start()
+        await trio.to_thread.run_sync(flooder.join)
+        flood_end = time.time()
+        while time.time() < flood_end + cap:
+            recent = [a for a in list(live.arrivals) if a[2] > flood_end]
+            if recent and recent[-1][2] - recent[-1][1] < KV_FRESH:
+                break
+            await trio.sleep(0.05)
+        out["flood_s"] = round(flood_end - start, 2)
+        out["recovered"] = time.time() < flood_end + cap
+        stall = live.worst_delay(start)
+        out["stall_s"] = round(stall, 2) if out["recovered"] else f">{time.time() - start:.0f}"
+        out["server_cpu_s"] = round(cpu_seconds(srv.pid) - cpu0, 2)
+        out["wall_s"] = round(time.time() - start, 2)
+        stop.set()
+    return out
+
+
+def kv_flood_case(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+    """The replay flood: fill the replay buffer, then a ``--kv-flood-seconds`` flood and a
+    ``--kv-flood-requests`` flood, each while live requests trickle in."""
+    import zmq
+
+    ctx = zmq.Context()
+    live = LiveReceiver(ctx)
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    figures: dict[str, Any] = {}
+    try:
+        flags = ["--kv-events-endpoint", live.endpoint, "--kv-events-replay-endpoint", replay]
+        with server(flags) as srv:
+
+            async def run() -> None:
+                figures["filled"] = await fill(srv.port, args.kv_fill, "fill")
+                await trio.sleep(1.0)
+                base = time.time()
+                stop = trio.Event()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(trickle, srv.port, stop, 0.02, "baseline")
+                    await trio.sleep(3.0)
+                    stop.set()
+                figures["baseline_delay_s"] = round(live.worst_delay(base), 3)
+                cap = args.kv_stall_cap
+                figures["timed"] = await flood_round(
+                    srv, live, replay, args.kv_flood_seconds, 0, cap
+                )
+                figures["counted"] = await flood_round(
+                    srv, live, replay, 0.0, args.kv_flood_requests, cap
+                )
+                health = await fetch(srv.port, get("/health"), 10)
+                figures["health_after"] = health.status
+
+            trio.run(run)
+            figures["batches_received"] = len(live.arrivals)
+            figures["sequence_gaps"] = live.gaps()
+            figures["exit_code"] = srv.stop()
+            figures["log_problems"] = len(log_problems(srv.log_text()))
+    finally:
+        live.stop()
+        ctx.destroy(linger=0)
+    ok = (
+        figures.get("exit_code") == 0
+        and figures.get("health_after") == 200
+        and not figures.get("log_problems")
+        and all(figures[k]["recovered"] for k in ("timed", "counted"))
+        and all(float(figures[k]["stall_s"]) <= args.kv_stall_limit for k in ("timed", "counted"))
+    )
+    return figures, ok
+
+
+def kv_stalled_case(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+    """A subscriber that never reads: the server's RSS before and after
+    ``--kv-stalled-requests`` requests, twice (the second run must not grow it much
+    further: the socket's high-water mark holds)."""
+    import zmq
+
+    ctx = zmq.Context()
+    stalled = LiveReceiver(ctx, read=False)
+    figures: dict[str, Any] = {}
+    try:
+        with server(["--kv-events-endpoint", stalled.endpoint, *args.kv_server_args]) as srv:
+            rss = [round(rss_mb(srv.pid), 1)]
+
+            async def run() -> None:
+                for k in range(args.kv_stalled_rounds):
+                    figures[f"answered_{k}"] = await fill(
+                        srv.port, args.kv_stalled_requests, f"stalled {k}"
+                    )
+                    await trio.sleep(1.0)
+                    rss.append(round(rss_mb(srv.pid), 1))
+                health = await fetch(srv.port, get("/health"), 10)
+                figures["health_after"] = health.status
+
+            trio.run(run)
+            figures["rss_mb"] = rss
+            figures["exit_code"] = srv.stop()
+            figures["log_problems"] = len(log_problems(srv.log_text()))
+    finally:
+        stalled.stop()
+        ctx.destroy(linger=0)
+    rss = figures.get("rss_mb", [0.0, float("inf")])
+    ok = (
+        figures.get("exit_code") == 0
+        and figures.get("health_after") == 200
+        and not figures.get("log_problems")
+        and rss[-1] - rss[0] <= args.kv_rss_limit
+    )
+    return figures, ok
+
+
+def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
+    """The KV-event cases' flags."""
+    parser.add_argument(
+        "--case",
+        choices=("http", "kv-flood", "kv-stalled", "kv"),
+        default="http",
+        help="http: the HTTP cases, then both KV-event cases (unless --http-only); kv: "
+        "both KV-event cases; kv-flood / kv-stalled: one of them",
+    )
+    parser.add_argument("--http-only", action="store_true", help="skip the KV-event cases")
+    parser.add_argument(
+        "--kv-fill", type=int, default=3000, help="requests filling the replay buffer"
+    )
+    parser.add_argument("--kv-flood-seconds", type=float, default=2.0)
+    parser.add_argument("--kv-flood-requests", type=int, default=20_000)
+    parser.add_argument(
+        "--kv-stall-cap",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="stop watching a stalled live stream after this long",
+    )
+    parser.add_argument(
+        "--kv-stall-limit",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="the worst live-batch delay a flood may cause",
+    )
+    parser.add_argument("--kv-stalled-requests", type=int, default=3000)
+    parser.add_argument("--kv-stalled-rounds", type=int, default=2)
+    parser.add_argument("--kv-rss-limit", type=float, default=60.0, metavar="MB")
+    parser.add_argument(
+        "--kv-server-args",
+        nargs="*",
+        default=[],
+        metavar="ARG",
+        help="more serve flags for the stalled-subscriber server",
+    )
+
+
+def kv_main(args: argparse.Namespace) -> int:
+    """Run the KV-event cases ``args.case`` asks for; 1 if one failed."""
+    cases = {"kv-flood": kv_flood_case, "kv-stalled": kv_stalled_case}
+    chosen = list(cases) if args.case in ("http", "kv") else [args.case]
+    failed = 0
+    for name in chosen:
+        figures, ok = cases[name](args)
+        report(f"hostile-{name}", figures, ok)
+        failed += not ok
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
