@@ -383,6 +383,11 @@ class FastPath:
         scratch: list[tuple[int, int]] = []
         pricer = None
         priced_rows = -1
+        waiting = self.waiting
+        budget = self.budget
+        least = FAST_PATH_MIN // 2
+        #: the sliding-window classes' saturation calendars, by class index
+        windowed = [(j, cal) for j, cal in enumerate(vec.sat_cal) if vec.windows[j] > 0]
         boundaries = started = 0
         start = boundary = now
         while now < limit:
@@ -395,15 +400,17 @@ class FastPath:
                     ended.append((r, now))
                 if done and stop_after_finish:
                     return self._settle(vec, boundaries, started, start, now, boundary, True)
-            else:
-                vec.advance()  # a pure decode step's end: a token each, nothing finishes
+            else:  # a pure decode step's end: a token each, nothing finishes
+                g = vec.g + 1  # (RunningRows.advance, inline: no finish entry at g)
+                vec.g = g
+                for j, cal in windowed:
+                    count = cal.pop(g, 0) if cal else 0
+                    if count:
+                        vec.sat[j] += count
+                        vec.unsat[j] -= count
+                        vec.unsat_sum[j] -= count * (vec.windows[j] - 1 - g)
             rows = vec.decoding
-            if (
-                self.waiting.count
-                or vec.size != rows
-                or rows < FAST_PATH_MIN // 2
-                or rows > self.budget
-            ):
+            if waiting.count or vec.size != rows or rows < least or rows > budget:
                 return self._settle(vec, boundaries, started, start, now, boundary, True)
             g = vec.g
             if g in grow_cal:
