@@ -21,7 +21,7 @@ import pytest
 import trio
 import zmq
 
-from inference_lab.core.kv_cache import BlockRemoved, BlockStored
+from inference_lab.core.engine import BlockRemoved, BlockStored
 from inference_lab.serve.kv_events import (
     END_SEQ,
     KVEventsSettings,
