@@ -388,6 +388,7 @@ class FastPath:
         least = FAST_PATH_MIN // 2
         #: the sliding-window classes' saturation calendars, by class index
         windowed = [(j, cal) for j, cal in enumerate(vec.sat_cal) if vec.windows[j] > 0]
+        classes = list(enumerate(vec.windows))
         boundaries = started = 0
         start = boundary = now
         while now < limit:
@@ -423,8 +424,14 @@ class FastPath:
                 pricer = None if mla else self._decode_pricer(rows)
                 priced_rows = rows
                 vec.step_decoding = rows
-            if pricer is not None:
-                seconds, roof, compute, memory = pricer(vec.decode_step_sums())
+            if pricer is not None:  # (RunningRows.decode_step_sums, inline)
+                sums = [
+                    vec.base_sum + rows * g + rows
+                    if window <= 0
+                    else vec.sat[j] * (window - 1) + vec.unsat_sum[j] + vec.unsat[j] * g + rows
+                    for j, window in classes
+                ]
+                seconds, roof, compute, memory = pricer(sums)
             else:
                 cost = price(self._decode_terms(vec, mla))
                 seconds, roof, compute, memory = (
