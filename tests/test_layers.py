@@ -8,6 +8,9 @@ interface (the package's ``__init__``).
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from tests.import_graph import PACKAGE, cycles, graph, modules, reachable
@@ -122,6 +125,52 @@ def test_client_depends_only_on_the_http_api() -> None:
         for dep in reachable(GRAPH, mod):
             if dep.startswith("inference_lab"):
                 assert dep.startswith(CLIENT_MAY_IMPORT), f"{mod} reaches {dep}"
+
+
+GENERATE = "inference_lab.generate"
+
+
+def _module_random_calls(path: Path) -> list[str]:
+    """``random.<name>`` uses other than the ``random.Random`` type in a module: calls on
+    the global generator, where randomness should have been an argument."""
+    return sorted(
+        f"random.{node.attr}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "random"
+        and node.attr != "Random"
+    )
+
+
+def test_generate_is_pure_and_below_the_wire_format() -> None:
+    """``generate/`` (schema instances, regex strings, the placeholder words) imports
+    nothing of the package outside itself, no I/O or clock, and draws only from the
+    caller's ``random.Random``; ``api/`` imports it."""
+    own = [m for m in modules() if m == GENERATE or m.startswith(GENERATE + ".")]
+    assert len(own) >= 4
+    for mod in own:
+        package_deps = {d for d in GRAPH[mod] if _top(d) == "inference_lab"}
+        outside = sorted(d for d in package_deps if not d.startswith(GENERATE))
+        assert not outside, f"{mod} imports {outside}"
+        bad = {d for d in GRAPH[mod] if _top(d) in IO_OR_CLOCK - {"random"}}
+        assert not bad, f"{mod} imports {sorted(bad)}"
+        assert _module_random_calls(modules()[mod]) == [], mod
+    assert any(
+        d.startswith(GENERATE + ".")
+        for m, deps in GRAPH.items()
+        if m.startswith("inference_lab.api")
+        for d in deps
+    )
+
+
+def test_the_random_check_can_fail(tmp_path: Path) -> None:
+    """A call on the global generator, written by hand, is reported; the type is not."""
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import random\ndef f(rng: random.Random) -> float:\n    return random.random()\n"
+    )
+    assert _module_random_calls(path) == ["random.random"]
 
 
 def test_sim_never_reaches_the_serve_stack() -> None:
