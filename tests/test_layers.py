@@ -77,7 +77,7 @@ CLIENT_MAY_IMPORT = (
     "inference_lab.errors",
     "inference_lab.validation",
     "inference_lab.jsonbytes",
-    "inference_lab.kernel_time",
+    "inference_lab.socket_stamps",
 )
 
 TRANSPORT = "inference_lab.serve.transport"

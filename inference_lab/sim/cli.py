@@ -208,7 +208,7 @@ def _read_trace(args: argparse.Namespace, model_tokenizer: str | None) -> Trace:
     tokenize = None
     if fmt == "openai_batch":
         from inference_lab.api.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-        from inference_lab.sim.batch import batch_tokenizer
+        from inference_lab.sim.batch_files import batch_tokenizer
 
         path = args.tokenizer or model_tokenizer
         tokenizer: Tokenizer = ByteTokenizer() if path is None else load_tokenizer(path)
