@@ -65,7 +65,7 @@ def code_version() -> str:
     files: list[Path] = []
     for name in _CODE:
         path = _PACKAGE / name
-        files += sorted(path.glob("*.py")) if path.is_dir() else [path]
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
     for path in files:
         digest.update(path.relative_to(_PACKAGE).as_posix().encode())
         digest.update(b"\0")
