@@ -13,7 +13,8 @@ import pytest
 
 from inference_lab import cli
 from inference_lab.core.config import Deployment, load_deployment, load_workload
-from inference_lab.sim.run import format_summary, run_simulation
+from inference_lab.sim.run import run_simulation
+from inference_lab.sim.text import format_summary
 from inference_lab.traffic.traces import read_trace
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,9 +20,9 @@ from inference_lab.core.config import (
     load_workload,
 )
 from inference_lab.core.engine import Engine, Finished, StepInfo
-from inference_lab.sim import run as run_module
+from inference_lab.sim import intake as run_module
 from inference_lab.sim.records import ArrivalTable, FinishedTable, StepTotals
-from inference_lab.sim.run import SimResult, run_simulation, write_request_csv
+from inference_lab.sim.run import SimResult, run_simulation
 from inference_lab.sim.summary import (
     prefix_cache_summary,
     replica_summaries,
@@ -30,6 +30,7 @@ from inference_lab.sim.summary import (
     speculative_summary,
     summarize,
 )
+from inference_lab.sim.text import write_request_csv
 from inference_lab.sim.workload import Arrival
 
 ROOT = Path(__file__).resolve().parent.parent

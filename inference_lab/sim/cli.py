@@ -235,11 +235,11 @@ def run(args: argparse.Namespace) -> int:
     from inference_lab.core.config import load_deployment, load_workload, override_scheduler
     from inference_lab.errors import InferenceLabError
     from inference_lab.resources import resolve_shipped
-    from inference_lab.sim.run import (
+    from inference_lab.sim.run import run_simulation
+    from inference_lab.sim.text import (
         config_dict,
         format_config,
         format_summary,
-        run_simulation,
         write_request_csv,
     )
     from inference_lab.traffic.traces import Trace
