@@ -322,9 +322,9 @@ def test_the_code_version_reads_the_subpackages(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A change to a module in a subpackage of a hashed folder (``core/config/``) changes
-    the code version, as a change to a top-level module does."""
+    the code version, as a change to a workload generator does."""
     for name in ("core/engine.py", "core/config/loading.py", "sim/run.py", "errors.py",
-                 "validation.py", "plan/jobs.py"):  # fmt: skip
+                 "validation.py", "plan/jobs.py", "workload/open_loop.py"):  # fmt: skip
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(f"# {name}\n")
     monkeypatch.setattr(jobs_module, "_PACKAGE", tmp_path)
@@ -334,6 +334,8 @@ def test_the_code_version_reads_the_subpackages(
     assert version() != before
     (tmp_path / "core/config/loading.py").write_text("# core/config/loading.py\n")
     assert version() == before
+    (tmp_path / "workload/open_loop.py").write_text("# changed\n")
+    assert version() != before
 
 
 def test_run_job_is_a_pure_function_of_the_job() -> None:

@@ -290,8 +290,8 @@ def run(args: argparse.Namespace) -> int:
             if args.write_sessions is not None:
                 if workload.sessions is None:
                     return fail(PROG, f"--write-sessions: {source} has no [sessions] table")
-                from inference_lab.sim.workload import session_records
                 from inference_lab.traffic.sessions import write_sessions
+                from inference_lab.workload import session_records
 
                 write_sessions(args.write_sessions, session_records(workload, args.seed))
         if not args.quiet:

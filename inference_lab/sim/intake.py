@@ -28,14 +28,11 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-import numpy.typing as npt
-
 from inference_lab.core.builders import frozen_builder
 from inference_lab.core.engine import Engine, RequestSpec, StepEvents
 from inference_lab.errors import RequestRefused, SimError
 from inference_lab.sim.records import ArrivalTable, Refused
-from inference_lab.sim.workload import Arrival, ArrivalGenerator, OpenLoopGenerator
+from inference_lab.workload.arrivals import Arrival, ArrivalArrays, ArrivalGenerator
 
 __all__ = ["FEED_CHUNK", "MAX_REFUSAL_STREAK", "Intake", "OpenLoopFeed", "open_loop_feed"]
 
@@ -124,16 +121,10 @@ class OpenLoopFeed:
     """An open loop's arrivals, fed to the engine from arrays (Rule 2): the loop calls
     :meth:`feed` before the engine handles an event past :attr:`next_time`."""
 
-    def __init__(
-        self,
-        engine: Engine,
-        intake: Intake,
-        times: npt.NDArray[np.float64],
-        prompts: npt.NDArray[np.int64],
-        outputs: npt.NDArray[np.int64],
-    ) -> None:
+    def __init__(self, engine: Engine, intake: Intake, arrays: ArrivalArrays) -> None:
         self._engine = engine
         self._intake = intake
+        times, prompts, outputs = arrays
         self.times = times
         self._prompts = prompts
         self._outputs = outputs
@@ -183,8 +174,7 @@ def open_loop_feed(
     engine: Engine, intake: Intake, generator: ArrivalGenerator
 ) -> OpenLoopFeed | None:
     """The feed of an open loop's arrays (Rule 2), or None for a workload whose arrivals
-    are submitted one by one (a closed loop, sessions, a trace)."""
-    if type(generator) is not OpenLoopGenerator:
-        return None
-    times, prompts, outputs = generator.arrays()
-    return OpenLoopFeed(engine, intake, times, prompts, outputs)
+    are submitted one by one (a closed loop, sessions, a trace): the generator says
+    which (:meth:`ArrivalGenerator.arrays`)."""
+    arrays = generator.arrays()
+    return None if arrays is None else OpenLoopFeed(engine, intake, arrays)

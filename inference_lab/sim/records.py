@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from inference_lab.core.engine import Finished, StepInfo
-from inference_lab.sim.workload import Arrival
+from inference_lab.workload.arrivals import Arrival
 
 __all__ = ["QUEUE_LIMIT", "ArrivalTable", "FinishedTable", "Refused", "StepTotals"]
 

@@ -74,8 +74,9 @@ from inference_lab.sim.summary import (
     speculative_summary,
     summarize,
 )
-from inference_lab.sim.workload import Arrival, ArrivalGenerator, make_generator
 from inference_lab.traffic.traces import Trace
+from inference_lab.workload import make_generator
+from inference_lab.workload.arrivals import Arrival, ArrivalGenerator
 
 __all__ = [
     "Progress",
@@ -155,12 +156,6 @@ def run_simulation(
     generator = make_generator(
         workload, seed, sched.block_size if sched.enable_prefix_caching else None
     )
-    if isinstance(workload, Trace):
-        total: int | None = len(workload.requests)
-        seed_used = 0
-    else:
-        total = workload.num_requests if workload.sessions is None else None
-        seed_used = workload.seed if seed is None else seed
     intake = Intake(engine, generator)
     feed = open_loop_feed(engine, intake, generator)  # Rule 2
     initial = generator.initial() if feed is None else []
@@ -175,6 +170,7 @@ def run_simulation(
     if sched.max_waiting:  # Rule 4 (0: unbounded)
         on_refused = recorder.refused if recorder is not None else None
         limiter = WaitingBound(engine, sched.max_waiting, intake, on_refused)
+    total = generator.total
     meter = ProgressMeter(progress, engine, finished, intake, total) if progress else None
     observers = [o for o in (limiter, watch, recorder, meter) if o is not None]
     _drive(engine, intake, feed, generator, (steps, finished), observers, watch, on_events)
@@ -194,15 +190,11 @@ def run_simulation(
         sim_time_s=engine.now,
         wall_time_s=time.perf_counter() - wall_start,
         peak_waiting=watch.peak,
-        seed=seed_used,
+        seed=generator.seed,
         arrivals=intake.arrivals,
         prefix_cache=prefix_cache_summary(stats, finished),
         replicas=replica_summaries(stats, finished),
-        sessions=(
-            session_summary(finished, intake.arrivals)
-            if isinstance(workload, Workload) and workload.sessions is not None
-            else None
-        ),
+        sessions=session_summary(finished, intake.arrivals) if generator.has_sessions else None,
         has_content=generator.has_content,
         capacity=_capacity(generator, feed, initial, intake, watch, limiter, finished),
         series=recorder.finish(engine.now, engine) if recorder is not None else None,

@@ -23,8 +23,8 @@ from inference_lab.core.engine import Finished
 from inference_lab.sim.records import QUEUE_LIMIT, FinishedTable, Refused
 from inference_lab.sim.run import SimResult
 from inference_lab.sim.summary import LATENCY_COLUMNS
-from inference_lab.sim.workload import Arrival
 from inference_lab.traffic.traces import Trace
+from inference_lab.workload.arrivals import Arrival
 
 __all__ = [
     "CSV_COLUMNS",
