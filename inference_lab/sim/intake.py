@@ -48,6 +48,11 @@ class Intake:
     refusals, the arrival of each request id (``arrivals``: a dict, or an open loop's
     :class:`ArrivalTable`) and the earliest arrival time (module rules)."""
 
+    __slots__ = (
+        "_engine", "_generator", "_reactive", "refused", "held", "arrivals",
+        "first_arrival", "streak", "_parked",
+    )  # fmt: skip
+
     def __init__(self, engine: Engine, generator: ArrivalGenerator) -> None:
         self._engine = engine
         self._generator = generator

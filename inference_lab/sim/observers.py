@@ -30,7 +30,7 @@ from inference_lab.core.admission import Admission
 from inference_lab.core.engine import Engine, Finished, StepEvents
 from inference_lab.sim.capacity import CapacityVerdict, assess_capacity
 from inference_lab.sim.intake import Intake
-from inference_lab.sim.records import QUEUE_LIMIT
+from inference_lab.sim.records import QUEUE_LIMIT, StepTotals
 
 __all__ = [
     "PROGRESS_EVERY",
@@ -47,6 +47,8 @@ PROGRESS_EVERY = 256
 
 class RunObserver:
     """The interface the loop drives (module docstring); the defaults do nothing."""
+
+    __slots__ = ()
 
     #: whether arrivals may reach it as a count (:meth:`on_arrivals`) rather than one
     #: event each (Rule 2)
@@ -69,6 +71,8 @@ class QueueWatch(RunObserver):
     loop its length right after the last arrival at or before the middle of the arrival
     window and right after the last arrival, for the capacity verdict
     (:mod:`inference_lab.sim.capacity`)."""
+
+    __slots__ = ("_engine", "_num_waiting", "mid_arrival", "peak", "at_mid", "at_end")
 
     def __init__(self, engine: Engine, arrival_times: npt.NDArray[np.float64], closed: bool):
         self._engine = engine
@@ -127,6 +131,7 @@ class WaitingBound(RunObserver):
     ``on_refused`` (the time series' count) is told."""
 
     takes_runs = False
+    __slots__ = ("_engine", "_bound", "_ledger", "_intake", "_on_refused", "rejected_at")
 
     def __init__(
         self,
@@ -176,42 +181,43 @@ class Progress:
 
 class ProgressMeter(RunObserver):
     """Calls ``report`` with a :class:`Progress` every :data:`PROGRESS_EVERY` events (an
-    arrival taken in a run counts as one) and once more at :meth:`finish`."""
+    arrival taken in a run counts as one) and once more at :meth:`finish`; the KV usage
+    is the last step's (``steps``)."""
+
+    __slots__ = ("_report", "_engine", "_finished", "_refused", "_steps", "_total", "_left")
 
     def __init__(
         self,
         report: Callable[[Progress], None],
         engine: Engine,
-        finished: Sequence[Finished],
+        records: tuple[StepTotals, Sequence[Finished]],
         intake: Intake,
         total: int | None,
     ) -> None:
         self._report = report
         self._engine = engine
-        self._finished = finished
+        self._steps, self._finished = records
         self._refused = intake.refused
         self._total = total
-        self._events = 0
-        self._report_at = PROGRESS_EVERY
-        self._kv_usage = 0.0
+        #: events until the next report (a run of arrivals may overshoot it)
+        self._left = PROGRESS_EVERY
 
     def on_arrivals(self, count: int) -> None:
-        self._events += count
-        if self._events >= self._report_at:
-            self._report_at += PROGRESS_EVERY
+        self._left -= count
+        if self._left <= 0:
+            self._left += PROGRESS_EVERY
             self.finish()
 
     def on_step(self, ev: StepEvents) -> None:
-        if ev.step is not None:
-            self._kv_usage = ev.step.kv_usage
-        self._events += 1
-        if self._events >= self._report_at:
-            self._report_at += PROGRESS_EVERY
+        self._left -= 1
+        if self._left <= 0:
+            self._left += PROGRESS_EVERY
             self.finish()
 
     def finish(self) -> None:
         """Report where the run is now."""
         engine = self._engine
+        kv_usage = self._steps.kv_usage
         self._report(
             Progress(
                 time=engine.now,
@@ -220,6 +226,6 @@ class ProgressMeter(RunObserver):
                 total=self._total,
                 running=engine.num_running(),
                 waiting=engine.num_waiting(),
-                kv_usage=self._kv_usage,
+                kv_usage=kv_usage[-1] if kv_usage else 0.0,
             )
         )

@@ -171,7 +171,7 @@ def run_simulation(
         on_refused = recorder.refused if recorder is not None else None
         limiter = WaitingBound(engine, sched.max_waiting, intake, on_refused)
     total = generator.total
-    meter = ProgressMeter(progress, engine, finished, intake, total) if progress else None
+    meter = ProgressMeter(progress, engine, (steps, finished), intake, total) if progress else None
     observers = [o for o in (limiter, watch, recorder, meter) if o is not None]
     _drive(engine, intake, feed, generator, (steps, finished), observers, watch, on_events)
     if meter is not None:
