@@ -16,6 +16,7 @@ import pytest
 from tests.import_graph import PACKAGE, cycles, graph, modules, reachable
 
 GRAPH = graph()
+PACKAGE_NAME = "inference_lab"
 IO_OR_CLOCK = {"trio", "quart", "quart_trio", "hypercorn", "h11", "time", "random", "asyncio"}
 
 
@@ -182,6 +183,80 @@ def test_sim_never_reaches_the_serve_stack() -> None:
                 m for m in reached if m.startswith(("inference_lab.serve", "inference_lab.runtime"))
             )
             assert not bad, f"{mod} reaches {bad}"
+
+
+#: The layers of ``docs/internals.md``'s picture, lowest first: a package (or a top-level
+#: module) imports only from lower layers; the shared modules of layer 0 import only each
+#: other. ``client`` is further fenced (it may reach only the command-line toolkit and
+#: ``traffic``: ``test_client_depends_only_on_the_http_api``).
+LAYERS: tuple[frozenset[str], ...] = tuple(
+    frozenset(layer)
+    for layer in (
+        {"errors", "jsonbytes", "validation", "resources", "socket_stamps", "cli_args"},
+        {"traffic", "generate", "web"},
+        {"core"},
+        {"workload", "api", "runtime"},
+        {"sim"},
+        {"calibrate", "plan", "serve", "client"},
+        {"cli"},
+    )
+)
+
+
+def _unit(module: str) -> str:
+    """The top-level package or module of ``inference_lab`` that ``module`` belongs to
+    (``inference_lab`` itself for the package's ``__init__``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _layer_breaches(graph_: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, import) for every import that does not point to a lower layer (or, in
+    layer 0, to another shared module); a unit in no layer is reported as ``(unit, "?")``."""
+    rank = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    out: list[tuple[str, str]] = []
+    own = {m: {d for d in deps if d.startswith(PACKAGE_NAME + ".")} for m, deps in graph_.items()}
+    for mod, deps in sorted(own.items()):
+        unit = _unit(mod)
+        if unit == PACKAGE_NAME:
+            continue
+        if unit not in rank:
+            out.append((unit, "?"))
+            continue
+        for dep in sorted(deps):
+            other = _unit(dep)
+            if other == unit or other not in rank:
+                continue  # (within a package; a missing unit is reported as its own)
+            if rank[other] < rank[unit] or rank[other] == rank[unit] == 0:
+                continue
+            out.append((mod, dep))
+    return sorted(set(out))
+
+
+def test_packages_import_only_from_lower_layers() -> None:
+    """The order between packages that ``docs/internals.md`` states: traffic shapes,
+    generated content and page parts below the core, then the workload generators, the
+    wire format and the trio runtime, then the simulator, then the tools built on it and
+    the server, then the command; every unit of the package is in a layer."""
+    assert _layer_breaches(GRAPH) == []
+    units = {_unit(m) for m in modules()} - {PACKAGE_NAME}
+    assert units == set().union(*LAYERS)
+
+
+def test_the_layer_check_can_fail() -> None:
+    """An import upwards, one sideways within a layer and a unit in no layer, made by
+    hand, are reported; imports downwards and within a package are not."""
+    fake = {
+        "inference_lab.core.engine": {"inference_lab.sim.run", "inference_lab.core.config"},
+        "inference_lab.api.text": {"inference_lab.runtime.lag", "inference_lab.generate.x"},
+        "inference_lab.extra.mod": {"inference_lab.core.engine"},
+        "inference_lab.errors": {"inference_lab.jsonbytes"},
+    }
+    assert _layer_breaches(fake) == [
+        ("extra", "?"),
+        ("inference_lab.api.text", "inference_lab.runtime.lag"),
+        ("inference_lab.core.engine", "inference_lab.sim.run"),
+    ]
 
 
 def test_the_package_is_where_the_walk_looks() -> None:
