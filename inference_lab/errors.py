@@ -1,7 +1,7 @@
 """The project's one error hierarchy.
 
 Each class says who raises it and what the caller should do. Errors are mapped to HTTP in
-exactly one place (:mod:`inference_lab.serve.responses`); CLIs print ``str(error)`` on one
+exactly one place (:mod:`inference_lab.serve.error_replies`); CLIs print ``str(error)`` on one
 line and exit with the code of their documented policy (:mod:`inference_lab.cli`).
 """
 

@@ -57,13 +57,13 @@ from inference_lab.core.config import Deployment, load_deployment, load_workload
 from inference_lab.core.engine import Engine, RequestSpec
 from inference_lab.resources import resolve_shipped
 from inference_lab.sim.run import run_simulation
-from inference_lab.sim.workload import session_records
 from inference_lab.traffic.hashing import SyntheticStream
 from inference_lab.traffic.sessions import (
     SessionRecord,
     shared_prefix,
     write_sessions,
 )
+from inference_lab.workload import session_records
 
 
 def main() -> int:

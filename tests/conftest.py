@@ -27,7 +27,7 @@ import pytest
 import trio
 
 from inference_lab.core.config import load_deployment, load_workload
-from inference_lab.runtime.model import ModelRuntime
+from inference_lab.runtime.model_runtime import ModelRuntime
 from inference_lab.serve import ServeSettings, ServeState, create_app, get_state
 from tests.serve_util import SocketServed, StreamFrames, serving
 

@@ -20,7 +20,7 @@ import h11
 import trio
 import trio.testing
 
-from inference_lab.runtime.model import ModelRuntime
+from inference_lab.runtime.model_runtime import ModelRuntime
 from inference_lab.serve import ServeSettings, ServeState, create_app, get_state
 from inference_lab.serve.server import bind_socket, serve_app
 

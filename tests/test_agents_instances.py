@@ -1,4 +1,4 @@
-"""JSON Schema instances and regex strings (``api/instances.py``, ``api/patterns.py``),
+"""JSON Schema instances and regex strings (``generate/instances.py``, ``generate/patterns.py``),
 checked by an independent validator (``jsonschema``, a test dependency only).
 
 Random schemas come from :func:`random_schema`, a seeded generator of satisfiable schemas
@@ -25,14 +25,14 @@ from inference_lab.api.agents import (
     plan_answer,
     split_pieces,
 )
-from inference_lab.api.instances import (
+from inference_lab.generate.instances import (
     MAX_DEPTH,
     InvalidSchema,
     Unsatisfiable,
     generate_instance,
     is_valid,
 )
-from inference_lab.api.patterns import PatternError, pattern_string
+from inference_lab.generate.patterns import PatternError, pattern_string
 
 WORDS = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iota", "kappa"]
 PATTERNS = [

@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from inference_lab.client.http import Connection, Origin, TCPTransport, connect_tcp
-from inference_lab.kernel_time import SO_TIMESTAMPNS
+from inference_lab.socket_stamps import SO_TIMESTAMPNS
 
 #: Seconds the client waits before reading what the server sent, and the margin of a
 #: stamp's conversion from the wall clock on a busy machine.

@@ -995,3 +995,22 @@ def test_frontend_latency_is_range_checked_nan_included(
 def test_a_frontend_latency_loads_into_the_scheduler(tmp_path: Path) -> None:
     cfg = load(tmp_path, dense_config(scheduler={"frontend_latency": 0.002}))
     assert cfg.scheduler.frontend_latency == 0.002
+
+
+def test_the_config_package_reexports_every_public_name() -> None:
+    """``inference_lab.core.config`` re-exports each name its modules export (the
+    field checks excepted), the very objects, so ``from inference_lab.core.config import
+    X`` reaches anything the package offers."""
+    import importlib
+
+    import inference_lab.core.config as facade
+
+    names: set[str] = set()
+    for module in ("model", "speculative", "scheduler", "hardware", "deployment", "fault",
+                   "workload", "convert", "loading"):  # fmt: skip
+        mod = importlib.import_module(f"inference_lab.core.config.{module}")
+        names |= set(mod.__all__)
+        for name in mod.__all__:
+            assert getattr(facade, name) is getattr(mod, name), name
+    assert set(facade.__all__) == names
+    assert {"load_deployment", "load_model_config", "load_workload", "Deployment"} <= names

@@ -217,7 +217,7 @@ def test_sim_prints_and_records_the_efficiency(tmp_path: Path) -> None:
     """``sim``'s configuration block names a non-default efficiency and a step table, and
     its JSON records both; a datasheet deployment prints neither line."""
     from inference_lab.core.config import FixedDist, Workload
-    from inference_lab.sim.run import config_dict, format_config
+    from inference_lab.sim.text import config_dict, format_config
 
     workload = Workload(
         arrival_pattern="batched",

@@ -8,11 +8,15 @@ interface (the package's ``__init__``).
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from tests.import_graph import PACKAGE, cycles, graph, modules, reachable
 
 GRAPH = graph()
+PACKAGE_NAME = "inference_lab"
 IO_OR_CLOCK = {"trio", "quart", "quart_trio", "hypercorn", "h11", "time", "random", "asyncio"}
 
 
@@ -75,7 +79,7 @@ CLIENT_MAY_IMPORT = (
     "inference_lab.errors",
     "inference_lab.validation",
     "inference_lab.jsonbytes",
-    "inference_lab.kernel_time",
+    "inference_lab.socket_stamps",
 )
 
 TRANSPORT = "inference_lab.serve.transport"
@@ -125,6 +129,52 @@ def test_client_depends_only_on_the_http_api() -> None:
                 assert dep.startswith(CLIENT_MAY_IMPORT), f"{mod} reaches {dep}"
 
 
+GENERATE = "inference_lab.generate"
+
+
+def _module_random_calls(path: Path) -> list[str]:
+    """``random.<name>`` uses other than the ``random.Random`` type in a module: calls on
+    the global generator, where randomness should have been an argument."""
+    return sorted(
+        f"random.{node.attr}"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "random"
+        and node.attr != "Random"
+    )
+
+
+def test_generate_is_pure_and_below_the_wire_format() -> None:
+    """``generate/`` (schema instances, regex strings, the placeholder words) imports
+    nothing of the package outside itself, no I/O or clock, and draws only from the
+    caller's ``random.Random``; ``api/`` imports it."""
+    own = [m for m in modules() if m == GENERATE or m.startswith(GENERATE + ".")]
+    assert len(own) >= 4
+    for mod in own:
+        package_deps = {d for d in GRAPH[mod] if _top(d) == "inference_lab"}
+        outside = sorted(d for d in package_deps if not d.startswith(GENERATE))
+        assert not outside, f"{mod} imports {outside}"
+        bad = {d for d in GRAPH[mod] if _top(d) in IO_OR_CLOCK - {"random"}}
+        assert not bad, f"{mod} imports {sorted(bad)}"
+        assert _module_random_calls(modules()[mod]) == [], mod
+    assert any(
+        d.startswith(GENERATE + ".")
+        for m, deps in GRAPH.items()
+        if m.startswith("inference_lab.api")
+        for d in deps
+    )
+
+
+def test_the_random_check_can_fail(tmp_path: Path) -> None:
+    """A call on the global generator, written by hand, is reported; the type is not."""
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import random\ndef f(rng: random.Random) -> float:\n    return random.random()\n"
+    )
+    assert _module_random_calls(path) == ["random.random"]
+
+
 def test_sim_never_reaches_the_serve_stack() -> None:
     """The offline simulator reaches neither the HTTP app nor the trio runtime."""
     for mod in modules():
@@ -134,6 +184,80 @@ def test_sim_never_reaches_the_serve_stack() -> None:
                 m for m in reached if m.startswith(("inference_lab.serve", "inference_lab.runtime"))
             )
             assert not bad, f"{mod} reaches {bad}"
+
+
+#: The layers of ``docs/internals.md``'s picture, lowest first: a package (or a top-level
+#: module) imports only from lower layers; the shared modules of layer 0 import only each
+#: other. ``client`` is further fenced (it may reach only the command-line toolkit and
+#: ``traffic``: ``test_client_depends_only_on_the_http_api``).
+LAYERS: tuple[frozenset[str], ...] = tuple(
+    frozenset(layer)
+    for layer in (
+        {"errors", "jsonbytes", "validation", "resources", "socket_stamps", "cli_args"},
+        {"traffic", "generate", "web"},
+        {"core"},
+        {"workload", "api", "runtime"},
+        {"sim"},
+        {"calibrate", "plan", "serve", "client"},
+        {"cli"},
+    )
+)
+
+
+def _unit(module: str) -> str:
+    """The top-level package or module of ``inference_lab`` that ``module`` belongs to
+    (``inference_lab`` itself for the package's ``__init__``)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _layer_breaches(graph_: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, import) for every import that does not point to a lower layer (or, in
+    layer 0, to another shared module); a unit in no layer is reported as ``(unit, "?")``."""
+    rank = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    out: list[tuple[str, str]] = []
+    own = {m: {d for d in deps if d.startswith(PACKAGE_NAME + ".")} for m, deps in graph_.items()}
+    for mod, deps in sorted(own.items()):
+        unit = _unit(mod)
+        if unit == PACKAGE_NAME:
+            continue
+        if unit not in rank:
+            out.append((unit, "?"))
+            continue
+        for dep in sorted(deps):
+            other = _unit(dep)
+            if other == unit or other not in rank:
+                continue  # (within a package; a missing unit is reported as its own)
+            if rank[other] < rank[unit] or rank[other] == rank[unit] == 0:
+                continue
+            out.append((mod, dep))
+    return sorted(set(out))
+
+
+def test_packages_import_only_from_lower_layers() -> None:
+    """The order between packages that ``docs/internals.md`` states: traffic shapes,
+    generated content and page parts below the core, then the workload generators, the
+    wire format and the trio runtime, then the simulator, then the tools built on it and
+    the server, then the command; every unit of the package is in a layer."""
+    assert _layer_breaches(GRAPH) == []
+    units = {_unit(m) for m in modules()} - {PACKAGE_NAME}
+    assert units == set().union(*LAYERS)
+
+
+def test_the_layer_check_can_fail() -> None:
+    """An import upwards, one sideways within a layer and a unit in no layer, made by
+    hand, are reported; imports downwards and within a package are not."""
+    fake = {
+        "inference_lab.core.engine": {"inference_lab.sim.run", "inference_lab.core.config"},
+        "inference_lab.api.text": {"inference_lab.runtime.lag", "inference_lab.generate.x"},
+        "inference_lab.extra.mod": {"inference_lab.core.engine"},
+        "inference_lab.errors": {"inference_lab.jsonbytes"},
+    }
+    assert _layer_breaches(fake) == [
+        ("extra", "?"),
+        ("inference_lab.api.text", "inference_lab.runtime.lag"),
+        ("inference_lab.core.engine", "inference_lab.sim.run"),
+    ]
 
 
 def test_the_package_is_where_the_walk_looks() -> None:

@@ -24,6 +24,7 @@ from inference_lab.core.config import load_deployment, load_workload
 from inference_lab.core.engine import StepEvents
 from inference_lab.errors import ConfigError
 from inference_lab.plan import backends
+from inference_lab.plan import jobs as jobs_module
 from inference_lab.plan.backends import InlineExecutor, ProcessExecutor
 from inference_lab.plan.cache import ResultCache
 from inference_lab.plan.jobs import (
@@ -315,6 +316,26 @@ def test_a_job_key_is_its_content_and_the_code_not_its_path(
     key = _job().key
     monkeypatch.setattr("inference_lab.plan.jobs.code_version", lambda: "other")
     assert _job().key != key
+
+
+def test_the_code_version_reads_the_subpackages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A change to a module in a subpackage of a hashed folder (``core/config/``) changes
+    the code version, as a change to a workload generator does."""
+    for name in ("core/engine.py", "core/config/loading.py", "sim/run.py", "errors.py",
+                 "validation.py", "plan/jobs.py", "workload/open_loop.py"):  # fmt: skip
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(f"# {name}\n")
+    monkeypatch.setattr(jobs_module, "_PACKAGE", tmp_path)
+    version = jobs_module.code_version.__wrapped__
+    before = version()
+    (tmp_path / "core/config/loading.py").write_text("# changed\n")
+    assert version() != before
+    (tmp_path / "core/config/loading.py").write_text("# core/config/loading.py\n")
+    assert version() == before
+    (tmp_path / "workload/open_loop.py").write_text("# changed\n")
+    assert version() != before
 
 
 def test_run_job_is_a_pure_function_of_the_job() -> None:

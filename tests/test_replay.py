@@ -35,9 +35,9 @@ from inference_lab.core.config import load_deployment, load_workload
 from inference_lab.errors import ConfigError
 from inference_lab.serve import ServeSettings, create_app, get_state
 from inference_lab.serve.server import bind_socket, serve_app
-from inference_lab.sim.workload import SessionGenerator, make_rng, session_records
 from inference_lab.traffic.sessions import SessionRecord, Turn, read_sessions, write_sessions
 from inference_lab.traffic.traces import read_trace
+from inference_lab.workload import SessionGenerator, make_rng, session_records
 
 from .conftest import CONFIG_FILES, GPT, ROOT
 from .fake_openai_server import FakeConfig, MemoryFake

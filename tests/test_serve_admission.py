@@ -19,7 +19,7 @@ import trio.testing
 from inference_lab.core.config import Deployment
 from inference_lab.core.engine import RequestSpec
 from inference_lab.errors import QueueFull
-from inference_lab.runtime.model import ModelRuntime
+from inference_lab.runtime.model_runtime import ModelRuntime
 from tests.conftest import GPT, ServeFactory, chat_body, make_settings
 
 

@@ -22,7 +22,7 @@ import trio
 from inference_lab.api.encoding import StreamEncoder
 from inference_lab.api.requests import parse_completion_request
 from inference_lab.core.engine import Finished
-from inference_lab.runtime import model as runtime_module
+from inference_lab.runtime import model_runtime as runtime_module
 from inference_lab.serve import create_app
 from inference_lab.serve.asgi import get_state
 from inference_lab.serve.streaming import Delivery, StreamSink, write_stream

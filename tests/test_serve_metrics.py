@@ -13,6 +13,7 @@ import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from inference_lab.serve import ServeState
+from inference_lab.serve.error_replies import RETRY_AFTER_UNAVAILABLE
 from inference_lab.serve.metrics import (
     E2E_BUCKETS,
     ITL_BUCKETS,
@@ -20,7 +21,6 @@ from inference_lab.serve.metrics import (
     Histogram,
     token_buckets,
 )
-from inference_lab.serve.responses import RETRY_AFTER_UNAVAILABLE
 from tests.conftest import GPT, LLAMA, Served, ServeFactory, Stream, chat_body, make_settings
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

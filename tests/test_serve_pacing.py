@@ -18,10 +18,10 @@ import trio.testing
 from inference_lab.core.config import Deployment
 from inference_lab.core.engine import Engine, RequestSpec
 from inference_lab.core.roofline import Roofline
-from inference_lab.runtime import model as runtime_module
+from inference_lab.runtime import model_runtime as runtime_module
 from inference_lab.runtime.calibration import MAX_EARLY, PacingCalibration
 from inference_lab.runtime.lag import LAG_WARN_EVERY, LAG_WARN_P99, LAG_WINDOW
-from inference_lab.runtime.model import ModelRuntime
+from inference_lab.runtime.model_runtime import ModelRuntime
 from tests.conftest import GPT, ServeFactory, Stream, chat_body, make_settings
 
 P = 5  # "user: hello world" counts 5 prompt tokens

@@ -13,7 +13,7 @@ import trio.testing
 
 from inference_lab.core.roofline import Roofline
 from inference_lab.errors import EngineUnavailable
-from inference_lab.runtime.model import ModelRuntime
+from inference_lab.runtime.model_runtime import ModelRuntime
 from tests.conftest import GPT, LLAMA, ServeFactory, Stream, chat_body, make_settings
 
 P = 5

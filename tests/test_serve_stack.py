@@ -33,7 +33,6 @@ from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
 from quart_trio.asgi import TrioASGIHTTPConnection
 
-from inference_lab.kernel_time import SO_TIMESTAMPNS, enable_receive_timestamps
 from inference_lab.serve import create_app
 from inference_lab.serve.asgi import LabHTTPConnection
 from inference_lab.serve.completions import _receive_nowait, read_body
@@ -43,6 +42,7 @@ from inference_lab.serve.transport.connection import (
     install_connection_hook,
     received_at,
 )
+from inference_lab.socket_stamps import SO_TIMESTAMPNS, enable_receive_timestamps
 from tests.conftest import GPT, ServeFactory, make_settings
 from tests.serve_util import post_closing
 from tests.transport_util import (

@@ -15,7 +15,8 @@ import pytest
 from inference_lab import cli
 from inference_lab.core.config import load_deployment, load_workload, override_scheduler
 from inference_lab.sim import cli as sim_cli
-from inference_lab.sim.run import Progress, format_summary, run_simulation
+from inference_lab.sim.run import Progress, run_simulation
+from inference_lab.sim.text import format_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"

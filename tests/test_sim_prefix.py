@@ -13,7 +13,8 @@ import pytest
 
 from inference_lab import cli
 from inference_lab.core.config import Deployment, load_deployment, load_workload
-from inference_lab.sim.run import format_summary, run_simulation
+from inference_lab.sim.run import run_simulation
+from inference_lab.sim.text import format_summary
 from inference_lab.traffic.traces import read_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,7 +170,7 @@ def test_a_batch_file_whose_requests_arrive_apart_hits_on_shared_history(tmp_pat
     at a time (each after the last finished) its later turns find their history cached:
     tokens from the byte rule's ids, hashed at the deployment's block size."""
     from inference_lab.api.tokenizer import ByteTokenizer
-    from inference_lab.sim.batch import batch_tokenizer
+    from inference_lab.sim.batch_files import batch_tokenizer
 
     trace = read_trace(
         WORKLOADS / "openai-batch-sample.jsonl", tokenize=batch_tokenizer(ByteTokenizer())

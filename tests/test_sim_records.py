@@ -20,9 +20,9 @@ from inference_lab.core.config import (
     load_workload,
 )
 from inference_lab.core.engine import Engine, Finished, StepInfo
-from inference_lab.sim import run as run_module
+from inference_lab.sim import intake as run_module
 from inference_lab.sim.records import ArrivalTable, FinishedTable, StepTotals
-from inference_lab.sim.run import SimResult, run_simulation, write_request_csv
+from inference_lab.sim.run import SimResult, run_simulation
 from inference_lab.sim.summary import (
     prefix_cache_summary,
     replica_summaries,
@@ -30,7 +30,8 @@ from inference_lab.sim.summary import (
     speculative_summary,
     summarize,
 )
-from inference_lab.sim.workload import Arrival
+from inference_lab.sim.text import write_request_csv
+from inference_lab.workload import Arrival, ArrivalGenerator, OpenLoopGenerator
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -183,10 +184,6 @@ def _workload(pattern: str, count: int, **extra: Any) -> Workload:
     )
 
 
-class _NotOpenLoop:
-    """Stands in for OpenLoopGenerator in `run`, so that its up-front path runs."""
-
-
 CASES: dict[str, tuple[Workload, Path, dict[str, Any]]] = {
     "poisson": (_workload("poisson", 3000), GPT_OSS, {}),
     "batched": (_workload("batched", 600), GPT_OSS, {}),
@@ -217,7 +214,8 @@ def test_a_lazily_fed_open_loop_runs_as_if_submitted_up_front(
     workload, config, scheduler = CASES[case]
     monkeypatch.setattr(run_module, "FEED_CHUNK", 7)
     lazy = _run(workload, config, **scheduler)
-    monkeypatch.setattr(run_module, "OpenLoopGenerator", _NotOpenLoop)
+    # an open loop that offers no arrays: its arrivals are submitted up front
+    monkeypatch.setattr(OpenLoopGenerator, "arrays", ArrivalGenerator.arrays)
     upfront = _run(workload, config, **scheduler)
     assert isinstance(lazy.arrivals, ArrivalTable) and isinstance(upfront.arrivals, dict)
     doc, ref = lazy.to_dict(), upfront.to_dict()

@@ -20,7 +20,8 @@ import pytest
 from inference_lab import cli
 from inference_lab.core.config import load_deployment, load_workload
 from inference_lab.sim.report import CDF_POINTS, render_report
-from inference_lab.sim.run import SimResult, config_dict, format_config, run_simulation
+from inference_lab.sim.run import SimResult, run_simulation
+from inference_lab.sim.text import config_dict, format_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"

@@ -10,7 +10,7 @@ import pytest
 
 from inference_lab.core.config import FixedDist, LognormalDist, NormalDist, UniformDist, Workload
 from inference_lab.errors import ConfigError
-from inference_lab.sim.workload import (
+from inference_lab.workload import (
     CHUNK,
     Arrival,
     ArrivalGenerator,

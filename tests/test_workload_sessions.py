@@ -1,5 +1,5 @@
 """Session workloads and rate schedules in the simulator's arrival generation
-(``inference_lab/sim/workload.py`` Rules 4-6; the ``[sessions]`` and ``[rate_schedule]``
+(``inference_lab/workload/``; the ``[sessions]`` and ``[rate_schedule]``
 tables of ``docs/configuration.md``)."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from inference_lab.core.config import (
     load_workload,
 )
 from inference_lab.errors import ConfigError
-from inference_lab.sim.workload import Arrival, SessionGenerator, make_generator
 from inference_lab.traffic.schedules import PiecewiseRate, SquareRate
+from inference_lab.workload import Arrival, SessionGenerator, make_generator
 
 
 def sessions_workload(**overrides: Any) -> Workload:

@@ -42,13 +42,13 @@ from typing import Any, Literal
 import attrs
 
 from inference_lab.api.encoding import random_hex
-from inference_lab.api.instances import SchemaError, generate_instance
-from inference_lab.api.patterns import PatternError, pattern_string
 from inference_lab.api.requests import ParsedRequest
 from inference_lab.api.schema import check_depth, invalid_value
 from inference_lab.api.text import VOCABULARY, WORDS, placeholder_text, token_start
 from inference_lab.core.config import EFFORTS, ReasoningConfig
 from inference_lab.errors import ApiError, truncate_echo
+from inference_lab.generate.instances import SchemaError, generate_instance
+from inference_lab.generate.patterns import PatternError, pattern_string
 
 __all__ = [
     "AgentRequest",

@@ -17,6 +17,8 @@ import bisect
 from collections.abc import Sequence
 from typing import Any
 
+from inference_lab.generate.vocabulary import VOCABULARY
+
 __all__ = [
     "VOCABULARY",
     "WORDS",
@@ -31,13 +33,6 @@ __all__ = [
     "tokens_ending_by",
 ]
 
-#: The placeholder vocabulary: token i of every response is ``VOCABULARY[i % 50] + " "``.
-VOCABULARY: tuple[str, ...] = tuple(
-    "the of and to in a is that for it was on are be with as at this have from or an by "
-    "not but what all were when we there can which their if do will each about how up out "
-    "them then she many some so these would".split()
-)
-assert len(VOCABULARY) == 50
 #: The text of each placeholder token: its word and a space.
 WORDS: tuple[str, ...] = tuple(f"{w} " for w in VOCABULARY)
 _CYCLE = "".join(WORDS)

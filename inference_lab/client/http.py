@@ -20,7 +20,7 @@ Rule 4: every network or protocol failure surfaces as ``ConnectionFailed``, with
 Rule 5: a connection notes when its latest request went out (``sent_at``: just before its
   bytes are handed to the transport) and when the bytes of its latest read arrived
   (``received_at``: the kernel's receive timestamp where the transport has one,
-  :mod:`inference_lab.kernel_time`, else when the read returned), so a latency measured
+  :mod:`inference_lab.socket_stamps`, else when the read returned), so a latency measured
   from the two counts neither the client's own encoding nor its own wake-up.
 """
 
@@ -36,7 +36,7 @@ import attrs
 import h11
 import trio
 
-from inference_lab.kernel_time import enable_receive_timestamps, receive_stamped
+from inference_lab.socket_stamps import enable_receive_timestamps, receive_stamped
 
 __all__ = [
     "Connect",

@@ -54,18 +54,19 @@ ITL_PERCENTILES: npt.NDArray[np.float64] = np.round(np.linspace(0.0, 100.0, 1001
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 #: The sources a job's result depends on (Rule 2).
-_CODE = ("core", "sim", "errors.py", "validation.py", "plan/jobs.py")
+_CODE = ("core", "sim", "workload", "errors.py", "validation.py", "plan/jobs.py")
 
 
 @functools.cache
 def code_version() -> str:
     """A hash of the simulator's sources (the engine, the roofline, the configs, the sim
-    loop and this module): a change to any of them gives every job a new key."""
+    loop, the workload generators and this module): a change to any of them gives every
+    job a new key."""
     digest = hashlib.sha256()
     files: list[Path] = []
     for name in _CODE:
         path = _PACKAGE / name
-        files += sorted(path.glob("*.py")) if path.is_dir() else [path]
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
     for path in files:
         digest.update(path.relative_to(_PACKAGE).as_posix().encode())
         digest.update(b"\0")

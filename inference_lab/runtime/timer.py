@@ -115,7 +115,7 @@ def _real_clock() -> bool:
 class Timer:
     """A one-task sleeper: ``await timer.sleep_until(deadline)`` (trio time).
 
-    Created and closed by the pacer task (:class:`inference_lab.runtime.model.ModelRuntime`).
+    Created and closed by the pacer task (:class:`inference_lab.runtime.model_runtime.ModelRuntime`).
     """
 
     def __init__(self) -> None:

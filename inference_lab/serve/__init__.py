@@ -5,7 +5,7 @@ The package, by concern (dependencies run downwards):
 - :mod:`~inference_lab.serve.settings`: flags and environment -> :class:`ServeSettings`;
 - :mod:`~inference_lab.serve.metrics`: the Prometheus recorder and collector, Retry-After;
 - :mod:`~inference_lab.serve.state`: the runtimes of one app and their lifecycle;
-- :mod:`~inference_lab.serve.responses`: every error and refusal as an HTTP reply;
+- :mod:`~inference_lab.serve.error_replies`: every error and refusal as an HTTP reply;
 - :mod:`~inference_lab.serve.exchange`: one request as the app sees it;
 - :mod:`~inference_lab.serve.streaming`: per-request sinks and frame delivery;
 - :mod:`~inference_lab.serve.completions`: the two completion routes on raw ASGI;

@@ -46,7 +46,7 @@ from inference_lab.api.responses_api import (
 from inference_lab.api.schema import parse_json_object
 from inference_lab.errors import ApiError, EngineUnavailable, QueueFull, truncate_echo
 from inference_lab.jsonbytes import dumps
-from inference_lab.runtime.model import RequestHandle
+from inference_lab.runtime.model_runtime import RequestHandle
 from inference_lab.serve.agents import serve_answer
 from inference_lab.serve.client_gone import while_watched
 from inference_lab.serve.completions import (
@@ -57,9 +57,7 @@ from inference_lab.serve.completions import (
     ClientGone,
     read_body,
 )
-from inference_lab.serve.exchange import Exchange, Receive, Send
-from inference_lab.serve.response_store import StoredResponse
-from inference_lab.serve.responses import (
+from inference_lab.serve.error_replies import (
     JSON,
     Reply,
     body_timeout_reply,
@@ -71,6 +69,8 @@ from inference_lab.serve.responses import (
     send_reply,
     shutting_down_reply,
 )
+from inference_lab.serve.exchange import Exchange, Receive, Send
+from inference_lab.serve.response_store import StoredResponse
 from inference_lab.serve.routes import to_response
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.streaming import CollectSink

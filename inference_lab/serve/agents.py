@@ -42,16 +42,16 @@ from inference_lab.api.encoding import StreamEncoder, new_request_id
 from inference_lab.api.requests import ParsedRequest, check_work
 from inference_lab.core.engine import Finished
 from inference_lab.errors import ApiError
-from inference_lab.runtime.model import ModelRuntime, RequestHandle
+from inference_lab.runtime.model_runtime import ModelRuntime, RequestHandle
 from inference_lab.serve.client_gone import while_watched
-from inference_lab.serve.exchange import Exchange, Receive, Send
-from inference_lab.serve.responses import (
+from inference_lab.serve.error_replies import (
     STREAM_HEADERS,
     Reply,
     send_reply,
     shutting_down_reply,
     stream_shutdown_frames,
 )
+from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.streaming import CollectSink, StreamSink, write_stream
 

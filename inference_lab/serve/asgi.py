@@ -34,14 +34,14 @@ from werkzeug.exceptions import HTTPException
 from inference_lab.serve import gate
 from inference_lab.serve.agent_routes import AGENT_ROUTES
 from inference_lab.serve.completions import COMPLETION_ROUTES, complete
-from inference_lab.serve.exchange import Exchange
-from inference_lab.serve.responses import (
+from inference_lab.serve.error_replies import (
     error_reply,
     method_not_allowed_reply,
     send_reply,
     shutting_down_reply,
     websocket_refused_reply,
 )
+from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.transport import received_at
 

@@ -58,11 +58,10 @@ from inference_lab.api.requests import (
 )
 from inference_lab.api.schema import parse_json_object
 from inference_lab.errors import ApiError, EngineUnavailable, QueueFull
-from inference_lab.runtime.model import RequestHandle
+from inference_lab.runtime.model_runtime import RequestHandle
 from inference_lab.serve.agents import chat_plan, refuse_structured, serve_chat_agent
 from inference_lab.serve.client_gone import while_watched
-from inference_lab.serve.exchange import Exchange, Receive, Send
-from inference_lab.serve.responses import (
+from inference_lab.serve.error_replies import (
     JSON,
     STREAM_HEADERS,
     Reply,
@@ -74,6 +73,7 @@ from inference_lab.serve.responses import (
     shutting_down_reply,
     stream_shutdown_frames,
 )
+from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.streaming import CollectSink, StreamSink, write_stream
 

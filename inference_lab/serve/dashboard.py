@@ -42,9 +42,9 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from inference_lab.jsonbytes import dumps
-from inference_lab.runtime.model import ModelRuntime
+from inference_lab.runtime.model_runtime import ModelRuntime
+from inference_lab.serve.error_replies import error_reply
 from inference_lab.serve.metrics import RECENT_FINISHED, ModelMetrics
-from inference_lab.serve.responses import error_reply
 from inference_lab.serve.routes import to_response
 from inference_lab.serve.state import ServeState
 from inference_lab.web import Page, page

@@ -5,7 +5,7 @@ Rule 1: :func:`prepare` runs first for every request and decides the headers eve
         before anything is read from the body, whether the request is refused outright.
 Rule 2: the checks run in a fixed order (path, CORS preflight, control token, API key,
         content type) and the first refusal answers; every refusal is a whole :class:`Reply` from
-        :mod:`inference_lab.serve.responses`.
+        :mod:`inference_lab.serve.error_replies`.
 Rule 3: the control plane (``/control/*``) answers CORS -- headers and preflights -- only
         when the server has a control token: without one its only guard is that the
         client is on loopback, which a page in a local browser is.
@@ -24,8 +24,7 @@ from urllib.parse import parse_qs
 
 from inference_lab.api.encoding import new_request_id, random_hex
 from inference_lab.serve.completions import COMPLETION_ROUTES
-from inference_lab.serve.exchange import Exchange
-from inference_lab.serve.responses import (
+from inference_lab.serve.error_replies import (
     Reply,
     api_key_reply,
     control_forbidden_reply,
@@ -34,6 +33,7 @@ from inference_lab.serve.responses import (
     route_not_found_reply,
     unsupported_media_type_reply,
 )
+from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.settings import is_loopback_host
 from inference_lab.serve.state import ServeState
 

@@ -59,7 +59,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from inference_lab.core.engine import EngineStatistics, Finished, StepEvents
-from inference_lab.runtime.model import ModelRuntime, RuntimeSnapshot
+from inference_lab.runtime.model_runtime import ModelRuntime, RuntimeSnapshot
 
 __all__ = [
     "E2E_BUCKETS",

@@ -6,7 +6,7 @@ snapshots (or a statistics call) and sent as a :class:`Reply`.
 
 Rule 1: a capacity change is validated whole before anything changes; then it applies to
         every addressed model at once (synchronously: no checkpoint in between).
-Rule 2: errors go through :func:`inference_lab.serve.responses.error_reply`.
+Rule 2: errors go through :func:`inference_lab.serve.error_replies.error_reply`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from inference_lab.api.tokenize import (
 )
 from inference_lab.errors import ApiError, truncate_echo
 from inference_lab.jsonbytes import dumps
-from inference_lab.runtime.model import ModelRuntime, RuntimeSnapshot
-from inference_lab.serve.responses import (
+from inference_lab.runtime.model_runtime import ModelRuntime, RuntimeSnapshot
+from inference_lab.serve.error_replies import (
     RETRY_AFTER_UNAVAILABLE,
     Reply,
     error_reply,

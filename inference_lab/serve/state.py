@@ -34,12 +34,12 @@ from inference_lab.api.requests import ParsedRequest
 from inference_lab.core.config import Deployment
 from inference_lab.core.engine import AllBlocksCleared
 from inference_lab.errors import ApiError, truncate_echo
-from inference_lab.runtime.model import ModelRuntime
+from inference_lab.runtime.model_runtime import ModelRuntime
+from inference_lab.serve.error_replies import SHUTDOWN_MESSAGE
 from inference_lab.serve.harness.intercept import Harness
 from inference_lab.serve.kv_events import KVEventsHub
 from inference_lab.serve.metrics import ServeMetrics
 from inference_lab.serve.response_store import ResponseStore
-from inference_lab.serve.responses import SHUTDOWN_MESSAGE
 from inference_lab.serve.settings import ServeSettings
 from inference_lab.serve.streaming import Delivery
 

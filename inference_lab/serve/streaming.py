@@ -56,7 +56,7 @@ import trio
 
 from inference_lab.api.encoding import StreamEncoder
 from inference_lab.core.engine import Finished
-from inference_lab.serve.responses import (
+from inference_lab.serve.error_replies import (
     Reply,
     engine_failed_reply,
     shutting_down_reply,

@@ -208,7 +208,7 @@ def _read_trace(args: argparse.Namespace, model_tokenizer: str | None) -> Trace:
     tokenize = None
     if fmt == "openai_batch":
         from inference_lab.api.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-        from inference_lab.sim.batch import batch_tokenizer
+        from inference_lab.sim.batch_files import batch_tokenizer
 
         path = args.tokenizer or model_tokenizer
         tokenizer: Tokenizer = ByteTokenizer() if path is None else load_tokenizer(path)
@@ -235,11 +235,11 @@ def run(args: argparse.Namespace) -> int:
     from inference_lab.core.config import load_deployment, load_workload, override_scheduler
     from inference_lab.errors import InferenceLabError
     from inference_lab.resources import resolve_shipped
-    from inference_lab.sim.run import (
+    from inference_lab.sim.run import run_simulation
+    from inference_lab.sim.text import (
         config_dict,
         format_config,
         format_summary,
-        run_simulation,
         write_request_csv,
     )
     from inference_lab.traffic.traces import Trace
@@ -290,8 +290,8 @@ def run(args: argparse.Namespace) -> int:
             if args.write_sessions is not None:
                 if workload.sessions is None:
                     return fail(PROG, f"--write-sessions: {source} has no [sessions] table")
-                from inference_lab.sim.workload import session_records
                 from inference_lab.traffic.sessions import write_sessions
+                from inference_lab.workload import session_records
 
                 write_sessions(args.write_sessions, session_records(workload, args.seed))
         if not args.quiet:

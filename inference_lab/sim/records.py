@@ -14,7 +14,8 @@ Rule 3: the step figures the summary averages are kept per step (its means are n
         their order, as `summary.speculative_summary` sums them.
 
 Who uses it: `inference_lab.sim.run` (the loop appends; `SimResult` holds them), the
-summary functions (columns) and the CSV writer (records, one at a time).
+summary functions (columns) and the CSV writer (`inference_lab.sim.text`: records, one at
+a time).
 """
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
 from inference_lab.core.engine import Finished, StepInfo
-from inference_lab.sim.workload import Arrival
+from inference_lab.workload.arrivals import Arrival
 
-__all__ = ["ArrivalTable", "FinishedTable", "StepTotals"]
+__all__ = ["QUEUE_LIMIT", "ArrivalTable", "FinishedTable", "Refused", "StepTotals"]
+
+#: The `limit` of a request refused by the waiting-queue bound (``max_waiting``).
+QUEUE_LIMIT = "max_waiting"
 
 _FLOATS = ("arrival_time", "first_scheduled_time", "first_token_time", "finish_time")
 _INTS = (
@@ -41,6 +46,17 @@ _INTS = (
     "cached_tokens",
     "worker",
 )
+
+
+@attrs.frozen
+class Refused:
+    """A request the run refused: one the deployment can never run (`RequestRefused` from
+    `Engine.submit`; `limit` names the bound) or one refused by ``max_waiting``
+    (`limit` :data:`QUEUE_LIMIT`)."""
+
+    arrival: Arrival
+    limit: str
+    reason: str
 
 
 class FinishedTable(Sequence[Finished]):

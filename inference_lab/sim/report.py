@@ -23,8 +23,9 @@ from typing import IO, Any
 import numpy as np
 
 from inference_lab.sim.records import FinishedTable
-from inference_lab.sim.run import SimResult, format_summary
+from inference_lab.sim.run import SimResult
 from inference_lab.sim.summary import LATENCY_COLUMNS, LatencyStats
+from inference_lab.sim.text import format_summary
 from inference_lab.web import page
 
 __all__ = ["CDF_POINTS", "HISTOGRAM_BINS", "render_report", "report_data"]

@@ -25,6 +25,7 @@ import attrs
 import numpy as np
 
 from inference_lab.core.engine import EngineStatistics, StepEvents
+from inference_lab.sim.observers import RunObserver
 
 __all__ = ["DEFAULT_INTERVAL", "Series", "SeriesPoint", "SeriesRecorder"]
 
@@ -187,21 +188,25 @@ def _percentiles(values: Sequence[float], qs: tuple[int, ...]) -> list[float | N
     return [float(v) for v in out]
 
 
-class SeriesRecorder:
-    """Builds a :class:`Series` while the simulation runs (module rules). The loop calls
-    :meth:`close_until` before stepping an event at or after :attr:`end`, :meth:`observe`
-    with each step's events, :meth:`refused` for each arrival refused by ``max_waiting``,
-    and :meth:`finish` once at the end."""
+class SeriesRecorder(RunObserver):
+    """Builds a :class:`Series` while the simulation runs (module rules). An observer of
+    the loop (:mod:`inference_lab.sim.observers`): before it steps an event at or after
+    :attr:`end` (its :attr:`due`) it closes the intervals up to it (:meth:`close_until`),
+    it sees each step's events (:meth:`observe`), the ``max_waiting`` bound tells it of
+    each refusal (:meth:`refused`), and :meth:`finish` is called once at the end."""
+
+    takes_runs = False  # (an interval must close before the first event past its end)
 
     def __init__(self, interval: float, engine: _Engine) -> None:
         if not interval > 0:
             raise ValueError(f"the series interval must be > 0, got {interval}")
         self.interval = interval
+        self._engine = engine
         stats = engine.statistics()
         self._replicas = len(stats.workers)
         self._points: list[SeriesPoint] = []
         self._index = 0  # of the open interval
-        self.end = interval  # where the open interval ends
+        self.end = self.due = interval  # where the open interval ends
         self._queries = [w.prefix_cache_queries for w in stats.workers]
         self._hits = [w.prefix_cache_hits for w in stats.workers]
         self._reset()
@@ -238,6 +243,11 @@ class SeriesRecorder:
                 self._tpot.append((f.finish_time - f.first_token_time) / (f.output_tokens - 1))
             if f.n > 1:
                 self._tokens += (f.n - 1) * f.output_tokens
+
+    on_step = observe
+
+    def before_step(self, time: float) -> None:
+        self.close_until(time, self._engine)
 
     def refused(self) -> None:
         """One arrival of the open interval was refused by ``max_waiting``."""
@@ -305,5 +315,5 @@ class SeriesRecorder:
             )
         )
         self._index += 1
-        self.end = (self._index + 1) * self.interval
+        self.end = self.due = (self._index + 1) * self.interval
         self._reset()

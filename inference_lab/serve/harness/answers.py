@@ -26,7 +26,14 @@ from inference_lab.core.config import FaultConfig
 from inference_lab.core.engine import Finished
 from inference_lab.errors import ApiError
 from inference_lab.jsonbytes import dumps
-from inference_lab.runtime.model import ModelRuntime, RequestHandle
+from inference_lab.runtime.model_runtime import ModelRuntime, RequestHandle
+from inference_lab.serve.error_replies import (
+    STREAM_HEADERS,
+    json_reply,
+    send_reply,
+    shutting_down_reply,
+    stream_failure_frames,
+)
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.harness.directives import Script
 from inference_lab.serve.harness.frames import (
@@ -42,13 +49,6 @@ from inference_lab.serve.harness.wire import (
     send_last,
     send_more,
     serve_stream,
-)
-from inference_lab.serve.responses import (
-    STREAM_HEADERS,
-    json_reply,
-    send_reply,
-    shutting_down_reply,
-    stream_failure_frames,
 )
 
 __all__ = ["ABRUPT", "FLUSH_GRACE", "Fault", "Intercepted", "Scripted"]

@@ -20,10 +20,10 @@ from werkzeug.exceptions import HTTPException
 
 from inference_lab.api.schema import parse_json_object
 from inference_lab.errors import ApiError, truncate_echo
-from inference_lab.runtime.model import ModelRuntime
+from inference_lab.runtime.model_runtime import ModelRuntime
+from inference_lab.serve.error_replies import Reply, error_reply, json_reply
 from inference_lab.serve.harness.host import HarnessHost
 from inference_lab.serve.harness.intercept import Harness
-from inference_lab.serve.responses import Reply, error_reply, json_reply
 
 __all__ = [
     "ACTIONS",

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from inference_lab.errors import ApiError
-from inference_lab.runtime.model import ModelRuntime
+from inference_lab.runtime.model_runtime import ModelRuntime
 
 __all__ = ["HarnessHost"]
 

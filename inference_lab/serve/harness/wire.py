@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from inference_lab.serve.error_replies import STREAM_HEADERS
 from inference_lab.serve.exchange import Exchange, Receive, Send
-from inference_lab.serve.responses import STREAM_HEADERS
 from inference_lab.serve.transport import connection_socket
 
 __all__ = [

@@ -83,13 +83,13 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 
 from inference_lab.errors import error_body
-from inference_lab.kernel_time import (
+from inference_lab.serve.transport.accept_log import install_accept_log_filter
+from inference_lab.socket_stamps import (
     MAX_RECEIPT_AGE,
     enable_receive_timestamps,
     receive_stamped,
     receives_timestamps,
 )
-from inference_lab.serve.transport.accept_log import install_accept_log_filter
 
 __all__ = [
     "ChunkWriter",

@@ -44,8 +44,8 @@ from fractions import Fraction
 from typing import Any
 from urllib.parse import unquote
 
-from inference_lab.api.patterns import PatternError, compile_pattern, pattern_string
-from inference_lab.api.text import VOCABULARY
+from inference_lab.generate.patterns import PatternError, compile_pattern, pattern_string
+from inference_lab.generate.vocabulary import VOCABULARY
 
 __all__ = [
     "InvalidSchema",

@@ -1,0 +1,147 @@
+"""A deployment (one model config x one of its hardware entries) and a model config.
+
+Rule 1: a :class:`Deployment` the loader returns is usable as it is (the loader checked
+        it whole: parallelism, precisions, fit, KV blocks); what it derives (workers,
+        resident weights, KV bytes and blocks) is pure arithmetic on its fields.
+Rule 2: a worker is a replica, or one attention rank of it with ``dp_attention``: its KV
+        bytes are the replica's pool less its resident weights, shared evenly by its
+        ranks (``docs/configuration.md#kv-capacity``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+
+from inference_lab.core.config.fault import FaultConfig
+from inference_lab.core.config.hardware import (
+    Efficiency,
+    HardwareEntry,
+    HardwareProfile,
+)
+from inference_lab.core.config.model import (
+    BYTES_PER_VALUE,
+    KV_LAYERS,
+    AttentionLayer,
+    MLALayer,
+    ModelArch,
+)
+from inference_lab.core.config.scheduler import SchedulerConfig
+from inference_lab.core.config.speculative import SpeculativeConfig
+from inference_lab.core.step_table import StepTable
+
+__all__ = ["Deployment", "ModelConfig"]
+
+
+@attrs.frozen(kw_only=True)
+class Deployment:
+    """Everything the engine needs, resolved and validated."""
+
+    model: ModelArch
+    scheduler: SchedulerConfig
+    hardware: HardwareEntry
+    profile: HardwareProfile
+    hardware_name: str
+    config_path: Path
+    #: The entry's measured step table, read by the loader (None: the roofline alone).
+    step_table: StepTable | None = None
+    #: The model config's ``[speculative]`` table (None: no speculative decoding).
+    speculative: SpeculativeConfig | None = None
+    #: Its per-position acceptance rates, resolved by the loader (a CSV's are read there).
+    acceptance_rates: tuple[float, ...] = ()
+
+    @property
+    def efficiency(self) -> Efficiency:
+        """The profile's efficiency with the entry's ``efficiency`` keys over it."""
+        override = self.hardware.efficiency
+        return (
+            self.profile.efficiency if override is None else override.over(self.profile.efficiency)
+        )
+
+    @property
+    def workers(self) -> int:
+        """Schedulers with their own KV cache: ``replicas * dp_attention``."""
+        return self.hardware.replicas * self.hardware.dp_attention
+
+    @property
+    def attention_tp(self) -> int:
+        """GPUs one sequence's attention is split over: ``tp / dp_attention``."""
+        return self.hardware.tp // self.hardware.dp_attention
+
+    @property
+    def resident_weight_bytes(self) -> int:
+        """Weight bytes one replica holds: the model's streams and the drafter's. With
+        ``dp_attention`` ranks, each stream's dense part is held once per rank and its
+        experts once (``floor`` per part)."""
+        weights = list(self.model.weights)
+        if self.speculative is not None:
+            weights += self.speculative.drafter.weights
+        dp = self.hardware.dp_attention
+        if dp == 1:
+            return sum(w.resident_bytes for w in weights)
+        total = 0
+        for w in weights:
+            b = BYTES_PER_VALUE[w.precision]
+            experts = w.expert_params
+            total += math.floor(experts * b) + dp * math.floor((w.resident_params - experts) * b)
+        return total
+
+    @property
+    def kv_bytes(self) -> float:
+        """KV bytes of one worker (a replica, or one rank of it with ``dp_attention``):
+        ``kv_cache_capacity`` when set, else the replica's memory pool
+        (``floor(memory_capacity * tp * gpu_memory_utilization)``) less its resident
+        weights, shared evenly by its ranks."""
+        if self.scheduler.kv_cache_capacity > 0:
+            return self.scheduler.kv_cache_capacity
+        pool = math.floor(
+            self.profile.memory_capacity * self.hardware.tp * self.scheduler.gpu_memory_utilization
+        )
+        dp = self.hardware.dp_attention
+        free = pool - self.resident_weight_bytes
+        return free if dp == 1 else free / dp
+
+    def kv_layers(self) -> list[AttentionLayer | MLALayer]:
+        """The KV layers of the model, then the drafter's."""
+        layers = [layer for layer in self.model.layers if isinstance(layer, KV_LAYERS)]
+        if self.speculative is not None:
+            layers += [
+                layer for layer in self.speculative.drafter.layers if isinstance(layer, KV_LAYERS)
+            ]
+        return layers
+
+    def kv_bytes_per_position(self, layer: AttentionLayer | MLALayer) -> float:
+        """KV bytes a worker holds per position of ``layer``: an MLA latent is replicated on
+        every GPU of the attention group (``attention_tp``), a K/V head split among them."""
+        if isinstance(layer, MLALayer):
+            return layer.kv_bytes_per_position * self.attention_tp
+        return layer.kv_bytes_per_position
+
+    @property
+    def block_bytes(self) -> float:
+        return sum(
+            layer.count * self.kv_bytes_per_position(layer) * self.scheduler.block_size
+            for layer in self.kv_layers()
+            if layer.window == 0
+        )
+
+    @property
+    def total_blocks(self) -> int:
+        return max(0, math.floor(self.kv_bytes / self.block_bytes))
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    path: Path
+    model: ModelArch
+    scheduler: SchedulerConfig
+    deployments: Mapping[str, Deployment]
+    #: The model's static ``[fault]`` table (None: no faults).
+    fault: FaultConfig | None = None
+    #: The ``[speculative]`` table and its resolved acceptance rates (every deployment
+    #: carries them too).
+    speculative: SpeculativeConfig | None = None
+    acceptance_rates: tuple[float, ...] = ()

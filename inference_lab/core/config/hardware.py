@@ -1,0 +1,145 @@
+"""Hardware: a GPU's profile (``hardware_profiles/<name>.toml``), a model's
+``[hardware.<name>]`` entries, efficiency terms, links and the fabric.
+
+Rule 1: a class is valid at construction or raises a FieldError naming the field.
+Rule 2: the default efficiency (1.0, no overhead) is the datasheet roofline itself; an
+        entry's ``efficiency`` replaces only the keys it sets.
+Rule 3: what depends on a model as well (parallelism dividing, a fabric for tp > 1, the
+        fit) is checked by the loader on the whole deployment, not here.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from inference_lab.core.config.checks import (
+    ge,
+    gt,
+    le,
+    lowercase,
+    one_of,
+    optional_name,
+    optional_nonempty,
+)
+
+__all__ = [
+    "ROUTERS",
+    "Efficiency",
+    "EfficiencyOverride",
+    "Fabric",
+    "HardwareEntry",
+    "HardwareProfile",
+    "Link",
+    "TimeCorrection",
+]
+
+ROUTERS = ("round_robin", "least_loaded", "prefix_affinity", "kv_aware")
+
+
+@attrs.frozen(kw_only=True)
+class TimeCorrection:
+    alpha: float = attrs.field(default=1.0, validator=gt(0))
+    beta: float = attrs.field(default=0.0, validator=ge(0))
+
+
+@attrs.frozen(kw_only=True)
+class Efficiency:
+    """Where a real engine falls short of the datasheet roofline (docs/fidelity.md):
+    the achievable fraction of HBM bandwidth and of peak FLOP/s, and a fixed overhead per
+    step (scheduler, kernel launches, sampling). The defaults are the roofline itself."""
+
+    memory_bandwidth: float = attrs.field(default=1.0, validator=[gt(0), le(1)])
+    flops: float = attrs.field(default=1.0, validator=[gt(0), le(1)])
+    step_overhead: float = attrs.field(default=0.0, validator=[ge(0), le(1)])
+
+    @property
+    def is_identity(self) -> bool:
+        return self.memory_bandwidth == 1.0 and self.flops == 1.0 and self.step_overhead == 0.0
+
+
+@attrs.frozen(kw_only=True)
+class EfficiencyOverride:
+    """A hardware entry's ``efficiency`` table: the keys it sets replace the profile's."""
+
+    memory_bandwidth: float | None = attrs.field(default=None, validator=[gt(0), le(1)])
+    flops: float | None = attrs.field(default=None, validator=[gt(0), le(1)])
+    step_overhead: float | None = attrs.field(default=None, validator=[ge(0), le(1)])
+
+    def over(self, base: Efficiency) -> Efficiency:
+        changes = {
+            a.name: getattr(self, a.name)
+            for a in attrs.fields(EfficiencyOverride)
+            if getattr(self, a.name) is not None
+        }
+        return attrs.evolve(base, **changes) if changes else base
+
+
+@attrs.frozen(kw_only=True)
+class HardwareEntry:
+    #: The hardware profile's file name (``hardware_profiles/<profile>.toml``); None: the
+    #: entry's own name. Lets one model have several entries on one GPU (tp variants,
+    #: calibrated ones).
+    profile: str | None = attrs.field(default=None, validator=optional_name)
+    tp: int = attrs.field(default=1, validator=ge(1))
+    #: Expert parallelism: the MoE layers' experts spread over ``ep`` GPUs, tokens sent to
+    #: them and back by all-to-all (dispatch, combine) instead of an all-reduce.
+    ep: int = attrs.field(default=1, validator=ge(1))
+    #: Data-parallel attention: a replica's ``tp`` GPUs form ``dp_attention`` ranks of
+    #: ``tp / dp_attention`` GPUs, each with the attention and dense weights, its own
+    #: scheduler and KV cache (a worker); the ranks step in lockstep and share the experts.
+    dp_attention: int = attrs.field(default=1, validator=ge(1))
+    replicas: int = attrs.field(default=1, validator=ge(1))
+    router: str = attrs.field(default="round_robin", converter=lowercase, validator=one_of(ROUTERS))
+    #: prefix_affinity: a replica is eligible while its load (running + waiting) is
+    #: below ceil(ratio * (total load + 1) / replicas).
+    affinity_load_ratio: float = attrs.field(default=1.25, validator=ge(1))
+    #: kv_aware: the weight of a replica's queued prefill tokens against the request's
+    #: own uncached prompt tokens.
+    kv_aware_queue_weight: float = attrs.field(default=1.0, validator=ge(0))
+    time_correction: TimeCorrection = attrs.field(factory=TimeCorrection)
+    #: Replaces the profile's ``[efficiency]`` keys it sets, for this model only.
+    efficiency: EfficiencyOverride | None = None
+    #: A CSV of measured step times (docs/fidelity.md#measured-step-tables), relative to
+    #: the config file; after loading, the resolved path.
+    step_table: str | None = attrs.field(default=None, validator=optional_nonempty)
+
+
+# ---------------------------------------------------------------------------------------
+# hardware profile
+
+
+@attrs.frozen(kw_only=True)
+class Link:
+    bandwidth: float = attrs.field(validator=gt(0))
+    latency: float = attrs.field(validator=ge(0))
+    in_network_reduction: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class Fabric:
+    gpus_per_node: int = attrs.field(validator=ge(1))
+    scale_up: Link
+    scale_out: Link | None = None
+
+
+@attrs.frozen(kw_only=True)
+class HardwareProfile:
+    name: str
+    flops_fp4: float | None = attrs.field(default=None, validator=gt(0))
+    flops_fp8: float | None = attrs.field(default=None, validator=gt(0))
+    flops_bf16: float | None = attrs.field(default=None, validator=gt(0))
+    flops_fp16: float | None = attrs.field(default=None, validator=gt(0))
+    memory_bandwidth: float = attrs.field(validator=gt(0))
+    memory_capacity: float = attrs.field(validator=gt(0))
+    fabric: Fabric | None = None
+    efficiency: Efficiency = attrs.field(factory=Efficiency)
+    #: The profile this one was layered on (``base = "h100"``), for display; None for a
+    #: datasheet profile.
+    base: str | None = attrs.field(default=None, validator=optional_name)
+
+    def flops(self, precision: str) -> float | None:
+        """FLOP/s of one GPU at ``precision`` (fp32 is fp16 / 2), or None if absent."""
+        if precision == "fp32":
+            return None if self.flops_fp16 is None else self.flops_fp16 / 2
+        value: float | None = getattr(self, f"flops_{precision}")
+        return value
