@@ -286,39 +286,8 @@ def test_the_common_price_is_the_general_one_to_the_bit(config: Any) -> None:
         assert rf.price(empty) == rf._price(0, 0, empty.sums, empty.mla)
 
 
-def test_arrivals_taken_in_runs_are_the_steps_they_stand_for() -> None:
-    """`Engine.take_arrivals` handles the arrivals at the head of the queue (skipping
-    aborted ones, stopping at the first other event and at ``before``) exactly as a
-    `step()` each: every other event that follows is the same, and as many arrive."""
-    specs = _specs(300, seed=5, rate=400.0, groups=False, hashes=False)
-    ends = [specs[-1].arrival_time / 3, 2 * specs[-1].arrival_time / 3, float("inf")]
-
-    def drive(runs: bool) -> tuple[list[StepEvents], int]:
-        eng = Engine(deployment(GPT_OSS_20B))
-        ids = [eng.submit(s) for s in specs]
-        for rid in ids[7::23]:
-            eng.abort(rid)  # pending: skipped when its time comes
-        events: list[StepEvents] = []
-        arrived = 0
-        while eng.next_event_time() is not None:
-            if runs:
-                taken = eng.take_arrivals(next(e for e in ends if e > eng.now))
-                arrived += taken
-                if taken:
-                    continue
-            ev = eng.step()
-            arrived += len(ev.arrived)
-            if not ev.arrived:
-                events.append(ev)
-        return events, arrived
-
-    events, arrived = drive(runs=True)
-    assert (events, arrived) == drive(runs=False)
-    assert arrived == 300 - len(range(7, 300, 23))
-
-
 def test_preordered_arrivals_in_any_order_are_handled_by_time_then_preorder() -> None:
-    """Rule 11: arrivals submitted with ``preorder`` are handled by (time, preorder),
+    """Engine Rule 6: arrivals submitted with ``preorder`` are handled by (time, preorder),
     whatever order they were submitted in."""
     eng = Engine(deployment(LLAMA8B))
     times = [0.5, 0.25, 0.25, 0.75, 0.5]

@@ -19,7 +19,7 @@ from inference_lab.core.config import (
     load_deployment,
     load_workload,
 )
-from inference_lab.core.engine import Engine, Finished, StepInfo
+from inference_lab.core.engine import Engine, Finished, RunReport, StepInfo
 from inference_lab.sim import intake as run_module
 from inference_lab.sim.records import ArrivalTable, FinishedTable, StepTotals
 from inference_lab.sim.run import SimResult, run_simulation
@@ -232,8 +232,8 @@ def test_a_lazily_fed_open_loop_runs_as_if_submitted_up_front(
 
 
 @pytest.mark.parametrize("case", ["poisson", "batched", "burst", "never-fit", "closed"])
-def test_arrivals_taken_in_runs_give_the_run_of_one_event_at_a_time(case: str) -> None:
-    """Rule 7 of `sim.run`: the loop that takes arrivals in runs (`Engine.take_arrivals`)
+def test_events_taken_in_runs_give_the_run_of_one_event_at_a_time(case: str) -> None:
+    """Rule 7 of `sim.run`: the loop that takes events in runs (`Engine.run_until`)
     gives the same summary, JSON (peak queue and capacity verdict included), refusals,
     records and request CSV as the loop that sees every arrival's `StepEvents` (an
     `on_events` callback turns the runs off)."""
@@ -245,14 +245,15 @@ def test_arrivals_taken_in_runs_give_the_run_of_one_event_at_a_time(case: str) -
     if scheduler:
         dep = attrs.evolve(dep, scheduler=attrs.evolve(dep.scheduler, **scheduler))
     taken: list[int] = []
-    take = Engine.take_arrivals
+    take = Engine.run_until
 
-    def counting(engine: Engine, before: float) -> int:
-        taken.append(take(engine, before))
-        return taken[-1]
+    def counting(engine: Engine, *args: Any, **kw: Any) -> RunReport:
+        report = take(engine, *args, **kw)
+        taken.append(report.arrivals)
+        return report
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(Engine, "take_arrivals", counting)
+        patch.setattr(Engine, "run_until", counting)
         runs = run_simulation(dep, workload)
     assert sum(taken) > len(runs.finished) // 2  # most arrivals were taken in runs
     seen: list[int] = []

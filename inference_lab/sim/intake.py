@@ -27,9 +27,10 @@ parks through the intake.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from inference_lab.core.builders import frozen_builder
-from inference_lab.core.engine import Engine, RequestSpec, StepEvents
+from inference_lab.core.engine import Engine, Finished, RequestSpec
 from inference_lab.errors import RequestRefused, SimError
 from inference_lab.sim.records import ArrivalTable, Refused
 from inference_lab.workload.arrivals import Arrival, ArrivalArrays, ArrivalGenerator
@@ -109,17 +110,18 @@ class Intake:
         if self._reactive:
             self._parked.append(arrival)
 
-    def on_finished(self, ev: StepEvents) -> None:
-        """A reactive workload's follow-ups of the requests ``ev`` finished, then the
-        parked users' (Rule 4). Called by the loop for each event with completions."""
+    def on_finished(self, finished: Sequence[Finished], time: float) -> None:
+        """A reactive workload's follow-ups of the requests ``finished`` at ``time`` (one
+        event's completions), then the parked users' (Rule 4). Called by the loop for each
+        event with completions."""
         generator = self._generator
         arrivals = self.arrivals
-        for f in ev.finished:
+        for f in finished:
             self.submit(generator.follow_up(arrivals[f.request_id], f.finish_time, False))
         if self._parked:
             again, self._parked = self._parked, []
             for arrival in again:
-                self.submit(generator.follow_up(arrival, ev.time, True))
+                self.submit(generator.follow_up(arrival, time, True))
 
 
 class OpenLoopFeed:

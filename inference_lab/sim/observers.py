@@ -3,8 +3,8 @@
 The loop (:func:`inference_lab.sim.run.run_simulation`) tells every observer, in order,
 about each event once it has recorded it (its step figures and completions, and the
 follow-ups submitted): :meth:`RunObserver.on_step` with the event, or
-:meth:`RunObserver.on_arrivals` with a count for arrivals the engine handled as one run
-(``Engine.take_arrivals``). Before it steps an event at or after an observer's
+:meth:`RunObserver.on_run` with the report of events the engine handled as one run
+(``Engine.run_until``). Before it steps an event at or after an observer's
 :attr:`~RunObserver.due` time, it calls that observer's :meth:`~RunObserver.before_step`.
 
 Rule 1: an observer does constant work per event (the time series adds a finished
@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from inference_lab.core.admission import Admission
-from inference_lab.core.engine import Engine, Finished, StepEvents
+from inference_lab.core.engine import Engine, Finished, RunReport, StepEvents
 from inference_lab.sim.capacity import CapacityVerdict, assess_capacity
 from inference_lab.sim.intake import Intake
 from inference_lab.sim.records import QUEUE_LIMIT, StepTotals
@@ -50,8 +50,8 @@ class RunObserver:
 
     __slots__ = ()
 
-    #: whether arrivals may reach it as a count (:meth:`on_arrivals`) rather than one
-    #: event each (Rule 2)
+    #: whether events may reach it as the report of a run (:meth:`on_run`) rather than
+    #: one event each (Rule 2)
     takes_runs = True
     #: the time at or after which the loop calls :meth:`before_step` (inf: never)
     due = math.inf
@@ -59,8 +59,9 @@ class RunObserver:
     def before_step(self, time: float) -> None:
         """The loop is about to step an event at ``time`` >= :attr:`due`."""
 
-    def on_arrivals(self, count: int) -> None:
-        """``count`` arrivals entered the engine's queues in one run."""
+    def on_run(self, report: RunReport) -> None:
+        """The engine handled a run of events (``Engine.run_until``) and the loop
+        recorded their steps and completions."""
 
     def on_step(self, ev: StepEvents) -> None:
         """The engine returned ``ev`` and the loop recorded it."""
@@ -87,13 +88,13 @@ class QueueWatch(RunObserver):
         self.at_mid = 0
         self.at_end = 0
 
-    def on_arrivals(self, count: int) -> None:
-        waiting = self._num_waiting()
-        if self._engine.now <= self.mid_arrival:
-            self.at_mid = waiting
-        self.at_end = waiting
-        if waiting > self.peak:
-            self.peak = waiting
+    def on_run(self, report: RunReport) -> None:
+        if report.waiting_at_mid is not None:
+            self.at_mid = report.waiting_at_mid
+        if report.waiting_at_end is not None:
+            self.at_end = report.waiting_at_end
+        if report.peak_waiting > self.peak:
+            self.peak = report.peak_waiting
 
     def on_step(self, ev: StepEvents) -> None:
         if ev.arrived:
@@ -180,8 +181,8 @@ class Progress:
 
 
 class ProgressMeter(RunObserver):
-    """Calls ``report`` with a :class:`Progress` every :data:`PROGRESS_EVERY` events (an
-    arrival taken in a run counts as one) and once more at :meth:`finish`; the KV usage
+    """Calls ``report`` with a :class:`Progress` every :data:`PROGRESS_EVERY` events (a run
+    may overshoot it) and once more at :meth:`finish`; the KV usage
     is the last step's (``steps``)."""
 
     __slots__ = ("_report", "_engine", "_finished", "_refused", "_steps", "_total", "_left")
@@ -199,11 +200,11 @@ class ProgressMeter(RunObserver):
         self._steps, self._finished = records
         self._refused = intake.refused
         self._total = total
-        #: events until the next report (a run of arrivals may overshoot it)
+        #: events until the next report (a run may overshoot it)
         self._left = PROGRESS_EVERY
 
-    def on_arrivals(self, count: int) -> None:
-        self._left -= count
+    def on_run(self, report: RunReport) -> None:
+        self._left -= report.events
         if self._left <= 0:
             self._left += PROGRESS_EVERY
             self.finish()

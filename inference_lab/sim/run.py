@@ -1,7 +1,8 @@
 """The offline simulation behind `inference-lab sim`: a workload through the engine, as fast
 as the CPU allows.
 
-Rule 1: the simulation is `run_simulation`, a plain loop over `Engine.step()`; it is the only
+Rule 1: the simulation is `run_simulation`, a plain loop over `Engine.step()` (or
+        `Engine.run_until`, Rule 7); it is the only
         place that reads the wall clock (to report real time) and it does constant work per
         engine event (recording the step and the completions, telling the observers), so
         the engine's own cost dominates. The loop asks the engine for its next event in one
@@ -24,11 +25,13 @@ Rule 6: what watches the run is an observer (`inference_lab.sim.observers`): the
         queue and the capacity verdict, the `max_waiting` bound, the sampled time series
         (`SeriesRecorder`, with `series_interval`) and progress; an `on_events` callback
         sees every event after them.
-Rule 7: when every observer takes arrivals in runs and there is no `on_events` callback,
-        the arrivals at the head of the engine's queue are handled as one run
-        (`Engine.take_arrivals`, the same work in the same order as a `step()` each); a run
-        stops at the next feed and at the middle of the arrival window, so the queue
-        figures read after it are those read after its last arrival one by one.
+Rule 7: when every observer takes runs and there is no `on_events` callback, the events
+        before the next feed are handled as one run (`Engine.run_until`: the same work in
+        the same order as a `step()` each, the steps' figures written to the step totals,
+        pure decode steps taken by the fast path's decode runs); a reactive workload's run
+        stops after each event that completed a request, so its follow-ups are submitted
+        at the completion's time, as one by one; the queue figures come from the run's
+        report, which reads them after each arrival.
 Rule 8: what the run keeps grows by a few numbers per request and per step, never by an
         object: completions and step figures go to compact columns
         (`inference_lab.sim.records`); an open loop's arrivals stay arrays, and an
@@ -213,21 +216,24 @@ def _drive(
     on_events: Callable[[StepEvents], None] | None,
 ) -> None:
     """The loop (Rules 1, 2, 6, 7): until the engine has no event left, feed the open
-    loop's arrivals that are due, take arrivals in runs where the observers allow it, else
-    step the next event, record it and tell the observers."""
+    loop's arrivals that are due, then handle the events before the next feed as a run
+    where the observers allow it, else step the next event; record what it did and tell
+    the observers."""
     inf = math.inf
     next_event_time = engine.next_event_time
     step = engine.step
-    add_step = records[0].add
+    steps = records[0]
+    add_step = steps.add
     add_finished = records[1].extend
     on_finished = intake.on_finished if generator.reactive else None
     hooks = [o.on_step for o in observers] + ([on_events] if on_events is not None else [])
-    run_hooks = [o.on_arrivals for o in observers]
+    run_hooks = [o.on_run for o in observers]
     due = min((o.due for o in observers), default=inf)
-    runs = on_events is None and all(o.takes_runs for o in observers)
-    take_arrivals = engine.take_arrivals if runs else None
+    run_until = (
+        engine.run_until if on_events is None and all(o.takes_runs for o in observers) else None
+    )
     mid_arrival = watch.mid_arrival
-    past_mid = math.nextafter(mid_arrival, inf)
+    ended: list[Finished] = []
     next_feed = feed.next_time if feed is not None else inf
     while True:
         t_next = next_event_time()  # the one place the loop asks for the next event
@@ -237,12 +243,18 @@ def _drive(
             continue
         if t_next is None:
             break
-        if take_arrivals is not None:  # Rule 7
-            arrived = take_arrivals(next_feed if t_next > mid_arrival else min(next_feed, past_mid))
-            if arrived:
-                for run_hook in run_hooks:
-                    run_hook(arrived)
-                continue
+        if run_until is not None:  # Rule 7
+            report = run_until(
+                next_feed, steps, ended, mid=mid_arrival, stop_on_finish=on_finished is not None
+            )
+            if ended:
+                add_finished(ended)
+                if on_finished is not None:
+                    on_finished(ended, engine.now)
+                ended.clear()
+            for run_hook in run_hooks:
+                run_hook(report)
+            continue
         if t_next >= due:
             for o in observers:
                 if t_next >= o.due:
@@ -255,7 +267,7 @@ def _drive(
         if ev.finished:
             add_finished(ev.finished)
             if on_finished is not None:
-                on_finished(ev)
+                on_finished(ev.finished, ev.time)
         for hook in hooks:
             hook(ev)
 

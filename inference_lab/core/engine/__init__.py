@@ -37,6 +37,7 @@ from inference_lab.core.engine.outputs import (
 )
 from inference_lab.core.engine.request import RequestSpec, RequestStatus
 from inference_lab.core.engine.scheduler_output import SchedulerOutput
+from inference_lab.core.engine.stepping import RunReport
 
 __all__ = [
     "AllBlocksCleared",
@@ -49,6 +50,7 @@ __all__ = [
     "QueueView",
     "RequestSpec",
     "RequestStatus",
+    "RunReport",
     "SchedulerOutput",
     "StepEvents",
     "StepInfo",

@@ -95,23 +95,3 @@ class EventCalendar:
                     return t, kind, payload
             elif seq == payload.boundary_seq:
                 return t, kind, payload
-
-    def pop_arrival_before(self, before: float) -> tuple[float, Request] | None:
-        """Take the earliest live event if it is an arrival stamped before ``before``:
-        (time, request); None (nothing taken) otherwise."""
-        heap = self.heap
-        while heap:
-            t, seq, kind, payload = heap[0]
-            if kind == ARRIVAL:
-                if payload.status != PENDING:
-                    heapq.heappop(heap)  # an aborted arrival
-                    continue
-                if t >= before:
-                    return None
-                heapq.heappop(heap)
-                return t, payload
-            if seq != payload.boundary_seq:
-                heapq.heappop(heap)  # a step end moved by a late arrival
-                continue
-            return None
-        return None

@@ -74,7 +74,7 @@ class Engine(EventLoop):
     """One deployment: ``replicas`` workers behind a router (``replicas * dp_attention``
     with data-parallel attention ranks), and the event calendar. Its event handling is
     its base's (:class:`~inference_lab.core.engine.stepping.EventLoop`: ``step``,
-    ``take_arrivals``, ``run_until``); this class is the rest of its API.
+    ``run_until``); this class is the rest of its API.
 
     Called by ``inference-lab sim`` (as fast as the CPU allows) and by the serve runtime's
     engine task (paced to wall-clock). Not thread-safe; every method is synchronous.

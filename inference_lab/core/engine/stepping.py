@@ -157,22 +157,6 @@ class EventLoop:
             return self._group_boundary(payload, now)
         return self._boundary(payload, now)
 
-    def take_arrivals(self, before: float) -> int:
-        """Handle the arrivals at the head of the event queue stamped before ``before``,
-        up to the first other event: exactly what as many ``step()`` calls would do, in
-        the same order, without a ``StepEvents`` each (each would report only its
-        request in ``arrived``). Returns how many it handled (0: the next event is not
-        such an arrival). For a caller that only counts arrivals: the simulator's loop."""
-        take = self._calendar.pop_arrival_before
-        count = 0
-        while (arrival := take(before)) is not None:
-            t, r = arrival
-            if t > self.now:
-                self.now = t
-            self._arrive(r, self.now)
-            count += 1
-        return count
-
     def _arrive(self, r: Request, now: float) -> None:
         """The arrival of ``r`` at ``now``: it enters its worker's waiting queue, which
         steps at ``now`` if idle (or takes it into the step in flight: Rule 2)."""
