@@ -15,9 +15,9 @@ before / after measurement on one machine in one run.
 deployment: it completes about 240 requests/s of this mix, so at 200/s its batches hold
 about 200 requests and its queue stays short, ~1.7 engine steps per request
 (``--workload``, ``--config`` and ``--hardware`` replace them). Each run is in a fresh
-interpreter and prints wall time, CPU time, steps, steps/s and the peak RSS of that
-interpreter (so that the sides' peaks do not mix); with ``--compare-with DIR`` the two
-checkouts alternate as above.
+interpreter and prints wall time, CPU time, steps, engine events, steps/s and the peak RSS
+of that interpreter (so that the sides' peaks do not mix); with ``--compare-with DIR`` the
+two checkouts alternate as above.
 
     python scripts/bench_sim.py [--repeat N] [--config PATH] [--hardware NAME] [--workload PATH]
                                 [--requests N [--rate R]] [--compare-with DIR]
@@ -53,6 +53,7 @@ def _one_run(config: Path, hardware: str, workload_path: Path) -> dict[str, floa
         "cpu": time.process_time() - cpu,
         "loop": result.wall_time_s,
         "steps": s.steps,
+        "events": s.steps + s.requests_completed + s.requests_refused,
         "completed": s.requests_completed,
         "refused": s.requests_refused,
         "output_tokens": s.output_tokens,
@@ -74,6 +75,8 @@ if len(sys.argv) > 4:
 result = run_simulation(load_deployment(sys.argv[1], sys.argv[2]), workload)
 print(json.dumps({"wall": time.perf_counter() - start, "cpu": time.process_time() - cpu,
                   "steps": result.summary.steps,
+                  "events": result.summary.steps + result.summary.requests_completed
+                  + result.summary.requests_refused,
                   "completed": result.summary.requests_completed,
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
@@ -138,6 +141,7 @@ def scale(args: list[str], repeat: int) -> int:
             f"  wall time            {r['wall']:8.3f} s\n"
             f"  CPU time             {r['cpu']:8.3f} s\n"
             f"  simulated steps      {int(r['steps']):8,d}\n"
+            f"  engine events        {int(r['events']):8,d}  (arrivals + step boundaries)\n"
             f"  steps/s (CPU)        {r['steps'] / r['cpu']:8,.0f}\n"
             f"  completed            {int(r['completed']):8,d}\n"
             f"  peak RSS             {r['rss_mb']:8,.0f} MB"
@@ -207,6 +211,7 @@ def main() -> int:
             f"run {i + 1}: {args.config.name} [{args.hardware}] x {args.workload.name}\n"
             f"  wall time            {r['wall']:8.3f} s (loop {loop:.3f} s, CPU {r['cpu']:.3f} s)\n"
             f"  simulated steps      {int(r['steps']):8,d}\n"
+            f"  engine events        {int(r['events']):8,d}  (arrivals + step boundaries)\n"
             f"  steps/s              {r['steps'] / loop:8,.0f}\n"
             f"  requests/s           {r['completed'] / loop:8,.0f} (simulated requests per "
             f"real second)\n"
