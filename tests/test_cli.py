@@ -95,7 +95,6 @@ def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
-        ([], "inference-lab: error: the following arguments are required: {sim,serve,load,plan,calibrate}"),
         (["bogus"], "inference-lab: error: argument {sim,serve,load,plan,calibrate}: invalid choice: 'bogus'"),
         (["sim"], "inference-lab sim: error: the following arguments are required: --config"),
         (["load", "--url", "http://h", "--model", "m", "--requests", "1", "--rate", "nan"],
@@ -123,6 +122,35 @@ def test_usage_errors_are_one_line_and_exit_2(
     captured = capsys.readouterr()
     assert len(captured.err.splitlines()) == 1, captured.err
     assert captured.err.startswith(line) and captured.out == ""
+
+
+def test_bare_command_prints_the_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """``inference-lab`` alone prints the whole help (every subcommand with its summary) on
+    stderr and exits 2, as a command line without its subcommand is a usage error."""
+    assert cli.main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("usage: inference-lab")
+    err = " ".join(captured.err.split()).replace("- ", "-")
+    for name, (_, summary) in cli.SUBCOMMANDS.items():
+        assert name in err and summary in err
+
+
+def test_python_dash_m_runs_the_command() -> None:
+    """``python -m inference_lab`` is the command: its help, its exit codes."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "inference_lab", "--help"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: inference-lab")
+    proc = subprocess.run(
+        [sys.executable, "-m", "inference_lab", "sim", "--seed", "-1"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "inference-lab sim: error: argument --seed: must be an integer >= 0, got -1"
+    ]
 
 
 def test_serve_flags_are_parsed_to_integers() -> None:
