@@ -153,6 +153,34 @@ def test_python_dash_m_runs_the_command() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sim", "--config", "{bad}", "--workload", QUICK],
+        ["sim", "--config", GPT_OSS, "--workload", "{bad}"],
+        ["serve", "--config", "{bad}", "--port", "0"],
+        ["serve", "--config", GPT_OSS, "--workload", "{bad}", "--port", "0"],
+        ["plan", "{bad}", "--out-dir", "{tmp}/out"],
+        ["calibrate", "--config", "{bad}", QUICK],
+    ],
+    ids=["sim-config", "sim-workload", "serve-config", "serve-workload", "plan", "calibrate"],
+)
+def test_a_file_that_is_not_utf8_is_one_line_naming_it(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config, workload or spec that is not UTF-8 (here Latin-1 text) is the one-line
+    error every other bad file gets, naming the file and the first bad byte, exit 1: no
+    UnicodeDecodeError traceback."""
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes('[model]\nname = "caf\u00e9"\n'.encode("latin-1"))
+    args = [a.format(bad=bad, tmp=tmp_path) for a in argv]
+    assert cli.main(args) == 1
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith(f"inference-lab {argv[0]}: error: {bad}: not UTF-8 text")
+    assert "byte 0xe9 at offset 19" in line and "Traceback" not in captured.err
+
+
 def test_serve_flags_are_parsed_to_integers() -> None:
     """``serve``'s integer flags arrive as ints, with the documented defaults."""
     parser, chosen = cli.build_parser("serve")

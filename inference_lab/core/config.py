@@ -855,7 +855,7 @@ class Workload:
     output_len_dist: LengthDist
     num_requests: int | None = attrs.field(default=None, validator=_ge(1))
     duration_secs: float | None = attrs.field(default=None, validator=_gt(0))
-    seed: int = attrs.field(validator=_ge(0))
+    seed: int = attrs.field(default=0, validator=_ge(0))  # docs/configuration.md
     sessions: SessionConfig | None = None
     rate_schedule: RateSchedule | None = None
 
@@ -958,6 +958,11 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: is a directory, expected a TOML file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # tomllib decodes the bytes itself
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+            f"{exc.start}); a TOML file must be UTF-8"
+        ) from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
 
