@@ -154,9 +154,9 @@ def test_the_command_runs_on_a_ray_address(
     one = SPEC.replace('hardware = ["h100", "b200"]', 'hardware = ["h100"]')
     spec = write_spec(tmp_path, one)
     argv = ["plan", str(spec), "-q", "--no-progress"]
-    assert cli.main([*argv, "-o", str(tmp_path / "ray"), "--ray", ray_cluster]) == 0
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "ray"), "--ray", ray_cluster]) == 0
     on_ray = capsys.readouterr().out
-    assert cli.main([*argv, "-o", str(tmp_path / "inline"), "--inline"]) == 0
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "inline"), "--inline"]) == 0
     assert on_ray == capsys.readouterr().out and "cheapest for tight" in on_ray
 
 
@@ -172,6 +172,6 @@ def test_ray_local_starts_a_private_instance(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stderr[-2000:]
         return proc.stdout
 
-    on_ray = plan_with("-o", str(tmp_path / "ray"), "--ray", "local")
-    assert on_ray == plan_with("-o", str(tmp_path / "inline"), "--inline")
+    on_ray = plan_with("--out-dir", str(tmp_path / "ray"), "--ray", "local")
+    assert on_ray == plan_with("--out-dir", str(tmp_path / "inline"), "--inline")
     assert "cheapest for tight" in on_ray
