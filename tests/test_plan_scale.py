@@ -29,7 +29,7 @@ from tests.plan_util import SPEC, answer, write_spec
 #: 2 models x 2 GPUs x 5 tp x 10 replicas x 1,000 max_num_seqs x 5 policies = 10^6.
 MILLION = SPEC.replace("tp = [1]", "tp = [1, 2, 3, 4, 5]").replace(
     "replicas = [1, 2]",
-    'replicas = { start = 1, stop = 10 }\n\n[scheduler]\nmax_num_seqs = { start = 1, stop = 1000 }\n'
+    "replicas = { start = 1, stop = 10 }\n\n[scheduler]\nmax_num_seqs = { start = 1, stop = 1000 }\n"
     'policy = ["fcfs", "priority", "sjf", "ljf", "fcfs"]',
 )
 
@@ -157,3 +157,39 @@ def test_max_candidates_raises_the_cap(tmp_path: Path, capsys: pytest.CaptureFix
     assert cli.main([*base, "--max-candidates", "7", "--no-progress"]) == 1
     assert "8 candidates is more than --max-candidates 7" in capsys.readouterr().err
     assert cli.main([*base, "--max-candidates", "8", "--no-progress"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("mode", "hint"),
+    [
+        (None, "(if the cluster uses token authentication, set RAY_AUTH_MODE=token and its "
+               "token in RAY_AUTH_TOKEN or ~/.ray/auth_token)"),
+        ("token", "(with RAY_AUTH_MODE=token: is the token the head's?)"),
+    ],
+)  # fmt: skip
+def test_a_ray_address_that_refuses_the_driver_says_how_to_give_the_token(
+    mode: str | None,
+    hint: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cluster with token authentication refuses a driver without the token, and Ray says
+    only that it failed to connect: the line adds how to give the token."""
+    from inference_lab.plan import cli as plan_cli
+
+    def refused(args: object) -> None:
+        raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379")
+
+    monkeypatch.setattr(plan_cli, "_executor", refused)
+    if mode is None:
+        monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    else:
+        monkeypatch.setenv("RAY_AUTH_MODE", mode)
+    spec = write_spec(tmp_path)
+    argv = ["plan", str(spec), "--out-dir", str(tmp_path / "o"), "--ray", "10.0.0.1:6379"]
+    assert cli.main([*argv, "-q", "--no-progress"]) == 1
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line == (
+        "inference-lab plan: error: Failed to connect to Ray cluster at 10.0.0.1:6379 " + hint
+    )

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -161,6 +162,19 @@ def _executor(args: argparse.Namespace) -> Executor:
     return ProcessExecutor(args.workers, max_attempts=args.retries + 1)
 
 
+def _ray_hint(args: argparse.Namespace, exc: Exception) -> str:
+    """What to try when ``--ray ADDRESS`` could not connect and this process has no token
+    mode: the cluster may authenticate (docs/planning.md, "How the token travels")."""
+    if args.ray in (None, "local") or not isinstance(exc, ConnectionError):
+        return ""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        return " (with RAY_AUTH_MODE=token: is the token the head's?)"
+    return (
+        " (if the cluster uses token authentication, set RAY_AUTH_MODE=token and its token "
+        "in RAY_AUTH_TOKEN or ~/.ray/auth_token)"
+    )
+
+
 def _time_first_probe(spec: PlanSpec, cache: ResultCache) -> tuple[float | None, set[str]]:
     """Rule 4: the wall seconds of the first runnable candidate's first probe (from the
     cache, else run here and cached for the plan), and the keys run here (the planner's
@@ -238,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         executor = _executor(args)
     except (ValueError, ConnectionError, RuntimeError) as exc:
-        return fail(PROG, str(exc))
+        return fail(PROG, str(exc) + _ray_hint(args, exc))
     print(f"{PROG}: {estimate(spec, total, probe_s, executor.parallelism).line()}", file=sys.stderr)
     if not args.quiet:
         print(
