@@ -49,6 +49,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         name = getattr(item, "originalname", None) or item.name.split("[")[0]
         if module in SLOW_MODULES or name in SLOW_TESTS.get(module, ()):
             item.add_marker(pytest.mark.slow)
+
+
 CONFIGS = ROOT / "configs"
 GPT = "gpt-oss-20b"
 LLAMA = "Llama-3.1-8B-Instruct"

@@ -158,7 +158,10 @@ def test_make_serve_passes_the_port_and_other_flags() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines()[-1] == ".venv/bin/inference-lab serve --port 9000 --max-num-seqs 16"
+    assert (
+        proc.stdout.splitlines()[-1]
+        == ".venv/bin/inference-lab serve --port 9000 --max-num-seqs 16"
+    )
     proc = subprocess.run(
         ["make", "-n", "serve"], cwd=ROOT, capture_output=True, text=True, timeout=60
     )

@@ -171,7 +171,10 @@ def test_installed_wheel_names_its_plans_traces_and_frontier_configs(
     assert proc.returncode == 0, proc.stderr
     count, workload = proc.stdout.splitlines()[0].split()
     assert count == "30"
-    assert Path(workload) == installed[0].resolve() / "inference_lab/configs/workloads/chat-poisson-5rps.toml"
+    assert (
+        Path(workload)
+        == installed[0].resolve() / "inference_lab/configs/workloads/chat-poisson-5rps.toml"
+    )
     assert "24 completed" in proc.stdout
 
 

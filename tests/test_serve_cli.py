@@ -235,9 +235,7 @@ def test_hardware_defaults_to_the_only_entry_else_b200(tmp_path: Path) -> None:
         f"{two}: hardware.b200: no such entry (available: h100, h200; choose one with "
         "INFERENCE_LAB_HARDWARE)"
     )
-    banner = serve_cli._banner(
-        load_settings(config=only), "http://127.0.0.1:8080"
-    ).splitlines()[0]
+    banner = serve_cli._banner(load_settings(config=only), "http://127.0.0.1:8080").splitlines()[0]
     assert banner == "inference-lab serve: 1 model(s) on h100"
 
 

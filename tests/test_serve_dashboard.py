@@ -278,18 +278,20 @@ async def test_a_page_without_a_model_opens_on_the_busiest(
             ]  # fmt: skip
             for stream in streams:
                 stream.start(nursery)
-            runtime = s.state.runtimes[LLAMA]
-            while runtime.snapshot().running + runtime.snapshot().queued < 2:
-                await trio.sleep(SAMPLE_INTERVAL)
+            llama = Events(s, "model=" + LLAMA)
+            llama.start(nursery)
+            await llama.sample_where(lambda d: d["running"] + d["queued"] == 2)
             busy = Events(s)
             busy.start(nursery)
             _, init = await busy.next()
             assert init["model"] == LLAMA
+            for stream in streams:
+                await stream.disconnect()
+            # once LLAMA's engine is idle again, its admissions decide
+            await llama.sample_where(lambda d: d["running"] + d["queued"] == 0)
             nursery.cancel_scope.cancel()
-        # the streams were cancelled; once LLAMA's engine is idle, its admissions decide
-        while s.state.runtimes[LLAMA].snapshot().running:
-            await trio.sleep(SAMPLE_INTERVAL)
         assert s.state.runtimes[GPT].snapshot().admitted == 0
+        assert s.state.runtimes[LLAMA].snapshot().running == 0
         assert sampler_of(s).busiest() == LLAMA
 
 

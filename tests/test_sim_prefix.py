@@ -206,8 +206,11 @@ def test_window_and_speedup_flags(flag: str, tmp_path: Path) -> None:
         (["--trace", "t.jsonl", "--workload", "w.toml"], 2, "not allowed with argument"),
         (["--workload", "w.toml", "--speedup", "2"], 2, "--speedup applies to --trace only"),
         (["--trace", "t.jsonl", "--speedup", "0"], 2, "argument --speedup: must be a number > 0"),
-        (["--trace", "t.jsonl", "--trace-window", "5:2"], 2,
-         "argument --trace-window/--window: must be START:END"),
+        (
+            ["--trace", "t.jsonl", "--trace-window", "5:2"],
+            2,
+            "argument --trace-window/--window: must be START:END",
+        ),
         (["--trace", "missing.jsonl"], 1, "missing.jsonl: no such file"),
         (["--trace", "t.jsonl", "--seed", "3"], 2, "--seed applies to --workload only"),
     ],

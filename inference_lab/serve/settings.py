@@ -244,7 +244,7 @@ def load_settings(
     for file in files:
         model_config = load_model_config(file)
         entry = hardware if hardware is not None else default_hardware(model_config.deployments)
-        if entry not in model_config.deployments:
+        if entry is None or entry not in model_config.deployments:
             available = ", ".join(model_config.deployments)
             wanted = f"hardware.{entry}" if entry is not None else f"hardware.{DEFAULT_HARDWARE}"
             if not directory:
