@@ -145,7 +145,9 @@ def test_the_readme_stays_short_and_names_both_test_lanes() -> None:
 
 def test_make_serve_passes_the_port_and_other_flags() -> None:
     """``make serve PORT=9000 ARGS='--max-num-seqs 16'`` runs ``inference-lab serve --port
-    9000 --max-num-seqs 16`` (make's dry run; skipped without make)."""
+    9000 --max-num-seqs 16`` (make's dry run, outside any other make; skipped without
+    make)."""
+    import os
     import shutil
     import subprocess
 
@@ -153,19 +155,21 @@ def test_make_serve_passes_the_port_and_other_flags() -> None:
         import pytest
 
         pytest.skip("make is not installed")
-    proc = subprocess.run(
-        ["make", "-n", "-W", "pyproject.toml", "serve", "PORT=9000", "ARGS=--max-num-seqs 16"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert (
-        proc.stdout.splitlines()[-1]
-        == ".venv/bin/inference-lab serve --port 9000 --max-num-seqs 16"
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+
+    def recipe(*argv: str) -> str:
+        proc = subprocess.run(
+            ["make", "--no-print-directory", "-n", "-W", "pyproject.toml", "serve", *argv],
+            cwd=ROOT, capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        (line,) = [x for x in proc.stdout.splitlines() if "inference-lab serve" in x]
+        return line
+
+    assert recipe("PORT=9000", "ARGS=--max-num-seqs 16") == (
+        ".venv/bin/inference-lab serve --port 9000 --max-num-seqs 16"
     )
-    proc = subprocess.run(
-        ["make", "-n", "serve"], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
-    assert proc.stdout.splitlines()[-1] == ".venv/bin/inference-lab serve --port 8080 "
+    assert recipe() == ".venv/bin/inference-lab serve --port 8080 "
 
 
 def test_every_test_marked_slow_exists() -> None:
