@@ -1,10 +1,14 @@
 # Two commands do everything: `make serve` and `make test`. Both create .venv if needed.
+# `make serve PORT=9000 ARGS='--max-num-seqs 16'` passes a port and any other serve flags;
+# `make test-fast` is the quick lane (no browser, Ray or subprocess-heavy tests).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+PORT ?= 8080
+ARGS ?=
 
-.PHONY: install serve sim test lint typecheck pytest bench clean
+.PHONY: install serve sim test test-fast lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -15,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/inference-lab serve
+	$(BIN)/inference-lab serve --port $(PORT) $(ARGS)
 
 sim: $(STAMP)
 	$(BIN)/inference-lab sim --config configs/gpt-oss-20b.toml --hardware b200 \
@@ -32,6 +36,10 @@ pytest: $(STAMP)
 	$(BIN)/python -m pytest
 
 test: lint typecheck pytest
+
+# The quick lane: lint and every test not marked slow (tests/conftest.py says which are).
+test-fast: lint $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_sim.py

@@ -22,6 +22,10 @@ Rule 2: one exit-code policy for every subcommand, each error one line on stderr
           type or out of range (``sim --seed -1``), flags that cannot go together.
         - 130: interrupted by Ctrl-C (``load`` still prints and writes its partial report).
 
+        A bare ``inference-lab`` (no arguments at all) prints the whole help on stderr and
+        exits 2: the command line lacks its subcommand, but a newcomer gets the list of
+        subcommands rather than argparse's one line.
+
         The constants and the one-line helpers are in :mod:`inference_lab.cli_args`.
 """
 
@@ -99,10 +103,13 @@ def _chosen(argv: Sequence[str]) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the subcommand, return the exit code
-    (Rule 2). The console script ``inference-lab`` and ``python -m inference_lab.cli``
-    call it."""
+    (Rule 2). The console script ``inference-lab``, ``python -m inference_lab`` and
+    ``python -m inference_lab.cli`` call it."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser, chosen = build_parser(_chosen(args_list))
+    if not args_list:  # Rule 2: the help, not one line, for a bare command
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
     try:
         args, unknown = parser.parse_known_args(args_list)
         if unknown:  # reported by the subcommand, so the line names it

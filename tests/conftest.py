@@ -30,8 +30,27 @@ from inference_lab.core.config import load_deployment, load_workload
 from inference_lab.runtime.model_runtime import ModelRuntime
 from inference_lab.serve import ServeSettings, ServeState, create_app, get_state
 from tests.serve_util import SocketServed, StreamFrames, serving
+from tests.slow import SLOW_MODULES, SLOW_TESTS
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "slow: left out of `make test-fast` (tests/slow.py lists them)"
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests ``tests/slow.py`` lists as ``slow`` (``make test-fast`` runs the
+    others: ``pytest -m "not slow"``)."""
+    for item in items:
+        module = item.path.name
+        name = getattr(item, "originalname", None) or item.name.split("[")[0]
+        if module in SLOW_MODULES or name in SLOW_TESTS.get(module, ()):
+            item.add_marker(pytest.mark.slow)
+
+
 CONFIGS = ROOT / "configs"
 GPT = "gpt-oss-20b"
 LLAMA = "Llama-3.1-8B-Instruct"

@@ -384,3 +384,75 @@ def test_desynchronised_loops_are_fitted_with_coarse_differences_first(
     spread = attrs.evolve(plain, start_spread=1.5)
     assert difference_steps([(dep, Measurements(levels=(plain,)))]) == (0.003,)
     assert difference_steps([(dep, Measurements(levels=(plain, spread)))]) == (0.02, 0.003)
+
+
+# ---------------------------------------------------------------------------------------
+# what calibrate refuses to recommend
+
+
+def _step_csv(path: Path, truth: Roofline, rows: list[tuple[int, int, int, float]]) -> Path:
+    """A step CSV whose rows are ``truth``'s price of (batch, prefill, context) x factor."""
+    path.write_text(
+        "batch_size,prefill_tokens,context_tokens,step_seconds\n"
+        + "".join(f"{b},{p},{c},{truth.even_price(b, p, c) * k!r}\n" for b, p, c, k in rows)
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("rows", "fit_terms", "fragment"),
+    [
+        ([(8, 0, 1000, 1.3)], "efficiency", "1 distinct step(s) in 1 row(s) cannot determine 3"),
+        ([(8, 0, 1000, 1.3)] * 4, "time_correction", "1 distinct step(s) in 4 row(s) cannot"),
+    ],
+)
+def test_an_underdetermined_step_table_is_refused_not_fitted_to_a_bound(
+    setup: tuple[Path, Path, Deployment],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    rows: list[tuple[int, int, int, float]],
+    fit_terms: str,
+    fragment: str,
+) -> None:
+    """Rule 4: one row, or identical rows, cannot determine several terms: one line saying
+    so, exit 1, and no entry (it used to print one pinned at a bound, memory_bandwidth =
+    0.05). The same single row determines one term."""
+    path, profiles, dep = setup
+    csv = _step_csv(tmp_path / "steps.csv", Roofline(dep), rows)
+    base = ["calibrate", "--config", str(path), "--profiles-dir", str(profiles), str(csv)]
+    assert cli.main([*base, "--fit", fit_terms]) == 1
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith("inference-lab calibrate: error: ") and fragment in line
+    assert "under-determined" in line and "[hardware." not in captured.out
+    assert cli.main([*base, "--fit", "alpha"]) == 0
+    out = capsys.readouterr().out
+    assert "alpha = 1.3" in out or "alpha 1.3" in out
+
+
+def test_an_entry_worse_on_a_metric_needs_force(
+    setup: tuple[Path, Path, Deployment], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rule 5: steps measured at 1x and 10x the model's price: the least-squares alpha
+    (~3.2) is worse in MAPE than 1.0 (45% -> ~142%). The table shows before, after and
+    the change; without --force the entry is refused (one line naming the metric, exit
+    1), with it printed beside a warning."""
+    path, profiles, dep = setup
+    rows = [(1, 0, 100, 1.0), (16, 0, 3000, 10.0)]
+    csv = _step_csv(tmp_path / "steps.csv", Roofline(dep), rows)
+    argv = ["calibrate", "--config", str(path), "--profiles-dir", str(profiles), str(csv)]
+    argv += ["--fit", "alpha"]
+    assert cli.main(argv) == 1
+    captured = capsys.readouterr()
+    table = [line for line in captured.out.splitlines() if line.startswith("step")]
+    assert len(table) == 1 and table[0].endswith("points, worse") and "45.0%" in table[0]
+    (line,) = captured.err.splitlines()
+    assert line.startswith(
+        "inference-lab calibrate: error: the fitted entry is worse than gpu on step 45.0% -> "
+    )
+    assert line.endswith("not recommending it (--force prints it anyway)")
+    assert "[hardware." not in captured.out
+    assert cli.main([*argv, "--force"]) == 0
+    captured = capsys.readouterr()
+    assert "[hardware.gpu-calibrated]" in captured.out
+    assert "warning: worse on step 45.0% -> " in captured.err

@@ -95,7 +95,6 @@ def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
-        ([], "inference-lab: error: the following arguments are required: {sim,serve,load,plan,calibrate}"),
         (["bogus"], "inference-lab: error: argument {sim,serve,load,plan,calibrate}: invalid choice: 'bogus'"),
         (["sim"], "inference-lab sim: error: the following arguments are required: --config"),
         (["load", "--url", "http://h", "--model", "m", "--requests", "1", "--rate", "nan"],
@@ -123,6 +122,63 @@ def test_usage_errors_are_one_line_and_exit_2(
     captured = capsys.readouterr()
     assert len(captured.err.splitlines()) == 1, captured.err
     assert captured.err.startswith(line) and captured.out == ""
+
+
+def test_bare_command_prints_the_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """``inference-lab`` alone prints the whole help (every subcommand with its summary) on
+    stderr and exits 2, as a command line without its subcommand is a usage error."""
+    assert cli.main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("usage: inference-lab")
+    err = " ".join(captured.err.split()).replace("- ", "-")
+    for name, (_, summary) in cli.SUBCOMMANDS.items():
+        assert name in err and summary in err
+
+
+def test_python_dash_m_runs_the_command() -> None:
+    """``python -m inference_lab`` is the command: its help, its exit codes."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "inference_lab", "--help"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: inference-lab")
+    proc = subprocess.run(
+        [sys.executable, "-m", "inference_lab", "sim", "--seed", "-1"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "inference-lab sim: error: argument --seed: must be an integer >= 0, got -1"
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sim", "--config", "{bad}", "--workload", QUICK],
+        ["sim", "--config", GPT_OSS, "--workload", "{bad}"],
+        ["serve", "--config", "{bad}", "--port", "0"],
+        ["serve", "--config", GPT_OSS, "--workload", "{bad}", "--port", "0"],
+        ["plan", "{bad}", "--out-dir", "{tmp}/out"],
+        ["calibrate", "--config", "{bad}", QUICK],
+    ],
+    ids=["sim-config", "sim-workload", "serve-config", "serve-workload", "plan", "calibrate"],
+)
+def test_a_file_that_is_not_utf8_is_one_line_naming_it(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A config, workload or spec that is not UTF-8 (here Latin-1 text) is the one-line
+    error every other bad file gets, naming the file and the first bad byte, exit 1: no
+    UnicodeDecodeError traceback."""
+    bad = tmp_path / "latin1.toml"
+    bad.write_bytes('[model]\nname = "caf\u00e9"\n'.encode("latin-1"))
+    args = [a.format(bad=bad, tmp=tmp_path) for a in argv]
+    assert cli.main(args) == 1
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith(f"inference-lab {argv[0]}: error: {bad}: not UTF-8 text")
+    assert "byte 0xe9 at offset 19" in line and "Traceback" not in captured.err
 
 
 def test_serve_flags_are_parsed_to_integers() -> None:

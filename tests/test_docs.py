@@ -132,3 +132,63 @@ def test_gitignore_covers_what_the_examples_and_builds_write() -> None:
     assert {"result.json", "report.html", "sessions.jsonl"} <= outputs  # the scan finds them
     missing = sorted(p for p in outputs | {"build/x", "dist/x"} if not _ignored(p, patterns))
     assert missing == [], f".gitignore misses {missing}"
+
+
+def test_the_readme_stays_short_and_names_both_test_lanes() -> None:
+    """The README is at most 250 lines, and tells a newcomer how to choose the port and
+    about the quick test lane beside the full one."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    assert "make test-fast" in text and "make test " in text
+    assert "--port" in text and "PORT=" in text
+
+
+def test_make_serve_passes_the_port_and_other_flags() -> None:
+    """``make serve PORT=9000 ARGS='--max-num-seqs 16'`` runs ``inference-lab serve --port
+    9000 --max-num-seqs 16`` (make's dry run, outside any other make; skipped without
+    make)."""
+    import os
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        import pytest
+
+        pytest.skip("make is not installed")
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+
+    def recipe(*argv: str) -> str:
+        proc = subprocess.run(
+            ["make", "--no-print-directory", "-n", "-W", "pyproject.toml", "serve", *argv],
+            cwd=ROOT, capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        (line,) = [x for x in proc.stdout.splitlines() if "inference-lab serve" in x]
+        return line
+
+    assert recipe("PORT=9000", "ARGS=--max-num-seqs 16") == (
+        ".venv/bin/inference-lab serve --port 9000 --max-num-seqs 16"
+    )
+    assert recipe() == ".venv/bin/inference-lab serve --port 8080 "
+
+
+def test_every_test_marked_slow_exists() -> None:
+    """``tests/slow.py`` names only test modules and test functions that exist, so a
+    renamed slow test cannot fall into ``make test-fast`` unnoticed."""
+    import ast
+
+    from tests.slow import SLOW_MODULES, SLOW_TESTS
+
+    tests = ROOT / "tests"
+    missing = [m for m in SLOW_MODULES | set(SLOW_TESTS) if not (tests / m).is_file()]
+    for module, names in SLOW_TESTS.items():
+        path = tests / module
+        if not path.is_file():
+            continue
+        defined = {
+            node.name
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        }
+        missing += [f"{module}::{n}" for n in sorted(names - defined)]
+    assert missing == []

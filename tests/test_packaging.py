@@ -20,7 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from inference_lab.resources import shipped_dir
+from inference_lab.errors import ConfigError
+from inference_lab.resources import (
+    SHIPPED,
+    did_you_mean,
+    resolve_shipped,
+    shipped_dir,
+    shipped_files,
+    shipped_names,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("pyproject.toml", "README.md", "inference_lab", "configs", "hardware_profiles")
@@ -92,23 +100,36 @@ def test_wheel_metadata_bounds_the_server_stack_and_makes_plotting_optional(
     assert ray and all('extra == "ray"' in r for r in ray)
 
 
-def test_installed_wheel_serves_its_shipped_configs_from_anywhere(
-    wheel: Path, tmp_path: Path
-) -> None:
-    """Installed outside the checkout and run from an unrelated directory, the package
-    finds its own configs and profiles (not the checkout's) and a simulation of a shipped
-    config and workload, named as ``--config gpt-oss-20b --workload quick``, runs on them."""
-    site = tmp_path / "site"
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The wheel installed outside the checkout: its site directory, and an unrelated
+    empty working directory."""
+    site = tmp_path_factory.mktemp("site")
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet",
          "--target", str(site), str(wheel)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
+    return site, tmp_path_factory.mktemp("elsewhere")
+
+
+def _run_installed(installed: tuple[Path, Path], script: str) -> subprocess.CompletedProcess[str]:
+    site, elsewhere = installed
     env = dict(os.environ, PYTHONPATH=str(site))
     env.pop("INFERENCE_LAB_HARDWARE_PROFILES", None)
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True, text=True, timeout=120, cwd=elsewhere, env=env,
+    )  # fmt: skip
+
+
+def test_installed_wheel_serves_its_shipped_configs_from_anywhere(
+    installed: tuple[Path, Path],
+) -> None:
+    """Installed outside the checkout and run from an unrelated directory, the package
+    finds its own configs and profiles (not the checkout's) and a simulation of a shipped
+    config and workload, named as ``--config gpt-oss-20b --workload quick``, runs on them."""
     script = (
         "import inference_lab, sys\n"
         "from inference_lab.resources import shipped_dir\n"
@@ -119,17 +140,97 @@ def test_installed_wheel_serves_its_shipped_configs_from_anywhere(
         "sys.exit(main(['sim', '--config', 'gpt-oss-20b', '--hardware', 'b200',\n"
         "               '--workload', 'quick', '-q']))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True, text=True, timeout=120, cwd=elsewhere, env=env,
-    )  # fmt: skip
+    proc = _run_installed(installed, script)
     assert proc.returncode == 0, proc.stderr
     package, configs, profiles = proc.stdout.splitlines()[:3]
-    installed = site.resolve() / "inference_lab"
-    assert Path(package).parent == installed
-    assert Path(configs) == installed / "configs"
-    assert Path(profiles) == installed / "hardware_profiles"
+    installed_package = installed[0].resolve() / "inference_lab"
+    assert Path(package).parent == installed_package
+    assert Path(configs) == installed_package / "configs"
+    assert Path(profiles) == installed_package / "hardware_profiles"
     assert "50 completed" in proc.stdout
+
+
+def test_installed_wheel_names_its_plans_traces_and_frontier_configs(
+    installed: tuple[Path, Path],
+) -> None:
+    """From the wheel, the README's ``plan configs/plans/chat-20rps.toml`` is
+    ``plan chat-20rps``: the spec and every file it names load from the package (its 30
+    candidates); a frontier config and a trace are named as the main configs are
+    (``sim --config Llama-3.1-8B-Instruct-EAGLE --trace mooncake-sample``)."""
+    script = (
+        "import sys\n"
+        "from inference_lab.cli import main\n"
+        "from inference_lab.plan.spec import expand_candidates, load_spec\n"
+        "from inference_lab.resources import resolve_shipped\n"
+        "spec = load_spec(resolve_shipped('chat-20rps', 'plan', 'SPEC'))\n"
+        "print(len(expand_candidates(spec)), spec.workload_path)\n"
+        "sys.exit(main(['sim', '--config', 'Llama-3.1-8B-Instruct-EAGLE', '--hardware',\n"
+        "               'h100', '--trace', 'mooncake-sample', '-q']))\n"
+    )
+    proc = _run_installed(installed, script)
+    assert proc.returncode == 0, proc.stderr
+    count, workload = proc.stdout.splitlines()[0].split()
+    assert count == "30"
+    assert (
+        Path(workload)
+        == installed[0].resolve() / "inference_lab/configs/workloads/chat-poisson-5rps.toml"
+    )
+    assert "24 completed" in proc.stdout
+
+
+def test_every_shipped_name_resolves_to_a_file_that_loads() -> None:
+    """Rule 3 of ``resources``: each kind's names are its folders' file stems, unique
+    within the kind, and the file a name resolves to loads (a config, a workload, a trace,
+    a plan spec with everything it names)."""
+    from inference_lab.core.config import load_model_config, load_workload
+    from inference_lab.plan.spec import load_spec
+    from inference_lab.traffic.traces import detect_format
+
+    configs = ROOT / "configs"
+    for kind, (folders, suffixes) in SHIPPED.items():
+        files = [
+            p
+            for folder in folders
+            for p in (configs / folder).iterdir()
+            if p.suffix in suffixes and p.is_file()
+        ]
+        assert files and len({p.stem for p in files}) == len(files), kind
+        assert set(shipped_names(kind)) == {p.stem for p in files}
+        for name, path in shipped_files(kind).items():
+            assert resolve_shipped(name, kind, "--x") == path
+            assert resolve_shipped(path.name, kind, "--x") == path
+    assert {"DeepSeek-V3", "Llama-3.3-70B-Instruct-FP8", "gpt-oss-20b"} <= set(
+        shipped_names("config")
+    )
+    for path in shipped_files("config").values():
+        load_model_config(path)
+    for path in shipped_files("workload").values():
+        load_workload(path)
+    for path in shipped_files("trace").values():
+        detect_format(path)
+    for path in shipped_files("plan").values():
+        load_spec(path)
+
+
+@pytest.mark.parametrize(
+    ("kind", "typed", "hint"),
+    [
+        ("config", "gpt-oss-2b", "did you mean gpt-oss-20b or gpt-oss-120b?"),
+        ("config", "deepseek-v3", "did you mean DeepSeek-V3?"),
+        ("workload", "quik", "did you mean quick?"),
+        ("trace", "mooncake", "did you mean mooncake-sample?"),
+        ("plan", "chat-20-rps", "did you mean chat-20rps?"),
+    ],
+)
+def test_a_mistyped_shipped_name_gets_did_you_mean(kind: str, typed: str, hint: str) -> None:
+    """Rule 4: the closest names come first, then every shipped name; one line."""
+    with pytest.raises(ConfigError) as info:
+        resolve_shipped(typed, kind, "--flag")  # type: ignore[arg-type]
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"--flag {typed}: no such file")
+    assert hint in message
+    assert message.endswith(", ".join(shipped_names(kind)) + ")")  # type: ignore[arg-type]
+    assert did_you_mean("zzzzzz", ["quick"]) == []
 
 
 def test_checkout_resources_are_found_from_another_directory(

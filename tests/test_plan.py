@@ -575,12 +575,13 @@ def test_the_ranking_puts_the_cheapest_deployment_that_carries_the_target_first(
 def test_the_command_prints_the_report_and_writes_its_files(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``plan SPEC -o DIR --inline``: exit 0, the tables and the cheapest lines, plan.json
-    (cheapest, Pareto, every row), plan.csv (one row per candidate and SLO set) and
-    pareto.png; run again, every simulation comes from the cache."""
+    """``plan SPEC --out-dir DIR --inline``: exit 0, the tables and the cheapest lines,
+    plan.json (cheapest, Pareto, every row), plan.csv (one row per candidate and SLO set)
+    and pareto.png; run again (with ``-o DIR``, the older spelling), every simulation comes
+    from the cache."""
     spec = write_spec(tmp_path)
     out = tmp_path / "out"
-    argv = ["plan", str(spec), "-o", str(out), "--inline", "--no-progress"]
+    argv = ["plan", str(spec), "--out-dir", str(out), "--inline", "--no-progress"]
     assert cli.main(argv) == 0
     text = capsys.readouterr().out
     assert "SLO set tight: TTFT p99 <= 30 ms" in text and "cheapest for loose:" in text
@@ -591,8 +592,11 @@ def test_the_command_prints_the_report_and_writes_its_files(
     lines = (out / "plan.csv").read_text().strip().splitlines()
     assert len(lines) == 1 + 8 * 2 and lines[0].startswith("slo_set,rank,model")
     assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert cli.main(argv) == 0
-    assert "0 simulations run" in capsys.readouterr().out
+    legacy = ["plan", str(spec), "-o", str(out), "--inline", "--no-progress"]
+    assert cli.main(legacy) == 0  # -o DIR: the older spelling of --out-dir, with a note
+    captured = capsys.readouterr()
+    assert "0 simulations run" in captured.out
+    assert "note: -o/--out DIR is spelled --out-dir DIR now" in captured.err
 
 
 def test_command_errors_are_one_line_and_exit_1(
@@ -600,7 +604,7 @@ def test_command_errors_are_one_line_and_exit_1(
 ) -> None:
     """A bad spec, and --ray without Ray installed: one line on stderr, exit 1."""
     bad = write_spec(tmp_path, SPEC.replace("tp = [1]", "tp = [0]"))
-    assert cli.main(["plan", str(bad), "-o", str(tmp_path / "o"), "--inline"]) == 1
+    assert cli.main(["plan", str(bad), "--out-dir", str(tmp_path / "o"), "--inline"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("inference-lab plan: error: ") and "tp: every value" in err
     assert "\n" not in err
@@ -609,7 +613,7 @@ def test_command_errors_are_one_line_and_exit_1(
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a)
     )
-    assert cli.main(["plan", str(good), "-o", str(tmp_path / "o"), "--ray", "local"]) == 1
+    assert cli.main(["plan", str(good), "--out-dir", str(tmp_path / "o"), "--ray", "local"]) == 1
     assert "--ray needs Ray: pip install 'inference-lab[ray]'" in capsys.readouterr().err
 
 
@@ -617,7 +621,7 @@ def test_plan_does_not_import_the_serve_stack(tmp_path: Path) -> None:
     """A whole ``inference-lab plan`` run (process pool) loads neither trio, quart nor
     hypercorn, nor Ray, nor the other subcommands' modules."""
     spec = write_spec(tmp_path)
-    argv = ["plan", str(spec), "-o", str(tmp_path / "o"), "-j", "1", "-q"]
+    argv = ["plan", str(spec), "--out-dir", str(tmp_path / "o"), "-j", "1", "-q"]
     rc, loaded, out = loaded_after(argv)
     assert rc == 0 and "cheapest for tight" in out
     assert not loaded & (SERVE_STACK | {"ray"}), loaded & (SERVE_STACK | {"ray"})

@@ -3,16 +3,21 @@ raylet process of its own with one CPU, every process bound to 127.0.0.1
 (``ray_backend.local_cluster``: Ray's own ``ray.cluster_utils.Cluster``, each node joined
 to the head's GCS). Teardown stops the driver and both nodes, then kills by pid any
 process still running from the cluster's private temporary directory, whatever the test
-did. The third test runs ``--ray local`` in a fresh interpreter. The three take about 40 s
-together, the clusters' starts included.
+did. The third test runs ``--ray local`` in a fresh interpreter, the fourth the
+documented ``ray start`` recipe with a token. The four take about 90 s together, the
+clusters' starts included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -154,9 +159,9 @@ def test_the_command_runs_on_a_ray_address(
     one = SPEC.replace('hardware = ["h100", "b200"]', 'hardware = ["h100"]')
     spec = write_spec(tmp_path, one)
     argv = ["plan", str(spec), "-q", "--no-progress"]
-    assert cli.main([*argv, "-o", str(tmp_path / "ray"), "--ray", ray_cluster]) == 0
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "ray"), "--ray", ray_cluster]) == 0
     on_ray = capsys.readouterr().out
-    assert cli.main([*argv, "-o", str(tmp_path / "inline"), "--inline"]) == 0
+    assert cli.main([*argv, "--out-dir", str(tmp_path / "inline"), "--inline"]) == 0
     assert on_ray == capsys.readouterr().out and "cheapest for tight" in on_ray
 
 
@@ -166,12 +171,103 @@ def test_ray_local_starts_a_private_instance(tmp_path: Path) -> None:
     one = SPEC.replace('hardware = ["h100", "b200"]', 'hardware = ["h100"]')
     spec = write_spec(tmp_path, one)
 
+    # Ray >= 2.59 writes a token to ~/.ray/auth_token for a local instance: a home of its
+    # own, so the test leaves none in the user's (docs/planning.md, tokens)
+    env = dict(os.environ, HOME=str(tmp_path))
+
     def plan_with(*flags: str) -> str:
         argv = [sys.executable, "-m", "inference_lab.cli", "plan", str(spec), "-q", *flags]
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr[-2000:]
         return proc.stdout
 
-    on_ray = plan_with("-o", str(tmp_path / "ray"), "--ray", "local")
-    assert on_ray == plan_with("-o", str(tmp_path / "inline"), "--inline")
+    on_ray = plan_with("--out-dir", str(tmp_path / "ray"), "--ray", "local")
+    assert on_ray == plan_with("--out-dir", str(tmp_path / "inline"), "--inline")
     assert "cheapest for tight" in on_ray
+
+
+def _ray_script() -> Path:
+    """The ``ray`` command of this environment (skip the test without it)."""
+    pytest.importorskip("ray", reason="Ray is not installed (the ray extra)")
+    script = Path(sys.executable).with_name("ray")
+    if not script.is_file():
+        pytest.skip(f"no ray command beside {sys.executable}")
+    return script
+
+
+def _kill_marked(marker: str) -> None:
+    """SIGKILL every process whose environment holds ``marker`` (``NAME=value``): the
+    processes a test's ``ray start`` left, found by what only they inherited."""
+    needle = marker.encode() + b"\0"
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
+def test_the_documented_two_node_recipe_runs_with_a_token(tmp_path: Path) -> None:
+    """docs/planning.md's recipe, with Ray's own commands, as three machines would run it
+    (three home directories): on the head, ``RAY_AUTH_MODE=token``, ``ray get-auth-token
+    --generate`` (the token in ~/.ray/auth_token) and ``ray start --head``; on the second
+    node the token file copied to its ~/.ray/auth_token and ``ray start --address``; the
+    driver with the token in ``RAY_AUTH_TOKEN`` only, ``inference-lab plan --ray
+    HEAD:PORT``, which plans on both nodes (2 workers) and answers as ``--inline`` does.
+
+    "HEAD" is 127.0.0.2, a loopback address Ray does not rewrite to the machine's outward
+    one (it rewrites 127.0.0.1); ``ray start`` binds its GCS and raylets on every
+    interface, as on a real cluster, so every RPC here is token-authenticated. Teardown
+    kills by pid every process that inherited the test's marker variable."""
+    ray = _ray_script()
+    marker = f"INFERENCE_LAB_RAY_RECIPE={os.getpid()}-{tmp_path.name}"
+    temp = tempfile.mkdtemp(prefix="il-ray-", dir="/tmp")  # Ray's sockets: a short path
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        port = probe.getsockname()[1]
+    head = f"127.0.0.2:{port}"
+    homes = {name: tmp_path / name for name in ("head", "node", "driver")}
+    for home in homes.values():
+        home.mkdir()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    base.update(RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token")
+    name, _, value = marker.partition("=")
+    base[name] = value
+
+    def run(argv: list[str], home: str, timeout: float = 120, **extra: str) -> str:
+        env = dict(base, HOME=str(homes[home]), **extra)
+        proc = subprocess.run(
+            argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=timeout
+        )
+        assert proc.returncode == 0, (argv, proc.stdout[-1500:], proc.stderr[-1500:])
+        return proc.stdout
+
+    one = SPEC.replace('hardware = ["h100", "b200"]', 'hardware = ["h100"]')
+    spec = write_spec(tmp_path, one)
+    plan = [sys.executable, "-m", "inference_lab.cli", "plan", str(spec), "-q", "--no-progress"]
+    try:
+        token = run([str(ray), "get-auth-token", "--generate"], "head").strip()
+        token_file = homes["head"] / ".ray" / "auth_token"
+        assert token and token_file.read_text().strip() == token
+        node = [f"--node-ip-address={head.split(':')[0]}", "--num-cpus=1", "--disable-usage-stats"]
+        run([str(ray), "start", "--head", f"--port={port}", f"--temp-dir={temp}",
+             "--include-dashboard=false", *node], "head")  # fmt: skip
+        (homes["node"] / ".ray").mkdir()
+        shutil.copy(token_file, homes["node"] / ".ray" / "auth_token")  # scp, on machines
+        run([str(ray), "start", f"--address={head}", *node], "node")
+        on_ray = subprocess.run(
+            [*plan, "--out-dir", str(tmp_path / "ray"), "--ray", head],
+            env=dict(base, HOME=str(homes["driver"]), RAY_AUTH_TOKEN=token),
+            capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        )  # fmt: skip
+        assert on_ray.returncode == 0, on_ray.stderr[-2000:]
+        assert " on 2 workers" in on_ray.stderr  # both nodes' CPUs
+        inline = run([*plan, "--out-dir", str(tmp_path / "inline"), "--inline"], "driver")
+        assert on_ray.stdout == inline and "cheapest for tight" in inline
+    finally:
+        _kill_marked(marker)
+        shutil.rmtree(temp, ignore_errors=True)

@@ -137,12 +137,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 def test_flags_parse_with_the_spec_defaults() -> None:
     args = _args()
-    assert (args.config, args.hardware, args.host, args.port) == (
-        "configs/",
-        "b200",
-        "127.0.0.1",
-        8080,
-    )
+    assert (args.config, args.hardware, args.host, args.port) == (None, None, "127.0.0.1", 8080)
     assert args.default_max_tokens == 256 and not args.enable_test_harness
 
 
@@ -204,6 +199,46 @@ def test_shipped_config_and_workload_are_found_by_name(
     assert "gpt-oss-20b" in message and "Llama-3-70B" in message
 
 
+def test_without_config_the_shipped_models_are_served_not_the_working_directorys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """settings Rule 4: with no ``--config`` (and no ``INFERENCE_LAB_CONFIG``), an unrelated
+    ``./configs/`` folder is ignored and the shipped configs are served on b200; naming
+    the folder serves it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "mine.toml").write_text("not a model config = [")
+    shipped = sorted(p for p in CONFIGS.glob("*.toml"))
+    for settings in (load_settings(), settings_from_env({})):
+        assert [d.config_path for d in settings.deployments] == shipped
+        assert {d.hardware_name for d in settings.deployments} == {"b200"}
+    with pytest.raises(ConfigError, match="mine.toml"):
+        load_settings(config="configs")
+
+
+def test_hardware_defaults_to_the_only_entry_else_b200(tmp_path: Path) -> None:
+    """resources Rule 5 in serve: a config with one entry is served on it; one with several
+    on b200; several without b200 is one line asking for the flag (or its variable)."""
+    text = (CONFIGS / "gpt-oss-20b.toml").read_text()
+    head = text[: text.index("[hardware.")]
+    only = tmp_path / "only.toml"
+    only.write_text(head + '[hardware.h100]\nprofile = "h100"\n')
+    (dep,) = load_settings(config=only).deployments
+    assert dep.hardware_name == "h100"
+    (dep,) = load_settings(config="gpt-oss-20b").deployments
+    assert dep.hardware_name == "b200"
+    two = tmp_path / "two.toml"
+    two.write_text(head + '[hardware.h100]\nprofile = "h100"\n[hardware.h200]\nprofile = "h200"\n')
+    with pytest.raises(ConfigError) as info:
+        settings_from_env({"INFERENCE_LAB_CONFIG": str(two)})
+    assert str(info.value) == (
+        f"{two}: hardware.b200: no such entry (available: h100, h200; choose one with "
+        "INFERENCE_LAB_HARDWARE)"
+    )
+    banner = serve_cli._banner(load_settings(config=only), "http://127.0.0.1:8080").splitlines()[0]
+    assert banner == "inference-lab serve: 1 model(s) on h100"
+
+
 def test_a_port_in_use_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
     sock = server.bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
@@ -218,7 +253,7 @@ def test_a_port_in_use_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -
 
 def test_banner_names_models_hardware_bounds_and_address() -> None:
     settings = make_settings(GPT, LLAMA, max_waiting=64)
-    banner = serve_cli._banner(settings, "b200", "http://127.0.0.1:8080")
+    banner = serve_cli._banner(settings, "http://127.0.0.1:8080")
     lines = banner.splitlines()
     assert lines[0] == "inference-lab serve: 2 model(s) on b200"
     assert GPT in lines[1] and "max_num_seqs 256" in lines[1] and "max_waiting 64" in lines[1]
@@ -226,7 +261,7 @@ def test_banner_names_models_hardware_bounds_and_address() -> None:
     assert lines[-1].startswith("listening on http://127.0.0.1:8080")
     assert "frontend latency" not in banner
     delayed = make_settings(GPT, frontend_latency=0.002)
-    line = serve_cli._banner(delayed, "b200", "http://127.0.0.1:8080").splitlines()[1]
+    line = serve_cli._banner(delayed, "http://127.0.0.1:8080").splitlines()[1]
     assert "frontend latency 2 ms" in line
 
 
@@ -236,9 +271,9 @@ def test_banner_shows_expert_parallelism_and_dp_attention() -> None:
 
     dep = load_deployment(CONFIGS / "frontier" / "DeepSeek-V3.toml", "h200")
     settings = ServeSettings(deployments=(dep,), workload=None, seed=None)
-    line = serve_cli._banner(settings, "h200", "http://127.0.0.1:8080").splitlines()[1]
+    line = serve_cli._banner(settings, "http://127.0.0.1:8080").splitlines()[1]
     assert "tp 8 (ep 8, dp attention 8)" in line
-    plain = serve_cli._banner(make_settings(GPT), "b200", "http://127.0.0.1:8080")
+    plain = serve_cli._banner(make_settings(GPT), "http://127.0.0.1:8080")
     assert "dp attention" not in plain
 
 

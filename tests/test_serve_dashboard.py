@@ -259,6 +259,42 @@ async def test_the_model_selector_switches_models_and_an_unknown_one_is_a_404(
         assert body["error"]["code"] == "model_not_found"
 
 
+async def test_a_page_without_a_model_opens_on_the_busiest(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Rule 7: with two models served, an idle server opens on the first; once the second
+    runs requests (and the first none), a page naming no model opens on the second; with
+    both idle again, the one that admitted more wins over the order."""
+    async with serve(make_settings(GPT, LLAMA)) as s:
+        async with trio.open_nursery() as nursery:
+            idle = Events(s)
+            idle.start(nursery)
+            _, init = await idle.next()
+            assert init["model"] == GPT and init["models"] == [GPT, LLAMA]
+            streams = [
+                Stream(s.app, "/v1/chat/completions", json.dumps(
+                    chat_body(model=LLAMA, max_tokens=3000, stream=True)).encode())
+                for _ in range(2)
+            ]  # fmt: skip
+            for stream in streams:
+                stream.start(nursery)
+            llama = Events(s, "model=" + LLAMA)
+            llama.start(nursery)
+            await llama.sample_where(lambda d: d["running"] + d["queued"] == 2)
+            busy = Events(s)
+            busy.start(nursery)
+            _, init = await busy.next()
+            assert init["model"] == LLAMA
+            for stream in streams:
+                await stream.disconnect()
+            # once LLAMA's engine is idle again, its admissions decide
+            await llama.sample_where(lambda d: d["running"] + d["queued"] == 0)
+            nursery.cancel_scope.cancel()
+        assert s.state.runtimes[GPT].snapshot().admitted == 0
+        assert s.state.runtimes[LLAMA].snapshot().running == 0
+        assert sampler_of(s).busiest() == LLAMA
+
+
 async def test_the_page_is_self_contained_and_its_csp_allows_exactly_its_scripts(
     serve: ServeFactory,
 ) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 from inference_lab import cli
 from inference_lab.core.config import load_deployment, load_workload, override_scheduler
+from inference_lab.resources import shipped_names
 from inference_lab.sim import cli as sim_cli
 from inference_lab.sim.run import Progress, run_simulation
 from inference_lab.sim.text import format_summary
@@ -325,10 +326,20 @@ def test_unknown_hardware_entry(capsys: pytest.CaptureFixture[str]) -> None:
     assert_one_line_error(capsys, rc, "tpu")
 
 
-def test_ambiguous_hardware_entry(capsys: pytest.CaptureFixture[str]) -> None:
-    """Without --hardware, a config with several entries is an error listing them."""
-    rc = run_cli("--config", GPT_OSS, "--workload", QUICK)
-    assert_one_line_error(capsys, rc, "b200", "h200", "--hardware")
+def test_without_hardware_several_entries_mean_b200(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """resources Rule 5, as in serve: without --hardware a config with several entries
+    runs its b200 entry; several entries without b200 are an error listing them."""
+    out = tmp_path / "r.json"
+    assert run_cli("--config", GPT_OSS, "--workload", QUICK, "-q", "-o", str(out)) == 0
+    assert json.loads(out.read_text())["config"]["hardware"] == "b200"
+    capsys.readouterr()
+    text = Path(GPT_OSS).read_text()
+    text = text[: text.index("[hardware.b200]")] + text[text.index("[hardware.h200]") :]
+    cfg = write(tmp_path / "no-b200.toml", text)
+    rc = run_cli("--config", cfg, "--workload", QUICK)
+    assert_one_line_error(capsys, rc, "h200", "gh200", "--hardware")
 
 
 def test_single_entry_config_needs_no_hardware_flag(
@@ -362,11 +373,31 @@ def test_unwritable_output_fails_before_running(
     assert_one_line_error(capsys, rc, "does not exist")
 
 
+def test_a_workload_without_seed_is_seeded_with_0(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``seed`` may be left out of a workload (docs/configuration.md: default 0): the run
+    is the one ``seed = 0`` gives, and the configuration print says so."""
+    text = Path(QUICK).read_text()
+    assert "seed = 42" in text
+    without = write(tmp_path / "noseed.toml", text.replace("seed = 42", ""))
+    zero = write(tmp_path / "zero.toml", text.replace("seed = 42", "seed = 0"))
+    outs = []
+    for workload in (without, zero):
+        out = tmp_path / f"{Path(workload).stem}.json"
+        assert run_cli("--config", GPT_OSS, "--workload", workload, "-o", str(out)) == 0
+        doc = without_wall_time(json.loads(out.read_text()))
+        assert doc.pop("config")["workload"]["seed"] == 0
+        outs.append(doc)
+        assert ", seed 0" in capsys.readouterr().out
+    assert outs[0] == outs[1]
+
+
 def test_subprocess_error_is_one_line_exit_1(tmp_path: Path) -> None:
     """As a process, bad input exits 1 with exactly one stderr line and no traceback."""
     proc = subprocess.run(
         [sys.executable, "-m", "inference_lab.cli", "sim", "--config", GPT_OSS, "--workload",
-         QUICK],
+         QUICK, "--hardware", "tpu"],
         capture_output=True, text=True, timeout=60, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 1
@@ -442,12 +473,11 @@ def test_an_unknown_name_is_one_line_listing_the_shipped_names(
         "--config", argv["--config"], "--hardware", "b200", "--workload", argv["--workload"]
     )
     line = assert_one_line_error(capsys, rc, f"{flag} {name}: no such file")
-    shipped = sorted(
-        p.stem for p in (CONFIGS if flag == "--config" else CONFIGS / "workloads").glob("*.toml")
-    )
+    shipped = shipped_names("config" if flag == "--config" else "workload")
     assert line.endswith(f"s: {', '.join(shipped)})")
     for item in listed.split(", "):
         assert item in line
+    assert "; did you mean " in line
 
 
 def test_max_num_seqs_and_max_waiting_override_the_config(tmp_path: Path) -> None:

@@ -185,13 +185,15 @@ def test_a_batch_file_whose_requests_arrive_apart_hits_on_shared_history(tmp_pat
     assert result.prefix_cache.hit_tokens > 0
 
 
-def test_window_and_speedup_flags(tmp_path: Path) -> None:
-    """--window 2:10 --speedup 2 replays the Mooncake sample's requests from 2 s to 10 s,
-    twice as fast."""
+@pytest.mark.parametrize("flag", ["--trace-window", "--window"])
+def test_window_and_speedup_flags(flag: str, tmp_path: Path) -> None:
+    """--trace-window 2:10 --speedup 2 replays the Mooncake sample's requests from 2 s to
+    10 s, twice as fast; --window is the same flag's older spelling (``load`` spells it
+    --trace-window: its --window is the AIMD window)."""
     out = tmp_path / "r.json"
     argv = ["--config", LLAMA, "--hardware", "h100", "-q", "-o", str(out)]
     trace = WORKLOADS / "mooncake-sample.jsonl"
-    assert run_cli(*argv, "--trace", str(trace), "--window", "2:10", "--speedup", "2") == 0
+    assert run_cli(*argv, "--trace", str(trace), flag, "2:10", "--speedup", "2") == 0
     doc = json.loads(out.read_text())
     expected = read_trace(trace, start=2.0, end=10.0, speedup=2.0)
     assert doc["requests"]["submitted"] == len(expected.requests)
@@ -205,7 +207,11 @@ def test_window_and_speedup_flags(tmp_path: Path) -> None:
         (["--trace", "t.jsonl", "--workload", "w.toml"], 2, "not allowed with argument"),
         (["--workload", "w.toml", "--speedup", "2"], 2, "--speedup applies to --trace only"),
         (["--trace", "t.jsonl", "--speedup", "0"], 2, "argument --speedup: must be a number > 0"),
-        (["--trace", "t.jsonl", "--window", "5:2"], 2, "argument --window: must be START:END"),
+        (
+            ["--trace", "t.jsonl", "--trace-window", "5:2"],
+            2,
+            "argument --trace-window/--window: must be START:END",
+        ),
         (["--trace", "missing.jsonl"], 1, "missing.jsonl: no such file"),
         (["--trace", "t.jsonl", "--seed", "3"], 2, "--seed applies to --workload only"),
     ],

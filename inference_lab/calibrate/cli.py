@@ -13,11 +13,22 @@ Rule 2: bad input (a measurement file missing, unreadable, of no known format, w
 Rule 3: the snippet is a ``[hardware.<name>]`` entry for the config: the fitted entry's
         profile, parallelism and scheduler keys, and the fitted terms; it never replaces
         the entry it was fitted from.
+Rule 4: measurements that cannot determine the terms are refused before any fit (exit 1):
+        fewer distinct measured values (a step's coordinates count once however many
+        identical rows repeat them; a load level counts once per metric it measured) than
+        terms to fit (identical levels count once too). A fitted term at one of its bounds is named in a note, since the
+        measurements may not have determined it.
+Rule 5: the table shows every metric's error before and after; an entry worse than the
+        one it was fitted from on any metric (by more than :data:`WORSE_BY` points of
+        MAPE) is not printed or written without ``--force``: one line naming the metrics,
+        exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,11 +36,15 @@ from inference_lab.cli_args import EXIT_OK, EXIT_USAGE, check_output, fail, inte
 
 if TYPE_CHECKING:
     from inference_lab.calibrate.fit import FitResult
+    from inference_lab.calibrate.measurements import Measurements
     from inference_lab.core.config import Deployment, ModelConfig
 
 __all__ = ["add_parser", "run", "snippet"]
 
 PROG = "inference-lab calibrate"
+#: Rule 5: how many points of MAPE a metric may lose before the entry counts as worse
+#: (the table prints tenths).
+WORSE_BY = 0.05
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -44,7 +59,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", required=True, metavar="PATH|NAME", help="model config")
     parser.add_argument(
-        "--hardware", metavar="NAME", help="the config's [hardware.NAME] entry to start from"
+        "--hardware",
+        metavar="NAME",
+        help="the config's [hardware.NAME] entry to start from (default: the config's only "
+        "entry, else b200)",
     )
     parser.add_argument(
         "measurements",
@@ -77,6 +95,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--profiles-dir", metavar="DIR", type=Path, help="hardware profile directory"
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="print or write the entry even when it is worse than the one it was fitted "
+        "from on some metric",
     )
     return parser
 
@@ -163,8 +187,60 @@ def _fields(value: Any) -> dict[str, Any]:
     return attrs.asdict(value)
 
 
+def underdetermined(data: Measurements, names: tuple[str, ...]) -> str | None:
+    """Rule 4: why ``data`` cannot determine the terms ``names``, or None."""
+    steps = {(s.batch_size, s.prefill_tokens, s.context_tokens) for s in data.steps}
+    measured = {
+        (lv.kind, lv.level, lv.prompt_tokens, lv.output_tokens, lv.start_spread, metric)
+        for lv in data.levels
+        for metric in lv.measured()
+    }
+    values = len(steps) + len(measured)
+    if values >= len(names):
+        return None
+    what = []
+    if data.steps:
+        what.append(f"{len(steps)} distinct step(s) in {len(data.steps)} row(s)")
+    if data.levels:
+        what.append(f"{len(measured)} distinct measured value(s) of load levels")
+    return (
+        f"{' and '.join(what)} cannot determine {len(names)} terms ({', '.join(names)}): "
+        "the fit is under-determined; measure more batch shapes or levels, or fit fewer "
+        "terms (--fit " + ",".join(names[: max(1, values)]) + ")"
+    )
+
+
+def worse_metrics(result: FitResult) -> list[str]:
+    """Rule 5: the metrics whose MAPE the fit raised by more than :data:`WORSE_BY`
+    points, as ``ttft 12.0% -> 15.1%``."""
+    from inference_lab.calibrate.fit import mape
+
+    before, after = mape(result.before), mape(result.after)
+    return [
+        f"{m} {before[m]:.1f}% -> {after[m]:.1f}%"
+        for m in before
+        if after.get(m, before[m]) > before[m] + WORSE_BY
+    ]
+
+
+def at_bounds(result: FitResult) -> list[str]:
+    """Rule 4: the fitted terms that ended at one of their bounds."""
+    from inference_lab.calibrate.fit import PARAMETERS
+
+    out = []
+    for name, value in zip(result.names, result.values, strict=True):
+        bound = PARAMETERS[name]
+        if math.isclose(value, bound.lower, abs_tol=1e-12) or math.isclose(
+            value, bound.upper, abs_tol=1e-12
+        ):
+            edge = "lower" if math.isclose(value, bound.lower, abs_tol=1e-12) else "upper"
+            out.append(f"{name} = {value / bound.scale:.4g} (its {edge} bound)")
+    return out
+
+
 def format_report(result: FitResult) -> str:
-    """The fitted values, and a table of every measured value before and after."""
+    """The fitted values, and a table of every measured value's error before and after,
+    each metric's change marked (Rule 5)."""
     from inference_lab.calibrate.fit import PARAMETERS, mape
 
     lines = [
@@ -177,11 +253,16 @@ def format_report(result: FitResult) -> str:
     ]
     lines.append(f"           {result.iterations} iterations, {result.evaluations} evaluations")
     lines.append("")
-    lines.append(f"{'metric':<11}{'n':>4}{'MAPE before':>13}{'MAPE after':>12}")
+    lines.append(f"{'metric':<11}{'n':>4}{'MAPE before':>13}{'MAPE after':>12}  change")
     before, after = mape(result.before), mape(result.after)
     for metric in before:
         n = len(result.before.pairs[metric])
-        lines.append(f"{metric:<11}{n:>4}{before[metric]:>12.1f}%{after[metric]:>11.1f}%")
+        delta = after[metric] - before[metric]
+        verdict = "worse" if delta > WORSE_BY else "better" if delta < -WORSE_BY else "same"
+        lines.append(
+            f"{metric:<11}{n:>4}{before[metric]:>12.1f}%{after[metric]:>11.1f}%  "
+            f"{delta:+.1f} points, {verdict}"
+        )
     return "\n".join(lines)
 
 
@@ -196,12 +277,12 @@ def run(args: argparse.Namespace) -> int:
     from inference_lab.calibrate.measurements import read_measurements
     from inference_lab.core.config import load_model_config, select_deployment
     from inference_lab.errors import InferenceLabError
-    from inference_lab.resources import resolve_shipped
+    from inference_lab.resources import default_hardware, resolve_shipped
 
     try:
         config_path = resolve_shipped(args.config, "config", "--config")
         config = load_model_config(config_path, args.profiles_dir)
-        dep = select_deployment(config, args.hardware)
+        dep = select_deployment(config, args.hardware or default_hardware(config.deployments))
         data = read_measurements(list(args.measurements), dep.model.name)
         print(
             f"calibrate  {dep.model.name} on {dep.hardware_name} ({dep.profile.name} x tp "
@@ -209,8 +290,22 @@ def run(args: argparse.Namespace) -> int:
             f"step(s); fitting {', '.join(names)}",
             flush=True,
         )
+        why = underdetermined(data, names)
+        if why is not None:
+            return fail(PROG, why)
         result = fit(dep, data, names, cap=args.sim_requests)
         print(format_report(result))
+        for term in at_bounds(result):
+            print(f"note: {term}: the measurements may not determine it")
+        worse = worse_metrics(result)
+        if worse and not getattr(args, "force", False):
+            return fail(
+                PROG,
+                f"the fitted entry is worse than {dep.hardware_name} on {'; '.join(worse)}: "
+                "not recommending it (--force prints it anyway)",
+            )
+        if worse:
+            print(f"{PROG}: warning: worse on {'; '.join(worse)} (--force)", file=sys.stderr)
         text = snippet(
             config,
             dep,

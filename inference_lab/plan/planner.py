@@ -15,13 +15,18 @@ Rule 3: the outcome is a function of the spec, the seed and the code only: the s
 Rule 4: a candidate without a deployment (it cannot fit) is reported with its reason and
         runs no job; a job that fails (`JobFailure`) fails the searches waiting for it with
         that reason and nothing else; nothing a candidate does aborts the plan.
+Rule 5: candidates are taken from their iterable as they are opened (spec Rule 4): the
+        planner holds the open candidates and the finished results, never the space.
+        A job the caller ran before the plan (``primed``: the estimate's probe, cached
+        by then, a candidate's first probe) counts as run the first time a search asks
+        for it and is not counted again (the candidate's other searches ask for it at
+        once, when it would be in flight), so the counts are those of an unprimed plan.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 
 import attrs
 
@@ -31,7 +36,7 @@ from inference_lab.plan.jobs import Job, ProbeResult, make_job, probe_workload
 from inference_lab.plan.search import RateSearch, SearchOutcome
 from inference_lab.plan.spec import Candidate, PlanSpec
 
-__all__ = ["CandidateResult", "PlanProgress", "PlanResult", "run_plan"]
+__all__ = ["CandidateResult", "PlanProgress", "PlanResult", "first_job", "run_plan"]
 
 
 @attrs.frozen(kw_only=True)
@@ -71,19 +76,42 @@ class _Open:
     searches: dict[str, RateSearch]
 
 
+def first_job(spec: PlanSpec, candidate: Candidate) -> Job:
+    """The job a runnable candidate's searches ask first (the start rate, clamped and
+    rounded as `RateSearch` does): what the estimate times (Rule 5)."""
+    assert candidate.deployment is not None
+    rate = RateSearch(spec.slo_sets[0], spec.search, spec.start_rate).next_rate
+    assert rate is not None
+    return _job(spec, candidate, rate)
+
+
+def _job(spec: PlanSpec, cand: Candidate, rate: float) -> Job:
+    assert cand.deployment is not None
+    workload = probe_workload(spec.workload, rate, spec.search.requests_at(rate), spec.seed)
+    return make_job(cand.deployment, workload)
+
+
 def run_plan(
     spec: PlanSpec,
-    candidates: list[Candidate],
+    candidates: Iterable[Candidate],
     executor: Executor,
     cache: ResultCache,
     progress: Callable[[PlanProgress], None] | None = None,
     window: int | None = None,
+    total: int | None = None,
+    primed: Collection[str] = (),
 ) -> PlanResult:
-    """Search every candidate (the module's Rules). The caller owns `executor` and closes
-    it, also when this raises (KeyboardInterrupt included)."""
+    """Search every candidate (the module's Rules). ``total`` is how many ``candidates``
+    yields (default ``len(candidates)``), for the progress samples. The caller owns
+    `executor` and closes it, also when this raises (KeyboardInterrupt included)."""
     start = time.perf_counter()
     limit = window if window is not None else max(2, 2 * executor.parallelism)
-    queue = deque(candidates)
+    if total is None:
+        assert isinstance(candidates, Collection), "give total with a lazy iterable"
+        total = len(candidates)
+    queue = iter(candidates)
+    primed_keys = frozenset(primed)
+    unasked = set(primed_keys)
     finished: dict[int, CandidateResult] = {}
     open_: dict[int, _Open] = {}
     in_flight: dict[str, list[tuple[int, str]]] = {}  # job key -> waiting searches
@@ -94,18 +122,12 @@ def run_plan(
             progress(
                 PlanProgress(
                     candidates_done=len(finished),
-                    candidates_total=len(candidates),
+                    candidates_total=total,
                     jobs_run=counts["run"],
                     jobs_cached=counts["cached"],
                     jobs_in_flight=len(in_flight),
                 )
             )
-
-    def job_for(cand: Candidate, rate: float) -> Job:
-        assert cand.deployment is not None
-        requests = spec.search.requests_at(rate)
-        workload = probe_workload(spec.workload, rate, requests, spec.seed)
-        return make_job(cand.deployment, workload)
 
     def close_if_done(index: int) -> None:
         entry = open_[index]
@@ -124,7 +146,7 @@ def run_plan(
         entry = open_[index]
         search = entry.searches[name]
         while search.next_rate is not None:
-            job = job_for(entry.candidate, search.next_rate)
+            job = _job(spec, entry.candidate, search.next_rate)
             if job.key in in_flight:
                 in_flight[job.key].append((index, name))
                 return
@@ -133,12 +155,18 @@ def run_plan(
                 in_flight[job.key] = [(index, name)]
                 executor.submit(job)
                 return
-            counts["cached"] += 1
+            if job.key in unasked:  # Rule 5: run by the caller for the estimate
+                unasked.discard(job.key)
+                counts["run"] += 1
+            elif job.key not in primed_keys:  # its other asks would have found it in flight
+                counts["cached"] += 1
             search.feed(cached)
 
     def open_more() -> None:
-        while queue and len(open_) < limit:
-            cand = queue.popleft()
+        while len(open_) < limit:
+            cand = next(queue, None)
+            if cand is None:
+                return
             if cand.deployment is None:
                 finished[cand.index] = CandidateResult(candidate=cand, outcomes={})
                 continue
@@ -172,10 +200,10 @@ def run_plan(
             close_if_done(index)
         open_more()
         report()
-    assert not open_ and not queue, "every search ends when its jobs have answered"
+    assert not open_, "every search ends when its jobs have answered"
     return PlanResult(
         spec=spec,
-        candidates=tuple(finished[c.index] for c in candidates),
+        candidates=tuple(finished[i] for i in sorted(finished)),
         jobs_run=counts["run"],
         jobs_cached=counts["cached"],
         jobs_failed=counts["failed"],

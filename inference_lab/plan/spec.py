@@ -9,6 +9,10 @@ Rule 2: the candidate space is the cross product, in a fixed order, of model con
         that cannot run (the weights do not fit, tp needs a fabric) is kept with its
         one-line reason, never dropped and never an error of the spec.
 Rule 3: paths in a spec are relative to the spec file.
+Rule 4: the space is counted without building it (:func:`count_candidates`: the product
+        of the axes' lengths) and built lazily, one candidate at a time
+        (:func:`iter_candidates`), so a spec of 10^6 candidates costs nothing until it is
+        planned, and then only the candidates in flight.
 
 Who calls this: ``inference_lab.plan.cli`` (load), ``inference_lab.plan.planner``.
 """
@@ -19,7 +23,7 @@ import itertools
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +53,9 @@ __all__ = [
     "SearchConfig",
     "Slo",
     "SloSet",
+    "count_candidates",
     "expand_candidates",
+    "iter_candidates",
     "load_prices",
     "load_spec",
 ]
@@ -417,16 +423,35 @@ def _written(spec: PlanSpec, config: ModelConfig) -> str:
         return str(config.path)
 
 
-def expand_candidates(spec: PlanSpec) -> list[Candidate]:
+def _hardware_names(spec: PlanSpec, config: ModelConfig) -> tuple[str, ...]:
+    return spec.hardware if spec.hardware is not None else tuple(config.deployments)
+
+
+def count_candidates(spec: PlanSpec) -> int:
+    """How many candidates the spec's space holds (Rule 4), without building one.
+    ConfigError, as :func:`iter_candidates` would raise it, for a hardware name with no
+    entry and no profile (each model config x hardware name is checked: a few calls)."""
+    per_point = len(spec.tp or (1,)) * len(spec.replicas or (1,))
+    for _, values in spec.scheduler:
+        per_point *= len(values)
+    total = 0
+    for config in spec.configs:
+        names = _hardware_names(spec, config)
+        for hw in names:
+            base_deployment(config, hw)
+        total += len(names) * per_point
+    return total
+
+
+def iter_candidates(spec: PlanSpec) -> Iterator[Candidate]:
     """Every candidate of the spec's space in order (Rule 2), each with its deployment or
-    its one-line reason. ConfigError only for a hardware name with no entry and no profile
-    (a typo in the spec)."""
-    out: list[Candidate] = []
+    its one-line reason, built as it is asked for (Rule 4). ConfigError only for a hardware
+    name with no entry and no profile (a typo in the spec)."""
+    index = 0
     knob_names = [name for name, _ in spec.scheduler]
     knob_values: Sequence[tuple[Any, ...]] = [values for _, values in spec.scheduler]
     for config in spec.configs:
-        names = spec.hardware if spec.hardware is not None else tuple(config.deployments)
-        for hw in names:
+        for hw in _hardware_names(spec, config):
             base = base_deployment(config, hw)
             tps = spec.tp if spec.tp is not None else (base.hardware.tp,)
             reps = spec.replicas if spec.replicas is not None else (base.hardware.replicas,)
@@ -442,18 +467,21 @@ def expand_candidates(spec: PlanSpec) -> list[Candidate]:
                     )
                 except ConfigError as exc:
                     error = str(exc)
-                out.append(
-                    Candidate(
-                        index=len(out),
-                        model=config.model.name,
-                        config=_written(spec, config),
-                        hardware=hw,
-                        tp=tp,
-                        replicas=replicas,
-                        knobs=knobs,
-                        deployment=deployment,
-                        error=error,
-                        price=spec.prices.get(hw),
-                    )
+                yield Candidate(
+                    index=index,
+                    model=config.model.name,
+                    config=_written(spec, config),
+                    hardware=hw,
+                    tp=tp,
+                    replicas=replicas,
+                    knobs=knobs,
+                    deployment=deployment,
+                    error=error,
+                    price=spec.prices.get(hw),
                 )
-    return out
+                index += 1
+
+
+def expand_candidates(spec: PlanSpec) -> list[Candidate]:
+    """:func:`iter_candidates` as a list (tests and small spaces)."""
+    return list(iter_candidates(spec))

@@ -25,7 +25,6 @@ configured from ``INFERENCE_LAB_*`` variables.
 from inference_lab.serve.app import create_app
 from inference_lab.serve.asgi import get_state
 from inference_lab.serve.settings import (
-    DEFAULT_CONFIG,
     DEFAULT_HARDWARE,
     DEFAULT_MAX_TOKENS,
     ServeSettings,
@@ -36,7 +35,6 @@ from inference_lab.serve.settings import (
 from inference_lab.serve.state import ServeState
 
 __all__ = [
-    "DEFAULT_CONFIG",
     "DEFAULT_HARDWARE",
     "DEFAULT_MAX_TOKENS",
     "ServeSettings",

@@ -16,6 +16,9 @@ Rule 3: the final ``http.response.body`` of a Quart route is shielded from cance
         unarmed). The completion routes shield their own final sends.
 Rule 4: a request Werkzeug refuses before Quart's error handlers exist (a ``Host`` it
         cannot bind) is answered with its error envelope too, never a bare 500.
+Rule 6: ``GET /health`` is answered by the connection's own task where it is read
+        (``transport.quick``, ``serve/health.py``), before the queue of work; the route
+        answers it where that path does not apply.
 Rule 5: the app has no WebSocket endpoint: a WebSocket upgrade on any path is refused
         with a 404 in the OpenAI error envelope (the ASGI ``websocket.http.response``
         extension, which hypercorn offers), or closed where the server cannot answer
@@ -34,6 +37,9 @@ from werkzeug.exceptions import HTTPException
 from inference_lab.serve import gate
 from inference_lab.serve.agent_routes import AGENT_ROUTES
 from inference_lab.serve.completions import COMPLETION_ROUTES, complete
+from inference_lab.serve.exchange import Exchange
+from inference_lab.serve.health import HEALTH_PATH
+from inference_lab.serve.health import quick_answer as health_quick_answer
 from inference_lab.serve.error_replies import (
     error_reply,
     method_not_allowed_reply,
@@ -43,7 +49,7 @@ from inference_lab.serve.error_replies import (
 )
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.state import ServeState
-from inference_lab.serve.transport import received_at
+from inference_lab.serve.transport import QuickReply, received_at
 
 __all__ = ["InferenceLabApp", "LabHTTPConnection", "STATE_KEY", "get_state"]
 
@@ -130,7 +136,24 @@ class NoWebSockets:
 
 class InferenceLabApp(QuartTrio):
     """The serve app's class: a QuartTrio app whose HTTP connections are
-    :class:`LabHTTPConnection` and which has no WebSocket endpoint (:class:`NoWebSockets`)."""
+    :class:`LabHTTPConnection` and which has no WebSocket endpoint (:class:`NoWebSockets`).
+    It offers the transport ``GET /health`` to answer where the request is read, before
+    the queue of work (Rule 6)."""
 
     asgi_http_class = LabHTTPConnection
     asgi_websocket_class = NoWebSockets  # type: ignore[assignment]
+    #: The request targets the connection may answer itself (``transport.quick``).
+    quick_paths = frozenset({HEALTH_PATH.encode()})
+
+    def quick_answer(
+        self,
+        method: str,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        client: tuple[str, int] | None,
+    ) -> QuickReply | None:
+        """The whole answer to a quick request (``serve/health.py``), or None when this
+        app has no state yet (not started)."""
+        if STATE_KEY not in self.extensions:
+            return None
+        return health_quick_answer(get_state(self), method, path, headers, client)

@@ -22,8 +22,6 @@ import trio
 
 from inference_lab.errors import ConfigError
 from inference_lab.serve import (
-    DEFAULT_CONFIG,
-    DEFAULT_HARDWARE,
     DEFAULT_MAX_TOKENS,
     ServeSettings,
     create_app,
@@ -73,16 +71,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--config",
-        default=DEFAULT_CONFIG,
         metavar="PATH|NAME",
-        help="a model config, a directory of them (*.toml, sorted; default: configs/), or "
-        "the name of a shipped config (gpt-oss-20b)",
+        help="a model config, a directory of them (*.toml, sorted), or the name of a shipped "
+        "config (gpt-oss-20b); default: the shipped model configs, whatever the working "
+        "directory holds",
     )
     parser.add_argument(
         "--hardware",
-        default=DEFAULT_HARDWARE,
         metavar="NAME",
-        help="which [hardware.<NAME>] entry to deploy (default: b200)",
+        help="which [hardware.<NAME>] entry to deploy (default: each config's only entry, "
+        "else b200)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument(
@@ -278,9 +276,8 @@ def _url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def _banner(
-    settings: ServeSettings, hardware: str, url: str, kv_lines: list[str] | None = None
-) -> str:
+def _banner(settings: ServeSettings, url: str, kv_lines: list[str] | None = None) -> str:
+    hardware = ", ".join(dict.fromkeys(d.hardware_name for d in settings.deployments))
     lines = [f"inference-lab serve: {len(settings.deployments)} model(s) on {hardware}"]
     width = max(len(d.model.name) for d in settings.deployments)
     for dep in settings.deployments:
@@ -374,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     hub = get_state(app).kv_events
     kv_lines = hub.describe() if hub is not None else []
-    banner = _banner(settings, args.hardware, _url(sock), kv_lines)
+    banner = _banner(settings, _url(sock), kv_lines)
     if settings.enable_test_harness:
         print(
             f"{PROG}: test harness on: requests can inject faults and script answers, and "

@@ -26,6 +26,9 @@ Rule 5: when the sampler stops (the server shuts down) every stream sends an ``e
         and finishes its body: no page is left hanging on a dead connection.
 Rule 6: a model whose engine is not running is sampled with ``alive`` false and nothing
         running, queued or in the KV cache (its requests get 503); the page says so.
+Rule 7: a page that names no model is shown the busiest (:meth:`Sampler.busiest`): the
+        most requests running and queued now, then the most admitted since start, then the
+        first served; an idle server opens on its first model.
 """
 
 from __future__ import annotations
@@ -344,6 +347,20 @@ class Sampler:
             out.append(entry)
         return out
 
+    def busiest(self) -> str:
+        """Rule 7: the model a page without ``?model=`` opens on. Reads each runtime's
+        published snapshot (no work); called once per event stream that names no model."""
+        best, best_key = next(iter(self.tracks)), (-1, -1)
+        for name in self.tracks:
+            runtime = self.state.runtimes.get(name)
+            if runtime is None:
+                continue
+            snap = runtime.snapshot()
+            key = (snap.running + snap.queued, snap.admitted)
+            if key > best_key:  # strictly: the first served wins a tie
+                best, best_key = name, key
+        return best
+
     # -- what a stream sends -----------------------------------------------------------
     def init_frame(self, name: str) -> tuple[bytes, int]:
         """A new stream's first event: the page's settings, the model's samples so far
@@ -420,7 +437,7 @@ def register_dashboard_routes(app: QuartTrio, sampler: Sampler) -> None:
 
     @app.get("/control/dashboard/events")
     async def events() -> Response:
-        name = request.args.get("model") or next(iter(sampler.tracks))
+        name = request.args.get("model") or sampler.busiest()
         if name not in sampler.tracks:
             return to_response(error_reply(sampler.state.model_not_found(name)))
         response = Response(sampler.stream(name), status=200, content_type="text/event-stream")

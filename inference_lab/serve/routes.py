@@ -15,7 +15,6 @@ import importlib.metadata
 import time
 from typing import Any, cast
 
-import attrs
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -31,12 +30,12 @@ from inference_lab.api.tokenize import (
 from inference_lab.errors import ApiError, truncate_echo
 from inference_lab.jsonbytes import dumps
 from inference_lab.runtime.model_runtime import ModelRuntime, RuntimeSnapshot
+from inference_lab.serve.health import HEALTH_PATH, health_reply
 from inference_lab.serve.error_replies import (
     RETRY_AFTER_UNAVAILABLE,
     Reply,
     error_reply,
     json_reply,
-    retry_after_header,
 )
 from inference_lab.serve.state import ServeState
 
@@ -184,15 +183,10 @@ def register_routes(app: QuartTrio, state: ServeState) -> None:
         app.logger.exception("unhandled error", exc_info=exc)
         return to_response(error_reply(exc))
 
-    @app.get("/health")
+    @app.get(HEALTH_PATH)
     async def health() -> Response:
-        alive = {name: rt.snapshot().alive for name, rt in state.runtimes.items()}
-        if all(alive.values()):
-            return to_response(Reply(200, b'{"status":"ok"}'))
-        models = {name: ("running" if up else "stopped") for name, up in alive.items()}
-        reply = json_reply({"status": "unavailable", "models": models}, 503)
-        retry = retry_after_header(RETRY_AFTER_UNAVAILABLE)
-        return to_response(attrs.evolve(reply, headers=(retry,)))
+        """serve/health.py Rule 2: where the connection did not answer it itself."""
+        return to_response(health_reply(state))
 
     @app.get("/v1/models")
     async def models() -> Response:

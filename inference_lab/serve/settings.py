@@ -9,7 +9,9 @@ Rule 3: an error names a setting the way its reader gave it: ``--api-key`` on th
         :func:`load_settings`), the setting's own name only from Python.
 Rule 4: ``config`` and ``workload`` are paths or, when no such path exists, the names of
         shipped files (``gpt-oss-20b``, ``chat-closed-64``:
-        :func:`inference_lab.resources.resolve_shipped`).
+        :func:`inference_lab.resources.resolve_shipped`). Without ``config`` the app serves
+        the package's shipped model configs, never the working directory's ``configs/``
+        (an unrelated folder of that name is not a server's configuration).
 """
 
 from __future__ import annotations
@@ -35,12 +37,11 @@ from inference_lab.core.config import (
     override_scheduler,
 )
 from inference_lab.errors import ConfigError
-from inference_lab.resources import resolve_shipped, shipped_dir
+from inference_lab.resources import DEFAULT_HARDWARE, default_hardware, resolve_shipped, shipped_dir
 from inference_lab.serve.kv_events import KVEventsSettings, check_endpoint, exposure_warnings
 
 __all__ = [
     "DEFAULT_BODY_TIMEOUT",
-    "DEFAULT_CONFIG",
     "DEFAULT_HARDWARE",
     "DEFAULT_MAX_TOKENS",
     "ENV_LABELS",
@@ -53,7 +54,6 @@ __all__ = [
     "startup_warnings",
 ]
 
-DEFAULT_CONFIG = "configs/"
 #: How the environment of a plain hypercorn launch names each setting (Rule 3).
 ENV_LABELS: Mapping[str, str] = MappingProxyType(
     {
@@ -81,7 +81,6 @@ ENV_LABELS: Mapping[str, str] = MappingProxyType(
         )
     }
 )
-DEFAULT_HARDWARE = "b200"
 DEFAULT_MAX_TOKENS = 256
 #: Seconds a request body may take to arrive, counted from the request's arrival.
 DEFAULT_BODY_TIMEOUT = 10.0
@@ -137,20 +136,10 @@ class ServeSettings:
         return deployment.model.hidden_dim
 
 
-def _default_config_path(config: str | os.PathLike[str]) -> Path:
-    """``config`` as a path; the default (``configs/``) falls back to the shipped configs
-    when the working directory has none, so ``inference-lab serve`` serves the shipped
-    models from any directory."""
-    path = Path(config)
-    if str(config) == DEFAULT_CONFIG and not path.exists():
-        return shipped_dir("configs")
-    return path
-
-
 def load_settings(
     *,
-    config: str | os.PathLike[str] = DEFAULT_CONFIG,
-    hardware: str = DEFAULT_HARDWARE,
+    config: str | os.PathLike[str] | None = None,
+    hardware: str | None = None,
     max_waiting: int | None = None,
     max_num_seqs: int | None = None,
     workload: str | os.PathLike[str] | None = None,
@@ -177,8 +166,9 @@ def load_settings(
     """Load the models to serve; raises ConfigError.
 
     ``config`` is one model config or a directory of them (``*.toml``, sorted, not
-    recursive). In directory mode a file without a ``[hardware.<hardware>]`` entry is
-    skipped and reported through ``on_skip``; an invalid file, two configs with the same
+    recursive); None: the shipped model configs (Rule 4). Each config is deployed on its ``[hardware.<hardware>]`` entry; with
+    ``hardware`` None, on its only entry, else its ``b200`` one (resources Rule 5). In
+    directory mode a file without that entry is skipped and reported through ``on_skip``; an invalid file, two configs with the same
     model name, or no model left is an error. ``max_waiting`` / ``max_num_seqs``
     override every model's ``[scheduler]`` value, and ``tokenizer`` every model's
     ``[model].tokenizer``; each tokenizer file is loaded once, here. ``control_token``
@@ -240,8 +230,9 @@ def load_settings(
         )
     if embedding_dim is not None and embedding_dim < 1:
         raise ConfigError(f"{label('embedding_dim')}: must be >= 1, got {embedding_dim}")
-    path = _default_config_path(config)
-    if not path.exists():
+    if config is None:
+        path = shipped_dir("configs")
+    else:
         path = resolve_shipped(config, "config", label("config"))
     if path.is_dir():
         files = sorted(p for p in path.glob("*.toml") if p.is_file())
@@ -258,16 +249,19 @@ def load_settings(
     seen: dict[str, Path] = {}
     for file in files:
         model_config = load_model_config(file)
-        if hardware not in model_config.deployments:
+        entry = hardware if hardware is not None else default_hardware(model_config.deployments)
+        if entry is None or entry not in model_config.deployments:
             available = ", ".join(model_config.deployments)
+            wanted = f"hardware.{entry}" if entry is not None else f"hardware.{DEFAULT_HARDWARE}"
             if not directory:
                 raise ConfigError(
-                    f"{file}: hardware.{hardware}: no such entry (available: {available})"
+                    f"{file}: {wanted}: no such entry (available: {available}; "
+                    f"choose one with {label('hardware')})"
                 )
             if on_skip is not None:
-                on_skip(f"skipping {file}: no [hardware.{hardware}] entry (has {available})")
+                on_skip(f"skipping {file}: no [{wanted}] entry (has {available})")
             continue
-        dep = model_config.deployments[hardware]
+        dep = model_config.deployments[entry]
         name = dep.model.name
         if name in seen:
             raise ConfigError(
@@ -281,7 +275,9 @@ def load_settings(
         if model_config.fault is not None:
             faults.append((name, model_config.fault))
     if not deployments:
-        raise ConfigError(f"{path}: no model config has a [hardware.{hardware}] entry")
+        raise ConfigError(
+            f"{path}: no model config has a [hardware.{hardware or DEFAULT_HARDWARE}] entry"
+        )
     loaded = (
         load_workload(resolve_shipped(workload, "workload", label("workload")))
         if workload is not None
@@ -467,8 +463,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
     enable_test_harness = _env_flag(env, "INFERENCE_LAB_ENABLE_TEST_HARNESS")
     default_max_tokens = _env_int(env, "INFERENCE_LAB_DEFAULT_MAX_TOKENS", 1)
     return load_settings(
-        config=env.get("INFERENCE_LAB_CONFIG") or DEFAULT_CONFIG,
-        hardware=env.get("INFERENCE_LAB_HARDWARE") or DEFAULT_HARDWARE,
+        config=env.get("INFERENCE_LAB_CONFIG") or None,
+        hardware=env.get("INFERENCE_LAB_HARDWARE") or None,
         max_waiting=_env_int(env, "INFERENCE_LAB_MAX_WAITING", 0),
         max_num_seqs=_env_int(env, "INFERENCE_LAB_MAX_NUM_SEQS", 1),
         workload=env.get("INFERENCE_LAB_WORKLOAD") or None,

@@ -50,7 +50,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--hardware",
         metavar="NAME",
-        help="the config's [hardware.NAME] entry (may be omitted when there is only one)",
+        help="the config's [hardware.NAME] entry (default: the config's only entry, else b200)",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
@@ -60,8 +60,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     source.add_argument(
         "--trace",
-        metavar="PATH",
-        help="replay a trace file (mooncake / openai_batch JSONL, azure / burstgpt CSV)",
+        metavar="PATH|NAME",
+        help="replay a trace file (mooncake / openai_batch JSONL, azure / burstgpt CSV), or "
+        "the name of a shipped one (mooncake-sample)",
     )
     parser.add_argument(
         "--trace-format",
@@ -76,10 +77,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="replay the trace X times faster (default 1)",
     )
     parser.add_argument(
-        "--window",
+        "--trace-window",
+        "--window",  # the older spelling; load's --window is the AIMD window
+        dest="window",
         type=_window,
         metavar="START:END",
-        help="replay only the trace's requests from START to END seconds (END may be empty)",
+        help="replay only the trace's requests from START to END seconds (END may be empty; "
+        "as load --trace-window)",
     )
     parser.add_argument(
         "--tokenizer",
@@ -232,9 +236,14 @@ def _read_trace(args: argparse.Namespace, model_tokenizer: str | None) -> Trace:
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``sim`` command; returns the exit code (Rule 2)."""
-    from inference_lab.core.config import load_deployment, load_workload, override_scheduler
+    from inference_lab.core.config import (
+        load_model_config,
+        load_workload,
+        override_scheduler,
+        select_deployment,
+    )
     from inference_lab.errors import InferenceLabError
-    from inference_lab.resources import resolve_shipped
+    from inference_lab.resources import default_hardware, resolve_shipped
     from inference_lab.sim.run import run_simulation
     from inference_lab.sim.text import (
         config_dict,
@@ -260,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     if args.workload is not None:
         for flag, value in (
             ("--trace-format", args.trace_format),
-            ("--window", args.window),
+            ("--trace-window", args.window),
             ("--tokenizer", args.tokenizer),
             ("--default-max-tokens", args.default_max_tokens),
         ):
@@ -272,13 +281,16 @@ def run(args: argparse.Namespace) -> int:
         return fail(PROG, "--seed applies to --workload only (a trace draws nothing)", 2)
     try:
         config_path = resolve_shipped(args.config, "config", "--config")
+        model_config = load_model_config(config_path, args.profiles_dir)
+        hardware = args.hardware or default_hardware(model_config.deployments)
         deployment = override_scheduler(
-            load_deployment(config_path, args.hardware, args.profiles_dir),
+            select_deployment(model_config, hardware),
             max_num_seqs=args.max_num_seqs,
             max_waiting=args.max_waiting,
         )
         workload: Workload | Trace
         if args.trace is not None:
+            args.trace = str(resolve_shipped(args.trace, "trace", "--trace"))
             workload = _read_trace(args, deployment.model.tokenizer)
             source = args.trace
             seed = 0

@@ -154,6 +154,11 @@
       }
     }
     select.value = info.model;
+    if (!params.get("model")) {
+      // the server chose the busiest model: keep it across a reload
+      params.set("model", info.model);
+      window.history.replaceState(null, "", "?" + params.toString());
+    }
     document.title = `${info.model} · inference-lab dashboard`;
     buildCharts();
     for (const change of info.changes) addChange(change);

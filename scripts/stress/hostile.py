@@ -27,6 +27,19 @@ Then two KV-event cases, each against its own server (``--kv-events-endpoint``):
     python scripts/stress/hostile.py
     python scripts/stress/hostile.py --rounds 50
     python scripts/stress/hostile.py --case kv-flood --kv-flood-requests 20000
+Then ``/health`` under 128 mixed streams (:func:`health_under_mixed_streams`): closed-loop
+clients of five kinds -- plain chat, tool calls, structured output, the Responses API and
+chat under a long shared system prompt -- keep the event loop busy for ``--mixed-seconds``
+while a probe (a process of its own) asks ``GET /health`` every 50 ms: on a kept-alive
+connection, answered where it is read (the connection's quick path); the same through
+its route (``/health?via=route``, for comparison); and on a new connection with
+``Connection: close``, as a kubelet probes (that one waits for its accept behind the
+connections queued before it). Every probe must answer 200 and the kept-alive one's p99
+stay under ``--health-p99-ms``; the figures also give the pacing lag and the server's RSS
+before and after (its bound: docs/serve.md, "Memory").
+
+    python scripts/stress/hostile.py
+    python scripts/stress/hostile.py --rounds 50 --mixed-seconds 60
 
 Only 127.0.0.1; bounded in count and time.
 """
@@ -50,6 +63,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # benchkit
 
+from benchkit import get_stats  # noqa: E402
 from common import (  # noqa: E402
     MODEL,
     Server,
@@ -151,6 +165,158 @@ async def one_round(port: int, figures: dict[str, Any], idle_within: float) -> N
         nursery.start_soon(h2, H2_PREFACE + H2_OPEN_HEADERS)
 
 
+_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+#: A long system prompt every "prefix" stream shares (about 1,500 placeholder words).
+_SHARED_PREFIX = " ".join(f"rule{i % 97} applies" for i in range(750))
+
+
+def mixed_requests(client: int) -> bytes:
+    """The request of closed-loop client ``client``: one of the five kinds the probe found
+    ``/health`` slow behind, in turn (each streamed, a few hundred tokens)."""
+    kind = client % 5
+    user = [{"role": "user", "content": f"client {client}: go on"}]
+    body: dict[str, Any] = {"model": MODEL, "stream": True, "max_tokens": 300}
+    if kind == 0:
+        body["messages"] = user
+    elif kind == 1:
+        body.update(messages=user, tools=[_WEATHER], tool_choice="required")
+    elif kind == 2:
+        body["messages"] = user
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": _SCHEMA, "strict": True},
+        }
+    elif kind == 3:
+        del body["max_tokens"]
+        body.update(input=f"client {client}: go on", max_output_tokens=300)
+        return post("/v1/responses", json.dumps(body).encode())
+    else:
+        body["messages"] = [{"role": "system", "content": _SHARED_PREFIX}, *user]
+    return post("/v1/chat/completions", json.dumps(body).encode())
+
+
+async def closed_loop_client(
+    port: int, client: int, stop: trio.Event, counts: dict[str, int]
+) -> None:
+    """Send client ``client``'s request again as each answer ends, until ``stop``."""
+    request = mixed_requests(client)
+    while not stop.is_set():
+        response = await fetch(port, request, 60)
+        counts["streams_ok" if response.status == 200 and response.complete else "streams_bad"] += 1
+
+
+#: The probe (a process of its own, so that this script's 128 clients do not delay it):
+#: every 50 ms for argv[2] seconds, in turn, ``GET /health`` and ``GET /health?via=route``
+#: (the same answer through the route, for comparison) on one kept-alive connection, and
+#: ``GET /health`` with ``Connection: close`` on a new connection, as a kubelet probes;
+#: prints the three lists of milliseconds (-1: a failure) as JSON.
+_PROBE = r"""
+import json, socket, sys, time
+port, seconds = int(sys.argv[1]), float(sys.argv[2])
+OK = b'{"status":"ok"}'
+out = {"quick": [], "routed": [], "fresh": []}
+
+def answer(sock):
+    data = b""
+    while not data.endswith(OK):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data.startswith(b"HTTP/1.1 200 ") and data.endswith(OK)
+
+kept = socket.create_connection(("127.0.0.1", port), timeout=10)
+kept.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")  # accepted before timing
+answer(kept)
+end = time.monotonic() + seconds
+turn = 0
+while time.monotonic() < end:
+    key = ("quick", "routed", "fresh")[turn % 3]
+    started = time.monotonic()
+    try:
+        if key == "fresh":
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                ok = answer(sock)
+        else:
+            target = b"/health" if key == "quick" else b"/health?via=route"
+            kept.sendall(b"GET " + target + b" HTTP/1.1\r\nhost: x\r\n\r\n")
+            ok = answer(kept)
+    except OSError:
+        ok = False
+    out[key].append((time.monotonic() - started) * 1e3 if ok else -1.0)
+    turn += 1
+    time.sleep(0.05)
+print(json.dumps(out))
+"""
+
+
+async def health_probes(port: int, seconds: float) -> dict[str, list[float]]:
+    """Run :data:`_PROBE` for ``seconds``: each kind's times (ms)."""
+    proc = await trio.run_process(
+        [sys.executable, "-c", _PROBE, str(port), str(seconds)], capture_stdout=True
+    )
+    probes: dict[str, list[float]] = json.loads(proc.stdout)
+    return probes
+
+
+def _percentile(values: list[float], pct: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return round(ordered[min(len(ordered) - 1, int(pct / 100 * len(ordered)))], 2)
+
+
+async def health_under_mixed_streams(
+    url: str, port: int, pid: int, streams: int, seconds: float
+) -> dict[str, Any]:
+    """The module's last case: ``streams`` mixed closed-loop clients for ``seconds``,
+    ``/health`` probed meanwhile; its figures."""
+    counts = {"streams_ok": 0, "streams_bad": 0}
+    rss_before = rss_mb(pid)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        for client in range(streams):
+            nursery.start_soon(closed_loop_client, port, client, stop, counts)
+        await trio.sleep(2.0)  # every client admitted and streaming
+        probes = await health_probes(port, seconds)
+        stats = await get_stats(url)
+        stop.set()
+    lag = stats["models"][0]["pacing_lag_ms"]
+
+    def spread(values: list[float]) -> list[float]:
+        done = [v for v in values if v >= 0]
+        return [_percentile(done, 50), _percentile(done, 99), round(max(done, default=-1), 2)]
+
+    return {
+        "mixed_streams": streams,
+        **counts,
+        "health_probes": sum(len(v) for v in probes.values()),
+        "health_failed": sum(1 for v in probes.values() for x in v if x < 0),
+        "health_kept_alive_p50_p99_max_ms": spread(probes["quick"]),
+        "health_route_p50_p99_max_ms": spread(probes["routed"]),
+        "health_new_connection_p50_p99_max_ms": spread(probes["fresh"]),
+        "pacing_lag_mean_ms": lag["mean"],
+        "rss_mb_mixed_before_after": [round(rss_before, 1), round(rss_mb(pid), 1)],
+    }
+
+
 async def main_async(url: str, port: int, args: argparse.Namespace) -> dict[str, Any]:
     figures: dict[str, Any] = dict.fromkeys(
         (
@@ -186,6 +352,22 @@ def main(argv: list[str] | None = None) -> int:
         help="an idle h2c connection must be closed within this long (default: 15)",
     )
     add_kv_arguments(parser)
+    parser.add_argument(
+        "--mixed-streams", type=int, default=128, help="mixed closed-loop streams (default 128)"
+    )
+    parser.add_argument(
+        "--mixed-seconds",
+        type=float,
+        default=20.0,
+        metavar="SECONDS",
+        help="how long /health is probed under them (default 20; 0 skips the case)",
+    )
+    parser.add_argument(
+        "--health-p99-ms",
+        type=float,
+        default=50.0,
+        help="/health on a kept-alive connection: its p99 must stay under this (default 50 ms)",
+    )
     args = parser.parse_args(argv)
     if args.case != "http":
         return kv_main(args)
@@ -193,6 +375,17 @@ def main(argv: list[str] | None = None) -> int:
         rss_before = rss_mb(srv.pid)
         figures = trio.run(main_async, srv.url, srv.port, args)
         figures["rss_mb_before_after"] = [round(rss_before, 1), round(rss_mb(srv.pid), 1)]
+        if args.mixed_seconds > 0:
+            figures.update(
+                trio.run(
+                    health_under_mixed_streams,
+                    srv.url,
+                    srv.port,
+                    srv.pid,
+                    args.mixed_streams,
+                    args.mixed_seconds,
+                )
+            )
         code = srv.stop()
         problems = log_problems(srv.log_text())
     figures["exit_code"] = code
@@ -205,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         and figures["health_after"] == 200
         and figures["held_after"] == 0
         and figures["rss_mb_before_after"][1] < figures["rss_mb_before_after"][0] + 100
+        and (args.mixed_seconds <= 0 or _mixed_ok(figures, args.health_p99_ms))
     )
     report("hostile", figures, ok)
     if args.case == "http" and not args.http_only:
@@ -531,6 +725,17 @@ def kv_main(args: argparse.Namespace) -> int:
         report(f"hostile-{name}", figures, ok)
         failed += not ok
     return 1 if failed else 0
+
+
+def _mixed_ok(figures: dict[str, Any], p99_ms: float) -> bool:
+    """The mixed-streams case passed: every probe answered 200, the p99 of ``/health`` on
+    a kept-alive connection (the quick path) is under ``p99_ms``, no stream failed."""
+    return (
+        figures["health_failed"] == 0
+        and figures["health_probes"] > 0
+        and figures["health_kept_alive_p50_p99_max_ms"][1] < p99_ms
+        and figures["streams_bad"] == 0
+    )
 
 
 if __name__ == "__main__":

@@ -162,7 +162,7 @@ class Workload:
     output_len_dist: LengthDist
     num_requests: int | None = attrs.field(default=None, validator=ge(1))
     duration_secs: float | None = attrs.field(default=None, validator=gt(0))
-    seed: int = attrs.field(validator=ge(0))
+    seed: int = attrs.field(default=0, validator=ge(0))  # docs/configuration.md
     sessions: SessionConfig | None = None
     rate_schedule: RateSchedule | None = None
 

@@ -2,7 +2,8 @@
 
 Everything that touches hypercorn's or h11's internals lives in this package
 (``connection.py``: the hooked connection server; ``launch.py``: hypercorn's trio worker
-on a socket the server bound; ``accept_log.py``: trio's accept loop out of descriptors). The rest of the server imports only the names below, from
+on a socket the server bound; ``accept_log.py``: trio's accept loop out of descriptors;
+``quick.py``: requests the connection answers itself). The rest of the server imports only the names below, from
 here. The functions taking ``send`` take the ASGI ``send`` callable the server handed a
 request:
 
@@ -20,6 +21,8 @@ request:
 - :func:`enable_receive_timestamps` -- have the kernel stamp what a socket receives.
 - :func:`local_connection` -- a hooked connection over a local socket pair (the start-up
   warm-up, tests and benchmarks).
+- :class:`QuickReply` -- what an app's ``quick_answer`` returns for a request the
+  connection answers itself, before the queue of work (``quick.py``: ``GET /health``).
 
 Rule 1: no module of the server outside this package imports hypercorn or h11, nor this
         package's modules (``tests/test_layers.py`` walks the imports).
@@ -48,11 +51,13 @@ from inference_lab.serve.transport.connection import (
     received_at,
 )
 from inference_lab.serve.transport.launch import serve
+from inference_lab.serve.transport.quick import QuickReply
 
 __all__ = [
     "ChunkWriter",
     "CloseWatch",
     "OneWrite",
+    "QuickReply",
     "chunk_writer",
     "close_watch",
     "connection_socket",

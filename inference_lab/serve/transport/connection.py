@@ -55,6 +55,8 @@ Rule 8: a connection's reads go without a cancel scope each when no read timeout
         configured (hypercorn's default; its reader puts one around every read for that
         timeout): at a few hundred requests a second that is a few per cent of the
         server's CPU. With a read timeout, hypercorn's own reader runs.
+Rule 9: that reader answers the requests an app offers to answer at once (``GET /health``)
+        itself, where their bytes are read, before the queue of work (:mod:`.quick`).
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ from inference_lab.socket_stamps import (
     receive_stamped,
     receives_timestamps,
 )
+from inference_lab.serve.transport.accept_log import install_accept_log_filter
+from inference_lab.serve.transport.quick import quick_answers, quick_reply_bytes
 
 __all__ = [
     "ChunkWriter",
@@ -397,11 +401,21 @@ class LabTCPServer(TCPServer):
             await super()._read_data()
             return
         receive, handle = self.stream.receive_some, self.protocol.handle
+        quick = quick_answers(self.app)  # Rule 9
         while True:
             try:
                 data = await receive(MAX_RECV)
             except (trio.ClosedResourceError, trio.BrokenResourceError):
                 break
+            if quick is not None and data:
+                answer = quick_reply_bytes(quick, self.protocol, self.config, bytes(data))
+                if answer is not None:
+                    await self._write(RawData(data=answer.data))
+                    if answer.close:  # as hypercorn ends a Connection: close exchange
+                        await self.protocol_send(Closed())
+                    else:
+                        await self.idle_task.restart(self._task_group, self._idle_timeout)
+                    continue
             await handle(RawData(bytes(data)))
             if not data:
                 break
