@@ -57,6 +57,11 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
             "test_outcome_counts_match_the_servers_admissions",
         }
     ),
+    "test_engine_runs.py": frozenset(
+        {
+            "test_run_until_is_step_by_step",
+        }
+    ),
     "test_engine_vector.py": frozenset(
         {
             "test_vectorised_mode_gives_the_same_events",
@@ -199,7 +204,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
     "test_sim_records.py": frozenset(
         {
             "test_a_lazily_fed_open_loop_runs_as_if_submitted_up_front",
-            "test_arrivals_taken_in_runs_give_the_run_of_one_event_at_a_time",
+            "test_events_taken_in_runs_give_the_run_of_one_event_at_a_time",
             "test_the_request_csv_is_the_one_written_from_held_records",
         }
     ),

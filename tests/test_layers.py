@@ -200,6 +200,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         {"sim"},
         {"calibrate", "plan", "serve", "client"},
         {"cli"},
+        {"__main__"},
     )
 )
 

@@ -37,9 +37,6 @@ from werkzeug.exceptions import HTTPException
 from inference_lab.serve import gate
 from inference_lab.serve.agent_routes import AGENT_ROUTES
 from inference_lab.serve.completions import COMPLETION_ROUTES, complete
-from inference_lab.serve.exchange import Exchange
-from inference_lab.serve.health import HEALTH_PATH
-from inference_lab.serve.health import quick_answer as health_quick_answer
 from inference_lab.serve.error_replies import (
     error_reply,
     method_not_allowed_reply,
@@ -48,6 +45,8 @@ from inference_lab.serve.error_replies import (
     websocket_refused_reply,
 )
 from inference_lab.serve.exchange import Exchange
+from inference_lab.serve.health import HEALTH_PATH
+from inference_lab.serve.health import quick_answer as health_quick_answer
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.transport import QuickReply, received_at
 

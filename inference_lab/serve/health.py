@@ -21,7 +21,6 @@ import attrs
 import trio
 
 from inference_lab.serve import gate
-from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.error_replies import (
     RETRY_AFTER_UNAVAILABLE,
     Reply,
@@ -29,6 +28,7 @@ from inference_lab.serve.error_replies import (
     retry_after_header,
     shutting_down_reply,
 )
+from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.transport import QuickReply
 

@@ -30,13 +30,12 @@ from inference_lab.api.tokenize import (
 from inference_lab.errors import ApiError, truncate_echo
 from inference_lab.jsonbytes import dumps
 from inference_lab.runtime.model_runtime import ModelRuntime, RuntimeSnapshot
-from inference_lab.serve.health import HEALTH_PATH, health_reply
 from inference_lab.serve.error_replies import (
-    RETRY_AFTER_UNAVAILABLE,
     Reply,
     error_reply,
     json_reply,
 )
+from inference_lab.serve.health import HEALTH_PATH, health_reply
 from inference_lab.serve.state import ServeState
 
 __all__ = ["capacity_entry", "model_object", "package_version", "register_routes", "stats_entry"]

@@ -86,14 +86,13 @@ from hypercorn.typing import ConnectionState
 
 from inference_lab.errors import error_body
 from inference_lab.serve.transport.accept_log import install_accept_log_filter
+from inference_lab.serve.transport.quick import quick_answers, quick_reply_bytes
 from inference_lab.socket_stamps import (
     MAX_RECEIPT_AGE,
     enable_receive_timestamps,
     receive_stamped,
     receives_timestamps,
 )
-from inference_lab.serve.transport.accept_log import install_accept_log_filter
-from inference_lab.serve.transport.quick import quick_answers, quick_reply_bytes
 
 __all__ = [
     "ChunkWriter",
