@@ -58,6 +58,7 @@ from inference_lab.serve.completions import (
     read_body,
 )
 from inference_lab.serve.exchange import Exchange, Receive, Send
+from inference_lab.serve.generation import plan_off_loop
 from inference_lab.serve.response_store import StoredResponse
 from inference_lab.serve.responses import (
     JSON,
@@ -153,11 +154,14 @@ async def create_response(
             plan = AnswerPlan(ratio=reasoning_ratio(reasoning, agent.effort, agent.thinking))
         else:
             plan = (
-                plan_answer(
-                    agent,
-                    content_rng(settings.seed or 0, raw),
-                    reasoning=reasoning,
-                    tool_call_probability=settings.tool_call_probability,
+                await plan_off_loop(
+                    lambda budget: plan_answer(
+                        agent,
+                        content_rng(settings.seed or 0, raw),
+                        reasoning=reasoning,
+                        tool_call_probability=settings.tool_call_probability,
+                        budget=budget,
+                    )
                 )
                 or AnswerPlan()
             )

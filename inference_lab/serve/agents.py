@@ -45,6 +45,7 @@ from inference_lab.errors import ApiError
 from inference_lab.runtime.model import ModelRuntime, RequestHandle
 from inference_lab.serve.client_gone import while_watched
 from inference_lab.serve.exchange import Exchange, Receive, Send
+from inference_lab.serve.generation import plan_off_loop
 from inference_lab.serve.responses import (
     STREAM_HEADERS,
     Reply,
@@ -156,11 +157,13 @@ def refuse_structured(raw: Mapping[str, Any]) -> None:
             )
 
 
-def chat_plan(
+async def chat_plan(
     state: ServeState, runtime: ModelRuntime, raw: Mapping[str, Any], parsed: ParsedRequest
 ) -> AnswerPlan | None:
-    """The shape of a chat answer, or None for a plain one (the route's own path). Raises
-    :class:`ApiError` 400 for bad agent fields or a schema no instance satisfies."""
+    """The shape of a chat answer, or None for a plain one (the route's own path), planned
+    within the work budget (:func:`~inference_lab.serve.generation.plan_off_loop`: on the
+    event loop while cheap, else in a worker thread). Raises :class:`ApiError` 400 for
+    bad agent fields, a schema no instance satisfies or one too expensive to generate."""
     reasoning = runtime.deployment.model.reasoning
     reasons_by_default = reasoning is not None and reasoning.default_effort != "none"
     if not reasons_by_default and not any(key in raw for key in AGENT_KEYS):
@@ -181,11 +184,15 @@ def chat_plan(
     if agent.output is None and not agent.tools:
         return AnswerPlan(ratio=ratio)  # prose that reasons: nothing to draw
     settings = state.settings
-    return plan_answer(
-        agent,
-        content_rng(settings.seed or 0, raw),
-        reasoning=reasoning,
-        tool_call_probability=settings.tool_call_probability,
+    return await plan_off_loop(
+        lambda budget: plan_answer(
+            agent,
+            content_rng(settings.seed or 0, raw),
+            reasoning=reasoning,
+            tool_call_probability=settings.tool_call_probability,
+            n=parsed.n,
+            budget=budget,
+        )
     )
 
 
