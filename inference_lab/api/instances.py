@@ -34,6 +34,9 @@ Rule 3: the work is bounded whatever the schema: :data:`MAX_DEPTH` levels of nes
 Rule 4: the budget's ``inline`` and ``cancelled`` exhaustion
         (:class:`~inference_lab.api.budget.OutOfWork`) leaves :func:`generate_instance`
         as it is: the caller moves the work to a thread, or has abandoned it.
+Rule 5: an error kept to be raised later is kept without its traceback: its frames would
+        hold it in a reference cycle, and with it the schema (the request's body) until
+        the cyclic collector runs.
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ def generate_instance(schema: Any, rng: random.Random, budget: Budget | None = N
             try:
                 value = gen.value(gen.expand(schema, "", 0), "", 0)
             except Unsatisfiable as exc:
-                last = exc  # (another attempt draws differently)
+                last = exc.with_traceback(None)  # (another attempt draws differently)
                 spend.bytes_spent = mark
                 continue
             if validator.valid(schema, value, "", 0):
@@ -241,7 +244,7 @@ class _Generator:
                 return self._node(self._typed(name, conj, path, depth))
             except Unsatisfiable as exc:
                 self.budget.bytes_spent = mark  # (what the failed type built is dropped)
-                errors.append(exc)
+                errors.append(exc.with_traceback(None))
         raise errors[0]
 
     def _node(self, value: Any) -> Any:
@@ -279,7 +282,7 @@ class _Generator:
                         [*rest, *self.expand(branches[i], where, depth)], path, depth
                     )
                 except Unsatisfiable as exc:
-                    first = first or exc
+                    first = first or exc.with_traceback(None).with_traceback(None)
                     break
                 if key == "anyOf" or not any(
                     self.validator.valid(b, value, where, 0)
@@ -322,7 +325,7 @@ class _Generator:
             try:
                 value = self._attempt([*rest, *extra], path, depth)
             except Unsatisfiable as exc:
-                first = first or exc
+                first = first or exc.with_traceback(None)
                 continue
             if self.validator.valid(condition, value, f"{path}/if", 0) == holds:
                 return value

@@ -58,7 +58,7 @@ from inference_lab.serve.completions import (
     read_body,
 )
 from inference_lab.serve.exchange import Exchange, Receive, Send
-from inference_lab.serve.generation import plan_off_loop
+from inference_lab.serve.generation import INLINE_BODY, plan_off_loop
 from inference_lab.serve.response_store import StoredResponse
 from inference_lab.serve.responses import (
     JSON,
@@ -161,7 +161,8 @@ async def create_response(
                         reasoning=reasoning,
                         tool_call_probability=settings.tool_call_probability,
                         budget=budget,
-                    )
+                    ),
+                    inline=len(body) <= INLINE_BODY,
                 )
                 or AnswerPlan()
             )

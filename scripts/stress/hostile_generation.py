@@ -37,8 +37,10 @@ from common import CHAT, MODEL, ROOT, fetch, get, post, rss_mb
 
 __all__ = ["generation_cases", "offline_cases"]
 
-#: The slowest ``/health`` answer accepted while one hostile request is being generated.
-HEALTH_BOUND_MS = 250.0
+#: The slowest ``/health`` answer accepted while one hostile request is being generated
+#: (each used to hold it for seconds to hours; what is left is the body's own parse, on
+#: two shared cores).
+HEALTH_BOUND_MS = 1000.0
 #: Responses stored in the store case: 300 x 960 KB (arguments in the body and in the
 #: conversation) is four times the store's 64 MiB.
 STORED = 300
@@ -157,6 +159,13 @@ async def generation_cases(port: int, pid: int, figures: dict[str, Any]) -> bool
     """The live-server cases of the module docstring; their figures go to ``figures``
     (``gen_*``); True when every one held."""
     ok = True
+    slowest = [0.0]
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:  # the prober alone: the machine's own noise
+        nursery.start_soon(_probe, port, stop, slowest)
+        await trio.sleep(2.0)
+        stop.set()
+    figures["gen_health_quiet_max_ms"] = round(slowest[0], 1)
     for name, make, want in CASES:
         status, seconds, slowest = await _one(port, make())
         figures[f"gen_{name}"] = f"{status} in {seconds:.2f} s, /health max {slowest:.1f} ms"
