@@ -351,9 +351,7 @@ class _Matcher:
         self.stride = len(text) + 1
         self.subs: dict[Any, tuple[int, _Caps] | None] = {}
 
-    def run(  # noqa: C901 - one case per opcode
-        self, pc: int, pos: int, caps: _Caps, *, top: bool = True
-    ) -> tuple[int, _Caps] | None:
+    def run(self, pc: int, pos: int, caps: _Caps, *, top: bool = True) -> tuple[int, _Caps] | None:
         """The first match from ``pc`` at ``pos`` reaching a MATCH, or None. The top run
         keeps its states in a bit array when they fit :data:`_BITMAP_STATES`; a
         sub-run (one per look-around position) in a set of integers, which costs what
@@ -412,35 +410,38 @@ class _Matcher:
                         pc = a
                     elif op == MATCH:
                         return pos, caps
-                    elif op == AT:
-                        if not _at(a, b, text, pos):
+                    else:  # the rarer ones
+                        if op == LOOK or op == ATOMIC:
+                            spent, steps = steps, 0
+                            self.budget.spend(spent)
+                        moved = self._other(op, a, b, pc, pos, caps)
+                        if moved is None:
                             break
-                        pc += 1
-                    elif op == SAVE:
-                        caps = (*caps[:a], pos, *caps[a + 1 :])
-                        pc += 1
-                    elif op == BACKREF:
-                        end = _backref(text, pos, caps, a, b)
-                        if end is None:
-                            break
-                        pc += 1
-                        pos = end
-                    elif op == COND:
-                        pc = pc + 1 if caps[2 * a + 1] >= 0 else b
-                    elif op == CHECK:
-                        pc = b if pos == caps[a] else pc + 1
-                    else:  # LOOK, ATOMIC
-                        spent, steps = steps, 0
-                        self.budget.spend(spent)
-                        found = self._sub(op, a, b, pos, caps)
-                        if found is None:
-                            break
-                        pc += 1
-                        pos, caps = found
+                        pc, pos, caps = moved
         finally:
             if steps:
                 self.budget.spent += steps  # (the last few: counted, never raising here)
         return None
+
+    def _other(
+        self, op: int, a: Any, b: Any, pc: int, pos: int, caps: _Caps
+    ) -> tuple[int, int, _Caps] | None:
+        """The state after an anchor, a group's bound, a back-reference, a conditional,
+        a loop's check, a look-around or an atomic group at ``pos``; None when it fails."""
+        text = self.text
+        if op == AT:
+            return (pc + 1, pos, caps) if _at(a, b, text, pos) else None
+        if op == SAVE:
+            return pc + 1, pos, (*caps[:a], pos, *caps[a + 1 :])
+        if op == BACKREF:
+            end = _backref(text, pos, caps, a, b)
+            return None if end is None else (pc + 1, end, caps)
+        if op == COND:
+            return (pc + 1 if caps[2 * a + 1] >= 0 else b), pos, caps
+        if op == CHECK:
+            return (b if pos == caps[a] else pc + 1), pos, caps
+        found = self._sub(op, a, b, pos, caps)  # LOOK, ATOMIC
+        return None if found is None else (pc + 1, *found)
 
     def _sub(
         self, op: int, start: int, kind: Any, pos: int, caps: _Caps

@@ -320,6 +320,40 @@ def _batch(
     )
 
 
+def _window(
+    parsed: list[tuple[float, TraceRequest]],
+    file: Path,
+    fmt: str,
+    speedup: float,
+    start: float,
+    end: float | None,
+) -> tuple[list[TraceRequest], int]:
+    """The requests of the window, timed from its start and sped up, in time order (Rule
+    3), and how many fell outside; ConfigError past :data:`MAX_SPAN` (Rule 4)."""
+    origin = min((t for t, _ in parsed), default=0.0)
+    kept = []
+    outside = 0
+    for t, request in parsed:
+        rel = t - origin
+        if rel > MAX_SPAN:
+            raise ConfigError(
+                f"{file}:{request.line}: {TIME_KEYS.get(fmt, 'time')}: {rel:g} s after the "
+                f"trace's first request; a trace may span at most {MAX_SPAN:,.0f} s (366 days)"
+            )
+        if rel < start or (end is not None and rel >= end):
+            outside += 1
+            continue
+        at = (rel - start) / speedup
+        if at > MAX_SPAN:
+            raise ConfigError(
+                f"{file}:{request.line}: at speedup {speedup:g} this request comes {at:g} s "
+                f"into the replay, past the {MAX_SPAN:,.0f} s (366 days) a replay may last"
+            )
+        kept.append(attrs.evolve(request, time=at))
+    kept.sort(key=lambda r: r.time)  # stable: file order among equal times
+    return kept, outside
+
+
 def detect_format(path: Path) -> str:
     """The format of ``path`` from its first line: a JSON object with ``body`` is
     ``openai_batch``, any other ``mooncake``; a CSV header with ``ContextTokens`` is
@@ -405,27 +439,7 @@ def read_trace(
         raise ConfigError(f"{file}: invalid CSV: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{file}: cannot read: {exc.strerror}") from None
-    origin = min((t for t, _ in parsed), default=0.0)
-    kept = []
-    outside = 0
-    for t, request in parsed:
-        rel = t - origin
-        if rel > MAX_SPAN:
-            raise ConfigError(
-                f"{file}:{request.line}: {TIME_KEYS.get(fmt, 'time')}: {rel:g} s after the "
-                f"trace's first request; a trace may span at most {MAX_SPAN:,.0f} s (366 days)"
-            )
-        if rel < start or (end is not None and rel >= end):
-            outside += 1
-            continue
-        at = (rel - start) / speedup
-        if at > MAX_SPAN:
-            raise ConfigError(
-                f"{file}:{request.line}: at speedup {speedup:g} this request comes {at:g} s "
-                f"into the replay, past the {MAX_SPAN:,.0f} s (366 days) a replay may last"
-            )
-        kept.append(attrs.evolve(request, time=at))
-    kept.sort(key=lambda r: r.time)  # stable: file order among equal times
+    kept, outside = _window(parsed, file, fmt, speedup, start, end)
     return Trace(
         path=file,
         format=fmt,
