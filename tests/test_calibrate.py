@@ -258,6 +258,28 @@ def test_the_guidellm_reader_gives_one_level_per_benchmark(tmp_path: Path) -> No
             "batch_size,prefill_tokens,context_tokens,step_seconds\n1,0,5,x\n",
             "m.json:2: step_seconds: must be a number",
         ),
+        # bounds a re-simulation can hold (issue 45: 1e7 users held the fit for hours)
+        (
+            json.dumps(load_export(config={"concurrency": 10_000_000})),
+            "m.json: config.concurrency: must be at most 10,000, got 10000000",
+        ),
+        (
+            json.dumps(load_export(config={"concurrency": 1e300})),
+            "m.json: config.concurrency: must be at most 10,000, got 1e+300",
+        ),
+        (
+            json.dumps(load_export(config={"concurrency": 10**400})),
+            "m.json: config.concurrency: must be at most 10,000, got " + str(10**400)[:37] + "...",
+        ),
+        (
+            json.dumps({"benchmarks": [guidellm_benchmark({"type_": "poisson", "rate": 1e300})]}),
+            "m.json: benchmarks[0].args.strategy.rate: must be at most 1e+06, got 1e+300",
+        ),
+        (
+            json.dumps(load_export(summary={"prompt_tokens_mean": 2**63})),
+            "m.json: summary.prompt_tokens_mean: must be at most 1e+07",
+        ),
+        ("[" * 100_000 + "]" * 100_000, "m.json: invalid JSON: nested too deep"),
     ],
 )
 def test_bad_measurements_are_one_line_naming_file_and_key(
@@ -456,3 +478,29 @@ def test_an_entry_worse_on_a_metric_needs_force(
     captured = capsys.readouterr()
     assert "[hardware.gpu-calibrated]" in captured.out
     assert "warning: worse on step 45.0% -> " in captured.err
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        (json.dumps(load_export(config={"concurrency": 1e300})), "config.concurrency: must be"),
+        ("[" * 100_000 + "]" * 100_000, "invalid JSON: nested too deep"),
+    ],
+)
+def test_calibrate_exits_1_in_one_line_on_inputs_it_cannot_hold(
+    setup: tuple[Path, Path, Deployment],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    content: str,
+    fragment: str,
+) -> None:
+    """``calibrate`` on a concurrency of 1e300 or JSON nested 100,000 deep: one line, exit
+    1 (a traceback or hours of re-simulation before)."""
+    path, profiles, _ = setup
+    measured = tmp_path / "m.json"
+    measured.write_text(content)
+    argv = ["calibrate", "--config", str(path), "--profiles-dir", str(profiles), str(measured)]
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"inference-lab calibrate: error: {measured}: {fragment}"), err
+    assert err.count("\n") == 1

@@ -645,6 +645,12 @@ def test_invalid_toml_is_an_error_naming_the_file(tmp_path: Path) -> None:
     assert message.startswith(f"{path}:"), message
 
 
+def test_toml_nested_past_the_parser_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    """Arrays nested 100,000 deep (a RecursionError traceback in tomllib) are one line."""
+    path, message = load_error(tmp_path, "a = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    assert message == f"{path}: invalid TOML: nested too deep", message
+
+
 def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
     """A config path that does not exist is a ConfigError naming it."""
     message = config_error(load_model_config, tmp_path / "absent.toml", tmp_path)

@@ -124,6 +124,32 @@ def test_scheduler_knobs_and_ranges_multiply_the_space(tmp_path: Path) -> None:
         ("tp = [1]", "tpp = [1]", "plan.toml: tpp: unknown key"),
         ("rel_tol = 0.25", "rel_tol = 0", "plan.toml: search.rel_tol: must be > 0"),
         (
+            "duration_s = 0.5",
+            "duration_s = 1e12",
+            "plan.toml: search.duration_s: a probe at max_rate (1500/s) for 1e+12 s offers "
+            "1.5e+15 requests, more than the 2,000,000 a probe may",
+        ),  # fmt: skip
+        (
+            "duration_s = 0.5",
+            "duration_s = inf",
+            "plan.toml: search.duration_s: a probe at max_rate (1500/s) for inf s offers inf",
+        ),  # fmt: skip
+        (
+            "replicas = [1, 2]",
+            "replicas = { start = 1, stop = 1_000_000_000_000 }",
+            "plan.toml: replicas: the range holds 1,000,000,000,000 values, more than 1,000",
+        ),  # fmt: skip
+        (
+            "replicas = [1, 2]",
+            "replicas = [1, 100_000_000]",
+            "plan.toml: replicas: every value must be at most 1,024, got 100000000",
+        ),  # fmt: skip
+        (
+            "min_requests = 20",
+            "min_requests = 100_000_000",
+            "plan.toml: search.min_requests: must be at most 2,000,000",
+        ),  # fmt: skip
+        (
             "rel_tol = 0.25",
             "rel_tol = 0.25\nrequests = 5",
             "plan.toml: search.requests: unknown key",
@@ -608,6 +634,11 @@ def test_command_errors_are_one_line_and_exit_1(
     err = capsys.readouterr().err.strip()
     assert err.startswith("inference-lab plan: error: ") and "tp: every value" in err
     assert "\n" not in err
+    # duration_s = 1e12 ran out of memory and printed "none meets it", exit 0 (issue 45)
+    huge = write_spec(tmp_path, SPEC.replace("duration_s = 0.5", "duration_s = 1e12"))
+    assert cli.main(["plan", str(huge), "-o", str(tmp_path / "o"), "--inline"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "search.duration_s: a probe at max_rate" in err and "\n" not in err
     good = write_spec(tmp_path)
     real = importlib.util.find_spec
     monkeypatch.setattr(

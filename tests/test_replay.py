@@ -351,6 +351,35 @@ def test_a_bad_session_file_exits_1_in_one_line(
     )
 
 
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (
+            [{"timestamp": 0, "input_length": 2**63 - 1, "output_length": 4}],
+            ":1: input_length: must be at most 10,000,000, got 9223372036854775807",
+        ),
+        (
+            [
+                {"timestamp": 0, "input_length": 5, "output_length": 4},
+                {"timestamp": 1e308, "input_length": 5, "output_length": 4},
+            ],
+            ":2: timestamp: 1e+305 s after the trace's first request",
+        ),
+    ],
+)
+def test_a_trace_the_client_cannot_send_exits_1_in_one_line(
+    rows: list[dict[str, float]], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``load --trace`` with a prompt of 2**63 - 1 tokens (which it would build) or a
+    request 1e305 s away (which it would wait for) is one line before any connection."""
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    code = cli.main(["load", "--url", "http://127.0.0.1:9", "--model", GPT, "--trace", str(path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "\n" not in err
+    assert err.startswith(f"inference-lab load: error: {path}{message}"), err
+
+
 def test_closed_loop_sessions_need_concurrency(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -178,6 +178,36 @@ def test_a_secret_taken_from_the_environment_is_named_by_its_variable(
     assert line.startswith(f"inference-lab serve: error: {variable}: "), line
 
 
+@pytest.mark.parametrize("flag", ["--api-key", "--control-token"])
+def test_an_empty_secret_flag_is_a_one_line_startup_error(
+    flag: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--api-key ""`` (a launcher's unset variable) never means "no key": it is one line
+    naming the flag, and the server does not start."""
+    monkeypatch.delenv("INFERENCE_LAB_API_KEY", raising=False)
+    monkeypatch.delenv("INFERENCE_LAB_CONTROL_TOKEN", raising=False)
+    assert serve_cli.run(_args("--config", str(CONFIGS / "gpt-oss-20b.toml"), flag, "")) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"inference-lab serve: error: {flag}: is empty"), line
+
+
+@pytest.mark.parametrize("variable", ["INFERENCE_LAB_API_KEY", "INFERENCE_LAB_CONTROL_TOKEN"])
+def test_an_empty_secret_variable_is_a_startup_error(
+    variable: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A secret's variable set to "" is an error naming it, for ``serve`` and for a plain
+    hypercorn launch (``settings_from_env``); unset, it means no secret."""
+    monkeypatch.setenv(variable, "")
+    assert serve_cli.run(_args("--config", str(CONFIGS / "gpt-oss-20b.toml"))) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"inference-lab serve: error: {variable}: is empty"), line
+    env = {"INFERENCE_LAB_CONFIG": str(CONFIGS / "gpt-oss-20b.toml")}
+    with pytest.raises(ConfigError, match=f"^{variable}: is empty"):
+        settings_from_env({**env, variable: ""})
+    settings = settings_from_env(env)
+    assert settings.api_key is None and settings.control_token is None
+
+
 def test_shipped_config_and_workload_are_found_by_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -256,7 +256,7 @@ def test_api_key_and_origins_load_from_flags_and_environment() -> None:
     ("changes", "fragment"),
     [
         ({"api_key": "has space"}, "api_key: must be"),
-        ({"api_key": ""}, "api_key: must be"),
+        ({"api_key": ""}, "api_key: is empty"),
         ({"allowed_origins": "localhost:3000"}, "'localhost:3000' is not an origin"),
         ({"allowed_origins": "http://a.example/app"}, "is not an origin"),
         ({"allowed_origins": " , "}, "no origin given"),

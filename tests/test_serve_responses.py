@@ -321,6 +321,40 @@ def test_the_store_is_bounded_and_evicts_the_least_recently_used() -> None:
     assert store.evicted == 4
 
 
+def test_the_store_counts_call_arguments_outputs_and_input_items() -> None:
+    """A stored conversation's function-call arguments, tool outputs and names count
+    against the byte bound as much as its text does (issue 45: 480 KB arguments counted
+    as nothing let 1,024 responses hold 552 MB)."""
+    arguments = json.dumps({"blob": "a" * 100_000})
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    item = StoredResponse(
+        body=b"{}",
+        messages=(
+            ChatMessage("assistant", "", [call]),
+            ChatMessage("tool", "b" * 50_000, None, None, "c1"),
+        ),
+    )
+    assert item.size >= 150_000
+    store = ResponseStore(max_responses=100, max_bytes=1_000_000)
+    for i in range(10):
+        store.put(f"r{i}", item)
+    assert store.bytes <= 1_000_000 and len(store) == 6 and store.evicted == 4
+
+
+async def test_a_stored_response_counts_its_input_items(serve: ServeFactory) -> None:
+    """Through the route: input items holding a large function call and its output are
+    counted when the response is stored."""
+    items = [
+        {"role": "user", "content": "go"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "x" * 200_000},
+        {"type": "function_call_output", "call_id": "c1", "output": "y" * 100_000},
+    ]
+    async with serve() as s:
+        status, response = await create(s, body(items, max_output_tokens=2))
+        assert status == 200, response
+        assert s.state.responses.bytes >= 300_000
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [

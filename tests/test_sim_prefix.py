@@ -255,3 +255,31 @@ def test_without_hashes_the_summary_has_no_new_lines(capsys: pytest.CaptureFixtu
     heads = [line.split()[0] for line in text.splitlines() if line.strip()]
     assert heads[-5:] == ["requests", "throughput", "utilisation", "preemptions", "time"]
     assert "prefix cache" not in text and "sessions" not in text and "replicas" not in text
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (
+            {"timestamp": 0, "input_length": 1024, "output_length": 4, "hash_ids": [2**63, 5]},
+            "hash_ids: must be 64-bit integers",
+        ),
+        (
+            {"timestamp": 0, "input_length": 2**63 - 1, "output_length": 4},
+            "input_length: must be at most 10,000,000",
+        ),
+    ],
+)
+def test_a_trace_number_past_its_bound_is_one_line(
+    row: dict[str, int | list[int]],
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``sim --trace`` with a Mooncake hash id >= 2**63 printed a ``struct.error``
+    traceback; now it, and a prompt of 2**63 - 1 tokens, are one line and exit 1."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    assert run_cli("--config", GPT_OSS, "--hardware", "b200", "--trace", str(path), "-q") == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"inference-lab sim: error: {path}:1: {message}") and "\n" not in err

@@ -20,7 +20,7 @@ from inference_lab.traffic.hashing import (
     trace_block_hashes,
 )
 from inference_lab.traffic.schedules import PiecewiseRate, SineRate, SquareRate, arrival_times
-from inference_lab.traffic.sessions import SessionPlan, Turn, shared_prefix
+from inference_lab.traffic.sessions import SessionPlan, Turn, read_sessions, shared_prefix
 from inference_lab.traffic.traces import detect_format, read_trace
 from inference_lab.validation import FieldError
 
@@ -243,6 +243,93 @@ def test_a_bad_row_is_one_line_naming_file_line_and_field(
         read_trace(path, fmt, tokenize=lambda _url, _body: [1, 2])
     assert str(info.value).startswith(str(tmp_path / message)), str(info.value)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text", "message"),
+    [
+        (
+            "mooncake",
+            '{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [9223372036854775808]}\n',
+            "t:1: hash_ids: must be 64-bit integers (-2**63..2**63-1), got 9223372036854775808",
+        ),
+        (
+            "mooncake",
+            '{"timestamp": 0, "input_length": 9223372036854775807, "output_length": 1}\n',
+            "t:1: input_length: must be at most 10,000,000, got 9223372036854775807",
+        ),
+        (
+            "mooncake",
+            '{"timestamp": 0, "input_length": 5, "output_length": 1}\n'
+            '{"timestamp": 1e308, "input_length": 5, "output_length": 1}\n',
+            "t:2: timestamp: 1e+305 s after the trace's first request; a trace may span at most "
+            "31,622,400 s (366 days)",
+        ),
+        (
+            "burstgpt",
+            "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+            "5,ChatGPT,10,99999999999,490,Conversation log\n",
+            "t:2: Response tokens: must be at most 10,000,000, got 99999999999",
+        ),
+        (
+            "openai_batch",
+            '{"url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 4, "n": 1000}}\n',
+            "t:1: body.n: must be at most 128, got 1000",
+        ),
+        ("mooncake", "[" * 100_000 + "]" * 100_000 + "\n", "t:1: invalid JSON: nested too deep"),
+    ],
+)
+def test_numbers_a_consumer_cannot_hold_are_one_line_errors(
+    tmp_path: Path, fmt: str, text: str, message: str
+) -> None:
+    """Rule 4 of traces: a hash id past 64 bits (a traceback in ``sim``), a prompt of 2**63
+    tokens (a load client building it), a time 1e305 s away (a replay waiting for it),
+    JSON nested 100,000 deep: each is one line naming the bound."""
+    path = tmp_path / "t"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        read_trace(path, fmt, tokenize=lambda _url, _body: [1, 2])
+    assert str(info.value) == str(tmp_path / message)
+
+
+def test_a_replay_that_would_last_past_the_bound_is_refused(tmp_path: Path) -> None:
+    """A day-long trace at speedup 1e-6 would be replayed over 2,700 years: refused, naming
+    the speedup; at speedup 1 it is read."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        '{"timestamp": 0, "input_length": 5, "output_length": 1}\n'
+        '{"timestamp": 86400000, "input_length": 5, "output_length": 1}\n'
+    )
+    assert len(read_trace(path).requests) == 2
+    with pytest.raises(ConfigError, match=r"t.jsonl:2: at speedup 1e-06 this request comes"):
+        read_trace(path, speedup=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("row", "message"),
+    [
+        (
+            '{"session": 9223372036854775808, "turns": [{"user_tokens": 1, "output_tokens": 1}]}',
+            "session: must be at most 9,223,372,036,854,775,807",
+        ),
+        (
+            '{"session": 0, "start": 1e300, "turns": [{"user_tokens": 1, "output_tokens": 1}]}',
+            "start: must be at most 31,622,400 s (366 days), got 1e+300",
+        ),
+        (
+            '{"session": 0, "turns": [{"user_tokens": 6000000, "output_tokens": 1}, '
+            '{"user_tokens": 6000000, "output_tokens": 1}]}',
+            "turns: the conversation holds 12,000,002 tokens, more than 10,000,000",
+        ),
+        ("[" * 100_000 + "]" * 100_000, "invalid JSON: nested too deep"),
+    ],
+)
+def test_a_session_file_is_bounded_as_a_trace_is(tmp_path: Path, row: str, message: str) -> None:
+    path = tmp_path / "s.jsonl"
+    path.write_text(row + "\n")
+    with pytest.raises(ConfigError) as info:
+        read_sessions(path)
+    assert str(info.value).startswith(f"{path}:1: {message}"), str(info.value)
 
 
 def test_an_unknown_format_and_a_missing_file_are_one_line_errors(tmp_path: Path) -> None:

@@ -26,6 +26,12 @@ Rule 4: reasoning takes the first tokens of an answer: ``floor(ratio x length)``
 Rule 5: a schema no instance satisfies, or one that is malformed, is a 400 naming the
         tool (``tools[i].function.parameters``) or the format's field, found at parse
         time whatever the answer's draw.
+Rule 6: planning spends from one :class:`~inference_lab.generate.budget.Budget` (every tool's
+        schema, the structured output): past its work a 400 names the schema path that
+        is too expensive. Each generated document is at most
+        :func:`document_bytes` (``n``) bytes, counted while it is built, and the
+        documents an answer emits, times ``n``, at most :data:`MAX_ANSWER_BYTES`: a
+        larger answer is a 400 before it is generated, whatever its token count.
 """
 
 from __future__ import annotations
@@ -41,16 +47,27 @@ from typing import Any, Literal
 
 import attrs
 
+from inference_lab.api.answer_bounds import (
+    MAX_ANSWER_BYTES,
+    MAX_DOCUMENT_TOKENS,
+    budget_error,
+    check_answer_bytes,
+    check_document,
+    document_bytes,
+)
 from inference_lab.api.encoding import random_hex
 from inference_lab.api.requests import ParsedRequest
 from inference_lab.api.schema import check_depth, invalid_value
 from inference_lab.api.text import VOCABULARY, WORDS, placeholder_text, token_start
 from inference_lab.core.config import EFFORTS, ReasoningConfig
 from inference_lab.errors import ApiError, truncate_echo
+from inference_lab.generate.budget import Budget, OutOfWork
 from inference_lab.generate.instances import SchemaError, generate_instance
 from inference_lab.generate.patterns import PatternError, pattern_string
 
 __all__ = [
+    "MAX_ANSWER_BYTES",
+    "MAX_DOCUMENT_TOKENS",
     "AgentRequest",
     "AnswerPlan",
     "FunctionTool",
@@ -74,10 +91,6 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_PARALLEL_CALLS = 3
 #: The default share of ``tool_choice: "auto"`` answers that call a tool.
 DEFAULT_TOOL_CALL_PROBABILITY = 0.5
-#: Tokens of one generated JSON document at most (a schema whose smallest instance is
-#: longer is a 400): far above any tool call, far below the work cap of a request.
-MAX_DOCUMENT_TOKENS = 65_536
-
 _PIECE = re.compile(r" ?[A-Za-z]+| ?[0-9]{1,3}|\s+|[^A-Za-z0-9\s]{1,3}")
 
 
@@ -583,9 +596,12 @@ def _schema_error(param: str, name: str | None, exc: SchemaError) -> ApiError:
     return ApiError(400, "invalid_schema", f"{subject}{where}: {exc.reason}", param)
 
 
-def _arguments(tool: FunctionTool, rng: random.Random) -> tuple[str, tuple[str, ...]]:
+def _arguments(
+    tool: FunctionTool, rng: random.Random, budget: Budget, limit: int
+) -> tuple[str, tuple[str, ...]]:
+    budget.new_document(limit)
     try:
-        value = generate_instance(tool.parameters, rng)
+        value = generate_instance(tool.parameters, rng, budget)
     except SchemaError as exc:
         raise _schema_error(tool.param, tool.name, exc) from None
     if type(value) is not dict:
@@ -595,39 +611,36 @@ def _arguments(tool: FunctionTool, rng: random.Random) -> tuple[str, tuple[str, 
             f"tool {tool.name!r}: {tool.param} must describe an object",
             tool.param,
         )
-    return _too_long(_document(value), tool.param, tool.name)
+    return check_document(_document(value), tool.param, tool.name, limit)
 
 
-def _too_long(
-    document: tuple[str, tuple[str, ...]], param: str, name: str | None
-) -> tuple[str, tuple[str, ...]]:
-    if len(document[1]) > MAX_DOCUMENT_TOKENS:
-        subject = f"tool {name!r}: " if name is not None else ""
-        raise ApiError(
-            400,
-            "invalid_schema",
-            f"{subject}{param}: its instances run past {MAX_DOCUMENT_TOKENS:,} tokens",
-            param,
-        )
-    return document
-
-
-def _structured(output: StructuredOutput, rng: random.Random) -> tuple[str, ...]:
+def _structured(
+    output: StructuredOutput, rng: random.Random, budget: Budget, n: int
+) -> tuple[str, ...]:
+    budget.new_document(document_bytes(n))
     if output.kind == "json_object":
         return _document(_json_object(rng))[1]
-    if output.kind == "choice":
-        return split_pieces(rng.choice(output.choices))
-    if output.kind == "regex":
-        assert output.pattern is not None
+    if output.kind in ("choice", "regex"):
         try:
-            return split_pieces(pattern_string(output.pattern, rng))
+            if output.kind == "choice":
+                text = rng.choice(output.choices)
+                budget.spend_bytes(len(text.encode("utf-8", "surrogatepass")))
+            else:
+                assert output.pattern is not None
+                text = pattern_string(output.pattern, rng, budget=budget)
+                budget.spend_bytes(len(text))
         except PatternError as exc:
             raise invalid_value(output.param, f"{output.param}: {exc}") from None
+        except OutOfWork as exc:
+            if exc.what not in ("work", "bytes"):
+                raise
+            raise budget_error(output.param, exc, budget, n) from None
+        return split_pieces(text)
     try:
-        value = generate_instance(output.schema, rng)
+        value = generate_instance(output.schema, rng, budget)
     except SchemaError as exc:
         raise _schema_error(output.param, None, exc) from None
-    return _too_long(_document(value), output.param, None)[1]
+    return check_document(_document(value), output.param, None, document_bytes(n))[1]
 
 
 def reasoning_ratio(
@@ -650,13 +663,18 @@ def plan_answer(
     *,
     reasoning: ReasoningConfig | None = None,
     tool_call_probability: float = DEFAULT_TOOL_CALL_PROBABILITY,
+    n: int = 1,
+    budget: Budget | None = None,
 ) -> AnswerPlan | None:
-    """The answer's shape (Rules 1, 2, 4, 5), or None for a plain prose answer without
+    """The answer's shape (Rules 1, 2, 4, 5, 6), or None for a plain prose answer without
     reasoning (the completion route's own path). Every tool's schema is checked, and the
-    structured output's, whatever the draw decides."""
+    structured output's, whatever the draw decides, spending ``budget`` (default: a whole
+    request's); its ``inline`` or ``cancelled`` exhaustion leaves as ``OutOfWork``."""
+    spend = Budget() if budget is None else budget
+    limit = document_bytes(n)
     ratio = reasoning_ratio(reasoning, agent.effort, agent.thinking)
-    arguments = {tool.name: _arguments(tool, rng) for tool in agent.tools}
-    text = _structured(agent.output, rng) if agent.output is not None else None
+    arguments = {tool.name: _arguments(tool, rng, spend, limit) for tool in agent.tools}
+    text = _structured(agent.output, rng, spend, n) if agent.output is not None else None
     calls: tuple[ToolCall, ...] = ()
     if agent.tools and agent.tool_choice != "none":
         if agent.tool_choice == "function":
@@ -673,9 +691,12 @@ def plan_answer(
             for name in names
             if name is not None
         )
+    param = agent.output.param if agent.output is not None else "tools"
     if calls:
+        check_answer_bytes([c.arguments for c in calls], n, "tools")
         return AnswerPlan(calls=calls, ratio=ratio)
     if text is not None:
+        check_answer_bytes(["".join(text)], n, param)
         return AnswerPlan(text=text, ratio=ratio)
     if ratio is not None:
         return AnswerPlan(ratio=ratio)

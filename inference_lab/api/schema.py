@@ -307,18 +307,16 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 def _depth_exceeds(value: Any, limit: int) -> bool:
     """True when ``value`` nests lists/objects deeper than ``limit`` (iterative)."""
+    if not isinstance(value, dict | list):
+        return False
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
         if depth > limit:
             return True
-        stack.extend((child, depth + 1) for child in children)
+        children: Any = item.values() if isinstance(item, dict) else item
+        # only containers are pushed: a list of 100,000 strings is one pass, not 100,000
+        stack.extend([(c, depth + 1) for c in children if isinstance(c, (dict, list))])
     return False
 
 

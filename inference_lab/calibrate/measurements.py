@@ -15,8 +15,10 @@ Rule 1: a load level becomes a :class:`LoadLevel`: the workload that produced it
         output tokens/s); a metric a file does not hold is None and is not fitted.
         A closed loop's users start spread over one measured request (:func:`start_spread`).
 Rule 2: every problem is a ConfigError of one line naming the file and the key (or the
-        CSV line): unreadable, not one of the formats, a key missing or of the wrong type,
-        a value out of range, a load level that has no fixed load (an adaptive ``load``
+        CSV line): unreadable, not one of the formats (JSON nested deeper than the
+        decoder allows included), a key missing or of the wrong type, a value out of
+        range (a concurrency above :data:`MAX_USERS` or a rate above :data:`MAX_RATE`,
+        which a re-simulation could not hold, lengths above :data:`MAX_TOKENS`), a load level that has no fixed load (an adaptive ``load``
         run, guidellm's ``throughput`` sweep), a model that is not the config's.
 """
 
@@ -33,12 +35,28 @@ import attrs
 from inference_lab.core.step_table import parse_step_rows
 from inference_lab.errors import ConfigError
 
-__all__ = ["LoadLevel", "Measurements", "StepSample", "read_measurements", "start_spread"]
+__all__ = [
+    "MAX_RATE",
+    "MAX_TOKENS",
+    "MAX_USERS",
+    "LoadLevel",
+    "Measurements",
+    "StepSample",
+    "read_measurements",
+    "start_spread",
+]
 
 #: What each metric is called in reports.
 METRICS = ("ttft", "tpot", "throughput", "step")
 
 _TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "sec": 1.0}
+#: Highest closed-loop concurrency read (Rule 2): a fit re-simulates at least 4 requests
+#: per user at every evaluation, so 1e7 users would hold the fit for hours.
+MAX_USERS = 10_000
+#: Highest open-loop rate read, requests/s.
+MAX_RATE = 1_000_000.0
+#: Longest mean prompt or output read, tokens (as a trace's, ``traffic.traces``).
+MAX_TOKENS = 10_000_000
 
 
 @attrs.frozen(kw_only=True)
@@ -101,18 +119,45 @@ def _opt(doc: Any, path: str) -> Any:
     return value
 
 
-def _positive(value: Any, where: str, key: str, *, allow_none: bool = False) -> float | None:
+def _positive(
+    value: Any,
+    where: str,
+    key: str,
+    *,
+    allow_none: bool = False,
+    maximum: float | None = None,
+) -> float | None:
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{where}: {key}: must be a number, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
+    if (isinstance(value, float) and not math.isfinite(value)) or value <= 0:
         raise ConfigError(f"{where}: {key}: must be a number > 0, got {value!r}")
-    return float(value)
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{where}: {key}: must be at most {maximum:,g}, got {shown}")
+    try:
+        return float(value)
+    except OverflowError:  # an integer past a float's range
+        raise ConfigError(f"{where}: {key}: must be a finite number, got {shown}") from None
+
+
+def _users(value: Any, where: str, key: str) -> float:
+    """A closed loop's concurrency (at most :data:`MAX_USERS`)."""
+    number = _positive(value, where, key, maximum=MAX_USERS)
+    assert number is not None
+    return number
+
+
+def _rate(value: Any, where: str, key: str) -> float:
+    """An open loop's rate (at most :data:`MAX_RATE`)."""
+    number = _positive(value, where, key, maximum=MAX_RATE)
+    assert number is not None
+    return number
 
 
 def _length(value: Any, where: str, key: str) -> int:
-    number = _positive(value, where, key)
+    number = _positive(value, where, key, maximum=MAX_TOKENS)
     assert number is not None
     return max(1, round(number))
 
@@ -148,10 +193,10 @@ def _from_load(doc: Mapping[str, Any], where: str, model: str | None) -> list[Lo
     if mode == "closed":
         kind, level = (
             "closed",
-            _positive(_get(doc, "config.concurrency", where), where, "config.concurrency"),
+            _users(_get(doc, "config.concurrency", where), where, "config.concurrency"),
         )
     elif mode == "open":
-        kind, level = "open", _positive(_get(doc, "config.rate", where), where, "config.rate")
+        kind, level = "open", _rate(_get(doc, "config.rate", where), where, "config.rate")
     else:
         raise ConfigError(
             f"{where}: summary.mode: an {mode!r} run has no fixed load level; calibrate "
@@ -200,9 +245,9 @@ def _from_aiperf(doc: Mapping[str, Any], where: str, model: str | None) -> list[
     concurrency = _opt(doc, "input_config.loadgen.concurrency")
     rate = _opt(doc, "input_config.loadgen.request_rate")
     if rate is not None:
-        kind, level = "open", _positive(rate, where, "input_config.loadgen.request_rate")
+        kind, level = "open", _rate(rate, where, "input_config.loadgen.request_rate")
     elif concurrency is not None:
-        kind, level = "closed", _positive(concurrency, where, "input_config.loadgen.concurrency")
+        kind, level = "closed", _users(concurrency, where, "input_config.loadgen.concurrency")
     else:
         raise ConfigError(
             f"{where}: input_config.loadgen: neither concurrency nor request_rate is set"
@@ -258,12 +303,10 @@ def _from_guidellm(doc: Mapping[str, Any], where: str, model: str | None) -> lis
             kind, level = "closed", 1.0
         elif kind_name == "concurrent":
             kind = "closed"
-            level = _positive(
-                _get(strategy, "streams", here), where, f"{key}.args.strategy.streams"
-            )
+            level = _users(_get(strategy, "streams", here), where, f"{key}.args.strategy.streams")
         elif kind_name in ("constant", "poisson"):
             kind = "open"
-            level = _positive(_get(strategy, "rate", here), where, f"{key}.args.strategy.rate")
+            level = _rate(_get(strategy, "rate", here), where, f"{key}.args.strategy.rate")
         else:
             raise ConfigError(
                 f"{where}: {key}.args.strategy.type_: a {kind_name!r} benchmark has no fixed "
@@ -282,6 +325,8 @@ def _from_guidellm(doc: Mapping[str, Any], where: str, model: str | None) -> lis
             raise ConfigError(
                 f"{where}: {key}.metrics: prompt_token_count and output_token_count are needed"
             )
+        for name, value in (("prompt_token_count", prompt), ("output_token_count", output)):
+            _length(value, where, f"{key}.metrics.{name}.successful.mean")
         ttft, tpot = mean("time_to_first_token_ms"), mean("time_per_output_token_ms")
         count = _opt(bench, "metrics.request_latency.successful.count")
         levels.append(
@@ -348,6 +393,8 @@ def read_measurements(paths: list[Path], model: str | None = None) -> Measuremen
                 raise ConfigError(
                     f"{where}:{exc.lineno}: invalid JSON: {exc.msg} (column {exc.colno})"
                 ) from None
+            except RecursionError:
+                raise ConfigError(f"{where}: invalid JSON: nested too deep") from None
             levels.extend(start_spread(level) for level in _from_json(doc, where, model))
         else:
             steps.extend(

@@ -1,17 +1,23 @@
 """Strings that match a regular expression: JSON Schema ``pattern``, vLLM's guided regex.
 
-A generator over Python's own parse of the pattern (``re._parser``), so the strings match
-what ``re.search`` accepts. Only the simple constructs are generated: literals, classes,
-``\\d \\w \\s`` and their negations, alternation, groups, repeats, anchors and
-back-references. Look-arounds and conditionals are skipped while generating and the
-result is checked with ``re.search``, so a pattern this module cannot serve raises
-:class:`PatternError` instead of yielding a string that does not match.
+A generator over Python's own parse of the pattern (``re._parser``, through
+:mod:`inference_lab.generate.regex`), so the strings match what ``re.search`` accepts. Only
+the simple constructs are generated: literals, classes, ``\\d \\w \\s`` and their
+negations, alternation, groups, repeats, anchors and back-references. Look-arounds and
+conditionals are skipped while generating and the result is checked with the bounded
+matcher (:meth:`~inference_lab.generate.regex.Regex.search`), so a pattern this module cannot
+serve raises :class:`PatternError` instead of yielding a string that does not match.
 
 Rule 1: every string :func:`pattern_string` returns matches the pattern (``re.search``).
 Rule 2: characters are printable ASCII (classes and negations pick from it), so a
         string survives any JSON encoding unchanged.
 Rule 3: an unbounded repeat (``*``, ``+``, ``{n,}``) repeats at most 4 more times than its
         minimum; every choice comes from the caller's generator.
+Rule 4: every node built and every check spends from the request's
+        :class:`~inference_lab.generate.budget.Budget` (the pattern's compilation included);
+        the pattern's own part of a string is at most :data:`MAX_PATTERN_STRING`
+        characters (a ``min_length`` past it is met with lowercase filler, when the
+        pattern is not anchored at its end).
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ import random
 import re
 import string
 from re import _constants as sre_c  # type: ignore[attr-defined]
-from re import _parser as sre_parse  # type: ignore[attr-defined]
 from typing import Any
 
-__all__ = ["PatternError", "pattern_string"]
+from inference_lab.generate.budget import Budget
+from inference_lab.generate.regex import PatternError, Regex, compile_regex, shown
+
+__all__ = ["PatternError", "compile_pattern", "pattern_string"]
 
 #: The alphabet a class or a negation picks from (Rule 2).
 PRINTABLE = string.ascii_letters + string.digits + " -_.,:;!?/@#()[]{}+*=&%$'\"<>|~^`\\"
@@ -44,10 +52,6 @@ _NEGATED: dict[Any, Any] = {
 MAX_EXTRA_REPEATS = 4
 #: Longest string built for one pattern (a guard against ``(a{1000}){1000}``).
 MAX_PATTERN_STRING = 4096
-
-
-class PatternError(ValueError):
-    """The pattern does not compile, or no string matching it could be generated."""
 
 
 class _TooLong(Exception):
@@ -80,11 +84,12 @@ def _class_chars(items: list[tuple[Any, Any]]) -> tuple[str, bool]:
 
 
 class _Builder:
-    def __init__(self, rng: random.Random, flags: int) -> None:
+    def __init__(self, rng: random.Random, flags: int, budget: Budget) -> None:
         self.rng = rng
         self.groups: dict[int, str] = {}
         self.ignore_case = bool(flags & re.IGNORECASE)
         self.size = 0
+        self.budget = budget
 
     def emit(self, text: str) -> str:
         self.size += len(text)
@@ -95,8 +100,9 @@ class _Builder:
     def seq(self, items: Any) -> str:
         return "".join(self.node(op, arg) for op, arg in items)
 
-    def node(self, op: Any, arg: Any) -> str:
+    def node(self, op: Any, arg: Any) -> str:  # noqa: C901 - one case per construct
         rng = self.rng
+        self.budget.spend()
         if op is sre_c.LITERAL:
             return self.emit(chr(arg))
         if op is sre_c.NOT_LITERAL:
@@ -104,6 +110,7 @@ class _Builder:
         if op is sre_c.ANY:
             return self.emit(rng.choice(string.ascii_letters + string.digits))
         if op is sre_c.IN:
+            self.budget.spend(len(arg))
             chars, negate = _class_chars(arg)
             if negate:
                 pool = [c for c in PRINTABLE if c not in chars]
@@ -140,47 +147,46 @@ class _Builder:
         raise PatternError(f"unsupported regular expression construct {op}")
 
 
-def compile_pattern(pattern: str) -> re.Pattern[str]:
-    """``pattern`` compiled as JSON Schema's ``pattern`` is (Python's ``re``); raises
-    :class:`PatternError` with re's message when it does not compile."""
-    try:
-        return re.compile(pattern)
-    except (re.error, RecursionError, OverflowError) as exc:
-        raise PatternError(f"pattern {pattern!r} is not a regular expression: {exc}") from None
+def compile_pattern(pattern: str, budget: Budget | None = None) -> Regex:
+    """``pattern`` compiled as JSON Schema's ``pattern`` is (Python's ``re`` syntax, the
+    bounded matcher of :mod:`inference_lab.generate.regex`); raises :class:`PatternError`
+    naming what is wrong when it does not compile or passes a bound."""
+    return compile_regex(pattern, Budget() if budget is None else budget)
 
 
 def pattern_string(
-    pattern: str,
+    pattern: str | Regex,
     rng: random.Random,
     *,
     min_length: int = 0,
     max_length: int | None = None,
     attempts: int = 16,
+    budget: Budget | None = None,
 ) -> str:
     """A string matching ``pattern`` (``re.search``) of ``min_length`` to ``max_length``
     characters (Rule 1); raises :class:`PatternError` when none was found in
-    ``attempts`` tries."""
-    compiled = compile_pattern(pattern)
-    try:
-        parsed = sre_parse.parse(pattern)
-    except (re.error, RecursionError) as exc:  # (compiled above: not expected)
-        raise PatternError(f"pattern {pattern!r}: {exc}") from None
-    anchored_end = pattern.endswith("$") and not pattern.endswith("\\$")
+    ``attempts`` tries, or ``OutOfWork`` past ``budget`` (Rule 4). A pattern given
+    compiled was spent for when it was compiled."""
+    spend = Budget() if budget is None else budget
+    compiled = pattern if isinstance(pattern, Regex) else compile_regex(pattern, spend)
+    source = compiled.pattern
+    anchored_end = source.endswith("$") and not source.endswith("\\$")
     for _ in range(attempts):
-        builder = _Builder(rng, compiled.flags)
+        builder = _Builder(rng, compiled.flags, spend)
         try:
-            text = builder.seq(parsed)
+            text = builder.seq(compiled.parsed)
         except _TooLong:
             continue
         if len(text) < min_length and not anchored_end:
-            filler = "".join(rng.choice(string.ascii_lowercase) for _ in range(min_length))
-            text += filler[: min_length - len(text)]
+            missing = min_length - len(text)
+            spend.spend(missing // 8 + 1)  # (the caller counted the bytes before asking)
+            text += "".join(rng.choices(string.ascii_lowercase, k=missing))
         if len(text) < min_length or (max_length is not None and len(text) > max_length):
             continue
-        if compiled.search(text):
+        if compiled.search(text, spend):
             return text
     bounds = f" of {min_length}..{'' if max_length is None else max_length} characters"
     raise PatternError(
         f"cannot generate a string{bounds if min_length or max_length is not None else ''} "
-        f"matching pattern {pattern!r}"
+        f"matching pattern {shown(source)}"
     )

@@ -68,6 +68,15 @@ ITL_STEP = 0.1
 #: The shipped $/GPU-hour table (documented in the file).
 PRICES_FILE = Path(__file__).resolve().parent / "prices.toml"
 
+#: Most requests one probe may offer (``max_rate x duration_s``, ``min_requests``): a
+#: probe simulates them all in one worker, about 1 KB each.
+MAX_PROBE_REQUESTS = 2_000_000
+#: Most values a range table of an axis may hold, and the largest value of an integer
+#: axis (a range to 10**12 would be built as a list before anything else is checked).
+MAX_AXIS_VALUES = 1_000
+MAX_AXIS_VALUE = 100_000_000
+#: Most replicas of a candidate (each is a simulated worker with its own KV cache).
+MAX_REPLICAS = 1_024
 #: The metrics that grow with the waiting queue; every SLO set bounds one (Rule 1).
 _QUEUE_AWARE = ("ttft", "e2e", "queue")
 _SLO_KEY = re.compile(r"^(?P<metric>[a-z0-9]+)_p(?P<pct>\d+(?:\.\d+)?)_ms$")
@@ -114,6 +123,7 @@ class SearchConfig:
     the spec's ``target_rate``, else the workload's ``arrival_rate``) the rate doubles
     while every SLO holds (halves while one fails) to bracket the answer, then bisects
     until ``(fail - pass) <= rel_tol * pass``; the answer is the highest rate that passed.
+    A probe at ``max_rate`` offers at most :data:`MAX_PROBE_REQUESTS` requests.
     A candidate still passing at ``max_rate`` is reported at ``max_rate`` (capped); one
     failing at ``min_rate`` sustains no rate.
     """
@@ -131,6 +141,18 @@ class SearchConfig:
     def __attrs_post_init__(self) -> None:
         if self.min_rate >= self.max_rate:
             raise FieldError("min_rate", f"must be < max_rate ({self.max_rate:g})")
+        if self.min_requests > MAX_PROBE_REQUESTS:
+            raise FieldError(
+                "min_requests", f"must be at most {MAX_PROBE_REQUESTS:,}, got {self.min_requests}"
+            )
+        largest = self.max_rate * self.duration_s  # (a float: inf past its range)
+        if not largest <= MAX_PROBE_REQUESTS:
+            raise FieldError(
+                "duration_s",
+                f"a probe at max_rate ({self.max_rate:g}/s) for {self.duration_s:g} s offers "
+                f"{largest:.3g} requests, more than the {MAX_PROBE_REQUESTS:,} a probe may "
+                "(its simulation would not fit in memory): lower duration_s or max_rate",
+            )
 
     def requests_at(self, rate: float) -> int:
         """How many requests a probe at `rate` offers."""
@@ -262,9 +284,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _int_axis(raw: Any, file: Path, key: str) -> tuple[int, ...]:
-    """An axis of integers >= 1: a value, a list, or a range table ``{start, stop}`` with
-    ``step`` (default 1) or ``factor`` (geometric); ``stop`` is included."""
+def _int_axis(raw: Any, file: Path, key: str, top: int = MAX_AXIS_VALUE) -> tuple[int, ...]:
+    """An axis of integers in ``1..top``: a value, a list, or a range table ``{start,
+    stop}`` with ``step`` (default 1) or ``factor`` (geometric); ``stop`` is included. A
+    range holds at most :data:`MAX_AXIS_VALUES` values."""
     where = f"{file}: {key}"
     if _is_int(raw):
         values: list[Any] = [raw]
@@ -288,14 +311,20 @@ def _int_axis(raw: Any, file: Path, key: str) -> tuple[int, ...]:
             if not _is_int(factor) or factor < 2:
                 raise ConfigError(f"{where}.factor: must be an integer >= 2, got {factor!r}")
             v = start
-            while v <= stop:
+            while v <= stop and len(values) <= MAX_AXIS_VALUES:
                 values.append(v)
                 v *= factor
         else:
             step = raw.get("step", 1)
             if not _is_int(step) or step < 1:
                 raise ConfigError(f"{where}.step: must be an integer >= 1, got {step!r}")
-            values = list(range(start, stop + 1, step))
+            span = range(start, stop + 1, step)
+            if len(span) > MAX_AXIS_VALUES:
+                raise ConfigError(
+                    f"{where}: the range holds {len(span):,} values, more than "
+                    f"{MAX_AXIS_VALUES:,}: raise step or use a factor"
+                )
+            values = list(span)
     else:
         raise ConfigError(
             f"{where}: must be an integer, a list or a range table {{start, stop}}, got {raw!r}"
@@ -305,6 +334,8 @@ def _int_axis(raw: Any, file: Path, key: str) -> tuple[int, ...]:
     for v in values:
         if not _is_int(v) or v < 1:
             raise ConfigError(f"{where}: every value must be an integer >= 1, got {v!r}")
+        if v > top:
+            raise ConfigError(f"{where}: every value must be at most {top:,}, got {v!r}")
     return tuple(dict.fromkeys(values))
 
 
@@ -402,7 +433,11 @@ def load_spec(path: str | Path, prices_file: Path = PRICES_FILE) -> PlanSpec:
         configs=configs,
         hardware=tuple(dict.fromkeys(top.hardware)) if top.hardware else None,
         tp=_int_axis(axes["tp"], file, "tp") if "tp" in axes else None,
-        replicas=_int_axis(axes["replicas"], file, "replicas") if "replicas" in axes else None,
+        replicas=(
+            _int_axis(axes["replicas"], file, "replicas", MAX_REPLICAS)
+            if "replicas" in axes
+            else None
+        ),
         scheduler=_scheduler_axes(axes.get("scheduler", {}), file),
         slo_sets=_slo_sets(axes.get("slo"), file),
         search=top.search,

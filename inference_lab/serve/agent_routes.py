@@ -70,6 +70,7 @@ from inference_lab.serve.error_replies import (
     shutting_down_reply,
 )
 from inference_lab.serve.exchange import Exchange, Receive, Send
+from inference_lab.serve.generation import INLINE_BODY, plan_off_loop
 from inference_lab.serve.response_store import StoredResponse
 from inference_lab.serve.routes import to_response
 from inference_lab.serve.state import ServeState
@@ -153,11 +154,15 @@ async def create_response(
             plan = AnswerPlan(ratio=reasoning_ratio(reasoning, agent.effort, agent.thinking))
         else:
             plan = (
-                plan_answer(
-                    agent,
-                    content_rng(settings.seed or 0, raw),
-                    reasoning=reasoning,
-                    tool_call_probability=settings.tool_call_probability,
+                await plan_off_loop(
+                    lambda budget: plan_answer(
+                        agent,
+                        content_rng(settings.seed or 0, raw),
+                        reasoning=reasoning,
+                        tool_call_probability=settings.tool_call_probability,
+                        budget=budget,
+                    ),
+                    inline=len(body) <= INLINE_BODY,
                 )
                 or AnswerPlan()
             )

@@ -42,6 +42,7 @@ from inference_lab.api.encoding import StreamEncoder, new_request_id
 from inference_lab.api.requests import ParsedRequest, check_work
 from inference_lab.core.engine import Finished
 from inference_lab.errors import ApiError
+from inference_lab.generate.budget import Budget
 from inference_lab.runtime.model_runtime import ModelRuntime, RequestHandle
 from inference_lab.serve.client_gone import while_watched
 from inference_lab.serve.error_replies import (
@@ -52,6 +53,7 @@ from inference_lab.serve.error_replies import (
     stream_shutdown_frames,
 )
 from inference_lab.serve.exchange import Exchange, Receive, Send
+from inference_lab.serve.generation import INLINE_BODY, plan_off_loop
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.streaming import CollectSink, StreamSink, write_stream
 
@@ -156,37 +158,50 @@ def refuse_structured(raw: Mapping[str, Any]) -> None:
             )
 
 
-def chat_plan(
-    state: ServeState, runtime: ModelRuntime, raw: Mapping[str, Any], parsed: ParsedRequest
+async def chat_plan(
+    state: ServeState,
+    runtime: ModelRuntime,
+    raw: Mapping[str, Any],
+    parsed: ParsedRequest,
+    size: int = 0,
 ) -> AnswerPlan | None:
-    """The shape of a chat answer, or None for a plain one (the route's own path). Raises
-    :class:`ApiError` 400 for bad agent fields or a schema no instance satisfies."""
+    """The shape of a chat answer, or None for a plain one (the route's own path), decided
+    within the work budget (:func:`~inference_lab.serve.generation.plan_off_loop`: on the
+    event loop while cheap, else in a worker thread; a body of ``size`` bytes above
+    ``INLINE_BODY`` goes to the thread at once). Raises :class:`ApiError` 400 for bad
+    agent fields, a schema no instance satisfies or one too expensive to generate."""
     reasoning = runtime.deployment.model.reasoning
     reasons_by_default = reasoning is not None and reasoning.default_effort != "none"
     if not reasons_by_default and not any(key in raw for key in AGENT_KEYS):
         return None
-    agent = parse_chat_agent(raw)
-    ratio = reasoning_ratio(reasoning, agent.effort, agent.thinking)
-    if agent.output is None and not agent.tools and ratio is None:
-        return None
-    if parsed.logprobs is not None and (ratio is not None or not agent.plain):
-        raise ApiError(
-            400,
-            "unsupported_value",
-            "logprobs are not available for answers that call tools, follow a "
-            "response_format or reason: ask without logprobs (or turn reasoning off: "
-            "reasoning_effort 'none')",
-            "logprobs",
-        )
-    if agent.output is None and not agent.tools:
-        return AnswerPlan(ratio=ratio)  # prose that reasons: nothing to draw
     settings = state.settings
-    return plan_answer(
-        agent,
-        content_rng(settings.seed or 0, raw),
-        reasoning=reasoning,
-        tool_call_probability=settings.tool_call_probability,
-    )
+
+    def decide(budget: Budget) -> AnswerPlan | None:
+        agent = parse_chat_agent(raw)
+        ratio = reasoning_ratio(reasoning, agent.effort, agent.thinking)
+        if agent.output is None and not agent.tools and ratio is None:
+            return None
+        if parsed.logprobs is not None and (ratio is not None or not agent.plain):
+            raise ApiError(
+                400,
+                "unsupported_value",
+                "logprobs are not available for answers that call tools, follow a "
+                "response_format or reason: ask without logprobs (or turn reasoning off: "
+                "reasoning_effort 'none')",
+                "logprobs",
+            )
+        if agent.output is None and not agent.tools:
+            return AnswerPlan(ratio=ratio)  # prose that reasons: nothing to draw
+        return plan_answer(
+            agent,
+            content_rng(settings.seed or 0, raw),
+            reasoning=reasoning,
+            tool_call_probability=settings.tool_call_probability,
+            n=parsed.n,
+            budget=budget,
+        )
+
+    return await plan_off_loop(decide, inline=size <= INLINE_BODY)
 
 
 async def serve_chat_agent(

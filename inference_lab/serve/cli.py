@@ -325,9 +325,13 @@ def run(args: argparse.Namespace) -> int:
         ("allowed_origins", ORIGINS_ENV),
     ):
         value = getattr(args, dest, None)
-        if not value and os.environ.get(env):
+        if dest == "allowed_origins":
+            if not value and os.environ.get(env):
+                value, labels[dest] = os.environ[env], env
+            value = value or None
+        elif value is None and env in os.environ:
             value, labels[dest] = os.environ[env], env
-        from_env[dest] = value or None
+        from_env[dest] = value  # an empty secret stays "": a start-up error (settings)
     try:
         settings = load_settings(
             config=args.config,

@@ -264,7 +264,7 @@ async def complete(
             # here) and served by serve/agents.py; a plain answer stays on this path.
             plan = None
             if kind == "chat":
-                plan = chat_plan(state, runtime, raw, parsed)
+                plan = await chat_plan(state, runtime, raw, parsed, len(body))
             else:
                 refuse_structured(raw)
             if plan is not None:

@@ -1,7 +1,9 @@
 """The stored responses of ``/v1/responses`` (``store``, ``previous_response_id``).
 
-Rule 1: bounded: at most :data:`MAX_RESPONSES` responses and :data:`MAX_BYTES` of their
-        bodies; adding past either bound evicts the least recently used first.
+Rule 1: bounded: at most :data:`MAX_RESPONSES` responses and :data:`MAX_BYTES` of what
+        they hold (:attr:`StoredResponse.size`: the body and every message whole, function
+        call arguments, tool outputs and input items included); adding past either bound
+        evicts the least recently used first.
 Rule 2: in memory, per app: a restart forgets everything, and so does a server process
         that is not the one that answered (one hypercorn worker per server).
 Rule 3: a stored response keeps its body (``GET /v1/responses/{id}``) and its
@@ -15,23 +17,31 @@ from collections import OrderedDict
 import attrs
 
 from inference_lab.api.tokenizer import ChatMessage
+from inference_lab.jsonbytes import dumps
 
 __all__ = ["MAX_BYTES", "MAX_RESPONSES", "ResponseStore", "StoredResponse"]
 
 #: Responses kept at most.
 MAX_RESPONSES = 1024
-#: Bytes of stored bodies and conversations kept at most (an estimate: the text's size).
+#: Bytes of stored bodies and conversations kept at most (:attr:`StoredResponse.size`).
 MAX_BYTES = 64 * 1024 * 1024
+#: What one stored message costs besides its JSON (the tuple, the strings' headers).
+MESSAGE_OVERHEAD = 64
+
+
+def _size(item: StoredResponse) -> int:
+    """The body's bytes plus each message as compact JSON (role, content, tool calls with
+    their arguments, name, tool call id) and :data:`MESSAGE_OVERHEAD`: every string the
+    item keeps is counted at least at its UTF-8 length."""
+    return len(item.body) + sum(len(dumps(tuple(m))) + MESSAGE_OVERHEAD for m in item.messages)
 
 
 @attrs.frozen(kw_only=True)
 class StoredResponse:
     body: bytes
     messages: tuple[ChatMessage, ...]
-
-    @property
-    def size(self) -> int:
-        return len(self.body) + sum(len(m.content) + 64 for m in self.messages)
+    #: Bytes counted against :data:`MAX_BYTES` (Rule 1), computed once.
+    size: int = attrs.field(init=False, default=attrs.Factory(_size, takes_self=True))
 
 
 class ResponseStore:
@@ -47,6 +57,11 @@ class ResponseStore:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    @property
+    def bytes(self) -> int:
+        """What the stored responses hold, as counted against ``max_bytes``."""
+        return self._bytes
 
     def get(self, response_id: str) -> StoredResponse | None:
         item = self._items.get(response_id)

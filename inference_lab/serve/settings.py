@@ -173,7 +173,7 @@ def load_settings(
     override every model's ``[scheduler]`` value, and ``tokenizer`` every model's
     ``[model].tokenizer``; each tokenizer file is loaded once, here. ``control_token``
     (if not None) is 1-4096 printable ASCII characters without spaces (it is compared
-    with an HTTP header); ``body_timeout`` is a finite number of seconds > 0.
+    with an HTTP header; an empty one is an error, never "no token"); ``body_timeout`` is a finite number of seconds > 0.
     ``api_key`` follows ``control_token``'s rule; ``allowed_origins`` is the comma-separated
     text of ``--allowed-origins`` (see :func:`parse_origins`). ``tool_call_probability``
     is in 0..1, ``embedding_dim`` (if not None) >= 1. ``labels`` maps a setting's
@@ -183,14 +183,8 @@ def load_settings(
     def label(setting: str) -> str:
         return labels.get(setting, setting) if labels is not None else setting
 
-    if control_token is not None and not _valid_token(control_token):
-        raise ConfigError(
-            f"{label('control_token')}: must be 1-4096 printable ASCII characters, no spaces"
-        )
-    if api_key is not None and not _valid_token(api_key):
-        raise ConfigError(
-            f"{label('api_key')}: must be 1-4096 printable ASCII characters, no spaces"
-        )
+    _check_secret(control_token, label("control_token"))
+    _check_secret(api_key, label("api_key"))
     origins = (
         parse_origins(allowed_origins, label("allowed_origins"))
         if allowed_origins is not None
@@ -365,6 +359,21 @@ def _valid_token(token: str) -> bool:
     return 0 < len(token) <= 4096 and all(33 <= ord(c) <= 126 for c in token)
 
 
+def _check_secret(value: str | None, label: str) -> None:
+    """A secret given (not None) is a valid token. An empty one is refused on its own
+    line: ``--api-key ""`` or ``INFERENCE_LAB_API_KEY=`` is most often a launcher's unset
+    variable, and reading it as "no key" would open what the operator meant to close."""
+    if value is None:
+        return
+    if value == "":
+        raise ConfigError(
+            f"{label}: is empty (an unset variable?): give 1-4096 printable ASCII characters, "
+            "or leave it out for no secret"
+        )
+    if not _valid_token(value):
+        raise ConfigError(f"{label}: must be 1-4096 printable ASCII characters, no spaces")
+
+
 _ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/?#\s]+")
 
 
@@ -471,9 +480,9 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
         seed=_env_int(env, "INFERENCE_LAB_SEED", 0),
         default_max_tokens=default_max_tokens or DEFAULT_MAX_TOKENS,
         tokenizer=env.get("INFERENCE_LAB_TOKENIZER") or None,
-        control_token=env.get("INFERENCE_LAB_CONTROL_TOKEN") or None,
+        control_token=env.get("INFERENCE_LAB_CONTROL_TOKEN"),  # "" is an error, not None
         body_timeout=_env_seconds(env, "INFERENCE_LAB_BODY_TIMEOUT") or DEFAULT_BODY_TIMEOUT,
-        api_key=env.get("INFERENCE_LAB_API_KEY") or None,
+        api_key=env.get("INFERENCE_LAB_API_KEY"),
         allowed_origins=env.get("INFERENCE_LAB_ALLOWED_ORIGINS") or None,
         enable_test_harness=enable_test_harness,
         should_retry_header=not _env_flag(env, "INFERENCE_LAB_NO_SHOULD_RETRY_HEADER"),

@@ -15,7 +15,9 @@ Rule 3: a session file (JSONL, one session a line: :func:`write_sessions`,
         :func:`read_sessions`) holds sessions as values -- start time (None: a closed
         loop starts it), system prompt, turns -- so ``inference-lab sim`` can write the
         sessions it simulates and ``inference-lab load`` replay the same ones against a
-        server. A bad line is one ConfigError naming the file, the line and the field.
+        server. A bad line is one ConfigError naming the file, the line and the field;
+        token counts are bounded as a trace's (``traces.MAX_TOKENS``), times by
+        ``traces.MAX_SPAN``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import attrs
 
 from inference_lab.errors import ConfigError
 from inference_lab.traffic.hashing import SyntheticStream
+from inference_lab.traffic.traces import MAX_SPAN, MAX_TOKENS
 
 __all__ = [
     "SessionPlan",
@@ -144,10 +147,14 @@ class _Bad(Exception):
         self.field = field
 
 
-def _int_field(row: Mapping[str, Any], key: str, minimum: int, where: str = "") -> int:
+def _int_field(
+    row: Mapping[str, Any], key: str, minimum: int, where: str = "", maximum: int = MAX_TOKENS
+) -> int:
     value = row.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise _Bad(where + key, f"must be an integer >= {minimum}, got {value!r}")
+    if value > maximum:
+        raise _Bad(where + key, f"must be at most {maximum:,}, got {value!r}")
     return value
 
 
@@ -156,11 +163,13 @@ def _seconds(value: Any, field: str) -> float:
         raise _Bad(field, f"must be a number of seconds >= 0, got {value!r}")
     if not math.isfinite(value) or value < 0:
         raise _Bad(field, f"must be a number of seconds >= 0, got {value!r}")
+    if value > MAX_SPAN:
+        raise _Bad(field, f"must be at most {MAX_SPAN:,.0f} s (366 days), got {value!r}")
     return float(value)
 
 
 def _record(row: Mapping[str, Any]) -> SessionRecord:
-    session = _int_field(row, "session", 0)
+    session = _int_field(row, "session", 0, maximum=2**63 - 1)  # (a 64-bit block label)
     start = row.get("start")
     system = _int_field(row, "system_prompt_tokens", 0) if "system_prompt_tokens" in row else 0
     shared = row.get("shared_system_prompt", True)
@@ -182,6 +191,9 @@ def _record(row: Mapping[str, Any]) -> SessionRecord:
                 _seconds(think, where + "think_time"),
             )
         )
+    total = system + sum(t.user_tokens + t.output_tokens for t in out)
+    if total > MAX_TOKENS:  # the last turn resends all of it
+        raise _Bad("turns", f"the conversation holds {total:,} tokens, more than {MAX_TOKENS:,}")
     return SessionRecord(
         session=session,
         start=None if start is None else _seconds(start, "start"),
@@ -205,6 +217,8 @@ def read_sessions(path: str | Path) -> tuple[SessionRecord, ...]:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise ConfigError(f"{file}:{number}: invalid JSON: {exc.msg}") from None
+                except RecursionError:
+                    raise ConfigError(f"{file}:{number}: invalid JSON: nested too deep") from None
                 if not isinstance(row, dict):
                     raise ConfigError(f"{file}:{number}: must be a JSON object")
                 try:

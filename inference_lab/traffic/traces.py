@@ -16,7 +16,12 @@ Rule 3: times are seconds from the trace's first request (the earliest time in t
         file). The window keeps the requests with ``start <= t < end``; the kept times are
         then shifted so that ``start`` is 0 and divided by ``speedup``. Requests come out
         in time order (file order among equal times).
-Rule 4: pure: no clock, no engine. An ``openai_batch`` body is tokenized by the caller's
+Rule 4: every number is bounded where a consumer would otherwise run out of memory or
+        time, the bound named in the error: token counts at most :data:`MAX_TOKENS`,
+        ``n`` at most :data:`MAX_N`, ``hash_ids`` signed 64-bit integers, a request at
+        most :data:`MAX_SPAN` seconds after the trace's first (and after the window and
+        the speedup), JSON nested no deeper than the decoder allows.
+Rule 5: pure: no clock, no engine. An ``openai_batch`` body is tokenized by the caller's
         function (the simulator passes the byte rule or ``--tokenizer``; a client replaying
         the file sends the body as it is).
 """
@@ -37,6 +42,9 @@ from inference_lab.errors import ConfigError
 
 __all__ = [
     "FORMATS",
+    "MAX_N",
+    "MAX_SPAN",
+    "MAX_TOKENS",
     "MOONCAKE_BLOCK",
     "Trace",
     "TraceRequest",
@@ -50,6 +58,19 @@ FORMATS = ("mooncake", "azure", "burstgpt", "openai_batch")
 MOONCAKE_BLOCK = 512
 #: The endpoints an ``openai_batch`` line may name.
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
+#: Most prompt or output tokens of one request (Rule 4): past any model's context, and
+#: a prompt a load client can still write (about 40 MB of text).
+MAX_TOKENS = 10_000_000
+#: Most sequences of one ``openai_batch`` request (OpenAI's bound on ``n``).
+MAX_N = 128
+#: Latest a request may come after the trace's first, in seconds, read and replayed
+#: (Rule 4): 366 days. A later one is a typo or a unit error, and a replay would wait
+#: for it.
+MAX_SPAN = 366 * 86_400.0
+#: What each format calls its time column, for errors.
+TIME_KEYS = {"mooncake": "timestamp", "azure": "TIMESTAMP", "burstgpt": "Timestamp"}
+#: ``hash_ids`` entries are signed 64-bit integers (what a block label packs).
+_HASH_ID_RANGE = (-(2**63), 2**63 - 1)
 
 #: Tokenizes an ``openai_batch`` body: (url, body) -> prompt token ids. Raises ValueError
 #: with a message naming what is wrong with the body.
@@ -102,8 +123,9 @@ class _RowError(Exception):
         self.field = field
 
 
-def _int(row: Mapping[str, Any], key: str, minimum: int) -> int:
-    """An integer field: a JSON integer, or a CSV cell holding one (CSV cells are text)."""
+def _int(row: Mapping[str, Any], key: str, minimum: int, maximum: int = MAX_TOKENS) -> int:
+    """An integer field in ``minimum..maximum``: a JSON integer, or a CSV cell holding one
+    (CSV cells are text)."""
     if key not in row:
         raise _RowError(key, "missing")
     value = row[key]
@@ -114,6 +136,8 @@ def _int(row: Mapping[str, Any], key: str, minimum: int) -> int:
             raise _RowError(key, f"must be an integer >= {minimum}, got {row[key]!r}") from None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise _RowError(key, f"must be an integer >= {minimum}, got {value!r}")
+    if value > maximum:
+        raise _RowError(key, f"must be at most {maximum:,}, got {value!r}")
     return value
 
 
@@ -134,11 +158,11 @@ def _number(row: Mapping[str, Any], key: str) -> float:
     return float(value)
 
 
-def _json_int(row: Mapping[str, Any], key: str, minimum: int) -> int:
+def _json_int(row: Mapping[str, Any], key: str, minimum: int, maximum: int = MAX_TOKENS) -> int:
     """An integer field of a JSON row: a string holding digits is not an integer."""
     if isinstance(row.get(key), str):
         raise _RowError(key, f"must be an integer >= {minimum}, got {row[key]!r}")
-    return _int(row, key, minimum)
+    return _int(row, key, minimum, maximum)
 
 
 def _json_number(row: Mapping[str, Any], key: str) -> float:
@@ -185,6 +209,8 @@ def _json_rows(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{path}:{number}: invalid JSON: {exc.msg}") from None
+        except RecursionError:
+            raise ConfigError(f"{path}:{number}: invalid JSON: nested too deep") from None
         if not isinstance(row, dict):
             raise ConfigError(f"{path}:{number}: must be a JSON object, got {line.strip()[:40]!r}")
         yield number, row
@@ -219,6 +245,10 @@ def _mooncake(number: int, row: Mapping[str, Any], _tokenize: Tokenize | None) -
         isinstance(h, int) and not isinstance(h, bool) for h in hash_ids
     ):
         raise _RowError("hash_ids", f"must be a list of integers, got {hash_ids!r}")
+    lo, hi = _HASH_ID_RANGE
+    wide = next((h for h in hash_ids if not lo <= h <= hi), None)
+    if wide is not None:
+        raise _RowError("hash_ids", f"must be 64-bit integers (-2**63..2**63-1), got {wide}")
     return t, TraceRequest(
         time=0.0,
         input_tokens=_json_int(row, "input_length", 1),
@@ -261,7 +291,7 @@ def _batch(
             if body.get(key) is not None:
                 output = _json_int(body, key, 1)
                 break
-        n = _json_int(body, "n", 1) if body.get("n") is not None else 1
+        n = _json_int(body, "n", 1, MAX_N) if body.get("n") is not None else 1
     except _RowError as exc:
         raise _RowError(f"body.{exc.field}", str(exc)) from None
     if output is None:
@@ -290,6 +320,40 @@ def _batch(
     )
 
 
+def _window(
+    parsed: list[tuple[float, TraceRequest]],
+    file: Path,
+    fmt: str,
+    speedup: float,
+    start: float,
+    end: float | None,
+) -> tuple[list[TraceRequest], int]:
+    """The requests of the window, timed from its start and sped up, in time order (Rule
+    3), and how many fell outside; ConfigError past :data:`MAX_SPAN` (Rule 4)."""
+    origin = min((t for t, _ in parsed), default=0.0)
+    kept = []
+    outside = 0
+    for t, request in parsed:
+        rel = t - origin
+        if rel > MAX_SPAN:
+            raise ConfigError(
+                f"{file}:{request.line}: {TIME_KEYS.get(fmt, 'time')}: {rel:g} s after the "
+                f"trace's first request; a trace may span at most {MAX_SPAN:,.0f} s (366 days)"
+            )
+        if rel < start or (end is not None and rel >= end):
+            outside += 1
+            continue
+        at = (rel - start) / speedup
+        if at > MAX_SPAN:
+            raise ConfigError(
+                f"{file}:{request.line}: at speedup {speedup:g} this request comes {at:g} s "
+                f"into the replay, past the {MAX_SPAN:,.0f} s (366 days) a replay may last"
+            )
+        kept.append(attrs.evolve(request, time=at))
+    kept.sort(key=lambda r: r.time)  # stable: file order among equal times
+    return kept, outside
+
+
 def detect_format(path: Path) -> str:
     """The format of ``path`` from its first line: a JSON object with ``body`` is
     ``openai_batch``, any other ``mooncake``; a CSV header with ``ContextTokens`` is
@@ -305,7 +369,7 @@ def detect_format(path: Path) -> str:
     if first.startswith("{"):
         try:
             row = json.loads(first)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             row = {}
         return "openai_batch" if isinstance(row, dict) and "body" in row else "mooncake"
     if "ContextTokens" in first:
@@ -375,16 +439,7 @@ def read_trace(
         raise ConfigError(f"{file}: invalid CSV: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{file}: cannot read: {exc.strerror}") from None
-    origin = min((t for t, _ in parsed), default=0.0)
-    kept = []
-    outside = 0
-    for t, request in parsed:
-        rel = t - origin
-        if rel < start or (end is not None and rel >= end):
-            outside += 1
-            continue
-        kept.append(attrs.evolve(request, time=(rel - start) / speedup))
-    kept.sort(key=lambda r: r.time)  # stable: file order among equal times
+    kept, outside = _window(parsed, file, fmt, speedup, start, end)
     return Trace(
         path=file,
         format=fmt,

@@ -13,6 +13,11 @@ Against ``inference-lab serve --allowed-origins '*'`` it sends, concurrently:
 - idle h2c connections (a preface alone, and HEADERS without END_HEADERS): every one closed
   by the server within its deadline.
 
+Then (``hostile_generation.py``, unless ``--skip-generation``) the issue-45 cases one by
+one: hostile schemas and patterns with ``/health`` probed meanwhile, distinct large
+patterns and a full Responses store with the server's RSS, and, without a server, empty
+secrets and the offline tools' hostile inputs.
+
 Then ``/health`` must answer, the log must hold no traceback and the server must hold
 nothing.
 
@@ -78,6 +83,7 @@ from common import (  # noqa: E402
     server,
     settle,
 )
+from hostile_generation import generation_cases, offline_cases  # noqa: E402
 
 #: The client preface of HTTP/2 (RFC 9113, 3.4), then an empty SETTINGS frame.
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
@@ -333,6 +339,9 @@ async def main_async(url: str, port: int, args: argparse.Namespace) -> dict[str,
     )
     for _ in range(args.rounds):
         await one_round(port, figures, args.idle_within)
+    figures["rss_mb_before_after"] = [args.rss_before, round(rss_mb(args.pid), 1)]
+    if not args.skip_generation:
+        figures["generation_ok"] = await generation_cases(port, args.pid, figures)
     health = await fetch(port, get("/health"), 10)
     figures["health_after"] = health.status
     with trio.move_on_after(15):
@@ -368,13 +377,20 @@ def main(argv: list[str] | None = None) -> int:
         default=50.0,
         help="/health on a kept-alive connection: its p99 must stay under this (default 50 ms)",
     )
+    parser.add_argument(
+        "--skip-generation",
+        action="store_true",
+        help="leave out the generation, store and offline-tool cases (hostile_generation.py)",
+    )
     args = parser.parse_args(argv)
     if args.case != "http":
         return kv_main(args)
+    figures_offline: dict[str, Any] = {}
+    offline_ok = args.skip_generation or offline_cases(figures_offline)
     with server(["--allowed-origins", "*"]) as srv:
-        rss_before = rss_mb(srv.pid)
+        args.pid = srv.pid
+        args.rss_before = round(rss_mb(srv.pid), 1)
         figures = trio.run(main_async, srv.url, srv.port, args)
-        figures["rss_mb_before_after"] = [round(rss_before, 1), round(rss_mb(srv.pid), 1)]
         if args.mixed_seconds > 0:
             figures.update(
                 trio.run(
@@ -390,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         problems = log_problems(srv.log_text())
     figures["exit_code"] = code
     figures["log_problems"] = len(problems)
+    figures.update(figures_offline)
     bad = ("websocket_bad", "huge_work_bad", "cors_control_bad", "h2c_left_open")
     ok = (
         code == 0
@@ -399,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         and figures["held_after"] == 0
         and figures["rss_mb_before_after"][1] < figures["rss_mb_before_after"][0] + 100
         and (args.mixed_seconds <= 0 or _mixed_ok(figures, args.health_p99_ms))
+        and figures.get("generation_ok", True)
+        and offline_ok
     )
     report("hostile", figures, ok)
     if args.case == "http" and not args.http_only:

@@ -143,6 +143,8 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: is a directory, expected a TOML file") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    except RecursionError:  # (tomllib recurses into nested arrays and inline tables)
+        raise ConfigError(f"{path}: invalid TOML: nested too deep") from None
     except UnicodeDecodeError as exc:  # tomllib decodes the bytes itself
         raise ConfigError(
             f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
