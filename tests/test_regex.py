@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inference_lab.api import regex as regex_module
+from inference_lab.generate import regex as regex_module
 from inference_lab.generate.budget import Budget, OutOfWork
 from inference_lab.generate.regex import (
     MAX_PATTERN_LENGTH,
