@@ -636,7 +636,7 @@ def test_command_errors_are_one_line_and_exit_1(
     assert "\n" not in err
     # duration_s = 1e12 ran out of memory and printed "none meets it", exit 0 (issue 45)
     huge = write_spec(tmp_path, SPEC.replace("duration_s = 0.5", "duration_s = 1e12"))
-    assert cli.main(["plan", str(huge), "-o", str(tmp_path / "o"), "--inline"]) == 1
+    assert cli.main(["plan", str(huge), "--out-dir", str(tmp_path / "o"), "--inline"]) == 1
     err = capsys.readouterr().err.strip()
     assert "search.duration_s: a probe at max_rate" in err and "\n" not in err
     good = write_spec(tmp_path)
