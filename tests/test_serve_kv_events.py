@@ -384,8 +384,9 @@ async def test_a_full_queue_drops_the_oldest_batches_as_a_gap() -> None:
                 decode_exact(frames[3])
                 got.append(int.from_bytes(frames[2], "big"))
         assert got == [3, 4]
-        with trio.fail_after(10):  # (the publisher's thread counts a message after sending it)
-            while (stats := publisher.statistics()).replays < 1:
+        # (the publisher's thread counts a message after sending it: no event to await)
+        with trio.fail_after(10):
+            while (stats := publisher.statistics()).replays < 1:  # noqa: ASYNC110
                 await trio.sleep(0.01)
         assert (stats.replay_requests, stats.replays, stats.replayed) == (1, 1, 2)
         sub.close(linger=0)

@@ -8,7 +8,10 @@ The package, by concern:
   acceptance rates;
 - :mod:`~inference_lab.core.config.scheduler`: ``SchedulerConfig``;
 - :mod:`~inference_lab.core.config.hardware`: profiles, entries, efficiency, links, fabric;
-- :mod:`~inference_lab.core.config.deployment`: ``Deployment``, ``ModelConfig``;
+- :mod:`~inference_lab.core.config.deployment`: ``Deployment``, ``ModelConfig``,
+  ``Disaggregation``;
+- :mod:`~inference_lab.core.config.disaggregation`: ``[disaggregation]``, the KV link's
+  price;
 - :mod:`~inference_lab.core.config.fault`: the test harness's ``[fault]`` table;
 - :mod:`~inference_lab.core.config.workload`: length and time distributions,
   ``SessionConfig``, ``Workload``;
@@ -44,7 +47,15 @@ from inference_lab.core.config.convert import (
 )
 from inference_lab.core.config.deployment import (
     Deployment,
+    Disaggregation,
     ModelConfig,
+)
+from inference_lab.core.config.disaggregation import (
+    DECODE_ROUTERS,
+    LINKS,
+    DisaggregationConfig,
+    PoolConfig,
+    transfer_seconds,
 )
 from inference_lab.core.config.fault import (
     FAULT_MODES,
@@ -65,6 +76,7 @@ from inference_lab.core.config.hardware import (
 from inference_lab.core.config.loading import (
     base_deployment,
     default_profiles_dir,
+    disaggregate,
     load_acceptance_rounds,
     load_deployment,
     load_hardware_profile,
@@ -73,6 +85,7 @@ from inference_lab.core.config.loading import (
     load_workload,
     override_scheduler,
     select_deployment,
+    split_pd,
     vary_deployment,
 )
 from inference_lab.core.config.model import (
@@ -123,7 +136,10 @@ __all__ = [
     "BYTES_PER_VALUE",
     "CONVERTER",
     "DRAFTER_KINDS",
+    "DECODE_ROUTERS",
     "Deployment",
+    "Disaggregation",
+    "DisaggregationConfig",
     "DraftWeightStream",
     "DrafterConfig",
     "EFFORTS",
@@ -138,6 +154,7 @@ __all__ = [
     "HardwareEntry",
     "HardwareProfile",
     "KV_LAYERS",
+    "LINKS",
     "Layer",
     "LengthDist",
     "LinearLayer",
@@ -153,6 +170,7 @@ __all__ = [
     "NormalDist",
     "POLICIES",
     "PRECISIONS",
+    "PoolConfig",
     "ROUTERS",
     "ReasoningConfig",
     "Routing",
@@ -168,6 +186,7 @@ __all__ = [
     "base_deployment",
     "check_acceptance_rates",
     "default_profiles_dir",
+    "disaggregate",
     "load_acceptance_rounds",
     "load_deployment",
     "load_hardware_profile",
@@ -178,6 +197,8 @@ __all__ = [
     "read_text",
     "read_toml",
     "select_deployment",
+    "split_pd",
     "structure_table",
+    "transfer_seconds",
     "vary_deployment",
 ]

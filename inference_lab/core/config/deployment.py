@@ -16,11 +16,13 @@ from pathlib import Path
 
 import attrs
 
+from inference_lab.core.config.disaggregation import DisaggregationConfig, transfer_seconds
 from inference_lab.core.config.fault import FaultConfig
 from inference_lab.core.config.hardware import (
     Efficiency,
     HardwareEntry,
     HardwareProfile,
+    Link,
 )
 from inference_lab.core.config.model import (
     BYTES_PER_VALUE,
@@ -33,7 +35,7 @@ from inference_lab.core.config.scheduler import SchedulerConfig
 from inference_lab.core.config.speculative import SpeculativeConfig
 from inference_lab.core.step_table import StepTable
 
-__all__ = ["Deployment", "ModelConfig"]
+__all__ = ["Deployment", "Disaggregation", "ModelConfig"]
 
 
 @attrs.frozen(kw_only=True)
@@ -52,6 +54,8 @@ class Deployment:
     speculative: SpeculativeConfig | None = None
     #: Its per-position acceptance rates, resolved by the loader (a CSV's are read there).
     acceptance_rates: tuple[float, ...] = ()
+    #: Its split into a prefill and a decode pool (None: aggregated; docs/disaggregation.md)
+    disaggregation: Disaggregation | None = None
 
     @property
     def efficiency(self) -> Efficiency:
@@ -120,6 +124,16 @@ class Deployment:
             return layer.kv_bytes_per_position * self.attention_tp
         return layer.kv_bytes_per_position
 
+    def kv_bytes_of(self, positions: int) -> float:
+        """KV bytes one worker holds for a sequence of ``positions`` positions: every KV
+        layer's bytes per position, a windowed layer's for at most its window (what a KV
+        transfer moves)."""
+        total = 0.0
+        for layer in self.kv_layers():
+            held = positions if layer.window <= 0 else min(positions, layer.window)
+            total += layer.count * self.kv_bytes_per_position(layer) * held
+        return total
+
     @property
     def block_bytes(self) -> float:
         return sum(
@@ -134,6 +148,44 @@ class Deployment:
 
 
 @attrs.frozen(kw_only=True)
+class Disaggregation:
+    """A deployment split into a prefill and a decode pool, resolved (the config's
+    ``[disaggregation]``: :mod:`inference_lab.core.config.disaggregation`): each pool's
+    deployment (checked as a config entry is), its router, the link the KV cache crosses
+    and over how many GPU links at once (``streams``), whether the transfer overlaps the
+    prefill, and the proxy's hop between the two requests."""
+
+    prefill: Deployment
+    decode: Deployment
+    prefill_router: str
+    decode_router: str
+    link: Link
+    #: ``scale_up`` (NVLink within a node) or ``scale_out`` (the NICs)
+    link_name: str
+    streams: int
+    overlap: bool
+    handoff_latency: float
+
+    def transfer_seconds(self, kv_bytes: float, overlapped: float = 0.0) -> float:
+        """Seconds a transfer of ``kv_bytes`` shows (``disaggregation.transfer_seconds``);
+        ``overlapped``: the seconds of prefill it could hide behind, with ``overlap``."""
+        return transfer_seconds(
+            self.link,
+            self.streams,
+            kv_bytes,
+            overlap=self.overlap,
+            layers=self.prefill.model.num_layers,
+            overlapped=overlapped,
+        )
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of both pools."""
+        p, d = self.prefill.hardware, self.decode.hardware
+        return p.tp * p.replicas + d.tp * d.replicas
+
+
+@attrs.frozen(kw_only=True)
 class ModelConfig:
     path: Path
     model: ModelArch
@@ -145,3 +197,5 @@ class ModelConfig:
     #: carries them too).
     speculative: SpeculativeConfig | None = None
     acceptance_rates: tuple[float, ...] = ()
+    #: The ``[disaggregation]`` table as written (resolved when an entry is selected).
+    disaggregation: DisaggregationConfig | None = None

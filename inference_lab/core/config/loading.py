@@ -24,9 +24,10 @@ from typing import Any
 import attrs
 
 from inference_lab.core.config.convert import read_text, read_toml, structure_table
-from inference_lab.core.config.deployment import Deployment, ModelConfig
+from inference_lab.core.config.deployment import Deployment, Disaggregation, ModelConfig
+from inference_lab.core.config.disaggregation import DECODE_ROUTERS, DisaggregationConfig
 from inference_lab.core.config.fault import FaultConfig
-from inference_lab.core.config.hardware import HardwareEntry, HardwareProfile
+from inference_lab.core.config.hardware import ROUTERS, HardwareEntry, HardwareProfile
 from inference_lab.core.config.model import ModelArch
 from inference_lab.core.config.scheduler import SchedulerConfig
 from inference_lab.core.config.speculative import SpeculativeConfig
@@ -40,6 +41,7 @@ from inference_lab.validation import FieldError
 __all__ = [
     "base_deployment",
     "default_profiles_dir",
+    "disaggregate",
     "load_acceptance_rounds",
     "load_deployment",
     "load_hardware_profile",
@@ -48,6 +50,7 @@ __all__ = [
     "load_workload",
     "override_scheduler",
     "select_deployment",
+    "split_pd",
     "vary_deployment",
 ]
 
@@ -285,10 +288,11 @@ def load_model_config(
     file = Path(path)
     raw = read_toml(file)
     for key in raw:
-        if key not in ("model", "scheduler", "hardware", "fault", "speculative"):
+        if key not in ("model", "scheduler", "hardware", "fault", "speculative", "disaggregation"):
             raise ConfigError(
                 f"{file}: {key}: unknown key (a model config holds the tables [model], "
-                "[scheduler], [hardware.<name>] and optionally [fault] and [speculative])"
+                "[scheduler], [hardware.<name>] and optionally [fault], [speculative] and "
+                "[disaggregation])"
             )
     fault = structure_table(raw["fault"], FaultConfig, file, "fault") if "fault" in raw else None
     speculative: SpeculativeConfig | None = None
@@ -312,6 +316,11 @@ def load_model_config(
         deployments[name] = _load_entry(
             file, name, table, sched_raw, profiles, model, speculative, rates
         )
+    split = None
+    if "disaggregation" in raw:
+        split = structure_table(raw["disaggregation"], DisaggregationConfig, file, "disaggregation")
+        for dep in deployments.values():  # Rule 1: checked now, for every entry
+            disaggregate(dep, split, deployments, f"{file}: disaggregation")
     return ModelConfig(
         path=file,
         model=model,
@@ -320,6 +329,7 @@ def load_model_config(
         fault=fault,
         speculative=speculative,
         acceptance_rates=rates,
+        disaggregation=split,
     )
 
 
@@ -332,12 +342,17 @@ def select_deployment(config: ModelConfig, hardware: str | None) -> Deployment:
                 f"{config.path}: hardware: several entries ({', '.join(names)}); "
                 "choose one with --hardware"
             )
-        return config.deployments[names[0]]
+        hardware = names[0]
     if hardware not in config.deployments:
         raise ConfigError(
             f"{config.path}: hardware.{hardware}: no such entry (available: {', '.join(names)})"
         )
-    return config.deployments[hardware]
+    dep = config.deployments[hardware]
+    if config.disaggregation is not None:
+        dep = disaggregate(
+            dep, config.disaggregation, config.deployments, f"{config.path}: disaggregation"
+        )
+    return dep
 
 
 def override_scheduler(
@@ -476,3 +491,102 @@ def vary_deployment(
     profiles = default_profiles_dir(dep.config_path)
     _validate_deployment(out, dep.config_path, profiles / f"{dep.hardware_name}.toml")
     return out
+
+
+def disaggregate(
+    dep: Deployment,
+    split: DisaggregationConfig,
+    entries: Mapping[str, Deployment],
+    where: str,
+) -> Deployment:
+    """``dep`` split into the pools of ``split`` (``docs/disaggregation.md``): each pool the
+    entry it names (default ``dep``'s own) with its replicas, tp and scheduler keys,
+    checked as a config entry is; the link from the prefill pool's fabric. ``where``
+    prefixes errors (``file: disaggregation``). Raises ConfigError, one line."""
+    if dep.speculative is not None:
+        raise ConfigError(f"{where}: not modelled with [speculative] (a drafter per pool)")
+    pools: dict[str, Deployment] = {}
+    routers: dict[str, str] = {}
+    for role, pool, allowed in (
+        ("prefill", split.prefill, ROUTERS),
+        ("decode", split.decode, DECODE_ROUTERS),
+    ):
+        base = dep
+        if pool.hardware is not None:
+            if pool.hardware not in entries:
+                raise ConfigError(
+                    f"{where}.{role}.hardware: no entry {pool.hardware!r} "
+                    f"(available: {', '.join(entries)})"
+                )
+            base = entries[pool.hardware]
+        if base.hardware.dp_attention > 1:
+            raise ConfigError(
+                f"{where}.{role}: data-parallel attention ranks are not modelled in a pool"
+            )
+        router = pool.router or "least_loaded"
+        if router not in allowed:
+            raise ConfigError(
+                f"{where}.{role}.router: must be one of {', '.join(allowed)}, got {router!r}"
+            )
+        routers[role] = router
+        pools[role] = vary_deployment(
+            base,
+            tp=pool.tp,
+            replicas=pool.replicas,
+            scheduler=pool.scheduler or None,
+            where=f"{where}.{role}",
+        )
+    prefill, decode = pools["prefill"], pools["decode"]
+    if prefill.scheduler.block_size != decode.scheduler.block_size:
+        raise ConfigError(
+            f"{where}: the pools' block_size differ ({prefill.scheduler.block_size} and "
+            f"{decode.scheduler.block_size}); the KV cache moves block by block"
+        )
+    fabric = prefill.profile.fabric
+    if fabric is None:
+        raise ConfigError(
+            f"{where}: the prefill pool's hardware profile ({prefill.profile.name}) has no "
+            "[fabric] table: the link between the pools is priced from it"
+        )
+    gpus = prefill.hardware.tp * prefill.hardware.replicas
+    gpus += decode.hardware.tp * decode.hardware.replicas
+    name = split.link
+    if name == "auto":
+        name = "scale_up" if gpus <= fabric.gpus_per_node else "scale_out"
+    link = fabric.scale_up if name == "scale_up" else fabric.scale_out
+    if link is None:
+        raise ConfigError(
+            f"{where}.link: the pools span {gpus} GPUs, more than a node's "
+            f"{fabric.gpus_per_node}, and the profile has no fabric.scale_out"
+        )
+    return attrs.evolve(
+        dep,
+        disaggregation=Disaggregation(
+            prefill=prefill,
+            decode=decode,
+            prefill_router=routers["prefill"],
+            decode_router=routers["decode"],
+            link=link,
+            link_name=name,
+            streams=min(prefill.hardware.tp, decode.hardware.tp),
+            overlap=split.overlap,
+            handoff_latency=split.handoff_latency,
+        ),
+    )
+
+
+def split_pd(dep: Deployment, prefill_replicas: int, decode_replicas: int) -> Deployment:
+    """``--pd xPyD``: ``dep`` split into ``x`` prefill and ``y`` decode replicas of its own
+    entry, on the config's ``[disaggregation]`` table when it has one (its other keys
+    kept), else with the defaults."""
+    base = DisaggregationConfig()
+    if dep.disaggregation is not None:
+        raise ConfigError(
+            f"{dep.config_path}: --pd: the deployment is split already by [disaggregation]"
+        )
+    split = attrs.evolve(
+        base,
+        prefill=attrs.evolve(base.prefill, replicas=prefill_replicas),
+        decode=attrs.evolve(base.decode, replicas=decode_replicas),
+    )
+    return disaggregate(dep, split, {}, f"{dep.config_path}: --pd")
