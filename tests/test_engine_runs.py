@@ -8,7 +8,8 @@ completion or before an arrival), and compares every step's figures (as the simu
 ``StepTotals`` keeps them), every ``Finished`` record and the engines' statistics. The
 scenarios cover decode runs (windowed and full attention, loaded and light), preemption,
 prefix hits, groups (``n > 1``), speculative decoding, MLA on data-parallel ranks,
-replicas behind a cache-aware router, a small token budget and the frontend latency.
+replicas behind a cache-aware router, a small token budget, the frontend latency and
+prefill/decode disaggregation (hand-offs, transfers, held blocks, back-pressure).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import attrs
 import numpy as np
 import pytest
 
-from inference_lab.core.config import Deployment, load_deployment
+from inference_lab.core.config import Deployment, load_deployment, split_pd
 from inference_lab.core.engine import Engine, Finished, RequestSpec
 from inference_lab.core.engine import fast_path as fast_module
 from inference_lab.sim.records import StepTotals
@@ -81,10 +82,27 @@ SCENARIOS: dict[str, Callable[[], tuple[Deployment, dict[str, Any]]]] = {
         {"rate": 60.0, "prompt_mu": 6.9, "output_mu": 5.3},
     ),
     "round-robin-replicas": lambda: (deployment(LLAMA8B, replicas=2), {"rate": 160.0}),
+    "disaggregated-2p1d": lambda: (
+        split_pd(deployment(LLAMA8B, replicas=1), 2, 1),
+        {"rate": 120.0, "hashes": True},
+    ),
+    "disaggregated-tight-decode": lambda: (
+        _pd_tight(),
+        {"rate": 150.0},
+    ),
     "frontend-latency": lambda: (deployment(LLAMA8B, frontend_latency=0.002), {"rate": 80.0}),
 }
 
 Outcome = tuple[StepTotals, list[Finished], Any, float]
+
+
+def _pd_tight() -> Deployment:
+    """1P1D with a small decode pool (back-pressure on the prefills' held blocks) and the
+    transfer overlapped with the prefill."""
+    base = deployment(GPT_OSS_20B, blocks=400)
+    split = split_pd(base, 1, 1)
+    assert split.disaggregation is not None
+    return attrs.evolve(split, disaggregation=attrs.evolve(split.disaggregation, overlap=True))
 
 
 def _disturb(eng: Engine, ids: list[int], rnd: random.Random, done: set[int]) -> None:

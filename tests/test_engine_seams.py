@@ -68,4 +68,11 @@ def test_the_scheduler_hands_over_typed_values() -> None:
     params = attrs.fields(SchedulerOutput)
     assert {f.name for f in params} == {"batch", "positions", "contexts", "terms", "preempted"}
     assert issubclass(RequestStatus, enum.IntEnum)
-    assert [s.name for s in RequestStatus] == ["PENDING", "WAITING", "RUNNING", "DONE"]
+    assert [s.name for s in RequestStatus] == [
+        "PENDING",
+        "WAITING",
+        "RUNNING",
+        "DONE",
+        "RECEIVING",
+        "HELD",
+    ]

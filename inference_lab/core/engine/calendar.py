@@ -6,8 +6,9 @@ Rule 1: events at the same time are handled in the order they were filed (each c
         arrival (the simulator's lazy feed of an open loop: engine Rule 6).
 Rule 2: an event is never removed from the heap; it goes stale instead and is skipped
         when it reaches the top: an arrival whose request is no longer PENDING (it was
-        aborted), a boundary whose sequence number is not its owner's ``boundary_seq``
-        (the step end moved when a late arrival joined the step: engine Rule 2).
+        aborted), a transfer's end whose request is no longer RECEIVING (aborted), a
+        boundary whose sequence number is not its owner's ``boundary_seq`` (the step end
+        moved when a late arrival joined the step: engine Rule 2).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import heapq
 import itertools
 from typing import Any, Protocol
 
-from inference_lab.core.engine.request import PENDING, Request
+from inference_lab.core.engine.request import PENDING, RECEIVING, Request
 
-__all__ = ["ARRIVAL", "BOUNDARY", "GROUP_BOUNDARY", "EventCalendar", "EventKind"]
+__all__ = ["ARRIVAL", "BOUNDARY", "GROUP_BOUNDARY", "TRANSFER", "EventCalendar", "EventKind"]
 
 #: Sequence numbers of arrivals filed with ``preorder`` start here: below every number
 #: the calendar's own counter gives (Rule 1).
@@ -35,11 +36,14 @@ class EventKind(enum.IntEnum):
     BOUNDARY = 1
     #: the end of the lockstep step of a replica's data-parallel ranks (payload: the group)
     GROUP_BOUNDARY = 2
+    #: a remote prefill's KV has arrived at its decode worker (payload: the request)
+    TRANSFER = 3
 
 
 ARRIVAL = EventKind.ARRIVAL
 BOUNDARY = EventKind.BOUNDARY
 GROUP_BOUNDARY = EventKind.GROUP_BOUNDARY
+TRANSFER = EventKind.TRANSFER
 
 
 class BoundaryOwner(Protocol):
@@ -62,6 +66,10 @@ class EventCalendar:
         seq = next(self._seq) if preorder is None else preorder - PREORDER_BASE
         heapq.heappush(self.heap, (time, seq, ARRIVAL, r))
 
+    def file_transfer(self, r: Request, time: float) -> None:
+        """File the end of ``r``'s KV transfer (it is RECEIVING) at ``time``."""
+        heapq.heappush(self.heap, (time, next(self._seq), TRANSFER, r))
+
     def file_boundary(self, owner: BoundaryOwner, time: float, kind: EventKind) -> None:
         """File ``owner``'s step boundary at ``time``; any boundary it had filed goes
         stale (Rule 2)."""
@@ -75,6 +83,9 @@ class EventCalendar:
             _, seq, kind, payload = heap[0]
             if kind == ARRIVAL:
                 if payload.status == PENDING:
+                    break
+            elif kind == TRANSFER:
+                if payload.status == RECEIVING:
                     break
             elif seq == payload.boundary_seq:
                 break
@@ -92,6 +103,9 @@ class EventCalendar:
             t, seq, kind, payload = pop(heap)
             if kind == ARRIVAL:
                 if payload.status == PENDING:
+                    return t, kind, payload
+            elif kind == TRANSFER:
+                if payload.status == RECEIVING:
                     return t, kind, payload
             elif seq == payload.boundary_seq:
                 return t, kind, payload

@@ -58,6 +58,7 @@ from inference_lab.core.engine.outputs import (
 from inference_lab.core.engine.request import (
     DONE,
     PENDING,
+    RECEIVING,
     RUNNING,
     WAITING,
     Request,
@@ -94,15 +95,31 @@ class Engine(EventLoop):
         self._aborted = 0
         self._max_num_seqs = deployment.scheduler.max_num_seqs
         #: a plain request of at most this many positions passes every check of check_fits
-        self._fits_total = fits_total(deployment, self.roofline)
+        split = deployment.disaggregation
+        self._fits_total = (
+            fits_total(deployment, self.roofline)
+            if split is None
+            else min(
+                fits_total(split.decode, self.roofline),
+                fits_total(split.prefill, self.workers[0].roofline),
+            )
+        )
 
     # ------------------------------------------------------------------ admission
     def check_fits(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> RequestRefused | None:
         """Why a request of this size (``n`` sequences sharing the prompt) can never run
         here, or None (:func:`~inference_lab.core.engine.limits.check_fits`). Pure: the
         serving layer calls it before admission to answer 400
-        ``context_length_exceeded``."""
-        return check_fits(self.deployment, self.workers[0].kv, prompt_tokens, max_tokens, n)
+        ``context_length_exceeded``. With disaggregation, its prompt on the prefill pool
+        and the whole of it on the decode pool."""
+        split = self.deployment.disaggregation
+        if split is None:
+            return check_fits(self.deployment, self.workers[0].kv, prompt_tokens, max_tokens, n)
+        assert self._pools is not None
+        refused = check_fits(split.decode, self._pools[1][0].kv, prompt_tokens, max_tokens, n)
+        if refused is None:
+            refused = check_fits(split.prefill, self._pools[0][0].kv, prompt_tokens, 1, n)
+        return refused
 
     def submit(self, spec: RequestSpec, *, preorder: int | None = None) -> int:
         """Queue an arrival at ``max(spec.arrival_time, now)`` and return its id. Nothing
@@ -120,6 +137,10 @@ class Engine(EventLoop):
             raise ValueError(f"target must be in 1..max_tokens, got {target}")
         if spec.worker is not None and not 0 <= spec.worker < len(self.workers):
             raise ValueError(f"worker must be in 0..{len(self.workers) - 1}, got {spec.worker}")
+        if spec.remote_positions and not (
+            spec.n == 1 and 0 <= spec.remote_positions < spec.prompt_tokens
+        ):
+            raise ValueError("remote_positions needs n = 1 and fewer positions than the prompt")
         if spec.n != 1 or spec.prompt_tokens + spec.max_tokens > self._fits_total:
             refused = self.check_fits(spec.prompt_tokens, spec.max_tokens, spec.n)
             if refused is not None:
@@ -127,6 +148,11 @@ class Engine(EventLoop):
         rid = next(self._ids)
         stamp = spec.arrival_time + self._frontend if self._frontend else spec.arrival_time
         arrival = stamp if stamp > self.now else self.now
+        if self._handoffs is not None:  # its prefill request first (handoff Rule 1)
+            if spec.n != 1 or spec.hold_kv or spec.remote_positions:
+                raise ValueError("with disaggregation a request has n = 1 and no remote KV")
+            spec = self._handoffs.prefill_spec(rid, spec)
+            target = 1
         r = Request(rid, spec, arrival, target, stamp)
         self.workers[0].kv.prepare(r)  # the same answer on every worker
         self._requests[rid] = r
@@ -150,9 +176,28 @@ class Engine(EventLoop):
             w.kv.free(r)
             w.running.remove(r)
             w.running_seqs -= r.n
+        elif r.status == RECEIVING:  # its transfer's end goes stale
+            w = self.workers[r.worker]
+            w.receiving.remove(r)
+            w.kv.free(r)
         r.status = DONE
+        if self._handoffs is not None:  # a held prefill goes too (handoff Rule 5)
+            held = self._handoffs.abort(request_id)
+            if held is not None:
+                self.workers[held.worker].release(held)
         self._aborted += 1
         return True
+
+    def release_kv(self, request_id: int) -> bool:
+        """Give back the blocks a finished request held for a remote decode (``hold_kv``:
+        a prefill server's ``do_remote_decode``, once pulled or expired); False when no
+        worker holds them."""
+        for w in self.workers:
+            held = w.held.get(request_id)
+            if held is not None:
+                w.release(held)
+                return True
+        return False
 
     # ------------------------------------------------------------------ time
     def next_event_time(self) -> float | None:
@@ -292,4 +337,5 @@ class Engine(EventLoop):
             max_num_seqs=self._max_num_seqs,
             workers=tuple(w.statistics() for w in self.workers),
             prefix_caching=self.prefix_caching,
+            transfers=(self._transfer_count, self._transfer_bytes, self._transfer_seconds),
         )

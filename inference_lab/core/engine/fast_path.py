@@ -351,14 +351,14 @@ class FastPath:
         price: Callable[[BatchTerms], StepCost],
         factor: float,
         log: StepLog,
-        ended: list[tuple[Request, float]],
+        ended: list[tuple[Request, float, float]],
         *,
         stop_after_finish: bool = False,
     ) -> DecodeRun | None:
         """Rule 4: handle this worker's step boundaries from the one due at ``now`` (not
         handled yet) while each is earlier than ``limit``: each ends the fast step in
         flight (``Scheduler.complete``: requests finishing at a boundary go to ``ended``
-        with its time) and starts a pure decode step, priced as the engine prices it
+        with its time and the duration of the step that ended them) and starts a pure decode step, priced as the engine prices it
         (``price`` x ``factor``), its figures appended to ``log``. At a boundary whose next
         step is not a pure decode one (a request waits, the new blocks are short, the
         batch is too small for the fast path) or after one that finished a request with
@@ -391,7 +391,8 @@ class FastPath:
         windowed = [(j, cal) for j, cal in enumerate(vec.sat_cal) if vec.windows[j] > 0]
         classes = list(enumerate(vec.windows))
         boundaries = started = 0
-        start = boundary = now
+        start = self.step_start  # (of the step in flight: the first boundary ends it)
+        boundary = now
         while now < limit:
             boundary = now
             boundaries += 1
@@ -399,7 +400,7 @@ class FastPath:
                 _, done = self.complete_fast(now, scratch)  # the general end of a fast step
                 scratch.clear()
                 for r in done:
-                    ended.append((r, now))
+                    ended.append((r, now, now - start))
                 if done and stop_after_finish:
                     return self._settle(vec, boundaries, started, start, now, boundary, True)
             else:  # a pure decode step's end: a token each, nothing finishes

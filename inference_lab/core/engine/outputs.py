@@ -34,6 +34,11 @@ class Finished:
     the request produced ``n * output_tokens`` tokens in all. ``cached_tokens`` is the
     prompt prefix its worker had cached when it was first admitted (not computed by
     it); ``worker`` the replica that ran it.
+
+    With prefill/decode disaggregation (``docs/disaggregation.md``): ``prefill_worker``
+    the prefill replica (-1: none), ``prefill_end_time`` when its prefill ended there,
+    ``transfer_end_time`` when its KV had reached ``worker`` (-1.0: not so run), and
+    ``transfer_bytes`` the bytes that crossed the link.
     """
 
     request_id: int
@@ -48,6 +53,10 @@ class Finished:
     n: int = 1
     cached_tokens: int = 0
     worker: int = 0
+    prefill_worker: int = -1
+    prefill_end_time: float = -1.0
+    transfer_end_time: float = -1.0
+    transfer_bytes: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -116,6 +125,8 @@ class WorkerStatistics:
       prefix_cache_hits: of them, tokens found cached (not computed).
       cached_blocks: blocks holding a known prefix, held or evictable (evictable ones
         count as free, not used).
+      receiving: requests admitted with blocks for a remote prefill's KV, waiting for it.
+      held: finished requests whose blocks are kept for a remote decode.
     """
 
     waiting: int
@@ -127,6 +138,8 @@ class WorkerStatistics:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     cached_blocks: int = 0
+    receiving: int = 0
+    held: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -168,6 +181,8 @@ class EngineStatistics:
       workers: one :class:`WorkerStatistics` per worker, in worker order.
       prefix_caching: whether the deployment caches prefixes.
       prefix_cache_queries, prefix_cache_hits, cached_blocks: sums over workers.
+      transfers, transfer_bytes, transfer_seconds: KV transfers from a remote prefill
+        started so far (disaggregation, or a decode server's), their bytes and seconds.
     """
 
     now: float
@@ -188,6 +203,9 @@ class EngineStatistics:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     cached_blocks: int = 0
+    transfers: int = 0
+    transfer_bytes: float = 0.0
+    transfer_seconds: float = 0.0
 
 
 # positional constructors of the records built every step / request (:mod:`builders`)
@@ -207,6 +225,7 @@ def engine_statistics(
     max_num_seqs: int,
     workers: tuple[WorkerStatistics, ...],
     prefix_caching: bool,
+    transfers: tuple[int, float, float] = (0, 0.0, 0.0),
 ) -> EngineStatistics:
     """The engine's snapshot: its own counters and its workers' sums."""
     used = sum(ws.kv_used_blocks for ws in workers)
@@ -230,6 +249,9 @@ def engine_statistics(
         prefix_cache_queries=sum(ws.prefix_cache_queries for ws in workers),
         prefix_cache_hits=sum(ws.prefix_cache_hits for ws in workers),
         cached_blocks=sum(ws.cached_blocks for ws in workers),
+        transfers=transfers[0],
+        transfer_bytes=transfers[1],
+        transfer_seconds=transfers[2],
     )
 
 

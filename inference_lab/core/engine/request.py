@@ -7,7 +7,10 @@ prefilled once, as one sequence, and its KV blocks are shared; from the pass tha
 completes it the ``n`` sequences decode together, each a batch member.
 
 Rule 1: a request's status only moves forward, PENDING -> WAITING -> RUNNING -> DONE,
-        except that a preemption moves it from RUNNING back to WAITING (it re-prefills).
+        except that a preemption moves it from RUNNING back to WAITING (it re-prefills);
+        a request with a remote prefill goes WAITING -> RECEIVING -> WAITING (its KV
+        arrived) first, and one that holds its KV for a remote decode finishes HELD, then
+        DONE when it is released.
 Rule 2: ``num_computed`` and ``num_output`` count positions and tokens *per sequence*; a
         running plain request in the scheduler's fast path keeps them lazily
         (``lazy_base``: :mod:`~inference_lab.core.engine.running_rows` Rule 4) and they are
@@ -29,7 +32,9 @@ from inference_lab.core.engine.outputs import Finished, finished_record
 
 __all__ = [
     "DONE",
+    "HELD",
     "PENDING",
+    "RECEIVING",
     "RUNNING",
     "WAITING",
     "Request",
@@ -60,6 +65,12 @@ class RequestSpec:
     n: int = 1
     worker: int | None = None
     block_hashes: tuple[int, ...] = ()
+    #: when it finishes, keep its KV blocks for a remote decode (a prefill server's
+    #: ``do_remote_decode``) until :meth:`Engine.release_kv` or the engine's own hand-off
+    hold_kv: bool = False
+    #: positions whose KV a remote prefill computed (a decode server's
+    #: ``do_remote_prefill``): admitted, they are received over the link, then computed
+    remote_positions: int = 0
 
 
 class RequestStatus(enum.IntEnum):
@@ -73,6 +84,10 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 2
     #: finished or aborted
     DONE = 3
+    #: admitted with blocks for a remote prefill's KV, waiting for it to arrive
+    RECEIVING = 4
+    #: finished with its blocks kept for a remote decode (``hold_kv``)
+    HELD = 5
 
 
 # module-level names for the hot paths (an enum member lookup costs a class attribute)
@@ -80,6 +95,8 @@ PENDING = RequestStatus.PENDING
 WAITING = RequestStatus.WAITING
 RUNNING = RequestStatus.RUNNING
 DONE = RequestStatus.DONE
+RECEIVING = RequestStatus.RECEIVING
+HELD = RequestStatus.HELD
 
 
 class Request:
@@ -113,6 +130,8 @@ class Request:
         "next_cache_position",
         "cached_tokens",
         "lazy_base",
+        "hold_kv",
+        "remote_positions",
     )
 
     def __init__(
@@ -158,6 +177,9 @@ class Request:
         self.cached_tokens = 0
         #: decoding in the fast path: ``num_computed`` minus the rows' decode counter
         self.lazy_base = 0
+        self.hold_kv = spec.hold_kv
+        #: positions still to be received from a remote prefill (0 once received)
+        self.remote_positions = spec.remote_positions
 
     def report(self, finish_time: float, worker: int, frontend_latency: float) -> Finished:
         """The ``Finished`` record of this request, which ended at ``finish_time`` on

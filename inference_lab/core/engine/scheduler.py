@@ -43,7 +43,15 @@ from inference_lab.core.engine.block_pool import BlockPool, KVEvent
 from inference_lab.core.engine.fast_path import FastBatch, FastPath
 from inference_lab.core.engine.kv_cache_manager import KVCacheManager
 from inference_lab.core.engine.outputs import WorkerStatistics
-from inference_lab.core.engine.request import DONE, RUNNING, WAITING, Request, complete_members
+from inference_lab.core.engine.request import (
+    DONE,
+    HELD,
+    RECEIVING,
+    RUNNING,
+    WAITING,
+    Request,
+    complete_members,
+)
 from inference_lab.core.engine.scheduler_output import Batch, SchedulerOutput, scheduler_output
 from inference_lab.core.engine.wait_queue import WaitQueue
 from inference_lab.core.roofline import BatchTerms, Roofline
@@ -103,6 +111,14 @@ class Scheduler(FastPath):
         self.step_cs: list[int] = []
         self.step_dcs: list[int] = []
         self.step_gamma = 0
+        #: requests admitted with blocks for a remote prefill's KV, waiting for it (Rule 6)
+        self.receiving: list[Request] = []
+        #: the receptions started by the last pass, for the engine to file their ends
+        self.new_transfers: list[Request] = []
+        #: finished requests whose blocks are kept for a remote decode, by id (Rule 6)
+        self.held: dict[int, Request] = {}
+        #: its tokens are not the client's (a disaggregated deployment's prefill pool)
+        self.internal = False
         self.init_fast_path(roofline, allowed=self.spec is None)
 
     @property
@@ -147,7 +163,11 @@ class Scheduler(FastPath):
 
     def first_chunk_blocks(self, r: Request) -> int:
         """Free blocks admitting ``r`` takes with a whole step's budget (the admission
-        ledger's measure)."""
+        ledger's measure); for a request with a remote prefill, those of its received
+        positions and one more (Rule 6)."""
+        if r.remote_positions or r.num_blocks:
+            positions = max(r.remote_positions, r.num_computed) + 1
+            return max(0, self.kv.blocks_for(positions) - r.num_blocks)
         chunk = self.first_chunk(r, self.budget)
         if chunk is None:
             return self.kv.blocks_for(self._stage(r, 0)[0])
@@ -163,6 +183,14 @@ class Scheduler(FastPath):
             return None
         if self.running_seqs + r.n > self.max_num_seqs and self.running_seqs:
             return None
+        while r.remote_positions and not r.num_blocks:  # a remote prefill's KV (Rule 6)
+            if not self._receive(r, now):
+                return None  # its blocks are short: it waits at the head
+            r = self.waiting.peek()
+            if r is None:
+                return None
+        if r.num_blocks:  # its KV arrived: only its next chunk's blocks to find
+            return self._admit_resident(r, mark, budget)
         if r.n == 1 and not r.cacheable_blocks:  # first_chunk of a plain request, no prefix
             n = r.prefill_length()  # its whole (re-)prefill
             if n > budget:
@@ -190,6 +218,65 @@ class Scheduler(FastPath):
         self.running.append(r)
         self.running_seqs += r.n
         return r, n
+
+    def _receive(self, r: Request, now: float) -> bool:
+        """Rule 6: take the blocks of ``r``'s remote prefill positions (beyond what this
+        worker has cached of them) and start receiving them: ``r`` leaves the queue,
+        RECEIVING, and the engine files its transfer's end. False (nothing changed) when
+        the free blocks cannot hold them."""
+        hit, touched = self.kv.computed_blocks(r) if r.cacheable_blocks else (0, 0)
+        positions = max(r.remote_positions, hit * self.block_size)
+        need = self.kv.blocks_for(positions) - hit
+        if need + touched > self.pool.free:
+            return False
+        self.waiting.pop()
+        self.kv.admit(r, hit, need, r.first_scheduled_time < 0)
+        if r.first_scheduled_time < 0:
+            r.first_scheduled_time = now
+        r.status = RECEIVING
+        self.receiving.append(r)
+        self.new_transfers.append(r)
+        return True
+
+    def received(self, r: Request) -> None:
+        """Rule 6: ``r``'s remote KV arrived: its positions count as computed (the blocks
+        they fill are cached like computed ones) and it goes to the head of the queue."""
+        self.receiving.remove(r)
+        positions = r.remote_positions
+        r.remote_positions = 0
+        if positions > r.num_computed:
+            r.num_computed = positions
+            if positions >= r.next_cache_position:
+                self.kv.cache_computed(r, positions)
+        r.status = WAITING
+        self.waiting.push_front(r)
+
+    def _admit_resident(self, r: Request, mark: int, budget: int) -> tuple[Request, int] | None:
+        """Admit the head ``r``, whose KV is resident already (received from a remote
+        prefill), into the step marked ``mark``: its next chunk on top of it, within
+        ``budget`` and the free blocks (Rule 6)."""
+        left = r.prefill_length() - r.num_computed
+        if left <= 0:
+            n = 1
+        elif not self.chunked and left > budget:
+            return None
+        else:
+            n = min(left, budget, self.chunk_cap)
+        if self.kv.allocate(r, r.num_computed + n) is None:
+            return None
+        self.waiting.pop()
+        r.status = RUNNING
+        r.admit_order = next(self.admit_order)
+        r.batch_mark = mark
+        self.running.append(r)
+        self.running_seqs += r.n
+        return r, n
+
+    def release(self, r: Request) -> None:
+        """Rule 6: ``r`` held its blocks for a remote decode; they go back now."""
+        del self.held[r.id]
+        self.kv.free(r)
+        r.status = DONE
 
     def verify_reserve(self) -> int:
         """Speculative decoding (drafting Rule 1): the blocks the running decoding requests'
@@ -412,10 +499,15 @@ class Scheduler(FastPath):
         return (), finished
 
     def finish(self, r: Request) -> None:
-        """``r`` emitted its last token: it is DONE and its blocks go back."""
+        """``r`` emitted its last token: it is DONE and its blocks go back -- or, holding
+        them for a remote decode, HELD with its blocks (Rule 6)."""
+        self.running_seqs -= r.n
+        if r.hold_kv:
+            r.status = HELD
+            self.held[r.id] = r
+            return
         r.status = DONE
         self.kv.free(r)
-        self.running_seqs -= r.n
 
     # ------------------------------------------------------------------ state
     def time_to_next_finish(self, now: float, per_step: float) -> float | None:
@@ -453,4 +545,6 @@ class Scheduler(FastPath):
             prefix_cache_queries=pool.queries,
             prefix_cache_hits=pool.hits,
             cached_blocks=pool.cached_blocks,
+            receiving=len(self.receiving),
+            held=len(self.held),
         )

@@ -29,9 +29,15 @@ import math
 
 import attrs
 
-from inference_lab.core.config import Deployment
+from inference_lab.core.config import Deployment, transfer_seconds
 from inference_lab.core.engine.block_pool import KVEvent
-from inference_lab.core.engine.calendar import ARRIVAL, BOUNDARY, GROUP_BOUNDARY, EventCalendar
+from inference_lab.core.engine.calendar import (
+    ARRIVAL,
+    BOUNDARY,
+    GROUP_BOUNDARY,
+    TRANSFER,
+    EventCalendar,
+)
 from inference_lab.core.engine.dp_group import DPGroup
 from inference_lab.core.engine.drafting import (
     DraftCounts,
@@ -41,6 +47,7 @@ from inference_lab.core.engine.drafting import (
     price_step,
 )
 from inference_lab.core.engine.fast_path import FastBatch
+from inference_lab.core.engine.handoff import Handoffs
 from inference_lab.core.engine.outputs import (
     Finished,
     StepEvents,
@@ -102,12 +109,31 @@ class EventLoop:
         acceptance: AcceptanceDraws | None,
     ) -> None:
         self.deployment = deployment
-        self.roofline = Roofline(deployment)
         self._kv_events: list[KVEvent] | None = [] if record_kv_events else None
-        self.workers = [
-            Scheduler(i, deployment, self.roofline, self._kv_events)
-            for i in range(deployment.workers)
-        ]
+        split = deployment.disaggregation
+        #: the hand-offs between a disaggregated deployment's pools (None: aggregated)
+        self._handoffs = None if split is None else Handoffs(split)
+        #: a disaggregated deployment's prefill and decode workers (None: aggregated)
+        self._pools: tuple[list[Scheduler], list[Scheduler]] | None = None
+        if split is None:
+            self.roofline = Roofline(deployment)
+            self.workers = [
+                Scheduler(i, deployment, self.roofline, self._kv_events)
+                for i in range(deployment.workers)
+            ]
+        else:
+            self.roofline = Roofline(split.decode)
+            prefill_rf = Roofline(split.prefill)
+            first = split.prefill.workers
+            self.workers = [
+                Scheduler(i, split.prefill, prefill_rf, self._kv_events) for i in range(first)
+            ] + [
+                Scheduler(first + i, split.decode, self.roofline, self._kv_events)
+                for i in range(split.decode.workers)
+            ]
+            for w in self.workers[:first]:
+                w.internal = True
+            self._pools = (self.workers[:first], self.workers[first:])
         hw = deployment.hardware
         dp = hw.dp_attention
         self.groups = (
@@ -133,6 +159,17 @@ class EventLoop:
         self._calendar = EventCalendar()
         self._requests: dict[int, Request] = {}
         self._router = Router(hw.router, hw.affinity_load_ratio, hw.kv_aware_queue_weight)
+        self._decode_router = self._router
+        if split is not None:
+            p = split.prefill.hardware
+            self._router = Router(
+                split.prefill_router, p.affinity_load_ratio, p.kv_aware_queue_weight
+            )
+            self._decode_router = Router(split.decode_router, 1.0, 0.0)
+        #: KV transfers from a remote prefill started: count, bytes, seconds
+        self._transfer_count = 0
+        self._transfer_bytes = 0.0
+        self._transfer_seconds = 0.0
         self._pending = 0
         self._preemptions = 0
         self._steps = 0
@@ -142,7 +179,7 @@ class EventLoop:
         #: the tokens ``run_until`` has a step end emit (nobody reads them there)
         self._scratch: list[tuple[int, int]] = []
         #: the requests a decode run ended, with their finish times
-        self._ended: list[tuple[Request, float]] = []
+        self._ended: list[tuple[Request, float, float]] = []
 
     def step(self) -> StepEvents:
         """Handle the earliest event and return what became visible at its time."""
@@ -155,6 +192,9 @@ class EventLoop:
             return step_events(now, (), (), (payload.id,), None)
         if kind == GROUP_BOUNDARY:
             return self._group_boundary(payload, now)
+        if kind == TRANSFER:
+            self._received(payload, now)
+            return step_events(now, (), (), (), None)
         return self._boundary(payload, now)
 
     def _arrive(self, r: Request, now: float) -> None:
@@ -163,7 +203,12 @@ class EventLoop:
         self._pending -= 1
         hint = r.routed_worker
         workers = self.workers
-        if hint is not None:
+        if self._pools is not None:  # a prefill request to the prefill pool (handoff Rule 1)
+            if r.hold_kv:
+                w = self._router.choose(self._pools[0], r)
+            else:
+                w = self._decode_router.choose(self._pools[1], r)
+        elif hint is not None:
             w = workers[hint]
         else:  # (one worker: the router's answer, without asking)
             w = workers[0] if len(workers) == 1 else self._router.choose(workers, r)
@@ -193,6 +238,8 @@ class EventLoop:
         g = self._group_of[w.index]
         start = w.step_start if g is None else g.step_start
         admitted = w.admit_head(start, w.step_mark, w.step_budget)
+        if w.new_transfers:
+            self._file_transfers(w, start)
         if admitted is None:
             return
         _, n = admitted
@@ -200,7 +247,7 @@ class EventLoop:
         w.batch.append(admitted)
         terms = w.step_terms
         assert terms is not None  # set with the step in flight
-        rf = self.roofline
+        rf = w.roofline
         rf.add_sequence(terms, n, r.num_computed)
         if w.step_plain is not None:  # a speculative step: its batch without drafts too
             rf.add_sequence(w.step_plain, n, r.num_computed)
@@ -229,10 +276,80 @@ class EventLoop:
         adds to ``emit``."""
         head, done = w.complete(now, emit)
         for r in done:
+            self._ended_request(w, r, now, w.step_end - w.step_start, finished)
+        return head
+
+    def _ended_request(
+        self, w: Scheduler, r: Request, now: float, step: float, finished: list[Finished]
+    ) -> None:
+        """``r`` ended on ``w`` at ``now`` (its last step took ``step`` s): its
+        ``Finished``, or with disaggregation the hand-off of its prefill (handoff Rules
+        1-4)."""
+        handoffs = self._handoffs
+        if handoffs is None:
             del self._requests[r.id]
             self._finished += 1
             finished.append(r.report(now, w.index, self._frontend))
-        return head
+            return
+        if not w.internal:
+            del self._requests[r.id]
+            self._finished += 1
+            finished.append(handoffs.report(r, now, w.index, self._frontend))
+            return
+        spec, at = handoffs.prefill_done(w, r, now, step)
+        decode = Request(
+            r.id, spec, at, spec.max_tokens if spec.target is None else spec.target, at
+        )
+        self._pools[1][0].kv.prepare(decode)  # type: ignore[index]  # (pools: disaggregated)
+        self._requests[r.id] = decode
+        self._pending += 1
+        self._calendar.file_arrival(decode, at)
+        if not spec.remote_positions:  # nothing to send: its blocks go back now
+            held = handoffs.transfer_done(decode, now)
+            if held is not None:
+                w.release(held)
+
+    def _file_transfers(self, w: Scheduler, now: float) -> None:
+        """The receptions ``w``'s last pass started (scheduler Rule 6): each transfer's end
+        filed, priced by the link (handoff Rule 3)."""
+        for r in w.new_transfers:
+            if self._handoffs is not None:
+                sent, seconds = self._handoffs.transfer(r)
+            else:
+                sent, seconds = self._own_transfer(w, r)
+            self._transfer_count += 1
+            self._transfer_bytes += sent
+            self._transfer_seconds += seconds
+            self._calendar.file_transfer(r, now + seconds)
+        w.new_transfers.clear()
+
+    def _own_transfer(self, w: Scheduler, r: Request) -> tuple[float, float]:
+        """A decode server's reception (no ``[disaggregation]``): the bytes of ``r``'s
+        remote positions it has not cached, over the profile's scale-out link (NVLink
+        without one) on ``tp`` GPU links at once."""
+        dep = self.deployment
+        sent = dep.kv_bytes_of(r.remote_positions) - dep.kv_bytes_of(r.num_computed)
+        fabric = dep.profile.fabric
+        if fabric is None:
+            return sent, 0.0
+        link = fabric.scale_out if fabric.scale_out is not None else fabric.scale_up
+        layers = dep.model.num_layers
+        return sent, transfer_seconds(
+            link, dep.hardware.tp, sent, overlap=False, layers=layers, overlapped=0.0
+        )
+
+    def _received(self, r: Request, now: float) -> None:
+        """``r``'s remote KV arrived at ``now`` (scheduler Rule 6): it is admitted next on
+        its worker, and a prefill's held blocks go back (handoff Rule 3)."""
+        w = self.workers[r.worker]
+        w.received(r)
+        if self._handoffs is not None:
+            held = self._handoffs.transfer_done(r, now)
+            if held is not None:
+                self.workers[held.worker].release(held)
+        if not w.scheduled:
+            w.scheduled = True
+            self._calendar.file_boundary(w, now, BOUNDARY)
 
     def _boundary(self, w: Scheduler, now: float) -> StepEvents:
         """The step of ``w`` ends at ``now``: complete it, then choose, price and file its
@@ -243,12 +360,16 @@ class EventLoop:
         started = self._start_step(w, now)
         info = None if started is None else self._step_info(w, now, started)
         emitted = head + tuple(tokens) if tokens else head if head else ()
+        if w.internal:
+            emitted = ()  # a prefill pool's tokens are not the client's (handoff Rule 1)
         return step_events(now, emitted, tuple(finished) if finished else (), (), info)
 
     def _start_step(self, w: Scheduler, now: float) -> Started | None:
         """Choose ``w``'s next batch at ``now``, price it and file its end; None when it
         has nothing to run (it idles until an arrival)."""
         out = w.schedule(now)
+        if w.new_transfers:
+            self._file_transfers(w, now)
         batch = out.batch
         preempted = out.preempted
         self._preemptions += preempted
@@ -256,7 +377,7 @@ class EventLoop:
             w.batch = []
             w.scheduled = False
             return None
-        rf = self.roofline
+        rf = w.roofline
         counts = None
         if self._accept is None:
             terms = out.terms
@@ -419,6 +540,9 @@ class EventLoop:
                     report.waiting_at_mid = waiting
                 report.waiting_at_end = waiting
                 continue
+            if kind == TRANSFER:
+                self._received(payload, now)
+                continue
             done = len(finished)
             if kind == BOUNDARY:
                 self._run_boundary(payload, now, before, log, finished, report, stop_on_finish)
@@ -451,17 +575,15 @@ class EventLoop:
         run = w.decode_run(
             now,
             limit,
-            self.roofline.price,
+            w.roofline.price,
             self.step_time_factor,
             log,
             ended,
-            stop_after_finish=stop_on_finish,
+            stop_after_finish=stop_on_finish or w.internal,  # (a hand-off files events)
         )
         if run is not None:
-            for r, t in ended:
-                del self._requests[r.id]
-                self._finished += 1
-                finished.append(r.report(t, w.index, self._frontend))
+            for r, t, step in ended:
+                self._ended_request(w, r, t, step, finished)
             ended.clear()
             self._steps += run.started
             report.events += run.boundaries - 1
