@@ -107,6 +107,10 @@ class ParsedRequest:
     block_hashes: tuple[int, ...] = ()
     #: The token ids hashed (numpy int64), kept only for the KV-events publisher.
     hashed_tokens: Any = None
+    #: vLLM's ``ignore_eos``: run to ``max_tokens`` (or a stop string), no drawn length.
+    ignore_eos: bool = False
+    #: vLLM's ``min_tokens``: a drawn length is at least this (capped by ``output_cap``).
+    min_tokens: int = 0
 
     @property
     def output_cap(self) -> int:
@@ -183,6 +187,20 @@ def _include_usage(stream: bool, options: StreamOptions | None) -> bool:
     return stream and options is not None and bool(options.include_usage)
 
 
+def _length_fields(
+    ignore_eos: bool | None, min_tokens: int | None, max_tokens: int
+) -> dict[str, Any]:
+    """ParsedRequest's ``ignore_eos`` and ``min_tokens`` (vLLM's sampling parameters, which
+    decide an answer's length here); ``min_tokens`` above ``max_tokens`` is a 400, as in
+    vLLM."""
+    if min_tokens is not None and min_tokens > max_tokens:
+        raise invalid_value(
+            "min_tokens",
+            f"min_tokens must be less than or equal to max_tokens ({max_tokens}), got {min_tokens}",
+        )
+    return {"ignore_eos": bool(ignore_eos), "min_tokens": min_tokens or 0}
+
+
 def parse_chat_request(
     raw: dict[str, Any],
     default_max_tokens: int,
@@ -232,6 +250,7 @@ def parse_chat_request(
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         **stop,
         **hashed,
+        **_length_fields(body.ignore_eos, body.min_tokens, max_tokens),
     )
 
 
@@ -297,6 +316,7 @@ def parse_completion_request(
         logprobs=body.logprobs,
         **stop,
         **hashed,
+        **_length_fields(body.ignore_eos, body.min_tokens, max_tokens),
     )
 
 

@@ -407,6 +407,7 @@ class ModelRuntime:
         limit: int | None = None,
         block_hashes: tuple[int, ...] = (),
         drawn: bool = True,
+        min_length: int = 0,
     ) -> RequestHandle:
         """The single entry into the engine. Synchronous, no checkpoint.
 
@@ -419,7 +420,8 @@ class ModelRuntime:
         ``block_hashes`` (its prompt's and answer's hash chain, :mod:`inference_lab.api.hashing`)
         go with it, so the router and the prefix cache see them.
         With ``drawn`` False the answer's content decides its length (a JSON document of
-        ``limit`` tokens): no length is drawn for it.
+        ``limit`` tokens, or a request that runs to its cap): no length is drawn for it.
+        A drawn length is at least ``min_length`` (vLLM's ``min_tokens``), within the cap.
         """
         if not self._alive:
             if self.observer is not None:
@@ -442,7 +444,7 @@ class ModelRuntime:
         target = cap if cap < max_tokens else None
         if self._output_lengths is not None and drawn:
             sample = int(self._output_lengths.sample(self._rng, 1)[0])
-            target = max(1, min(sample, cap))
+            target = max(1, min(max(sample, min_length), cap))
         handle.spec = RequestSpec(
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,

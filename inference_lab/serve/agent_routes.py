@@ -75,26 +75,34 @@ from inference_lab.serve.routes import to_response
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.streaming import CollectSink
 
-__all__ = ["AGENT_ROUTES", "register_response_routes"]
+__all__ = ["AGENT_ROUTES", "register_response_routes", "request_body"]
 
 Route = Callable[[ServeState, Exchange, Receive, Send], Awaitable[None]]
 
 
-async def _body(
-    state: ServeState, exchange: Exchange, receive: Receive, send: Send
+async def request_body(
+    state: ServeState,
+    exchange: Exchange,
+    receive: Receive,
+    send: Send,
+    translate: Callable[[Reply], Reply] | None = None,
 ) -> bytes | None:
-    """The request body, or None once a refusal was sent (or the client left)."""
+    """The request body, or None once a refusal was sent (or the client left); a route
+    with another error envelope (the Messages API) passes ``translate``."""
     timeout = state.settings.body_timeout
+    reply: Reply | None = None
     try:
         return await read_body(receive, exchange.scope, deadline=exchange.arrival + timeout)
     except BodyTooLarge:
-        await send_reply(send, body_too_large_reply(), exchange.headers)
+        reply = body_too_large_reply()
     except BodyTooFragmented:
-        await send_reply(send, body_too_fragmented_reply(MAX_BODY_PIECES), exchange.headers)
+        reply = body_too_fragmented_reply(MAX_BODY_PIECES)
     except BodyTimeout:
-        await send_reply(send, body_timeout_reply(timeout), exchange.headers)
+        reply = body_timeout_reply(timeout)
     except ClientGone:
         pass
+    if reply is not None:
+        await send_reply(send, translate(reply) if translate else reply, exchange.headers)
     return None
 
 
@@ -120,7 +128,7 @@ async def create_response(
     state: ServeState, exchange: Exchange, receive: Receive, send: Send
 ) -> None:
     """``POST /v1/responses`` (the module rules)."""
-    body = await _body(state, exchange, receive, send)
+    body = await request_body(state, exchange, receive, send)
     if body is None:
         return
     settings = state.settings
@@ -257,7 +265,7 @@ async def create_embeddings(
     state: ServeState, exchange: Exchange, receive: Receive, send: Send
 ) -> None:
     """``POST /v1/embeddings`` (the module rules)."""
-    body = await _body(state, exchange, receive, send)
+    body = await request_body(state, exchange, receive, send)
     if body is None:
         return
     settings = state.settings

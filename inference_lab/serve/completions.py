@@ -59,7 +59,12 @@ from inference_lab.api.requests import (
 from inference_lab.api.schema import parse_json_object
 from inference_lab.errors import ApiError, EngineUnavailable, QueueFull
 from inference_lab.runtime.model import RequestHandle
-from inference_lab.serve.agents import chat_plan, refuse_structured, serve_chat_agent
+from inference_lab.serve.agents import (
+    chat_plan,
+    reasoning_keys,
+    refuse_structured,
+    serve_chat_agent,
+)
 from inference_lab.serve.client_gone import while_watched
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.responses import (
@@ -268,7 +273,8 @@ async def complete(
             else:
                 refuse_structured(raw)
             if plan is not None:
-                await serve_chat_agent(state, runtime, exchange, receive, send, parsed, plan)
+                keys = reasoning_keys(state, raw)
+                await serve_chat_agent(state, runtime, exchange, receive, send, parsed, plan, keys)
                 return
             engine_prompt = max(1, parsed.prompt_tokens)
             refused = runtime.check_fits(engine_prompt, parsed.max_tokens, parsed.n)
@@ -300,6 +306,8 @@ async def complete(
                 n=parsed.n,
                 limit=parsed.output_cap,
                 block_hashes=parsed.block_hashes,
+                drawn=not parsed.ignore_eos,
+                min_length=parsed.min_tokens,
             )
             if parsed.hashed_tokens is not None:  # the KV-events publisher names blocks' tokens
                 state.remember_tokens(parsed)

@@ -43,6 +43,8 @@ __all__ = ["check", "prepare"]
 #: Paths answered without the API key: liveness, version and metrics (scrapers and probes
 #: hold no key).
 OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+#: Paths whose clients (Anthropic's SDKs) send the API key as ``x-api-key``.
+ANTHROPIC_KEY_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 #: The dashboard's paths (``serve/dashboard.py``), where ``?token=`` may stand for the
 #: control token's header (Rule 5).
 DASHBOARD_PREFIX = "/control/dashboard"
@@ -197,14 +199,17 @@ def _query_token(exchange: Exchange) -> bytes | None:
 
 def _api_key(state: ServeState, exchange: Exchange) -> Reply | None:
     """With an API key (``--api-key``), every path but :data:`OPEN_PATHS` and the control
-    plane needs ``Authorization: Bearer <key>``, compared in constant time; 401
-    ``invalid_api_key`` otherwise (Rule 4)."""
+    plane needs ``Authorization: Bearer <key>`` (on the Messages API's paths, Anthropic's
+    ``x-api-key: <key>`` too), compared in constant time; 401 ``invalid_api_key``
+    otherwise (Rule 4)."""
     key = state.settings.api_key
     path = exchange.path
     if key is None or path in OPEN_PATHS or _is_control(path):
         return None
     scheme, _, credentials = (exchange.header(b"authorization") or b"").strip().partition(b" ")
     credentials = credentials.strip()
+    if scheme.lower() != b"bearer" and path in ANTHROPIC_KEY_PATHS:
+        scheme, credentials = b"bearer", (exchange.header(b"x-api-key") or b"").strip()
     if scheme.lower() != b"bearer" or not credentials:
         return api_key_reply(provided=False)
     if not hmac.compare_digest(credentials, key.encode()):

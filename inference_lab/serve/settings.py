@@ -84,8 +84,10 @@ DEFAULT_HARDWARE = "b200"
 DEFAULT_MAX_TOKENS = 256
 #: Seconds a request body may take to arrive, counted from the request's arrival.
 DEFAULT_BODY_TIMEOUT = 10.0
-#: The share of ``tool_choice: "auto"`` answers that call a tool.
-DEFAULT_TOOL_CALL_PROBABILITY = 0.5
+#: The chance that a ``tool_choice: "auto"`` answer to a fresh question that a tool fits
+#: calls a tool; after a tool result and when no tool fits it is lower
+#: (``api/tool_choice.py``).
+DEFAULT_TOOL_CALL_PROBABILITY = 0.9
 
 
 @attrs.frozen(kw_only=True)
@@ -123,11 +125,19 @@ class ServeSettings:
     fine_latency_buckets: bool = False
     #: Publish KV-cache events over ZeroMQ (``serve/kv_events.py``); None: no events.
     kv_events: KVEventsSettings | None = None
-    #: The share of ``tool_choice: "auto"`` answers that call a tool (``docs/agents.md``).
+    #: The chance that a ``tool_choice: "auto"`` answer to a fresh question a tool fits
+    #: calls a tool (``docs/agents.md``; lower after a tool result: ``api/tool_choice.py``).
     tool_call_probability: float = DEFAULT_TOOL_CALL_PROBABILITY
     #: The length of ``/v1/embeddings`` vectors for every model (None: each model's
     #: ``hidden_dim``).
     embedding_dim: int | None = None
+    #: Every prose answer runs to its ``max_tokens`` (or stop string) instead of drawing
+    #: its length from the default length model (``api/lengths.py``) when there is no
+    #: workload.
+    run_to_max_tokens: bool = False
+    #: Chat answers carry reasoning as ``reasoning_content`` (the older field) besides
+    #: ``reasoning``; False sends ``reasoning`` only.
+    reasoning_content: bool = True
 
     def embedding_size(self, deployment: Deployment) -> int:
         """The full length of ``deployment``'s embedding vectors."""
@@ -169,6 +179,8 @@ def load_settings(
     kv_events_topic: str = "",
     tool_call_probability: float = DEFAULT_TOOL_CALL_PROBABILITY,
     embedding_dim: int | None = None,
+    run_to_max_tokens: bool = False,
+    reasoning_content: bool = True,
     on_skip: Callable[[str], None] | None = None,
     labels: Mapping[str, str] | None = None,
 ) -> ServeSettings:
@@ -308,6 +320,8 @@ def load_settings(
         kv_events=kv_events,
         tool_call_probability=tool_call_probability,
         embedding_dim=embedding_dim,
+        run_to_max_tokens=run_to_max_tokens,
+        reasoning_content=reasoning_content,
     )
 
 
@@ -455,7 +469,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
     ``_API_KEY``, ``_ALLOWED_ORIGINS``, ``_ENABLE_TEST_HARNESS``,
     ``_NO_SHOULD_RETRY_HEADER``, ``_NO_DASHBOARD``, ``_FINE_LATENCY_BUCKETS``,
     ``_KV_EVENTS_ENDPOINT``, ``_KV_EVENTS_REPLAY_ENDPOINT``, ``_KV_EVENTS_TOPIC``,
-    ``_TOOL_CALL_PROBABILITY``, ``_EMBEDDING_DIM``."""
+    ``_TOOL_CALL_PROBABILITY``, ``_EMBEDDING_DIM``, ``_RUN_TO_MAX_TOKENS``,
+    ``_NO_REASONING_CONTENT``."""
     env = os.environ if environ is None else environ
     enable_test_harness = _env_flag(env, "INFERENCE_LAB_ENABLE_TEST_HARNESS")
     default_max_tokens = _env_int(env, "INFERENCE_LAB_DEFAULT_MAX_TOKENS", 1)
@@ -481,6 +496,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
         kv_events_topic=env.get("INFERENCE_LAB_KV_EVENTS_TOPIC") or "",
         tool_call_probability=_env_probability(env, "INFERENCE_LAB_TOOL_CALL_PROBABILITY"),
         embedding_dim=_env_int(env, "INFERENCE_LAB_EMBEDDING_DIM", 1),
+        run_to_max_tokens=_env_flag(env, "INFERENCE_LAB_RUN_TO_MAX_TOKENS"),
+        reasoning_content=not _env_flag(env, "INFERENCE_LAB_NO_REASONING_CONTENT"),
         on_skip=lambda line: print(f"inference-lab: {line}", file=sys.stderr),
         labels=ENV_LABELS,
     )

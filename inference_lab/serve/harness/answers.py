@@ -191,6 +191,7 @@ class Fault:
             sink=sink,
             arrival=exchange.arrival,
             limit=parsed.output_cap,
+            drawn=False,  # the directive decides where the stream ends, never a drawn length
         )
         try:
             await serve_stream(
