@@ -182,9 +182,10 @@ class CompletionBody:
     prompt: Prompt = attrs.field(metadata=expect(_PROMPT_EXPECT))
     max_tokens: int | None = attrs.field(
         default=None,
-        validator=in_range(1, MAX_INT32),
-        metadata=expect(f"an integer in 1..{MAX_INT32}"),
+        validator=in_range(0, MAX_INT32),
+        metadata=expect(f"an integer in 0..{MAX_INT32}"),
     )
+    suffix: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     echo: bool | None = None

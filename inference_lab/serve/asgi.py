@@ -37,6 +37,7 @@ from inference_lab.serve.agent_routes import AGENT_ROUTES
 from inference_lab.serve.completions import COMPLETION_ROUTES, complete
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.messages_route import MESSAGES_ROUTES, anthropic_reply, is_messages_path
+from inference_lab.serve.ops import INVOCATIONS, invocations
 from inference_lab.serve.responses import (
     error_reply,
     method_not_allowed_reply,
@@ -50,7 +51,7 @@ from inference_lab.serve.transport import received_at
 __all__ = ["InferenceLabApp", "LabHTTPConnection", "RAW_ROUTES", "STATE_KEY", "get_state"]
 
 #: Path -> the raw ASGI route serving ``POST`` on it, besides the completion routes.
-RAW_ROUTES = {**AGENT_ROUTES, **MESSAGES_ROUTES}
+RAW_ROUTES = {**AGENT_ROUTES, **MESSAGES_ROUTES, INVOCATIONS: invocations}
 
 #: Where an app keeps its :class:`ServeState` (``app.extensions[STATE_KEY]``).
 STATE_KEY = "inference_lab"

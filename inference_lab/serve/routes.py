@@ -40,7 +40,14 @@ from inference_lab.serve.responses import (
 )
 from inference_lab.serve.state import ServeState
 
-__all__ = ["capacity_entry", "model_object", "package_version", "register_routes", "stats_entry"]
+__all__ = [
+    "capacity_entry",
+    "health_reply",
+    "model_object",
+    "package_version",
+    "register_routes",
+    "stats_entry",
+]
 
 
 def to_response(reply: Reply) -> Response:
@@ -105,6 +112,17 @@ def stats_entry(runtime: ModelRuntime, last: int | None, finished: int | None) -
             "early_wake_samples": st.calibration.samples,
         },
     }
+
+
+def health_reply(state: ServeState) -> Reply:
+    """``/health`` (and ``/ping``): 200 while every model's engine runs, else 503 naming
+    each model's state."""
+    alive = {name: rt.snapshot().alive for name, rt in state.runtimes.items()}
+    if all(alive.values()):
+        return Reply(200, b'{"status":"ok"}')
+    models = {name: ("running" if up else "stopped") for name, up in alive.items()}
+    reply = json_reply({"status": "unavailable", "models": models}, 503)
+    return attrs.evolve(reply, headers=(retry_after_header(RETRY_AFTER_UNAVAILABLE),))
 
 
 def _model_for(state: ServeState, model: str | None) -> ModelRuntime:
@@ -186,13 +204,7 @@ def register_routes(app: QuartTrio, state: ServeState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        alive = {name: rt.snapshot().alive for name, rt in state.runtimes.items()}
-        if all(alive.values()):
-            return to_response(Reply(200, b'{"status":"ok"}'))
-        models = {name: ("running" if up else "stopped") for name, up in alive.items()}
-        reply = json_reply({"status": "unavailable", "models": models}, 503)
-        retry = retry_after_header(RETRY_AFTER_UNAVAILABLE)
-        return to_response(attrs.evolve(reply, headers=(retry,)))
+        return to_response(health_reply(state))
 
     @app.get("/v1/models")
     async def models() -> Response:
