@@ -8,7 +8,8 @@ Rule 2: every request passes :mod:`inference_lab.serve.gate` first (once a shutd
         any other method on those paths is a 405; so do ``POST /v1/responses`` and
         ``POST /v1/embeddings`` to :mod:`inference_lab.serve.agent_routes` and the
         Messages API's two routes to :mod:`inference_lab.serve.messages_route` (whose
-        refusals, the gate's included, are in Anthropic's envelope); every other
+        refusals, the gate's included, are in Anthropic's envelope), and the pooling
+        routes to :mod:`inference_lab.serve.pooling_routes`; every other
         request is handed to Quart (with the exchange's headers added to its response).
 Rule 3: the final ``http.response.body`` of a Quart route is shielded from cancellation
         (hypercorn issue #330: quart-trio cancels the request scope when hypercorn reports
@@ -38,6 +39,7 @@ from inference_lab.serve.completions import COMPLETION_ROUTES, complete
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.messages_route import MESSAGES_ROUTES, anthropic_reply, is_messages_path
 from inference_lab.serve.ops import INVOCATIONS, invocations
+from inference_lab.serve.pooling_routes import POOLING_ROUTES
 from inference_lab.serve.responses import (
     error_reply,
     method_not_allowed_reply,
@@ -51,7 +53,7 @@ from inference_lab.serve.transport import received_at
 __all__ = ["InferenceLabApp", "LabHTTPConnection", "RAW_ROUTES", "STATE_KEY", "get_state"]
 
 #: Path -> the raw ASGI route serving ``POST`` on it, besides the completion routes.
-RAW_ROUTES = {**AGENT_ROUTES, **MESSAGES_ROUTES, INVOCATIONS: invocations}
+RAW_ROUTES = {**AGENT_ROUTES, **MESSAGES_ROUTES, **POOLING_ROUTES, INVOCATIONS: invocations}
 
 #: Where an app keeps its :class:`ServeState` (``app.extensions[STATE_KEY]``).
 STATE_KEY = "inference_lab"

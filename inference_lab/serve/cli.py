@@ -195,6 +195,12 @@ def _add_agent_flags(parser: argparse.ArgumentParser) -> None:
         "are otherwise drawn from the default length model: docs/serve.md#response-lengths)",
     )
     parser.add_argument(
+        "--pooling-models",
+        metavar="NAMES",
+        help="serve these models (comma-separated names, or 'all') as pooling models: "
+        "/v1/rerank, /v1/score, /classify and /pooling (docs/serve.md#pooling-models)",
+    )
+    parser.add_argument(
         "--no-reasoning-content",
         action="store_true",
         help="chat answers carry reasoning as 'reasoning' only, without the older "
@@ -306,6 +312,8 @@ def _banner(
         lines.append("  response lengths: min(workload output_len_dist sample, max_tokens)")
     elif settings.run_to_max_tokens:
         lines.append("  response lengths: max_tokens (--run-to-max-tokens)")
+    if settings.pooling_models:
+        lines.append(f"  pooling models: {', '.join(sorted(settings.pooling_models))}")
     lines.extend(kv_lines or ())
     lines.append(f"listening on {url}  (Ctrl-C to stop)")
     return "\n".join(lines)
@@ -367,6 +375,7 @@ def run(args: argparse.Namespace) -> int:
             embedding_dim=embedding_dim,
             run_to_max_tokens=bool(getattr(args, "run_to_max_tokens", False)),
             reasoning_content=not getattr(args, "no_reasoning_content", False),
+            pooling_models=getattr(args, "pooling_models", None),
             on_skip=skip,
             labels=labels,
         )

@@ -77,6 +77,7 @@ ENV_LABELS: Mapping[str, str] = MappingProxyType(
             "kv_events_topic",
             "tool_call_probability",
             "embedding_dim",
+            "pooling_models",
         )
     }
 )
@@ -138,6 +139,9 @@ class ServeSettings:
     #: Chat answers carry reasoning as ``reasoning_content`` (the older field) besides
     #: ``reasoning``; False sends ``reasoning`` only.
     reasoning_content: bool = True
+    #: The models served as pooling models: they answer ``/v1/rerank``, ``/v1/score``,
+    #: ``/classify`` and ``/pooling`` (``serve/pooling_routes.py``).
+    pooling_models: frozenset[str] = frozenset()
 
     def embedding_size(self, deployment: Deployment) -> int:
         """The full length of ``deployment``'s embedding vectors."""
@@ -181,6 +185,7 @@ def load_settings(
     embedding_dim: int | None = None,
     run_to_max_tokens: bool = False,
     reasoning_content: bool = True,
+    pooling_models: str | None = None,
     on_skip: Callable[[str], None] | None = None,
     labels: Mapping[str, str] | None = None,
 ) -> ServeSettings:
@@ -196,7 +201,8 @@ def load_settings(
     with an HTTP header); ``body_timeout`` is a finite number of seconds > 0.
     ``api_key`` follows ``control_token``'s rule; ``allowed_origins`` is the comma-separated
     text of ``--allowed-origins`` (see :func:`parse_origins`). ``tool_call_probability``
-    is in 0..1, ``embedding_dim`` (if not None) >= 1. ``labels`` maps a setting's
+    is in 0..1, ``embedding_dim`` (if not None) >= 1. ``pooling_models`` is a
+    comma-separated list of served model names, or ``all``. ``labels`` maps a setting's
     name to how errors call it (Rule 3): the flag or the variable it came from.
     """
 
@@ -288,6 +294,7 @@ def load_settings(
             faults.append((name, model_config.fault))
     if not deployments:
         raise ConfigError(f"{path}: no model config has a [hardware.{hardware}] entry")
+    pooling = _pooling_models(pooling_models, list(seen), label("pooling_models"))
     loaded = (
         load_workload(resolve_shipped(workload, "workload", label("workload")))
         if workload is not None
@@ -322,7 +329,23 @@ def load_settings(
         embedding_dim=embedding_dim,
         run_to_max_tokens=run_to_max_tokens,
         reasoning_content=reasoning_content,
+        pooling_models=pooling,
     )
+
+
+def _pooling_models(text: str | None, served: list[str], name: str) -> frozenset[str]:
+    """``--pooling-models``: served model names, comma-separated, or ``all``."""
+    if text is None or not text.strip():
+        return frozenset()
+    if text.strip() == "all":
+        return frozenset(served)
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    for model in names:
+        if model not in served:
+            raise ConfigError(
+                f"{name}: no served model is named {model!r} (served: {', '.join(served)})"
+            )
+    return frozenset(names)
 
 
 def is_loopback_host(host: str) -> bool:
@@ -470,7 +493,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
     ``_NO_SHOULD_RETRY_HEADER``, ``_NO_DASHBOARD``, ``_FINE_LATENCY_BUCKETS``,
     ``_KV_EVENTS_ENDPOINT``, ``_KV_EVENTS_REPLAY_ENDPOINT``, ``_KV_EVENTS_TOPIC``,
     ``_TOOL_CALL_PROBABILITY``, ``_EMBEDDING_DIM``, ``_RUN_TO_MAX_TOKENS``,
-    ``_NO_REASONING_CONTENT``."""
+    ``_NO_REASONING_CONTENT``, ``_POOLING_MODELS``."""
     env = os.environ if environ is None else environ
     enable_test_harness = _env_flag(env, "INFERENCE_LAB_ENABLE_TEST_HARNESS")
     default_max_tokens = _env_int(env, "INFERENCE_LAB_DEFAULT_MAX_TOKENS", 1)
@@ -498,6 +521,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
         embedding_dim=_env_int(env, "INFERENCE_LAB_EMBEDDING_DIM", 1),
         run_to_max_tokens=_env_flag(env, "INFERENCE_LAB_RUN_TO_MAX_TOKENS"),
         reasoning_content=not _env_flag(env, "INFERENCE_LAB_NO_REASONING_CONTENT"),
+        pooling_models=env.get("INFERENCE_LAB_POOLING_MODELS") or None,
         on_skip=lambda line: print(f"inference-lab: {line}", file=sys.stderr),
         labels=ENV_LABELS,
     )

@@ -16,7 +16,10 @@ Against ``inference-lab serve --allowed-origins '*'`` it sends, concurrently:
   thousands of messages and malformed ``tool_result`` blocks (answered in Anthropic's
   envelope), a completions batch of 2,048 scored prompts, bodies ``/invocations`` cannot
   place, a browser page's bodiless ``/sleep``: each a 200 or a 4xx in its API's
-  envelope, answered within its deadline, never a 500.
+  envelope, answered within its deadline, never a 500;
+- the pooling routes (:func:`pooling_round`, the model served as a pooling model): a
+  rerank and a score of 100,000 documents (a 400 before any work), a rerank of 2,048,
+  mismatched score pairs and malformed pooling bodies: each a 200 or a 400.
 
 Then ``/health`` must answer, the log must hold no traceback and the server must hold
 nothing.
@@ -62,6 +65,8 @@ API_PARITY_CASES = (
     "invocations_junk",
     "sleep_from_page",
 )
+#: The cases of :func:`pooling_round` (each counted ``<case>_ok`` / ``<case>_bad``).
+POOLING_CASES = ("rerank_100k", "score_100k", "rerank_2048", "score_mismatch", "pooling_junk")
 #: The client preface of HTTP/2 (RFC 9113, 3.4), then an empty SETTINGS frame.
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 #: A HEADERS frame on stream 1 without END_HEADERS (flags 0), its block never finished.
@@ -229,6 +234,49 @@ async def api_parity_round(port: int, figures: dict[str, Any]) -> None:
         nursery.start_soon(one, "sleep_from_page", sleep_from_page, lambda r: r.status == 415)
 
 
+async def pooling_round(port: int, figures: dict[str, Any]) -> None:
+    """Hostile input for the pooling routes: bounded work, OpenAI's envelope, never a
+    500 or a hang."""
+    docs = ["d"] * 100_000
+
+    def body(value: dict[str, Any]) -> bytes:
+        return json.dumps({"model": MODEL, **value}, separators=(",", ":")).encode()
+
+    def refused(response: Any) -> bool:
+        if response.status != 400:
+            return False
+        try:
+            return isinstance(response.json().get("error"), dict)
+        except ValueError:
+            return False
+
+    async def one(name: str, path: str, request: bytes, ok: Any) -> None:
+        response = await fetch(port, post(path, request), 30)
+        figures[f"{name}_ok" if ok(response) else f"{name}_bad"] += 1
+
+    junk = (
+        ("/pooling", {"input": [[-1]]}),
+        ("/pooling", {"input": "x", "task": "plugin"}),
+        ("/v1/rerank", {"query": {"text": 1}, "documents": ["x"]}),
+        ("/v1/rerank", {"query": "q", "documents": "x" * 10, "top_n": "all"}),
+        ("/classify", {"messages": [{"role": "user", "content": "x"}]}),
+        ("/v1/score", {"text_1": [], "text_2": ["x"]}),
+    )
+    async with trio.open_nursery() as nursery:
+        rerank = body({"query": "q", "documents": docs})
+        nursery.start_soon(one, "rerank_100k", "/v1/rerank", rerank, refused)
+        score = body({"text_1": "q", "text_2": docs})
+        nursery.start_soon(one, "score_100k", "/score", score, refused)
+        full = body({"query": "q", "documents": ["a document"] * 2048, "top_n": 3})
+        nursery.start_soon(
+            one, "rerank_2048", "/v2/rerank", full, lambda r: r.status == 200 and r.complete
+        )
+        mismatch = body({"text_1": ["a", "b", "c"], "text_2": ["a", "b"]})
+        nursery.start_soon(one, "score_mismatch", "/v1/score", mismatch, refused)
+        for path, value in junk:
+            nursery.start_soon(one, "pooling_junk", path, body(value), refused)
+
+
 async def main_async(url: str, port: int, args: argparse.Namespace) -> dict[str, Any]:
     figures: dict[str, Any] = dict.fromkeys(
         (
@@ -241,6 +289,7 @@ async def main_async(url: str, port: int, args: argparse.Namespace) -> dict[str,
             "h2c_closed",
             "h2c_left_open",
             *(f"{name}_{outcome}" for name in API_PARITY_CASES for outcome in ("ok", "bad")),
+            *(f"{name}_{outcome}" for name in POOLING_CASES for outcome in ("ok", "bad")),
         ),
         0,
     )
@@ -248,6 +297,7 @@ async def main_async(url: str, port: int, args: argparse.Namespace) -> dict[str,
         await one_round(port, figures, args.idle_within)
     for _ in range(max(1, args.rounds // 10)):
         await api_parity_round(port, figures)
+        await pooling_round(port, figures)
     health = await fetch(port, get("/health"), 10)
     figures["health_after"] = health.status
     with trio.move_on_after(15):
@@ -267,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         help="an idle h2c connection must be closed within this long (default: 15)",
     )
     args = parser.parse_args(argv)
-    with server(["--allowed-origins", "*"]) as srv:
+    with server(["--allowed-origins", "*", "--pooling-models", MODEL]) as srv:
         rss_before = rss_mb(srv.pid)
         figures = trio.run(main_async, srv.url, srv.port, args)
         figures["rss_mb_before_after"] = [round(rss_before, 1), round(rss_mb(srv.pid), 1)]
@@ -281,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         "cors_control_bad",
         "h2c_left_open",
         *(f"{name}_bad" for name in API_PARITY_CASES),
+        *(f"{name}_bad" for name in POOLING_CASES),
     )
     ok = (
         code == 0
