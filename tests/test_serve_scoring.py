@@ -13,6 +13,9 @@ import trio
 import trio.testing
 from openai.types import Completion
 
+from inference_lab.api.prompt_logprobs import prompt_entries, prompt_field, prompt_token_texts
+from inference_lab.api.requests import BYTE_TOKENIZER
+from inference_lab.jsonbytes import dumps
 from tests.conftest import GPT, ServeFactory, chat_body, make_settings
 
 
@@ -148,3 +151,15 @@ async def test_what_vllm_refuses_or_ignores_is_a_400_naming_it(serve: ServeFacto
         assert status == 400 and error["error"]["param"] == "prompt"
         status, error = await post(s, {"model": GPT, "prompt": ["x"] * 2049})
         assert status == 400 and error["error"]["code"] == "invalid_prompt"
+
+
+@pytest.mark.parametrize(("start", "stop"), [(0, 1), (0, 7), (1, 7), (3, 7), (7, 7)])
+@pytest.mark.parametrize("top", [1, 3])
+def test_a_prompt_field_piece_is_the_entries_of_that_field(start: int, stop: int, top: int) -> None:
+    """The body's per-field pieces say what ``prompt_entries`` says, field by field."""
+    texts = prompt_token_texts(BYTE_TOKENIZER, "The quick brown fox jumps over the lazy dog")
+    assert len(texts) >= 7
+    entries = list(prompt_entries(texts, top, start, stop))
+    for field in range(4):
+        expected = b",".join(dumps(entry[field]) for entry in entries)
+        assert prompt_field(texts, top, field, start, stop) == expected

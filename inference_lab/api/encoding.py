@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from inference_lab.api.prompt_logprobs import (
-    prompt_entries,
+    prompt_field,
     prompt_logprobs,
     with_prompt_logprobs,
 )
@@ -79,6 +79,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 #: Tokens of logprobs encoded per piece of a body sent in pieces (:func:`body_pieces`):
 #: each piece costs the event loop well under a millisecond to build.
 PIECE_TOKENS = 2048
+#: Echoed prompt tokens per piece of a body (a prompt token's entry costs more).
+PROMPT_PIECE_TOKENS = 256
 #: A logprobs value in a body's dict, replaced by the logprobs' pieces.
 _LOGPROBS_SLOT = "\x00logprobs\x00"
 
@@ -195,9 +197,9 @@ def _completion_logprobs_pieces(
     prompt = len(echo_tokens)
     for opening, item, field in arrays:
         yield opening
-        for start in range(0, prompt, PIECE_TOKENS):
-            entries = prompt_entries(echo_tokens, top, start, min(prompt, start + PIECE_TOKENS))
-            part = b",".join(dumps(entry[field]) for entry in entries)
+        for start in range(0, prompt, PROMPT_PIECE_TOKENS):
+            stop = min(prompt, start + PROMPT_PIECE_TOKENS)
+            part = prompt_field(echo_tokens, top, field, start, stop)
             yield part if start == 0 else b"," + part
         for start in range(0, count, PIECE_TOKENS):
             stop = min(count, start + PIECE_TOKENS)

@@ -10,8 +10,9 @@ Rule 1: each item (a rerank document, a score pair, an input) is one prefill-onl
 Rule 2: a relevance score is deterministic per (server seed, model, query, document):
         sigmoid(6 x coverage - 3 + noise), coverage the fraction of the query's distinct
         words (or token ids) that the document holds, noise a normal draw (sigma 0.5)
-        seeded by a hash of them. A document that shares the query's words ranks above
-        one that does not, as a reranker would; the value means nothing more.
+        made from a hash of them. A document that shares the query's words ranks above
+        one that does not, as a reranker would; the value means nothing more. Pairs are
+        scored as the body is built, :data:`SCORE_CHUNK` between two yields.
 Rule 3: ``/classify`` gives each input :data:`NUM_CLASSES` labels (``LABEL_0`` ...,
         Hugging Face's default names) with softmax probabilities of seeded logits
         (``use_activation: false``: the logits); ``/pooling`` gives each input's vector
@@ -80,8 +81,9 @@ class PoolingRequest:
     priority: int
     #: Each item's prompt tokens (the engine request's prompt).
     tokens: tuple[int, ...]
-    #: Each item's relevance score (rerank, score) or seed key (classify, pooling).
-    scores: tuple[float, ...] = ()
+    #: Rerank and score: each item's (query, document), scored as the body is built.
+    pairs: tuple[tuple[str | list[int], str | list[int]], ...] = ()
+    #: Classify and pooling: each input's seed key.
     keys: tuple[bytes, ...] = ()
     #: Rerank: each document's text (or None for token ids); ``top_n`` (0: all).
     documents: tuple[str | None, ...] = ()
@@ -174,15 +176,27 @@ def _key(item: str | list[int]) -> bytes:
     return b"ids\x00" + ",".join(map(str, item)).encode()
 
 
+class _Scorer:
+    """Rule 2's score of documents against one query (its words and hash prefix kept)."""
+
+    def __init__(self, seed: int, model: str, query: str | list[int]) -> None:
+        self.words = _words(query)
+        self.prefix = b"%d\x00" % seed + model.encode() + b"\x00" + _key(query) + b"\x00"
+
+    def score(self, document: str | list[int]) -> float:
+        words = self.words
+        coverage = len(words & _words(document)) / len(words) if words else 0.0
+        digest = hashlib.sha256(self.prefix + _key(document)).digest()
+        # a standard normal from the digest's bits (Box-Muller): no generator per pair
+        u1 = (int.from_bytes(digest[:8], "little") + 1) / 2.0**64
+        u2 = int.from_bytes(digest[8:16], "little") / 2.0**64
+        noise = 0.5 * math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
+        return 1.0 / (1.0 + math.exp(-(6.0 * coverage - 3.0 + noise)))
+
+
 def relevance(seed: int, model: str, query: str | list[int], document: str | list[int]) -> float:
     """The score of one (query, document) pair (Rule 2)."""
-    words = _words(query)
-    coverage = len(words & _words(document)) / len(words) if words else 0.0
-    digest = hashlib.sha256(
-        b"%d\x00" % seed + model.encode() + b"\x00" + _key(query) + b"\x00" + _key(document)
-    ).digest()
-    noise = 0.5 * float(np.random.default_rng(int.from_bytes(digest[:16], "little")).normal())
-    return 1.0 / (1.0 + math.exp(-(6.0 * coverage - 3.0 + noise)))
+    return _Scorer(seed, model, query).score(document)
 
 
 def _pairs(
@@ -190,31 +204,29 @@ def _pairs(
     queries: list[str | list[int]],
     documents: list[str | list[int]],
     tokenizer: Tokenizer | None,
-    seed: int,
-    model: str,
     cap: int | None,
-) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """Each pair's prompt tokens and score (Rules 1 and 2); ``queries`` is one query or
-    one per document."""
+) -> tuple[tuple[int, ...], tuple[tuple[str | list[int], str | list[int]], ...]]:
+    """Each pair's prompt tokens (Rule 1) and the pair; ``queries`` is one query or one per
+    document."""
     tok = tokenizer if tokenizer is not None else BYTE_TOKENIZER
     per_query = _int_field(raw, "max_tokens_per_query", 0)
     per_doc = _int_field(raw, "max_tokens_per_doc", 0)
     query_tokens = [_capped(_count(tok, q, True), per_query) for q in queries]
     tokens: list[int] = []
-    scores: list[float] = []
+    pairs: list[tuple[str | list[int], str | list[int]]] = []
     for i, doc in enumerate(documents):
         q = 0 if len(queries) == 1 else i
         pair = query_tokens[q] + _capped(_count(tok, doc, False), per_doc) + 1
         tokens.append(_capped(pair, cap))
-        scores.append(relevance(seed, model, queries[q], doc))
-    return tuple(tokens), tuple(scores)
+        pairs.append((queries[q], doc))
+    return tuple(tokens), tuple(pairs)
 
 
 # --------------------------------------------------------------------------- parsers
 
 
 def parse_rerank_request(
-    raw: Mapping[str, Any], *, tokenizer: Tokenizer | None = None, seed: int = 0
+    raw: Mapping[str, Any], *, tokenizer: Tokenizer | None = None
 ) -> PoolingRequest:
     """``/v1/rerank``, ``/rerank``, ``/v2/rerank``: ``query``, ``documents``, ``top_n``;
     raises :class:`ApiError` (400) naming the field."""
@@ -228,13 +240,13 @@ def parse_rerank_request(
         top_n = 0
     if type(top_n) is not int or not 0 <= top_n <= MAX_INT32:
         raise invalid_value("top_n", f"top_n must be an integer >= 0, got {_short(top_n)}")
-    tokens, scores = _pairs(raw, query, documents, tokenizer, seed, model, cap)
+    tokens, pairs = _pairs(raw, query, documents, tokenizer, cap)
     return PoolingRequest(
         kind="rerank",
         model=model,
         priority=priority,
         tokens=tokens,
-        scores=scores,
+        pairs=pairs,
         documents=tuple(d if type(d) is str else None for d in documents),
         top_n=top_n,
         field="documents",
@@ -242,7 +254,7 @@ def parse_rerank_request(
 
 
 def parse_score_request(
-    raw: Mapping[str, Any], *, tokenizer: Tokenizer | None = None, seed: int = 0
+    raw: Mapping[str, Any], *, tokenizer: Tokenizer | None = None
 ) -> PoolingRequest:
     """``/v1/score``, ``/score``: ``text_1`` / ``text_2`` (or ``queries`` with
     ``documents`` or ``items``, or ``data_1`` / ``data_2``), paired 1:1, 1:N or N:N."""
@@ -260,13 +272,13 @@ def parse_score_request(
             f"{names[0]} holds {len(first)} items and {names[1]} {len(second)}: "
             "input lengths must be either 1:1, 1:N or N:N",
         )
-    tokens, scores = _pairs(raw, first, second, tokenizer, seed, model, cap)
+    tokens, pairs = _pairs(raw, first, second, tokenizer, cap)
     return PoolingRequest(
         kind="score",
         model=model,
         priority=priority,
         tokens=tokens,
-        scores=scores,
+        pairs=pairs,
         field=names[1],
     )
 
@@ -378,8 +390,27 @@ def _head(prefix: str, model: str, created: int) -> bytes:
     )
 
 
-def _rerank_pieces(request: PoolingRequest) -> Iterator[bytes]:
-    order = sorted(range(len(request.scores)), key=lambda i: (-request.scores[i], i))
+#: Pairs scored between two yields of a body's pieces (a checkpoint each).
+SCORE_CHUNK = 64
+
+
+def _scores(request: PoolingRequest, seed: int, out: list[float]) -> Iterator[bytes]:
+    """Score every pair into ``out`` (Rule 2), yielding an empty piece every
+    :data:`SCORE_CHUNK` pairs so a large request never holds up the event loop."""
+    scorers: dict[int, _Scorer] = {}
+    for i, (query, document) in enumerate(request.pairs):
+        scorer = scorers.get(id(query))
+        if scorer is None:
+            scorer = scorers[id(query)] = _Scorer(seed, request.model, query)
+        out.append(scorer.score(document))
+        if i % SCORE_CHUNK == SCORE_CHUNK - 1:
+            yield b""
+
+
+def _rerank_pieces(request: PoolingRequest, seed: int) -> Iterator[bytes]:
+    scores: list[float] = []
+    yield from _scores(request, seed, scores)
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
     if request.top_n:
         order = order[: request.top_n]
     prompt = sum(request.tokens)
@@ -396,50 +427,53 @@ def _rerank_pieces(request: PoolingRequest) -> Iterator[bytes]:
         item = {
             "index": i,
             "document": {"text": request.documents[i]},
-            "relevance_score": round(request.scores[i], 8),
+            "relevance_score": round(scores[i], 8),
         }
         yield (b"," if rank else b"") + dumps(item)
     yield b"]}"
 
 
+def _item(request: PoolingRequest, i: int, seed: int, dim: int) -> bytes:
+    """One classify or pooling item (Rule 3)."""
+    probs = (
+        class_probs(seed, request.model, request.keys[i], request.activation)
+        if request.kind == "classify" or request.task == "classify"
+        else None
+    )
+    if request.kind == "classify":
+        assert probs is not None
+        label = f"LABEL_{int(np.argmax(probs))}"
+        return dumps({"index": i, "label": label, "probs": probs, "num_classes": NUM_CLASSES})
+    if probs is not None:
+        data = dumps(probs)
+    else:
+        vector = embedding_vector(seed, request.model, request.keys[i], dim)
+        data = encode_vector(vector, request.encoding_format)
+    return b'{"index":%d,"object":"pooling","data":' % i + data + b"}"
+
+
 def pooling_pieces(
     request: PoolingRequest, *, seed: int, created: int, dim: int
 ) -> Iterator[bytes]:
-    """The response body in pieces, one item each; they concatenate to the whole JSON
-    object. ``dim`` is a pooling request's vector length."""
+    """The response body in pieces, one item each (empty pieces between chunks of
+    scores); they concatenate to the whole JSON object. ``dim`` is a pooling request's
+    vector length."""
     if request.kind == "rerank":
-        yield from _rerank_pieces(request)
+        yield from _rerank_pieces(request, seed)
         return
     prefix = {"score": "score", "classify": "classify", "pooling": "pool"}[request.kind]
     yield _head(prefix, request.model, created)
-    for i in range(len(request.tokens)):
-        lead = b"," if i else b""
-        if request.kind == "score":
+    if request.kind == "score":
+        scores: list[float] = []
+        yield from _scores(request, seed, scores)
+        for i, score in enumerate(scores):
+            lead = b"," if i else b""
             yield (
-                lead
-                + b'{"index":%d,"object":"score","score":' % i
-                + dumps(round(request.scores[i], 8))
-                + b"}"
+                lead + b'{"index":%d,"object":"score","score":' % i + dumps(round(score, 8)) + b"}"
             )
-            continue
-        probs = (
-            class_probs(seed, request.model, request.keys[i], request.activation)
-            if request.kind == "classify" or request.task == "classify"
-            else None
-        )
-        if request.kind == "classify":
-            assert probs is not None
-            label = f"LABEL_{int(np.argmax(probs))}"
-            yield lead + dumps(
-                {"index": i, "label": label, "probs": probs, "num_classes": NUM_CLASSES}
-            )
-            continue
-        if probs is not None:
-            data = dumps(probs)
-        else:
-            vector = embedding_vector(seed, request.model, request.keys[i], dim)
-            data = encode_vector(vector, request.encoding_format)
-        yield lead + b'{"index":%d,"object":"pooling","data":' % i + data + b"}"
+    else:
+        for i in range(len(request.tokens)):
+            yield (b"," if i else b"") + _item(request, i, seed, dim)
     yield b'],"usage":' + _usage(sum(request.tokens)) + b"}"
 
 

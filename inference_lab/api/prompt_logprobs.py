@@ -26,8 +26,15 @@ from typing import Any
 
 from inference_lab.api.text import WORDS
 from inference_lab.api.tokenizer import Tokenizer
+from inference_lab.jsonbytes import dumps
 
-__all__ = ["prompt_entries", "prompt_logprobs", "prompt_token_texts", "with_prompt_logprobs"]
+__all__ = [
+    "prompt_entries",
+    "prompt_field",
+    "prompt_logprobs",
+    "prompt_token_texts",
+    "with_prompt_logprobs",
+]
 
 
 def _byte_chunks(text: str) -> tuple[str, ...]:
@@ -68,6 +75,14 @@ def _top(index: int, token: str, top: int) -> dict[str, float]:
     return entries
 
 
+def _top_json(index: int, token: str, top: int) -> bytes:
+    """``dumps(_top(index, token, top))``, built without the JSON encoder's dict pass."""
+    parts = [
+        dumps(word) + b":" + repr(value).encode() for word, value in _top(index, token, top).items()
+    ]
+    return b"{" + b",".join(parts) + b"}"
+
+
 def prompt_entries(
     texts: Sequence[str], top: int, start: int = 0, stop: int | None = None
 ) -> Iterator[tuple[str, float | None, dict[str, float] | None, int]]:
@@ -82,6 +97,27 @@ def prompt_entries(
         else:
             yield token, -0.25, _top(i, token, top), offset
         offset += len(token)
+
+
+def prompt_field(texts: Sequence[str], top: int, field: int, start: int, stop: int) -> bytes:
+    """One of the four arrays' JSON entries for prompt tokens ``start .. stop - 1``,
+    comma-joined (``field``: 0 tokens, 1 token_logprobs, 2 top_logprobs, 3 text_offset):
+    what :func:`prompt_entries` gives, built for the one field a body piece needs."""
+    if field == 0:
+        return b",".join(dumps(texts[i]) for i in range(start, stop))
+    if field == 1:
+        head = [b"null"] if start == 0 else []
+        return b",".join(head + [b"-0.25"] * (stop - max(start, 1)))
+    if field == 2:
+        head = [b"null"] if start == 0 else []
+        rest = (_top_json(i, texts[i], top) for i in range(max(start, 1), stop))
+        return b",".join([*head, *rest])
+    offset = sum(len(t) for t in texts[:start])
+    out = []
+    for i in range(start, stop):
+        out.append(b"%d" % offset)
+        offset += len(texts[i])
+    return b",".join(out)
 
 
 def prompt_logprobs(texts: Sequence[str], top: int) -> dict[str, list[Any]]:

@@ -59,13 +59,11 @@ def _not_pooling(model: str, kind: str) -> ApiError:
     )
 
 
-def _parse(
-    kind: str, raw: Mapping[str, Any], tokenizer: Tokenizer | None, seed: int
-) -> PoolingRequest:
+def _parse(kind: str, raw: Mapping[str, Any], tokenizer: Tokenizer | None) -> PoolingRequest:
     if kind == "rerank":
-        return parse_rerank_request(raw, tokenizer=tokenizer, seed=seed)
+        return parse_rerank_request(raw, tokenizer=tokenizer)
     if kind == "score":
-        return parse_score_request(raw, tokenizer=tokenizer, seed=seed)
+        return parse_score_request(raw, tokenizer=tokenizer)
     if kind == "classify":
         return parse_classify_request(raw, tokenizer=tokenizer)
     return parse_pooling_request(raw, tokenizer=tokenizer)
@@ -82,7 +80,7 @@ def _route(kind: str) -> Route:
             raw = parse_json_object(body)
             model = raw.get("model")
             tokenizer = settings.tokenizers.get(model) if type(model) is str else None
-            request = _parse(kind, raw, tokenizer, seed)
+            request = _parse(kind, raw, tokenizer)
             runtime = state.runtimes.get(request.model)
             if runtime is None:
                 raise state.model_not_found(request.model)
