@@ -115,3 +115,16 @@ class QueueFull(InferenceLabError):
         self.depth = depth
         self.max_waiting = max_waiting
         self.retry_after = retry_after
+
+
+class EngineSleeping(EngineUnavailable):
+    """Raised by :meth:`ModelRuntime.admit_nowait` while the model sleeps (vLLM's sleep
+    mode, ``POST /sleep``): an unavailable engine that ``POST /wake_up`` brings back. The
+    HTTP app answers 503 ``engine_sleeping``."""
+
+    def __init__(self, model: str) -> None:
+        InferenceLabError.__init__(
+            self,
+            f"The engine for model '{model}' is sleeping (POST /sleep): wake it with POST /wake_up.",
+        )
+        self.model = model

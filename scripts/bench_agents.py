@@ -9,7 +9,12 @@ that paces every model. This prints the median microseconds of
   tools of which the answer calls some;
 - one streamed token: the plain chat encoder's against the agent encoder's (prose with
   reasoning, tool-call arguments) and the Responses API's events;
-- one embedding vector's part of the body (2,880 floats, ``float`` and ``base64``).
+- one embedding vector's part of the body (2,880 floats, ``float`` and ``base64``);
+- the routes vLLM clients added (issue 43): a Messages request of a 10-turn tool
+  conversation parsed and one of its streamed tokens, lm-eval-harness's scoring request
+  (64 prompts of 200 token ids, ``echo`` with ``logprobs``, ``max_tokens`` 0) parsed and
+  its body built (sent in pieces with a checkpoint between), a rerank of 100 documents
+  parsed and its body built.
 
     python scripts/bench_agents.py [--repeat 300]
 """
@@ -36,9 +41,13 @@ from inference_lab.api.agents import (
     StructuredOutput,
     plan_answer,
 )
+from inference_lab.api.completion_batch import PromptResult, batch_pieces
 from inference_lab.api.embeddings import embedding_vector, encode_vector
 from inference_lab.api.encoding import StreamEncoder
-from inference_lab.api.requests import ParsedRequest
+from inference_lab.api.messages_encoding import MessageIds, MessagesEncoder
+from inference_lab.api.messages_request import parse_messages_request
+from inference_lab.api.pooling import parse_rerank_request, pooling_pieces
+from inference_lab.api.requests import ParsedRequest, parse_completion_requests
 from inference_lab.api.responses_api import ResponseIds, ResponsesEncoder, parse_responses_request
 
 WEATHER = {
@@ -191,7 +200,74 @@ def main() -> int:
         ("encode as base64", lambda: encode_vector(vector, "base64")),
     ]:
         print(f"  {label:<40} {median_us(call, repeat):9.1f} us")
+    new_routes(repeat)
     return 0
+
+
+def tool_conversation(turns: int) -> dict[str, Any]:
+    """A Messages body: ``turns`` rounds of question, tool use and tool result."""
+    messages: list[Any] = []
+    for i in range(turns):
+        messages.append({"role": "user", "content": f"What is the weather in city {i}?"})
+        use = {
+            "type": "tool_use",
+            "id": f"toolu_{i}",
+            "name": "get_weather",
+            "input": {"city": "x"},
+        }
+        messages.append({"role": "assistant", "content": [use]})
+        result = {"type": "tool_result", "tool_use_id": f"toolu_{i}", "content": "Sunny."}
+        messages.append({"role": "user", "content": [result]})
+    messages.append({"role": "user", "content": "And tomorrow?"})
+    tool = {"name": "get_weather", "description": "Weather for a city", "input_schema": WEATHER}
+    return {"model": "m", "max_tokens": 200, "tools": [tool], "messages": messages}
+
+
+def new_routes(repeat: int) -> None:
+    """The routes vLLM clients added: a request's parse and body (or one token)."""
+    print("the routes vLLM clients added (per request, or per streamed token)")
+    body = tool_conversation(10)
+    request = parse_messages_request(body)
+    plan = AnswerPlan(ratio=0.5)
+
+    def messages_stream() -> MessagesEncoder:
+        encoder = MessagesEncoder(request, plan, MessageIds(0))
+        encoder.bind(200)
+        encoder.opening()
+        return encoder
+
+    scoring = {
+        "model": "m",
+        "prompt": [list(range(200))] * 64,
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": 0,
+    }
+
+    requests = parse_completion_requests(scoring, 16)
+    results = [PromptResult(completion_tokens=0, finish_reason="length", cached_tokens=0)]
+
+    def score_body() -> None:
+        b"".join(batch_pieces(requests, results * len(requests), request_id="c", created=0))
+
+    documents = [" ".join(f"word{(i * 7 + j) % 500}" for j in range(40)) for i in range(100)]
+    rerank = {"model": "m", "query": "word1 word2 word3 word4", "documents": documents}
+    parsed = parse_rerank_request(rerank)
+    rows = [
+        ("Messages: parse a 10-turn tool conversation", lambda: parse_messages_request(body)),
+        ("scoring: parse 64 x 200 token ids", lambda: parse_completion_requests(scoring, 16)),
+        ("scoring: body, 12,800 echoed logprobs", score_body),
+        ("rerank: parse 100 documents of 40 words", lambda: parse_rerank_request(rerank)),
+        (
+            "rerank: score 100 pairs, body",
+            lambda: b"".join(pooling_pieces(parsed, seed=0, created=0, dim=1)),
+        ),
+    ]
+    for label, call in rows:
+        print(f"  {label:<40} {median_us(call, max(1, repeat // 3)):9.1f} us")
+    print(
+        f"  {'Messages: one streamed token':<40} {per_token_us(messages_stream, 200, repeat):9.2f} us"
+    )
 
 
 if __name__ == "__main__":

@@ -49,7 +49,12 @@ ANSWER = b'{"error":{"message":"full","type":"overloaded_error","code":529}}'
 def chat_request(max_tokens: int) -> bytes:
     """A chat completion for the pinned model, as bytes on the wire."""
     body = json.dumps(
-        {"model": PINNED, "messages": [{"role": "user", "content": "x"}], "max_tokens": max_tokens}
+        {
+            "model": PINNED,
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,  # runs to max_tokens
+        }
     ).encode()
     return (
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"

@@ -281,6 +281,7 @@ async def hold_queue_full(
             "model": PINNED,
             "messages": [{"role": "user", "content": "x"}],
             "max_tokens": PINNED_TOKENS,
+            "ignore_eos": True,  # runs to max_tokens
         }
     ).encode()
     request = (

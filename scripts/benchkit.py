@@ -345,7 +345,13 @@ class Result:
 
 def completion_request(host: str, model: str, max_tokens: int, stream: bool = True) -> bytes:
     body = json.dumps(
-        {"model": model, "prompt": "x" * PROMPT_BYTES, "max_tokens": max_tokens, "stream": stream}
+        {
+            "model": model,
+            "prompt": "x" * PROMPT_BYTES,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,  # every answer runs to max_tokens (vLLM's field)
+            "stream": stream,
+        }
     ).encode()
     return (
         f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"

@@ -67,10 +67,13 @@ def make_settings(
     workload: str | None = None,
     seed: int | None = None,
     default_max_tokens: int = 256,
+    run_to_max_tokens: bool = True,
     **scheduler: Any,
 ) -> ServeSettings:
     """Serve settings for shipped models (default gpt-oss-20b on b200), with ``[scheduler]``
-    keys overridden for every model."""
+    keys overridden for every model. Prose answers run to their ``max_tokens`` unless
+    ``run_to_max_tokens`` is False: most tests pin exact lengths and pacing, and the
+    default length model has tests of its own (``test_serve_lengths.py``)."""
     deployments = []
     for model in models or (GPT,):
         dep = load_deployment(CONFIG_FILES[model], hardware)
@@ -82,6 +85,7 @@ def make_settings(
         workload=load_workload(workload) if workload is not None else None,
         seed=seed,
         default_max_tokens=default_max_tokens,
+        run_to_max_tokens=run_to_max_tokens,
     )
 
 

@@ -161,10 +161,11 @@ def test_the_agents_page_has_its_examples() -> None:
 async def test_the_agents_page_examples_print_what_the_page_shows() -> None:
     """Every example of docs/agents.md, run with the official SDK in a fresh Python
     against a real server (the page's address replaced by the server's), prints exactly
-    the output shown under it: content is a function of the request and the seed."""
+    the output shown under it: content is a function of the request and the seed. The
+    server draws prose lengths as ``inference-lab serve`` does by default."""
     found = examples()
     with trio.fail_after(120):
-        async with running_server(make_settings()) as (url, _, _state):
+        async with running_server(make_settings(run_to_max_tokens=False)) as (url, _, _state):
             script = "".join(
                 f"exec(compile({code.replace('http://127.0.0.1:8080', url)!r}, "
                 f"'docs/agents.md example {i}', 'exec'), {{}})\nprint({SEPARATOR!r})\n"

@@ -45,7 +45,7 @@ async def server_for(**scheduler: Any) -> AsyncIterator[Server]:
     """gpt-oss-20b on b200 with ``[scheduler]`` overrides, served on a fresh port."""
     dep = load_deployment(GPT_OSS_20B, "b200")
     dep = attrs.evolve(dep, scheduler=attrs.evolve(dep.scheduler, **scheduler))
-    app = create_app(ServeSettings(deployments=(dep,)))
+    app = create_app(ServeSettings(deployments=(dep,), run_to_max_tokens=True))
     async with serving(app) as port:
         yield Server(url=f"http://127.0.0.1:{port}", deployment=dep, state=get_state(app))
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from openai._models import construct_type
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion_choice import Logprobs
@@ -395,18 +396,36 @@ def test_chat_logprobs_true_without_top_lists_no_alternatives() -> None:
 
 def test_completions_logprobs_have_openais_shape_and_text_offsets() -> None:
     """tokens, token_logprobs, top_logprobs (emitted token first), text_offset counted
-    from the start of the choice's text (after an echoed prompt)."""
+    from the start of the choice's text; with ``echo`` the prompt's own tokens come first
+    (the byte rule's 4-byte pieces of "hello world"), the first with no logprob, as
+    vLLM's prompt logprobs."""
     parsed = parse_completion_request(completion(logprobs=2, max_tokens=3, echo=True), 256)
     body = body_of(parsed, 3)
-    Completion.model_validate(body)
+    # the SDK reads the body as it does a server's (its types say float where the first
+    # prompt entry is null, as vLLM's and OpenAI's legacy API send it)
+    read = construct_type(type_=Completion, value=body)
+    assert read.choices[0].logprobs.tokens[:3] == ["hell", "o wo", "rld"]
+    Completion.model_validate(body_of(parse_completion_request(completion(logprobs=2), 256), 3))
     logprobs = body["choices"][0]["logprobs"]
-    assert logprobs["tokens"] == ["the ", "of ", "and "]
-    assert all(lp <= 0 for lp in logprobs["token_logprobs"])
-    assert [list(t)[0] for t in logprobs["top_logprobs"]] == ["the ", "of ", "and "]
-    assert all(len(t) == 2 for t in logprobs["top_logprobs"])
-    assert logprobs["text_offset"] == [11, 15, 18]
+    assert logprobs["tokens"] == ["hell", "o wo", "rld", "the ", "of ", "and "]
+    assert logprobs["token_logprobs"][0] is None
+    assert all(lp <= 0 for lp in logprobs["token_logprobs"][1:])
+    assert logprobs["top_logprobs"][0] is None
+    top = ["o wo", "rld", "the ", "of ", "and "]
+    assert [list(t)[0] for t in logprobs["top_logprobs"][1:]] == top
+    assert all(len(t) == 2 for t in logprobs["top_logprobs"][1:])
+    assert logprobs["text_offset"] == [0, 4, 8, 11, 15, 18]
     text = body["choices"][0]["text"]
-    assert [text[o : o + 3] for o in logprobs["text_offset"]] == ["the", "of ", "and"]
+    assert [text[o : o + 3] for o in logprobs["text_offset"]] == [
+        "hel",
+        "o w",
+        "rld",
+        "the",
+        "of ",
+        "and",
+    ]
+    plain = parse_completion_request(completion(logprobs=2, max_tokens=3), 256)
+    assert body_of(plain, 3)["choices"][0]["logprobs"]["tokens"] == ["the ", "of ", "and "]
 
 
 def test_completions_logprobs_zero_lists_the_emitted_token() -> None:

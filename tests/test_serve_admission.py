@@ -310,7 +310,8 @@ async def test_aborted_requests_are_counted(
         response = await s.client.get("/metrics")
         text = (await response.get_data()).decode()
         assert (
-            f'vllm:request_success_total{{finished_reason="abort",model_name="{GPT}"}} 1.0' in text
+            f'vllm:request_success_total{{engine="0",finished_reason="abort",model_name="{GPT}"}} 1.0'
+            in text
         )
 
 
@@ -332,11 +333,11 @@ async def test_a_killed_engine_reports_no_load(
             await b.read_all()
         response = await s.client.get("/metrics")
         text = (await response.get_data()).decode()
-    label = f'{{model_name="{GPT}"}}'
     for name in (
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
         "inference_lab:engine_alive",
     ):
-        assert f"{name}{label} 0.0" in text, name
+        engine = "" if name.startswith("inference_lab:") else 'engine="0",'
+        assert f'{name}{{{engine}model_name="{GPT}"}} 0.0' in text, name

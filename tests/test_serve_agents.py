@@ -179,13 +179,14 @@ async def test_tool_choice_none_never_calls(serve: ServeFactory) -> None:
 async def test_auto_calls_a_tool_with_the_configured_probability(
     serve: ServeFactory, probability: float
 ) -> None:
-    """``tool_choice: auto`` (the default with tools) calls a tool in the share
-    ``--tool-call-probability`` of answers, prose otherwise."""
+    """``tool_choice: auto`` (the default with tools) on a fresh question a tool fits calls
+    a tool with the chance ``--tool-call-probability``, and answers in prose otherwise."""
     calls = 0
     total = 40
     async with serve(settings_with(tool_call_probability=probability)) as s:
         for i in range(total):
-            _, body = await post_json(s, agent_body(f"q{i}", tools=TOOLS))
+            question = f"What is the weather in city {i}?"
+            _, body = await post_json(s, agent_body(question, tools=TOOLS))
             message = body["choices"][0]["message"]
             if message.get("tool_calls"):
                 calls += 1
@@ -198,6 +199,47 @@ async def test_auto_calls_a_tool_with_the_configured_probability(
         assert calls == total
     else:
         assert 10 <= calls <= 30
+
+
+def _after_calls(question: str, calls: int) -> list[dict[str, Any]]:
+    """A conversation in which the assistant answered ``question`` with ``calls`` tool
+    calls in a row, each answered by its result: the next answer follows a tool result."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
+    for k in range(calls):
+        call = {
+            "id": f"call_{k}",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": "{}"},
+        }
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        messages.append({"role": "tool", "tool_call_id": f"call_{k}", "content": "sunny"})
+    return messages
+
+
+async def test_auto_tool_calls_follow_the_conversation(serve: ServeFactory) -> None:
+    """With ``--tool-call-probability 1``: a fresh question no tool fits calls one in a
+    quarter of answers; right after a tool result the chance is 0.4, after a second call
+    0.2 (``api/tool_choice.py``), so an agent loop calls its tool a few times, then
+    answers."""
+    total = 120
+
+    def called(body: Any) -> bool:
+        return bool(body["choices"][0]["message"].get("tool_calls"))
+
+    async with serve(settings_with(tool_call_probability=1.0)) as s:
+        counts = {"no_fit": 0, "after_one": 0, "after_two": 0}
+        for i in range(total):
+            _, body = await post_json(s, agent_body(f"Tell me a joke number {i}", tools=TOOLS))
+            counts["no_fit"] += called(body)
+            for key, made in (("after_one", 1), ("after_two", 2)):
+                messages = _after_calls(f"What is the weather in city {i}?", made)
+                request = {**agent_body(tools=TOOLS), "messages": messages}
+                _, body = await post_json(s, request)
+                counts[key] += called(body)
+    # binomial(120, p) within about 3.5 standard deviations of its mean
+    assert 15 <= counts["no_fit"] <= 45  # p = 0.25
+    assert 30 <= counts["after_one"] <= 66  # p = 0.4
+    assert 10 <= counts["after_two"] <= 40  # p = 0.2
 
 
 async def test_content_is_a_function_of_the_request_and_the_seed(serve: ServeFactory) -> None:
@@ -245,6 +287,11 @@ async def test_streamed_tool_call_deltas_have_the_shapes_the_sdk_accumulates(
     assert frames[0]["choices"][0]["delta"] == {"role": "assistant"}
     assert frames[-1] == "[DONE]"
     usage = frames[-2]
+    # the stream came second: it found the first request's whole prompt blocks cached
+    # (all but the last prompt token's block, as vLLM admits: 64 positions a block)
+    cached = usage["usage"].pop("prompt_tokens_details")["cached_tokens"]
+    assert whole["usage"].pop("prompt_tokens_details")["cached_tokens"] == 0
+    assert cached == (whole["usage"]["prompt_tokens"] - 1) // 64 * 64 > 0
     assert usage["choices"] == [] and usage["usage"] == whole["usage"]
     assert frames[-3]["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "tool_calls"}
     tokens = frames[1:-3]
@@ -453,9 +500,10 @@ async def test_a_workload_does_not_cut_json_answers(serve: ServeFactory, tmp_pat
 async def test_reasoning_effort_splits_the_output(
     serve: ServeFactory, effort: str, ratio: float
 ) -> None:
-    """On a reasoning model, the first ``floor(ratio x length)`` tokens are
-    ``reasoning_content`` (placeholder words), the rest the content; usage reports them
-    as ``reasoning_tokens``; streamed deltas rebuild both."""
+    """On a reasoning model, the first ``floor(ratio x length)`` tokens are reasoning
+    (placeholder words, under vLLM's ``reasoning`` and the older ``reasoning_content``),
+    the rest the content; usage reports them as ``reasoning_tokens``; streamed deltas
+    rebuild both."""
     length = 10
     reasoning = math.floor(ratio * length)
     request = agent_body(max_tokens=length, reasoning_effort=effort)
@@ -466,17 +514,67 @@ async def test_reasoning_effort_splits_the_output(
     message = body["choices"][0]["message"]
     text = placeholder_text(length).rstrip(" ")
     cut = len(placeholder_text(reasoning))
-    assert message["reasoning_content"] == text[:cut]
+    assert message["reasoning"] == message["reasoning_content"] == text[:cut]
     assert message["content"] == text[cut:]
     assert body["usage"]["completion_tokens"] == length
     assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": reasoning}
     deltas = [p["choices"][0]["delta"] for p in payloads(stream)[1:-2]]
     assert len(deltas) == length
-    assert [list(d) for d in deltas] == [["reasoning_content"]] * reasoning + [["content"]] * (
-        length - reasoning
-    )
+    assert [list(d) for d in deltas] == [["reasoning", "reasoning_content"]] * reasoning + [
+        ["content"]
+    ] * (length - reasoning)
+    assert "".join(d.get("reasoning", "") for d in deltas) == message["reasoning"]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
     assert "".join(d.get("content", "") for d in deltas) == message["content"]
+
+
+async def test_reasoning_fields_follow_the_flag_and_include_reasoning(
+    serve: ServeFactory,
+) -> None:
+    """``--no-reasoning-content`` sends ``reasoning`` only (message and deltas);
+    ``include_reasoning: false`` (vLLM's field) sends no reasoning at all -- no field, no
+    frames -- while usage still counts the reasoning tokens; a non-boolean is a 400."""
+    request = agent_body(max_tokens=10, reasoning_effort="medium")
+    async with serve(settings_with(reasoning_content=False)) as s:
+        _, body = await post_json(s, request)
+        async with s.stream({**request, "stream": True}) as stream:
+            await stream.read_all()
+        _, hidden = await post_json(s, {**request, "include_reasoning": False})
+        async with s.stream({**request, "stream": True, "include_reasoning": False}) as quiet:
+            await quiet.read_all()
+        status, bad = await post_json(s, {**request, "include_reasoning": "no"})
+    message = body["choices"][0]["message"]
+    assert message["reasoning"] == placeholder_text(5) and "reasoning_content" not in message
+    deltas = [p["choices"][0]["delta"] for p in payloads(stream)[1:-2]]
+    assert [list(d) for d in deltas] == [["reasoning"]] * 5 + [["content"]] * 5
+    assert "reasoning" not in hidden["choices"][0]["message"]
+    assert hidden["choices"][0]["message"]["content"] == message["content"]
+    assert hidden["usage"]["completion_tokens_details"] == {"reasoning_tokens": 5}
+    quiet_deltas = [p["choices"][0]["delta"] for p in payloads(quiet)[1:-2]]
+    assert [list(d) for d in quiet_deltas] == [["content"]] * 5
+    assert status == 400 and bad["error"]["param"] == "include_reasoning"
+
+
+async def test_earlier_reasoning_is_accepted_under_both_names(serve: ServeFactory) -> None:
+    """An assistant message may carry its reasoning as ``reasoning`` or as the older
+    ``reasoning_content``; either is accepted (a string or null), anything else is a 400
+    naming the field."""
+
+    def conversation(**fields: Any) -> dict[str, Any]:
+        messages = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo", **fields},
+            {"role": "user", "content": "and?"},
+        ]
+        return {**agent_body(max_tokens=4), "messages": messages}
+
+    async with serve() as s:
+        for fields in ({"reasoning": "hmm"}, {"reasoning_content": "hmm"}, {"reasoning": None}):
+            status, _ = await post_json(s, conversation(**fields))
+            assert status == 200, fields
+        for key in ("reasoning", "reasoning_content"):
+            status, body = await post_json(s, conversation(**{key: 5}))
+            assert status == 400 and body["error"]["param"] == f"messages[1].{key}", body
 
 
 async def test_gpt_oss_reasons_only_when_asked_and_qwen3_by_default(serve: ServeFactory) -> None:
@@ -673,7 +771,7 @@ def test_agent_flags_and_their_environment_variables() -> None:
     args = parser.parse_args(["serve", "--tool-call-probability", "0.25", "--embedding-dim", "64"])
     assert (args.tool_call_probability, args.embedding_dim) == (0.25, 64)
     defaults = parser.parse_args(["serve"])
-    assert (defaults.tool_call_probability, defaults.embedding_dim) == (0.5, None)
+    assert (defaults.tool_call_probability, defaults.embedding_dim) == (0.9, None)
     for bad in (["--tool-call-probability", "1.5"], ["--embedding-dim", "0"]):
         with pytest.raises(SystemExit) as info:
             parser.parse_args(["serve", *bad])
@@ -687,7 +785,7 @@ def test_agent_flags_and_their_environment_variables() -> None:
     settings = settings_from_env(env)
     assert (settings.tool_call_probability, settings.embedding_dim) == (0.75, 32)
     assert settings.embedding_size(settings.deployments[0]) == 32
-    assert settings_from_env({"INFERENCE_LAB_CONFIG": config}).tool_call_probability == 0.5
+    assert settings_from_env({"INFERENCE_LAB_CONFIG": config}).tool_call_probability == 0.9
     with pytest.raises(ConfigError, match="^INFERENCE_LAB_TOOL_CALL_PROBABILITY: must be"):
         settings_from_env({**env, "INFERENCE_LAB_TOOL_CALL_PROBABILITY": "often"})
     with pytest.raises(ConfigError, match="^INFERENCE_LAB_EMBEDDING_DIM: must be an integer"):

@@ -192,11 +192,19 @@ def test_invalid_chat_fields_are_400_invalid_value_naming_the_field(
     assert error.message == message
 
 
-@pytest.mark.parametrize(("prompt", "count"), [(["a", "b"], 2), ([[1], [2], [3]], 3), ([], 0)])
-def test_completions_need_exactly_one_prompt(prompt: Any, count: int) -> None:
+@pytest.mark.parametrize(("prompt", "count"), [(["a", "b"], 2), ([[1], [2], [3]], 3)])
+def test_one_prompt_parses_exactly_one_prompt(prompt: Any, count: int) -> None:
+    """``parse_completion_request`` is the single-prompt parse (a batch is
+    ``parse_completion_requests``); an empty list is never a prompt."""
     error = refusal({"model": "m", "prompt": prompt}, parse_completion_request)
     assert (error.status, error.code, error.param) == (400, "invalid_prompt", "prompt")
     assert error.message == f"expected exactly 1 prompt, got {count}"
+    error = refusal({"model": "m", "prompt": []}, parse_completion_request)
+    assert (error.status, error.code, error.message) == (
+        400,
+        "invalid_prompt",
+        "prompt must hold at least one prompt",
+    )
 
 
 @pytest.mark.parametrize("prompt", [5, None, [1, "a"], [True], [[1, "x"]], {"a": 1}, [-1]])

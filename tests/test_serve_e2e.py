@@ -333,6 +333,7 @@ async def test_inference_lab_serve_exits_cleanly_on_signal_after_in_flight_strea
                 "model": GPT,
                 "messages": [{"role": "user", "content": "x"}],
                 "max_tokens": 400,
+                "ignore_eos": True,  # runs to max_tokens, as vLLM's field asks
                 "stream": True,
             }
             await stream.send_all(http_request("POST", "/v1/chat/completions", body, close=True))

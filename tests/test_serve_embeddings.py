@@ -211,10 +211,13 @@ async def test_embeddings_appear_in_metrics_like_other_requests(serve: ServeFact
         for line in text.splitlines()
         if line and not line.startswith("#")
     }
-    label = f'{{model_name="{GPT}"}}'
+    label = f'{{engine="0",model_name="{GPT}"}}'
     assert lines[f"vllm:prompt_tokens_total{label}"] == 5
     assert lines[f"vllm:generation_tokens_total{label}"] == 2
-    assert lines[f'vllm:request_success_total{{finished_reason="length",model_name="{GPT}"}}'] == 2
+    success = (
+        f'vllm:request_success_total{{engine="0",finished_reason="length",model_name="{GPT}"}}'
+    )
+    assert lines[success] == 2
 
 
 async def test_a_client_leaving_aborts_every_input(

@@ -724,16 +724,24 @@ async def test_a_signal_ends_every_live_stream_with_a_complete_answer(
                 await stream.aclose()
 
             async with trio.open_nursery() as nursery:
+                # (ignore_eos: each runs to its max_tokens, as vLLM's field asks)
                 kinds = {
-                    **{f"short{i}": chat_body(max_tokens=30, stream=True) for i in range(3)},
-                    **{f"long{i}": chat_body(max_tokens=100_000, stream=True) for i in range(5)},
+                    **{
+                        f"short{i}": chat_body(max_tokens=30, stream=True, ignore_eos=True)
+                        for i in range(3)
+                    },
+                    **{
+                        f"long{i}": chat_body(max_tokens=100_000, stream=True, ignore_eos=True)
+                        for i in range(5)
+                    },
                 }
                 for name, body in kinds.items():
                     started = trio.Event()
                     nursery.start_soon(fetch, name, body, started)
                     await started.wait()
                 plain = trio.Event()
-                nursery.start_soon(fetch, "plain", chat_body(max_tokens=100_000), plain)
+                long_plain = chat_body(max_tokens=100_000, ignore_eos=True)
+                nursery.start_soon(fetch, "plain", long_plain, plain)
                 # The CLI's wiring: the token from the environment, the backlog flag.
                 assert (await _request(port, _get("/control/stats"))).startswith(b"HTTP/1.1 401")
                 if shutil.which("ss"):

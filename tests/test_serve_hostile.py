@@ -127,9 +127,9 @@ def test_the_cli_prints_the_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def test_the_api_key_guards_tokenize_and_detokenize(serve: ServeFactory) -> None:
-    """Every route but the open paths (health, version, metrics) and the control plane
-    needs the key: /tokenize and /detokenize are API routes."""
-    assert frozenset({"/health", "/version", "/metrics"}) == OPEN_PATHS
+    """Every route but the open paths (health, version, metrics and the probes ping and
+    load) and the control plane needs the key: /tokenize and /detokenize are API routes."""
+    assert frozenset({"/health", "/version", "/metrics", "/ping", "/load"}) == OPEN_PATHS
     async with serve(with_(make_settings(), api_key=KEY)) as s:
         good = {"authorization": f"Bearer {KEY}"}
         tokenize = {"model": GPT, "prompt": "hi"}

@@ -121,9 +121,13 @@ async def test_best_of_and_prompt_count_errors(serve: ServeFactory) -> None:
     async with serve() as s:
         response = await s.post("/v1/chat/completions", chat_body(n=3, best_of=4))
         await expect_error(response, 400, "unsupported_value", "best_of")
-        response = await s.post("/v1/completions", {"model": GPT, "prompt": ["a", "b"]})
+        response = await s.post("/v1/completions", {"model": GPT, "prompt": []})
         error = await expect_error(response, 400, "invalid_prompt", "prompt")
-    assert error["message"] == "expected exactly 1 prompt, got 2"
+        assert error["message"] == "prompt must hold at least one prompt"
+        two = {"model": GPT, "prompt": ["a", "b"], "stream": True}
+        response = await s.post("/v1/completions", two)
+        error = await expect_error(response, 400, "unsupported_value", "stream")
+    assert error["message"].startswith("a stream takes one prompt")
 
 
 async def test_unknown_model_is_404_listing_the_models(serve_both: ServeFactory) -> None:

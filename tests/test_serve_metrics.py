@@ -44,7 +44,14 @@ async def scrape(s: Served, accept: str | None = None) -> tuple[dict[str, str], 
     return types, samples
 
 
+#: Per-model series (ours and vLLM's cache-config families name their engine themselves).
+PER_MODEL = "inference_lab:"
+
+
 def value(samples: Samples, name: str, model: str = GPT, **labels: str) -> float:
+    """One sample; a vLLM series is engine 0's unless ``engine`` is given."""
+    if not name.startswith(PER_MODEL):
+        labels.setdefault("engine", "0")
     key = (name, tuple(sorted({"model_name": model, **labels}.items())))
     return samples[key]
 
@@ -54,7 +61,7 @@ def buckets(samples: Samples, name: str, model: str = GPT) -> dict[str, float]:
     out = {}
     for (sample, labels), count in samples.items():
         d = dict(labels)
-        if sample == f"{name}_bucket" and d["model_name"] == model:
+        if sample == f"{name}_bucket" and d["model_name"] == model and d.get("engine", "0") == "0":
             out[d["le"]] = count
     return out
 
@@ -87,6 +94,17 @@ async def test_every_family_has_vllms_name_and_type_per_model(serve: ServeFactor
         "vllm:request_prompt_tokens": "histogram",
         "vllm:request_generation_tokens": "histogram",
         "vllm:iteration_tokens_total": "histogram",
+        "vllm:engine_sleep_state": "gauge",
+        "vllm:prompt_tokens_by_source": "counter",
+        "vllm:prompt_tokens_cached": "counter",
+        "vllm:request_time_per_output_token_seconds": "histogram",
+        "vllm:request_inference_time_seconds": "histogram",
+        "vllm:request_prefill_time_seconds": "histogram",
+        "vllm:request_decode_time_seconds": "histogram",
+        "vllm:request_max_num_generation_tokens": "histogram",
+        "vllm:request_params_n": "histogram",
+        "vllm:request_params_max_tokens": "histogram",
+        "vllm:request_prefill_kv_computed_tokens": "histogram",
         "inference_lab:requests_rejected": "counter",
         "inference_lab:waiting_places": "gauge",
         "inference_lab:max_waiting": "gauge",
@@ -101,7 +119,7 @@ async def test_every_family_has_vllms_name_and_type_per_model(serve: ServeFactor
         assert value(samples, "vllm:request_success_total", model, finished_reason="stop") == 0
         assert value(samples, "vllm:request_success_total", model, finished_reason="length") == 0
         assert value(samples, "vllm:request_success_total", model, finished_reason="abort") == 0
-        for reason in ("queue_saturated", "engine_unavailable"):
+        for reason in ("queue_saturated", "engine_unavailable", "engine_sleeping"):
             assert (
                 value(samples, "inference_lab:requests_rejected_total", model, reason=reason) == 0
             )
@@ -323,7 +341,7 @@ async def test_scrape_is_text_0_0_4_whatever_the_scraper_accepts(serve: ServeFac
         text = (await response.get_data()).decode()
     assert "vllm:num_requests_waiting" in types
     assert value(samples, "vllm:num_requests_waiting") == 0
-    assert 'vllm:num_requests_waiting{model_name="gpt-oss-20b"} 0.0' in text
+    assert 'vllm:num_requests_waiting{engine="0",model_name="gpt-oss-20b"} 0.0' in text
     assert "vllm_" not in text and "inference_lab_" not in text
 
 

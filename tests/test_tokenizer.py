@@ -148,6 +148,28 @@ def test_chat_template_from_tokenizer_config_renders_and_counts(tmp_path: Path) 
     assert with_tools.endswith('[{"type": "function"}]')
 
 
+def test_a_chat_template_sees_an_assistant_messages_reasoning_under_both_names(
+    tmp_path: Path,
+) -> None:
+    """An assistant message's earlier reasoning reaches the template as ``reasoning`` and
+    ``reasoning_content`` (as vLLM passes it; Qwen3's template reads the latter); another
+    role's is not passed, and the default rendering leaves it out."""
+    path = train_bpe(tmp_path)
+    template = (
+        "{% for m in messages %}<|{{ m.role }}|>"
+        "{% if m.reasoning_content %}[{{ m.reasoning_content }}|{{ m.reasoning }}]{% endif %}"
+        "{{ m.content }}\n{% endfor %}"
+    )
+    write_template(tmp_path, template)
+    tok = load_tokenizer(path)
+    messages = [
+        ChatMessage("user", "hi", reasoning="not passed"),
+        ChatMessage("assistant", "yo", reasoning="thought"),
+    ]
+    assert tok.render_chat(messages) == "<|user|>hi\n<|assistant|>[thought|thought]yo\n"
+    assert default_chat_text(messages) == "user: hi\nassistant: yo"
+
+
 def test_named_chat_templates_use_the_default_one(tmp_path: Path) -> None:
     path = train_bpe(tmp_path)
     write_template(tmp_path)

@@ -14,6 +14,10 @@ Rule 2: the finish reason is ``tool_calls`` for a complete tool-call answer, ``l
 Rule 3: the encoder is bound to the answer's length (``RequestHandle.length``) once the
         engine admitted it; frames are built per token from that layout, and the
         placeholder words' frames are built once per stream.
+Rule 4: reasoning goes under each of ``reasoning_keys``: vLLM's ``reasoning`` and the
+        older ``reasoning_content`` by default, in the message and in each delta; with
+        none (``include_reasoning: false``) reasoning tokens are generated and counted but
+        not sent.
 """
 
 from __future__ import annotations
@@ -28,25 +32,34 @@ from inference_lab.api.text import WORDS
 from inference_lab.errors import error_body
 from inference_lab.jsonbytes import dumps, dumps_str
 
-__all__ = ["ChatAgentEncoder", "agent_usage", "chat_agent_body"]
+__all__ = ["REASONING_KEYS", "ChatAgentEncoder", "agent_usage", "chat_agent_body"]
+
+#: Where reasoning goes by default (Rule 4): vLLM's field, then the older one.
+REASONING_KEYS = ("reasoning", "reasoning_content")
 
 
 def agent_usage(
-    parsed: ParsedRequest, completion_tokens: int, layout: Layout, plan: AnswerPlan
+    parsed: ParsedRequest,
+    completion_tokens: int,
+    layout: Layout,
+    plan: AnswerPlan,
+    cached_tokens: int = 0,
 ) -> dict[str, Any]:
-    """``usage`` of ``parsed.n`` choices of ``completion_tokens`` tokens each (Rule 2)."""
-    out: dict[str, Any] = usage(parsed.prompt_tokens, completion_tokens * parsed.n)
+    """``usage`` of ``parsed.n`` choices of ``completion_tokens`` tokens each (Rule 2),
+    ``cached_tokens`` of the prompt found in the prefix cache."""
+    out: dict[str, Any] = usage(parsed.prompt_tokens, completion_tokens * parsed.n, cached_tokens)
     if plan.ratio is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": layout.reasoning * parsed.n}
     return out
 
 
-def _message(layout: Layout, ids: Sequence[str]) -> dict[str, Any]:
+def _message(layout: Layout, ids: Sequence[str], keys: Sequence[str]) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant"}
     calls = layout.calls()
     message["content"] = None if calls else layout.content_text()
     if layout.plan.ratio is not None:
-        message["reasoning_content"] = layout.reasoning_text()
+        for key in keys:
+            message[key] = layout.reasoning_text()
     if calls:
         message["tool_calls"] = [
             {
@@ -68,16 +81,18 @@ def chat_agent_body(
     completion_tokens: int,
     finish_reason: str,
     call_ids: Sequence[Sequence[str]],
+    reasoning_keys: Sequence[str] = REASONING_KEYS,
+    cached_tokens: int = 0,
 ) -> bytes:
     """The non-streaming ``chat.completion`` of an agent answer: ``parsed.n`` choices of
     ``completion_tokens`` tokens (the engine's ``Finished``), choice ``c``'s tool calls
-    with ids ``call_ids[c]``."""
+    with ids ``call_ids[c]``, reasoning under ``reasoning_keys`` (Rule 4)."""
     layout = plan.layout(parsed, completion_tokens)
     reason = layout.finish_reason(parsed, finish_reason)
     choices = [
         {
             "index": c,
-            "message": _message(layout, call_ids[c]),
+            "message": _message(layout, call_ids[c], reasoning_keys),
             "logprobs": None,
             "finish_reason": reason,
         }
@@ -90,7 +105,7 @@ def chat_agent_body(
             "created": created,
             "model": parsed.model,
             "choices": choices,
-            "usage": agent_usage(parsed, completion_tokens, layout, plan),
+            "usage": agent_usage(parsed, completion_tokens, layout, plan, cached_tokens),
         }
     )
 
@@ -99,7 +114,7 @@ class ChatAgentEncoder:
     """The SSE frames of one streamed agent answer (the interface of
     :class:`~inference_lab.api.encoding.StreamEncoder` that the stream sinks use)."""
 
-    __slots__ = ("_head", "_parsed", "_plan", "_ids", "_layout", "_words")
+    __slots__ = ("_head", "_parsed", "_plan", "_ids", "_layout", "_words", "_keys")
 
     def __init__(
         self,
@@ -109,10 +124,12 @@ class ChatAgentEncoder:
         request_id: str,
         created: int,
         call_ids: Sequence[Sequence[str]],
+        reasoning_keys: Sequence[str] = REASONING_KEYS,
     ) -> None:
         self._parsed = parsed
         self._plan = plan
         self._ids = call_ids
+        self._keys = tuple(reasoning_keys)
         self._head = (
             f'data: {{"id":{dumps_str(request_id)},"object":"chat.completion.chunk",'
             f'"created":{created},"model":{dumps_str(parsed.model)},'
@@ -135,8 +152,13 @@ class ChatAgentEncoder:
         """(Nothing to build ahead: frames are built per token.)"""
 
     def _text(self, kind: str, text: str) -> bytes:
-        key = b"reasoning_content" if kind == "reasoning" else b"content"
-        delta = b'{"' + key + b'":' + dumps(text) + b"}"
+        value = dumps(text)
+        if kind == "reasoning":
+            if not self._keys:
+                return b""  # generated and counted, not sent (Rule 4)
+            delta = b"{" + b",".join(b'"%s":' % k.encode() + value for k in self._keys) + b"}"
+        else:
+            delta = b'{"content":' + value + b"}"
         return b"".join(self._frame(c, delta) for c in range(self._parsed.n))
 
     def _token(self, layout: Layout, i: int) -> bytes:
@@ -171,8 +193,9 @@ class ChatAgentEncoder:
         assert layout is not None, "bind() first"
         return b"".join(self._token(layout, i) for i in range(start, min(stop, layout.length)))
 
-    def closing(self, finish_reason: str, completion_tokens: int) -> bytes:
-        """The finish frame of each choice, the usage frame when asked for, ``[DONE]``."""
+    def closing(self, finish_reason: str, completion_tokens: int, cached_tokens: int = 0) -> bytes:
+        """The finish frame of each choice, the usage frame when asked for, ``[DONE]``
+        (usage reports ``cached_tokens``, the engine's ``Finished.cached_tokens``)."""
         parsed = self._parsed
         layout = self._plan.layout(parsed, completion_tokens)
         reason = dumps(layout.finish_reason(parsed, finish_reason))
@@ -184,7 +207,7 @@ class ChatAgentEncoder:
             for c in range(parsed.n)
         )
         if parsed.include_usage:
-            use = dumps(agent_usage(parsed, completion_tokens, layout, self._plan))
+            use = dumps(agent_usage(parsed, completion_tokens, layout, self._plan, cached_tokens))
             frames += self._head + b'"choices":[],"usage":' + use + b"}\n\n"
         return frames + DONE_FRAME
 

@@ -1,16 +1,16 @@
-"""What an agent asks of an answer, and what the answer's tokens spell.
+"""What an agent's answer is, and what its tokens spell.
 
-Tools, ``tool_choice``, structured output (``response_format`` and vLLM's ``guided_*`` /
-``structured_outputs`` spellings) and reasoning are read here from a chat body
-(:func:`parse_chat_agent`; the Responses API builds the same :class:`AgentRequest` in
-:mod:`inference_lab.api.responses_api`). :func:`plan_answer` decides the answer's shape
-with the request's own generator (:func:`content_rng`), and :class:`Layout` says what each
-of its tokens spells once the engine has fixed how many there are.
+What the client asked -- tools, ``tool_choice``, structured output, reasoning -- is read
+by :mod:`inference_lab.api.agent_request` (:class:`AgentRequest`, re-exported here).
+:func:`plan_answer` decides the answer's shape with the request's own generator
+(:func:`content_rng`), and :class:`Layout` says what each of its tokens spells once the
+engine has fixed how many there are.
 
 Rule 1: content is a pure function of the request (its JSON without the fields of
         :data:`NOT_CONTENT`: delivery, budget, effort), the server's ``--seed`` and
         ``--tool-call-probability``: every draw comes from :func:`content_rng`; only ids
-        are random.
+        are random. Whether an ``auto`` answer calls a tool is drawn with the chance
+        :func:`~inference_lab.api.tool_choice.call_probability` gives the conversation.
 Rule 2: a JSON answer (tool calls, structured output) is a complete document of
         :attr:`AnswerPlan.fixed` tokens, its own length: the engine is asked for exactly
         that many (plus the reasoning before it). When ``max_tokens`` is smaller the
@@ -26,12 +26,12 @@ Rule 4: reasoning takes the first tokens of an answer: ``floor(ratio x length)``
 Rule 5: a schema no instance satisfies, or one that is malformed, is a 400 naming the
         tool (``tools[i].function.parameters``) or the format's field, found at parse
         time whatever the answer's draw.
-Rule 6: planning spends from one :class:`~inference_lab.generate.budget.Budget` (every tool's
-        schema, the structured output): past its work a 400 names the schema path that
-        is too expensive. Each generated document is at most
-        :func:`document_bytes` (``n``) bytes, counted while it is built, and the
-        documents an answer emits, times ``n``, at most :data:`MAX_ANSWER_BYTES`: a
-        larger answer is a 400 before it is generated, whatever its token count.
+Rule 6: planning spends from one :class:`~inference_lab.generate.budget.Budget` (every
+        tool's schema, the structured output): past its work a 400 names the schema path
+        that is too expensive. Each generated document is at most :func:`document_bytes`
+        (``n``) bytes, counted while it is built, and the documents an answer emits, times
+        ``n``, at most :data:`MAX_ANSWER_BYTES`: a larger answer is a 400 before it is
+        generated, whatever its token count.
 """
 
 from __future__ import annotations
@@ -41,12 +41,21 @@ import json
 import math
 import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any, Literal
 
 import attrs
 
+from inference_lab.api.agent_request import (
+    AgentRequest,
+    FunctionTool,
+    StructuredOutput,
+    parse_chat_agent,
+    parse_effort,
+    parse_function_tool,
+    parse_tool_choice,
+)
 from inference_lab.api.answer_bounds import (
     MAX_ANSWER_BYTES,
     MAX_DOCUMENT_TOKENS,
@@ -57,10 +66,11 @@ from inference_lab.api.answer_bounds import (
 )
 from inference_lab.api.encoding import random_hex
 from inference_lab.api.requests import ParsedRequest
-from inference_lab.api.schema import check_depth, invalid_value
+from inference_lab.api.schema import invalid_value
 from inference_lab.api.text import VOCABULARY, WORDS, placeholder_text, token_start
-from inference_lab.core.config import EFFORTS, ReasoningConfig
-from inference_lab.errors import ApiError, truncate_echo
+from inference_lab.api.tool_choice import call_probability
+from inference_lab.core.config import ReasoningConfig
+from inference_lab.errors import ApiError
 from inference_lab.generate.budget import Budget, OutOfWork
 from inference_lab.generate.instances import SchemaError, generate_instance
 from inference_lab.generate.patterns import PatternError, pattern_string
@@ -85,12 +95,11 @@ __all__ = [
     "split_pieces",
 ]
 
-#: A function name as OpenAI accepts it.
-TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: Most calls in one answer when parallel tool calls are allowed.
 MAX_PARALLEL_CALLS = 3
-#: The default share of ``tool_choice: "auto"`` answers that call a tool.
-DEFAULT_TOOL_CALL_PROBABILITY = 0.5
+#: The default chance that a ``tool_choice: "auto"`` answer to a fresh question that a
+#: tool fits calls a tool (``api/tool_choice.py``).
+DEFAULT_TOOL_CALL_PROBABILITY = 0.9
 _PIECE = re.compile(r" ?[A-Za-z]+| ?[0-9]{1,3}|\s+|[^A-Za-z0-9\s]{1,3}")
 
 
@@ -129,288 +138,6 @@ def content_rng(seed: int, raw: Mapping[str, Any]) -> random.Random:
     text = json.dumps(body, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     digest = hashlib.sha256(f"{seed}\x00{text}".encode("utf-8", "surrogatepass")).digest()
     return random.Random(int.from_bytes(digest[:16], "big"))
-
-
-# ---------------------------------------------------------------------------------------
-# what the client asked
-
-
-@attrs.frozen(kw_only=True)
-class FunctionTool:
-    """A function tool: its name and its parameters' JSON Schema (an object schema)."""
-
-    name: str
-    parameters: Any
-    #: The body field of the schema, for error messages (``tools[2].function.parameters``).
-    param: str
-
-
-@attrs.frozen(kw_only=True)
-class StructuredOutput:
-    """The answer must be a JSON object (``json_object``), an instance of ``schema``
-    (``json_schema``), one of ``choices`` (``choice``) or a match of ``pattern``
-    (``regex``)."""
-
-    kind: Literal["json_object", "json_schema", "choice", "regex"]
-    param: str
-    schema: Any = None
-    choices: tuple[str, ...] = ()
-    pattern: str | None = None
-
-
-ToolChoice = Literal["none", "auto", "required", "function"]
-
-
-@attrs.frozen(kw_only=True)
-class AgentRequest:
-    """The agent-facing options of one request, validated."""
-
-    tools: tuple[FunctionTool, ...] = ()
-    tool_choice: ToolChoice = "auto"
-    #: The function a named ``tool_choice`` forces.
-    named: str | None = None
-    parallel_tool_calls: bool = True
-    output: StructuredOutput | None = None
-    #: The requested reasoning effort (None: the model's default).
-    effort: str | None = None
-    #: ``chat_template_kwargs.enable_thinking`` (Qwen3's switch; None: not given).
-    thinking: bool | None = None
-
-    @property
-    def plain(self) -> bool:
-        """Nothing here changes a prose answer (reasoning aside)."""
-        return self.output is None and (not self.tools or self.tool_choice == "none")
-
-
-def _expect(value: Any, kind: type, param: str, what: str) -> Any:
-    if type(value) is not kind:
-        raise invalid_value(param, f"{param} must be {what}, got {_short(value)}")
-    return value
-
-
-def _short(value: Any) -> str:
-    try:
-        text = json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return truncate_echo(text if len(text) <= 60 else text[:57] + "...")
-
-
-def parse_function_tool(
-    name: Any, parameters: Any, param: str, *, name_param: str, params_param: str
-) -> FunctionTool:
-    """One function tool; its schema is checked by :func:`check_tools`."""
-    if type(name) is not str or not TOOL_NAME.fullmatch(name):
-        raise invalid_value(
-            name_param,
-            f"{name_param} must be 1-64 characters a-z, A-Z, 0-9, '_' or '-', got {_short(name)}",
-        )
-    if parameters is None:
-        parameters = {"type": "object", "properties": {}}
-    if type(parameters) is not dict:
-        raise invalid_value(params_param, f"{params_param} must be a JSON Schema object")
-    declared = parameters.get("type")
-    if declared is not None and declared != "object" and declared != ["object"]:
-        raise invalid_value(
-            params_param,
-            f"{params_param} must describe an object (its type is {_short(declared)})",
-        )
-    return FunctionTool(name=name, parameters=parameters, param=params_param)
-
-
-def _chat_tools(raw: Mapping[str, Any]) -> tuple[FunctionTool, ...]:
-    tools = raw.get("tools")
-    if tools is None:
-        return ()
-    _expect(tools, list, "tools", "an array of tools")
-    out: list[FunctionTool] = []
-    seen: set[str] = set()
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        _expect(tool, dict, where, "a tool object")
-        if tool.get("type", "function") != "function":
-            raise ApiError(
-                400,
-                "unsupported_value",
-                f"{where}.type: only function tools are supported, got {_short(tool.get('type'))}",
-                f"{where}.type",
-            )
-        function = _expect(tool.get("function"), dict, f"{where}.function", "an object")
-        parsed = parse_function_tool(
-            function.get("name"),
-            function.get("parameters"),
-            where,
-            name_param=f"{where}.function.name",
-            params_param=f"{where}.function.parameters",
-        )
-        if parsed.name in seen:
-            raise invalid_value(
-                f"{where}.function.name", f"two tools are named {parsed.name!r}: names must differ"
-            )
-        seen.add(parsed.name)
-        out.append(parsed)
-    return tuple(out)
-
-
-def parse_tool_choice(
-    value: Any, tools: Sequence[FunctionTool], *, responses: bool = False
-) -> tuple[ToolChoice, str | None]:
-    """``tool_choice``: a mode string or a named function (chat:
-    ``{"type": "function", "function": {"name": ...}}``; Responses:
-    ``{"type": "function", "name": ...}``). Without tools, only ``none`` and ``auto``."""
-    if value is None:
-        return "auto", None
-    if value in ("none", "auto", "required"):
-        if value == "required" and not tools:
-            raise invalid_value("tool_choice", "tool_choice 'required' needs tools")
-        return value, None
-    if type(value) is dict and value.get("type") == "function":
-        if responses:
-            name = value.get("name")
-        else:
-            function = value.get("function")
-            name = function.get("name") if type(function) is dict else None
-        if type(name) is not str:
-            raise invalid_value("tool_choice", "a named tool_choice must give the function's name")
-        if not any(t.name == name for t in tools):
-            raise invalid_value(
-                "tool_choice", f"tool_choice names {_short(name)}, which is not among the tools"
-            )
-        return "function", name
-    raise invalid_value(
-        "tool_choice",
-        f"tool_choice must be 'none', 'auto', 'required' or a named function, got {_short(value)}",
-    )
-
-
-def _schema_value(value: Any, param: str) -> Any:
-    """A schema given as an object, or (vLLM's ``guided_json``) as JSON text."""
-    if type(value) is str:
-        try:
-            value = json.loads(value)
-        except ValueError:
-            raise invalid_value(
-                param, f"{param} must be a JSON Schema (object or JSON text)"
-            ) from None
-    if type(value) is not dict and type(value) is not bool:
-        raise invalid_value(param, f"{param} must be a JSON Schema object")
-    return value
-
-
-def _response_format(raw: Mapping[str, Any]) -> StructuredOutput | None:
-    value = raw.get("response_format")
-    if value is None:
-        return None
-    _expect(value, dict, "response_format", "an object")
-    kind = value.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutput(kind="json_object", param="response_format")
-    if kind == "json_schema":
-        spec = _expect(value.get("json_schema"), dict, "response_format.json_schema", "an object")
-        schema = spec.get("schema", {"type": "object"})
-        param = "response_format.json_schema.schema"
-        return StructuredOutput(
-            kind="json_schema", param=param, schema=_schema_value(schema, param)
-        )
-    raise invalid_value(
-        "response_format.type",
-        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {_short(kind)}",
-    )
-
-
-def _guided(raw: Mapping[str, Any]) -> StructuredOutput | None:
-    """vLLM's spellings: ``guided_json`` / ``guided_choice`` / ``guided_regex``, and
-    ``structured_outputs: {json | json_object | choice | regex}``."""
-    found: list[tuple[str, str, Any]] = []
-    for key, kind in (
-        ("guided_json", "json"),
-        ("guided_choice", "choice"),
-        ("guided_regex", "regex"),
-    ):
-        if raw.get(key) is not None:
-            found.append((key, kind, raw[key]))
-    spec = raw.get("structured_outputs")
-    if spec is not None:
-        _expect(spec, dict, "structured_outputs", "an object")
-        for key in ("json", "json_object", "choice", "regex", "grammar", "structural_tag"):
-            if spec.get(key) is not None:
-                found.append((f"structured_outputs.{key}", key, spec[key]))
-    if raw.get("guided_grammar") is not None:
-        found.append(("guided_grammar", "grammar", raw["guided_grammar"]))
-    if not found:
-        return None
-    if len(found) > 1:
-        names = ", ".join(f for f, _, _ in found)
-        raise invalid_value(
-            found[1][0], f"only one structured output may be asked for, got {names}"
-        )
-    param, kind, value = found[0]
-    if kind == "json":
-        return StructuredOutput(kind="json_schema", param=param, schema=_schema_value(value, param))
-    if kind == "json_object":
-        if value is not True:
-            raise invalid_value(param, f"{param} must be true")
-        return StructuredOutput(kind="json_object", param=param)
-    if kind == "choice":
-        if type(value) is not list or not value or not all(type(c) is str and c for c in value):
-            raise invalid_value(param, f"{param} must be a non-empty array of non-empty strings")
-        return StructuredOutput(kind="choice", param=param, choices=tuple(value))
-    if kind == "regex":
-        _expect(value, str, param, "a regular expression")
-        return StructuredOutput(kind="regex", param=param, pattern=value)
-    raise ApiError(
-        400, "unsupported_value", f"{param}: grammars are not supported (use a JSON schema)", param
-    )
-
-
-def parse_effort(value: Any, param: str) -> str | None:
-    """A reasoning effort (``none``, ``minimal``, ``low``, ``medium``, ``high``), or None."""
-    if value is None:
-        return None
-    if value not in EFFORTS:
-        raise invalid_value(
-            param, f"{param} must be one of {', '.join(EFFORTS)}, got {_short(value)}"
-        )
-    return str(value)
-
-
-def _thinking(raw: Mapping[str, Any]) -> bool | None:
-    kwargs = raw.get("chat_template_kwargs")
-    if type(kwargs) is not dict:
-        return None
-    value = kwargs.get("enable_thinking", kwargs.get("thinking"))
-    return value if type(value) is bool else None
-
-
-def parse_chat_agent(raw: Mapping[str, Any]) -> AgentRequest:
-    """The agent options of a ``/v1/chat/completions`` body (the body itself is already
-    validated by :func:`~inference_lab.api.requests.parse_chat_request`)."""
-    check_depth(raw.get("tools"), "tools")
-    tools = _chat_tools(raw)
-    choice, named = parse_tool_choice(raw.get("tool_choice"), tools)
-    parallel = raw.get("parallel_tool_calls", True)
-    _expect(parallel, bool, "parallel_tool_calls", "a boolean")
-    output = _response_format(raw)
-    guided = _guided(raw)
-    if guided is not None:
-        if output is not None:
-            raise invalid_value(
-                guided.param, f"{guided.param} and response_format cannot both be given"
-            )
-        output = guided
-    if output is not None:
-        check_depth(output.schema, output.param)
-    return AgentRequest(
-        tools=tools,
-        tool_choice=choice,
-        named=named,
-        parallel_tool_calls=parallel,
-        output=output,
-        effort=parse_effort(raw.get("reasoning_effort"), "reasoning_effort"),
-        thinking=_thinking(raw),
-    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -465,11 +192,11 @@ class AnswerPlan:
         return math.floor(_exact(self.ratio) * length) if self.ratio else 0
 
     def limit(self, parsed: ParsedRequest) -> tuple[int, bool]:
-        """What admission caps the response length at, and whether the workload's drawn
-        lengths apply (prose only: a JSON answer's document decides its length)."""
+        """What admission caps the response length at, and whether a drawn length applies
+        (prose without ``ignore_eos`` only: a JSON answer's document decides its length)."""
         fixed = self.fixed
         if fixed is None:
-            return parsed.output_cap, True
+            return parsed.output_cap, not parsed.ignore_eos
         return self.reasoning_before_fixed + fixed, False
 
     def layout(self, parsed: ParsedRequest, length: int) -> Layout:
@@ -679,7 +406,9 @@ def plan_answer(
     if agent.tools and agent.tool_choice != "none":
         if agent.tool_choice == "function":
             names = [agent.named]
-        elif agent.tool_choice == "required" or rng.random() < tool_call_probability:
+        elif agent.tool_choice == "required" or rng.random() < call_probability(
+            agent.turn, [t.words for t in agent.tools], tool_call_probability
+        ):
             count = 1
             if agent.parallel_tool_calls:
                 count = rng.randint(1, min(MAX_PARALLEL_CALLS, len(agent.tools)))

@@ -19,6 +19,11 @@ import random
 from collections.abc import Iterator
 from typing import Any, Literal
 
+from inference_lab.api.prompt_logprobs import (
+    prompt_field,
+    prompt_logprobs,
+    with_prompt_logprobs,
+)
 from inference_lab.api.requests import ParsedRequest
 from inference_lab.api.text import (
     VOCABULARY,
@@ -40,6 +45,7 @@ __all__ = [
     "StreamEncoder",
     "body_pieces",
     "body_work",
+    "choices_pieces",
     "completion_body",
     "new_request_id",
     "random_hex",
@@ -73,6 +79,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 #: Tokens of logprobs encoded per piece of a body sent in pieces (:func:`body_pieces`):
 #: each piece costs the event loop well under a millisecond to build.
 PIECE_TOKENS = 2048
+#: Echoed prompt tokens per piece of a body (a prompt token's entry costs more).
+PROMPT_PIECE_TOKENS = 256
 #: A logprobs value in a body's dict, replaced by the logprobs' pieces.
 _LOGPROBS_SLOT = "\x00logprobs\x00"
 
@@ -107,7 +115,7 @@ def _body_head(
     else:
         head["object"] = "text_completion"
         for index in range(request.n):
-            choice = {"text": request.echo_text + text, "index": index}
+            choice = {"text": request.echo_text + text, "index": request.index_base + index}
             if request.logprobs is not None:
                 choice["logprobs"] = logprobs
             choice["finish_reason"] = reason
@@ -140,6 +148,8 @@ def completion_body(
             logprobs = completion_logprobs(
                 completion_tokens, request.logprobs, len(request.echo_text)
             )
+            if request.echo_tokens:  # the prompt's own logprobs come first
+                logprobs = with_prompt_logprobs(request.echo_tokens, request.logprobs, logprobs)
     return dumps(
         _body_head(
             request,
@@ -170,22 +180,31 @@ def _chat_logprobs_pieces(count: int, top: int) -> Iterator[bytes]:
     yield b"]}"
 
 
-def _completion_logprobs_pieces(count: int, top: int, offset: int) -> Iterator[bytes]:
+def _completion_logprobs_pieces(
+    count: int, top: int, offset: int, echo_tokens: tuple[str, ...] = ()
+) -> Iterator[bytes]:
+    """A completions choice's ``logprobs`` in pieces of :data:`PIECE_TOKENS` entries: the
+    prompt's entries first (``echo_tokens``), then the answer's ``count``."""
     n = len(WORDS)
     words = [dumps(w) for w in WORDS]
     tops = [dumps(completion_top_logprobs(w, top)) for w in range(n)]
-    arrays: list[tuple[bytes, Any]] = [
-        (b'{"tokens":[', lambda i: words[i % n]),
-        (b'],"token_logprobs":[', lambda i: b"-0.25"),
-        (b'],"top_logprobs":[', lambda i: tops[i % n]),
-        (b'],"text_offset":[', lambda i: str(offset + token_start(i)).encode()),
+    arrays: list[tuple[bytes, Any, int]] = [
+        (b'{"tokens":[', lambda i: words[i % n], 0),
+        (b'],"token_logprobs":[', lambda i: b"-0.25", 1),
+        (b'],"top_logprobs":[', lambda i: tops[i % n], 2),
+        (b'],"text_offset":[', lambda i: str(offset + token_start(i)).encode(), 3),
     ]
-    for opening, item in arrays:
+    prompt = len(echo_tokens)
+    for opening, item, field in arrays:
         yield opening
+        for start in range(0, prompt, PROMPT_PIECE_TOKENS):
+            stop = min(prompt, start + PROMPT_PIECE_TOKENS)
+            part = prompt_field(echo_tokens, top, field, start, stop)
+            yield part if start == 0 else b"," + part
         for start in range(0, count, PIECE_TOKENS):
             stop = min(count, start + PIECE_TOKENS)
             part = b",".join(item(i) for i in range(start, stop))
-            yield part if start == 0 else b"," + part
+            yield part if start == 0 and not prompt else b"," + part
     yield b"]}"
 
 
@@ -210,7 +229,11 @@ def body_pieces(
         logprobs=_LOGPROBS_SLOT,
         cached_tokens=cached_tokens,
     )
-    encoded = dumps(head)
+    yield from _filled(request, dumps(head), completion_tokens)
+
+
+def _filled(request: ParsedRequest, encoded: bytes, completion_tokens: int) -> Iterator[bytes]:
+    """``encoded`` (a body or its choices) with each logprobs slot filled in pieces."""
     if request.logprobs is None:
         yield encoded
         return
@@ -223,8 +246,30 @@ def body_pieces(
                 yield from _chat_logprobs_pieces(completion_tokens, request.logprobs)
             else:
                 yield from _completion_logprobs_pieces(
-                    completion_tokens, request.logprobs, len(request.echo_text)
+                    completion_tokens,
+                    request.logprobs,
+                    len(request.echo_text),
+                    request.echo_tokens,
                 )
+
+
+def choices_pieces(
+    request: ParsedRequest, *, completion_tokens: int, finish_reason: str
+) -> Iterator[bytes]:
+    """The choices of ``request`` as :func:`body_pieces` writes them, without the array's
+    brackets: one prompt's share of a batch body
+    (:mod:`inference_lab.api.completion_batch`)."""
+    head = _body_head(
+        request,
+        request_id="",
+        created=0,
+        completion_tokens=completion_tokens,
+        finish_reason=finish_reason,
+        logprobs=_LOGPROBS_SLOT,
+    )
+    encoded = dumps(head)
+    start = encoded.index(b'"choices":[') + len(b'"choices":[')
+    yield from _filled(request, encoded[start : encoded.rindex(b'],"usage":')], completion_tokens)
 
 
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -369,9 +414,14 @@ class StreamEncoder:
                 for c in range(n)
             )
         if self._request.echo_text:
-            text = dumps(self._request.echo_text)
+            request = self._request
+            text = dumps(request.echo_text)
+            tail = b"}]}\n\n"
+            if request.echo_tokens and request.logprobs is not None:  # the prompt's logprobs
+                logprobs = prompt_logprobs(request.echo_tokens, request.logprobs)
+                tail = b',"logprobs":' + dumps(logprobs) + tail
             return b"".join(
-                self._head + b'"choices":[{"text":' + text + b',"index":%d}]}\n\n' % c
+                self._head + b'"choices":[{"text":' + text + b',"index":%d' % c + tail
                 for c in range(n)
             )
         return b""

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import attrs
 
 from inference_lab.api.hashing import PromptHashing, hash_chat, hash_text, hash_token_ids
+from inference_lab.api.prompt_logprobs import prompt_token_texts
 from inference_lab.api.schema import (
     ChatBody,
     CompletionBody,
@@ -44,6 +45,7 @@ __all__ = [
     "BYTE_TOKENIZER",
     "MAX_BODY_BYTES",
     "MAX_CAPACITY",
+    "MAX_PROMPTS",
     "MAX_RESPONSE_WORK",
     "check_work",
     "CapacityRequest",
@@ -53,6 +55,7 @@ __all__ = [
     "parse_capacity_request",
     "parse_chat_request",
     "parse_completion_request",
+    "parse_completion_requests",
 ]
 
 #: The largest request body the server reads.
@@ -107,6 +110,23 @@ class ParsedRequest:
     block_hashes: tuple[int, ...] = ()
     #: The token ids hashed (numpy int64), kept only for the KV-events publisher.
     hashed_tokens: Any = None
+    #: vLLM's ``ignore_eos``: run to ``max_tokens`` (or a stop string), no drawn length.
+    ignore_eos: bool = False
+    #: vLLM's ``min_tokens``: a drawn length is at least this (capped by ``output_cap``).
+    min_tokens: int = 0
+    #: With ``echo`` and ``logprobs`` (completions): the text of each prompt token, whose
+    #: logprobs come first (:mod:`inference_lab.api.prompt_logprobs`).
+    echo_tokens: tuple[str, ...] = ()
+    #: The index of this request's first choice in its body (a batch of prompts:
+    #: ``prompt index x n``).
+    index_base: int = 0
+
+    @property
+    def engine_max_tokens(self) -> int:
+        """``max_tokens`` as the engine sees it: a completions request with
+        ``max_tokens: 0`` scores its prompt in one prefill step, of one (unreported)
+        token."""
+        return max(1, self.max_tokens)
 
     @property
     def output_cap(self) -> int:
@@ -183,6 +203,20 @@ def _include_usage(stream: bool, options: StreamOptions | None) -> bool:
     return stream and options is not None and bool(options.include_usage)
 
 
+def _length_fields(
+    ignore_eos: bool | None, min_tokens: int | None, max_tokens: int
+) -> dict[str, Any]:
+    """ParsedRequest's ``ignore_eos`` and ``min_tokens`` (vLLM's sampling parameters, which
+    decide an answer's length here); ``min_tokens`` above ``max_tokens`` is a 400, as in
+    vLLM."""
+    if min_tokens is not None and min_tokens > max_tokens:
+        raise invalid_value(
+            "min_tokens",
+            f"min_tokens must be less than or equal to max_tokens ({max_tokens}), got {min_tokens}",
+        )
+    return {"ignore_eos": bool(ignore_eos), "min_tokens": min_tokens or 0}
+
+
 def parse_chat_request(
     raw: dict[str, Any],
     default_max_tokens: int,
@@ -194,6 +228,15 @@ def parse_chat_request(
     (None: the byte rule), hashing it with ``hashing`` (Rule 4); raises :class:`ApiError`
     (400)."""
     body: ChatBody = structure(raw, ChatBody)
+    for legacy in ("functions", "function_call"):
+        if raw.get(legacy) is not None:
+            raise ApiError(
+                400,
+                "unsupported_value",
+                f"{legacy} is the deprecated spelling of tools / tool_choice, which vLLM "
+                "ignores (its answer would call no function): send tools and tool_choice",
+                legacy,
+            )
     n = body.n or 1
     _check_best_of(body.best_of, n)
     if body.top_logprobs and not body.logprobs:
@@ -232,11 +275,60 @@ def parse_chat_request(
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         **stop,
         **hashed,
+        **_length_fields(body.ignore_eos, body.min_tokens, max_tokens),
     )
 
 
 def _token_echo(ids: tuple[int, ...]) -> str:
     return "".join(WORDS[t % len(WORDS)] for t in ids)
+
+
+#: The most prompts one ``/v1/completions`` request may carry (each is an engine request).
+MAX_PROMPTS = 2048
+
+
+def parse_completion_requests(
+    raw: dict[str, Any],
+    default_max_tokens: int,
+    *,
+    tokenizer: Tokenizer | None = None,
+    hashing: PromptHashing | None = None,
+) -> tuple[ParsedRequest, ...]:
+    """Validate a ``/v1/completions`` body: one :class:`ParsedRequest` per prompt (a batch
+    of prompts is a request each, as vLLM serves it; choice ``c`` of prompt ``i`` has
+    index ``i x n + c``), each counted with ``tokenizer`` (None: the byte rule; token ids
+    count exactly) and hashed with ``hashing`` (Rule 4). ``max_tokens`` may be 0 (the
+    prompt is scored: with ``echo`` and ``logprobs``, its own logprobs); ``suffix`` is
+    refused, as vLLM refuses it. Raises :class:`ApiError` (400)."""
+    body: CompletionBody = structure(raw, CompletionBody)
+    n = body.n or 1
+    _check_best_of(body.best_of, n)
+    if body.suffix is not None:
+        raise ApiError(400, "unsupported_value", "suffix is not currently supported", "suffix")
+    prompts: tuple[Any, ...] = body.prompt  # type: ignore[assignment]
+    if not prompts:
+        raise ApiError(400, "invalid_prompt", "prompt must hold at least one prompt", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(
+            400,
+            "invalid_prompt",
+            f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}",
+            "prompt",
+        )
+    if len(prompts) > 1 and body.stream:
+        raise ApiError(
+            400,
+            "unsupported_value",
+            f"a stream takes one prompt: {len(prompts)} prompts are answered in one body "
+            "(stream: false)",
+            "stream",
+        )
+    tok = tokenizer if tokenizer is not None else BYTE_TOKENIZER
+    max_tokens = body.max_tokens if body.max_tokens is not None else default_max_tokens
+    return tuple(
+        _completion(body, prompt, i * n, max_tokens, tok, hashing)
+        for i, prompt in enumerate(prompts)
+    )
 
 
 def parse_completion_request(
@@ -246,20 +338,26 @@ def parse_completion_request(
     tokenizer: Tokenizer | None = None,
     hashing: PromptHashing | None = None,
 ) -> ParsedRequest:
-    """Validate a ``/v1/completions`` body and count its prompt with ``tokenizer`` (None:
-    the byte rule; token ids count exactly), hashing it with ``hashing`` (Rule 4); raises
-    :class:`ApiError` (400)."""
-    body: CompletionBody = structure(raw, CompletionBody)
-    n = body.n or 1
-    _check_best_of(body.best_of, n)
-    prompts: tuple[Any, ...] = body.prompt  # type: ignore[assignment]
-    if len(prompts) != 1:
+    """:func:`parse_completion_requests` of a body holding exactly one prompt."""
+    parsed = parse_completion_requests(
+        raw, default_max_tokens, tokenizer=tokenizer, hashing=hashing
+    )
+    if len(parsed) != 1:
         raise ApiError(
-            400, "invalid_prompt", f"expected exactly 1 prompt, got {len(prompts)}", "prompt"
+            400, "invalid_prompt", f"expected exactly 1 prompt, got {len(parsed)}", "prompt"
         )
-    prompt = prompts[0]
-    tok = tokenizer if tokenizer is not None else BYTE_TOKENIZER
-    max_tokens = body.max_tokens if body.max_tokens is not None else default_max_tokens
+    return parsed[0]
+
+
+def _completion(
+    body: CompletionBody,
+    prompt: str | tuple[int, ...],
+    index_base: int,
+    max_tokens: int,
+    tok: Tokenizer,
+    hashing: PromptHashing | None,
+) -> ParsedRequest:
+    """The request of one prompt of a completions body."""
     stop = _stop_fields(body.stop, max_tokens)
     hashed: dict[str, Any] = {}
     if hashing is not None:
@@ -283,6 +381,9 @@ def parse_completion_request(
                 raise invalid_value("prompt", f"prompt: {exc}") from None
         else:  # the byte rule gives token ids no text: they echo as placeholder words
             echo_text = _token_echo(prompt)
+    echo_tokens: tuple[str, ...] = ()
+    if body.echo and body.logprobs is not None:  # the prompt's own logprobs
+        echo_tokens = prompt_token_texts(tok, prompt)
     stream = bool(body.stream)
     return ParsedRequest(
         kind="completions",
@@ -293,10 +394,13 @@ def parse_completion_request(
         include_usage=_include_usage(stream, body.stream_options),
         priority=body.priority or 0,
         echo_text=echo_text if body.echo else "",
-        n=n,
+        n=body.n or 1,
         logprobs=body.logprobs,
+        echo_tokens=echo_tokens,
+        index_base=index_base,
         **stop,
         **hashed,
+        **_length_fields(body.ignore_eos, body.min_tokens, max_tokens),
     )
 
 

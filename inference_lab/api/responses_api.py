@@ -45,6 +45,7 @@ from inference_lab.api.encoding import random_hex
 from inference_lab.api.requests import BYTE_TOKENIZER, ParsedRequest
 from inference_lab.api.schema import MAX_INT32, check_depth, invalid_value
 from inference_lab.api.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
+from inference_lab.api.tool_choice import conversation_turn
 from inference_lab.errors import ApiError, truncate_echo
 from inference_lab.jsonbytes import dumps
 
@@ -185,6 +186,7 @@ def _tools(value: Any) -> tuple[tuple[FunctionTool, ...], list[dict[str, Any]]]:
             where,
             name_param=f"{where}.name",
             params_param=f"{where}.parameters",
+            description=tool.get("description"),
         )
         if any(t.name == parsed.name for t in tools):
             raise invalid_value(f"{where}.name", f"two tools are named {parsed.name!r}")
@@ -296,6 +298,7 @@ def parse_responses_request(
         parallel_tool_calls=parallel,
         output=output,
         effort=effort,
+        turn=conversation_turn((m.role, m.content, len(m.tool_calls or ())) for m in messages),
     )
     tool_choice_echo: Any = raw.get("tool_choice", "auto")
     echo = {
@@ -671,7 +674,7 @@ class ResponsesEncoder:
         assert layout is not None, "bind() first"
         return b"".join(self._token(layout, i) for i in range(start, min(stop, layout.length)))
 
-    def closing(self, finish_reason: str, completion_tokens: int) -> bytes:
+    def closing(self, finish_reason: str, completion_tokens: int, cached_tokens: int = 0) -> bytes:
         """The open item's ``.done`` events, then ``response.completed`` (or
         ``response.incomplete``) with the whole response."""
         final = final_response(

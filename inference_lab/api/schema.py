@@ -134,6 +134,10 @@ class Message:
     tool_calls: list[Any] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    #: An earlier answer's reasoning: vLLM's ``reasoning``, or the older
+    #: ``reasoning_content`` (both accepted; ``reasoning`` wins).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -165,6 +169,8 @@ class ChatBody:
     top_logprobs: int | None = attrs.field(
         default=None, validator=in_range(0, MAX_TOP_LOGPROBS_CHAT)
     )
+    ignore_eos: bool | None = None
+    min_tokens: int | None = attrs.field(default=None, validator=in_range(0, MAX_INT32))
 
 
 @attrs.frozen(kw_only=True)
@@ -176,9 +182,10 @@ class CompletionBody:
     prompt: Prompt = attrs.field(metadata=expect(_PROMPT_EXPECT))
     max_tokens: int | None = attrs.field(
         default=None,
-        validator=in_range(1, MAX_INT32),
-        metadata=expect(f"an integer in 1..{MAX_INT32}"),
+        validator=in_range(0, MAX_INT32),
+        metadata=expect(f"an integer in 0..{MAX_INT32}"),
     )
+    suffix: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     echo: bool | None = None
@@ -189,6 +196,8 @@ class CompletionBody:
     logprobs: int | None = attrs.field(
         default=None, validator=in_range(0, MAX_LOGPROBS_COMPLETIONS)
     )
+    ignore_eos: bool | None = None
+    min_tokens: int | None = attrs.field(default=None, validator=in_range(0, MAX_INT32))
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -335,5 +344,10 @@ def chat_messages(messages: Sequence[Message], tools: Sequence[Any] | None) -> l
     for i, m in enumerate(messages):
         check_depth(m.tool_calls, f"messages[{i}].tool_calls")
         # content is the text of _content_hook, or None when the key was absent
-        out.append(ChatMessage(m.role, str(m.content or ""), m.tool_calls, m.name, m.tool_call_id))
+        reasoning = m.reasoning if m.reasoning is not None else m.reasoning_content
+        out.append(
+            ChatMessage(
+                m.role, str(m.content or ""), m.tool_calls, m.name, m.tool_call_id, reasoning
+            )
+        )
     return out

@@ -60,6 +60,10 @@ class ChatMessage(NamedTuple):
     tool_calls: list[Any] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    #: An assistant message's earlier reasoning (``reasoning`` or ``reasoning_content``):
+    #: a chat template sees it under both names, as vLLM passes it; the default rendering
+    #: leaves it out.
+    reasoning: str | None = None
 
 
 class ChatTemplateError(ValueError):
@@ -281,6 +285,8 @@ class _ChatTemplate:
                 entry["name"] = m.name
             if m.tool_call_id is not None:
                 entry["tool_call_id"] = m.tool_call_id
+            if m.reasoning is not None and m.role == "assistant":
+                entry["reasoning"] = entry["reasoning_content"] = m.reasoning
             dicts.append(entry)
         try:
             return self.template.render(

@@ -266,6 +266,7 @@ class _Replay:
         body: dict[str, Any] = {"model": self.cfg.model}
         body["messages" if endpoint == "chat" else "prompt"] = content
         body["max_tokens"] = max_tokens
+        body["ignore_eos"] = True  # the trace's length, on inference-lab and on vLLM
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
         return body

@@ -136,13 +136,16 @@ def parse_retry_after(value: bytes, now: float) -> float | None:
 def encode_request(
     *, model: str, endpoint: Endpoint, prompt: str, max_tokens: int, stream: bool
 ) -> bytes:
-    """The JSON body (compact, UTF-8). Streams ask for the usage frame."""
+    """The JSON body (compact, UTF-8). Streams ask for the usage frame; every request asks
+    for ``ignore_eos`` (vLLM's), so each answer runs to its ``max_tokens`` and the load's
+    output lengths are the ones the server generates."""
     body: dict[str, Any] = {"model": model}
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
     body["max_tokens"] = max_tokens
+    body["ignore_eos"] = True
     body["stream"] = stream
     if stream:
         body["stream_options"] = {"include_usage": True}

@@ -62,7 +62,7 @@ from inference_lab.core.engine import (
     RequestSpec,
     StepEvents,
 )
-from inference_lab.errors import EngineUnavailable, QueueFull, RequestRefused
+from inference_lab.errors import EngineSleeping, EngineUnavailable, QueueFull, RequestRefused
 from inference_lab.runtime.calibration import EarlyWake, PacingCalibration
 from inference_lab.runtime.lag import LagMeter, LagStatistics
 from inference_lab.runtime.timer import Timer
@@ -120,15 +120,21 @@ class LengthSampler(Protocol):
 class RuntimeObserver(Protocol):
     """Told what a runtime did, for metrics (``ModelRuntime.observer``). ``on_step`` is
     called on the engine task after each step's events were delivered, with the step's
-    pacing lag; ``on_refused`` by :meth:`ModelRuntime.admit_nowait` for each refusal. Both
-    are synchronous, must not block or raise, and must stay O(1) per engine event: they
-    run inside the pacing loop."""
+    pacing lag; ``on_finished_request`` for each request a step finished, with the
+    ``max_tokens`` it was admitted with; ``on_refused`` by
+    :meth:`ModelRuntime.admit_nowait` for each refusal; ``on_aborted`` with the worker of
+    an aborted request. All are synchronous, must not block or raise, and must stay O(1)
+    per engine event: they run inside the pacing loop."""
 
     def on_step(self, events: StepEvents, lag: float) -> None: ...
 
-    def on_refused(self, reason: Literal["queue_saturated", "engine_unavailable"]) -> None: ...
+    def on_refused(
+        self, reason: Literal["queue_saturated", "engine_unavailable", "engine_sleeping"]
+    ) -> None: ...
 
-    def on_aborted(self) -> None: ...
+    def on_aborted(self, worker: int) -> None: ...
+
+    def on_finished_request(self, finished: Finished, max_tokens: int) -> None: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -329,6 +335,9 @@ class ModelRuntime:
         #: The newest :meth:`set_capacity` calls, oldest first, and how many there were.
         self.capacity_changes: deque[CapacityChange] = deque(maxlen=CAPACITY_HISTORY)
         self.capacity_change_count = 0
+        #: vLLM's sleep mode (``POST /sleep``): 0 awake, else the level; admission refuses
+        #: while it is set (set and cleared by the serve app).
+        self.sleep_level = 0
         self._snapshot = self._make_snapshot()
 
     # ------------------------------------------------------------------ snapshots
@@ -413,6 +422,7 @@ class ModelRuntime:
         limit: int | None = None,
         block_hashes: tuple[int, ...] = (),
         drawn: bool = True,
+        min_length: int = 0,
     ) -> RequestHandle:
         """The single entry into the engine. Synchronous, no checkpoint.
 
@@ -425,12 +435,17 @@ class ModelRuntime:
         ``block_hashes`` (its prompt's and answer's hash chain, :mod:`inference_lab.api.hashing`)
         go with it, so the router and the prefix cache see them.
         With ``drawn`` False the answer's content decides its length (a JSON document of
-        ``limit`` tokens): no length is drawn for it.
+        ``limit`` tokens, or a request that runs to its cap): no length is drawn for it.
+        A drawn length is at least ``min_length`` (vLLM's ``min_tokens``), within the cap.
         """
         if not self._alive:
             if self.observer is not None:
                 self.observer.on_refused("engine_unavailable")
             raise EngineUnavailable(self.name)
+        if self.sleep_level:
+            if self.observer is not None:
+                self.observer.on_refused("engine_sleeping")
+            raise EngineSleeping(self.name)
         asked = RequestSpec(
             prompt_tokens=prompt_tokens, max_tokens=max_tokens, n=n, block_hashes=block_hashes
         )
@@ -448,7 +463,7 @@ class ModelRuntime:
         target = cap if cap < max_tokens else None
         if self._output_lengths is not None and drawn:
             sample = int(self._output_lengths.sample(self._rng, 1)[0])
-            target = max(1, min(sample, cap))
+            target = max(1, min(max(sample, min_length), cap))
         handle.spec = RequestSpec(
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
@@ -495,6 +510,39 @@ class ModelRuntime:
         )
         self.capacity_change_count += 1
 
+    @property
+    def live(self) -> int:
+        """Requests admitted and not yet done."""
+        return len(self._live)
+
+    def abort_live(self, message: str) -> int:
+        """End every live request as a failure with ``message`` (its stream ends with an
+        error frame, a non-streaming request gets an error): vLLM's sleep in its ``abort``
+        mode. Synchronous; returns how many it ended."""
+        live = [handle for handle in self._live if not handle.done]
+        for handle in live:
+            handle.close()
+            handle.sink.on_failed(message)
+        return len(live)
+
+    def pending_by_worker(self) -> list[int]:
+        """The admitted requests not yet in a waiting queue, by the worker admission chose
+        for each (with the workers' queues, ``/metrics``' per-engine waiting count)."""
+        counts = [0] * self.deployment.workers
+        for handle in self._live:
+            if handle.holds_slot:
+                counts[handle.spec.worker or 0] += 1
+        return counts
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block (vLLM's ``reset_prefix_cache``): only when no running
+        request holds one; returns whether it was done."""
+        done = self.engine.reset_prefix_cache()
+        if done:
+            self._admission.changed()
+            self._publish()
+        return done
+
     def retry_after(self) -> int:
         """A refusal's ``Retry-After``: whole seconds, 1 to :data:`RETRY_AFTER_MAX`, until
         one waiting place is expected to free -- when the first running request finishes
@@ -524,7 +572,7 @@ class ModelRuntime:
         else:
             self._aborted += 1
             if self.observer is not None:
-                self.observer.on_aborted()
+                self.observer.on_aborted(handle.spec.worker or 0)
         rid = handle.request_id
         if rid is not None:
             self._by_id.pop(rid, None)
@@ -717,6 +765,8 @@ class ModelRuntime:
                 handle.state = "finished"
                 self._live.pop(handle, None)
                 handle.sink.on_finished(finished)
+                if self.observer is not None:
+                    self.observer.on_finished_request(finished, handle.spec.max_tokens)
 
     def _send_deadline(self) -> None:
         nxt = self.engine.next_event_time()

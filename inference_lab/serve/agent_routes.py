@@ -8,24 +8,18 @@ way (:func:`~inference_lab.serve.completions.read_body`: 413, 408, pieces).
 Rule 1: the contract before a response starts is the completion routes': body (413 /
         408 / 400) -> validation (400) -> model (404) -> fit (400) -> engine alive (503)
         -> depth (529), every refusal a whole reply in the OpenAI envelope.
-Rule 2: an embeddings request is one prefill-only engine request per input (``max_tokens``
-        1), all admitted in one synchronous pass or none: when one is refused, those
-        admitted before it are withdrawn (``RequestHandle.withdraw``) and the request is
-        a 529 / 503. It queues, batches and counts toward ``max_waiting`` like any other.
-Rule 3: an embeddings answer is sent once every input finished, in pieces of one vector
-        (with a checkpoint between), so a large batch never holds up the event loop; a
-        client that leaves aborts every input.
-Rule 4: a response is stored (``store``, default true) when it finished, bounded and
+Rule 2: an embeddings request is one prefill-only engine request per input, admitted
+        all or none and answered in pieces (:mod:`inference_lab.serve.prefill_batch`).
+Rule 3: a response is stored (``store``, default true) when it finished, bounded and
         evicted (:mod:`inference_lab.serve.response_store`); ``previous_response_id``
         continues a stored one's conversation, and names an unknown one with a 400.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-import trio
 from quart import Response
 from quart_trio import QuartTrio
 
@@ -46,9 +40,7 @@ from inference_lab.api.responses_api import (
 from inference_lab.api.schema import parse_json_object
 from inference_lab.errors import ApiError, EngineUnavailable, QueueFull, truncate_echo
 from inference_lab.jsonbytes import dumps
-from inference_lab.runtime.model_runtime import RequestHandle
 from inference_lab.serve.agents import serve_answer
-from inference_lab.serve.client_gone import while_watched
 from inference_lab.serve.completions import (
     MAX_BODY_PIECES,
     BodyTimeout,
@@ -58,50 +50,50 @@ from inference_lab.serve.completions import (
     read_body,
 )
 from inference_lab.serve.error_replies import (
-    JSON,
     Reply,
     body_timeout_reply,
     body_too_fragmented_reply,
     body_too_large_reply,
-    engine_failed_reply,
     error_reply,
     json_reply,
     send_reply,
-    shutting_down_reply,
 )
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.generation import INLINE_BODY, plan_off_loop
+from inference_lab.serve.prefill_batch import refuse, serve_prefill_batch
 from inference_lab.serve.response_store import StoredResponse
 from inference_lab.serve.routes import to_response
 from inference_lab.serve.state import ServeState
-from inference_lab.serve.streaming import CollectSink
 
-__all__ = ["AGENT_ROUTES", "register_response_routes"]
+__all__ = ["AGENT_ROUTES", "register_response_routes", "request_body"]
 
 Route = Callable[[ServeState, Exchange, Receive, Send], Awaitable[None]]
 
 
-async def _body(
-    state: ServeState, exchange: Exchange, receive: Receive, send: Send
+async def request_body(
+    state: ServeState,
+    exchange: Exchange,
+    receive: Receive,
+    send: Send,
+    translate: Callable[[Reply], Reply] | None = None,
 ) -> bytes | None:
-    """The request body, or None once a refusal was sent (or the client left)."""
+    """The request body, or None once a refusal was sent (or the client left); a route
+    with another error envelope (the Messages API) passes ``translate``."""
     timeout = state.settings.body_timeout
+    reply: Reply | None = None
     try:
         return await read_body(receive, exchange.scope, deadline=exchange.arrival + timeout)
     except BodyTooLarge:
-        await send_reply(send, body_too_large_reply(), exchange.headers)
+        reply = body_too_large_reply()
     except BodyTooFragmented:
-        await send_reply(send, body_too_fragmented_reply(MAX_BODY_PIECES), exchange.headers)
+        reply = body_too_fragmented_reply(MAX_BODY_PIECES)
     except BodyTimeout:
-        await send_reply(send, body_timeout_reply(timeout), exchange.headers)
+        reply = body_timeout_reply(timeout)
     except ClientGone:
         pass
+    if reply is not None:
+        await send_reply(send, translate(reply) if translate else reply, exchange.headers)
     return None
-
-
-async def _refuse(state: ServeState, exchange: Exchange, send: Send, exc: Exception) -> None:
-    reply = error_reply(exc, should_retry_header=state.settings.should_retry_header)
-    await send_reply(send, reply, exchange.headers)
 
 
 def _not_found(response_id: str) -> ApiError:
@@ -121,7 +113,7 @@ async def create_response(
     state: ServeState, exchange: Exchange, receive: Receive, send: Send
 ) -> None:
     """``POST /v1/responses`` (the module rules)."""
-    body = await _body(state, exchange, receive, send)
+    body = await request_body(state, exchange, receive, send)
     if body is None:
         return
     settings = state.settings
@@ -207,11 +199,11 @@ async def create_response(
             finished=streamed,
         )
     except (ApiError, QueueFull, EngineUnavailable) as exc:
-        await _refuse(state, exchange, send, exc)
+        await refuse(state, exchange, send, exc)
 
 
 def register_response_routes(app: QuartTrio, state: ServeState) -> None:
-    """``GET`` and ``DELETE /v1/responses/{id}`` of stored responses (Rule 4)."""
+    """``GET`` and ``DELETE /v1/responses/{id}`` of stored responses (Rule 3)."""
 
     @app.get("/v1/responses/<response_id>")
     async def retrieve_response(response_id: str) -> Response:
@@ -233,40 +225,14 @@ def register_response_routes(app: QuartTrio, state: ServeState) -> None:
 # POST /v1/embeddings
 
 
-class _Batch:
-    """The sinks of one embeddings request's inputs: done when all finished, or when one
-    failed or the client left."""
-
-    def __init__(self, count: int) -> None:
-        self.sinks = [CollectSink() for _ in range(count)]
-        self.handles: list[RequestHandle] = []
-
-    def gone(self) -> None:
-        for handle in self.handles:
-            handle.close()
-        for sink in self.sinks:
-            sink.on_gone()
-
-    async def wait(self) -> None:
-        for sink in self.sinks:
-            await sink.event.wait()
-            if sink.finished is None:
-                return
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.close()
-
-
 async def create_embeddings(
     state: ServeState, exchange: Exchange, receive: Receive, send: Send
 ) -> None:
     """``POST /v1/embeddings`` (the module rules)."""
-    body = await _body(state, exchange, receive, send)
+    body = await request_body(state, exchange, receive, send)
     if body is None:
         return
     settings = state.settings
-    batch: _Batch | None = None
     try:
         raw = parse_json_object(body)
         model = raw.get("model")
@@ -275,82 +241,22 @@ async def create_embeddings(
         runtime = state.runtimes.get(request.model)
         if runtime is None:
             raise state.model_not_found(request.model)
-        model_dim = settings.embedding_size(runtime.deployment)
-        dim = check_dimensions(request, model_dim)
-        for i, tokens in enumerate(request.tokens):
-            refused = runtime.check_fits(max(1, tokens), 1)
-            if refused is not None:
-                where = "input" if len(request.tokens) == 1 else f"input[{i}]"
-                raise ApiError(400, "context_length_exceeded", refused.reason, where)
-        if state.draining:
-            await send_reply(send, shutting_down_reply(), exchange.headers)
-            return
-        batch = _Batch(len(request.tokens))
-        try:
-            for tokens, sink in zip(request.tokens, batch.sinks, strict=True):
-                handle = runtime.admit_nowait(
-                    prompt_tokens=max(1, tokens),
-                    max_tokens=1,
-                    priority=request.priority,
-                    sink=sink,
-                    arrival=exchange.arrival,
-                    limit=1,
-                    drawn=False,
-                )
-                batch.handles.append(handle)
-        except (QueueFull, EngineUnavailable):
-            for handle in batch.handles:
-                handle.withdraw()  # all or none (Rule 2)
-            batch.handles.clear()
-            raise
-    except (ApiError, QueueFull, EngineUnavailable) as exc:
-        await _refuse(state, exchange, send, exc)
+        dim = check_dimensions(request, settings.embedding_size(runtime.deployment))
+    except ApiError as exc:
+        await refuse(state, exchange, send, exc)
         return
-    try:
-        await while_watched(send, receive, batch.gone, batch.wait)
-        batch.close()
-        failed = next((s for s in batch.sinks if s.finished is None), None)
-        if failed is not None:
-            if failed.gone:
-                return
-            if state.shutdown_message is not None:
-                reply = shutting_down_reply(state.shutdown_message)
-            else:
-                reply = engine_failed_reply(failed.failure or "The engine failed.")
-            with trio.CancelScope(shield=True):
-                await send_reply(send, reply, exchange.headers)
-            return
-        await _send_pieces(send, exchange, embedding_pieces(request, settings.seed or 0, dim))
-    finally:
-        batch.close()
-
-
-#: A body is sent in messages of about this many bytes (a small one whole, in one write).
-SEND_CHUNK = 256 * 1024
-
-
-async def _send_pieces(send: Send, exchange: Exchange, pieces: Iterator[bytes]) -> None:
-    """A 200 JSON body built piece by piece with a checkpoint after each (Rule 3), sent in
-    messages of about :data:`SEND_CHUNK` bytes; a body smaller than that is one reply."""
-    buffer: list[bytes] = []
-    size = 0
-    started = False
-    for piece in pieces:
-        buffer.append(piece)
-        size += len(piece)
-        if size >= SEND_CHUNK:
-            if not started:
-                headers = [(b"content-type", JSON), *exchange.headers]
-                await send({"type": "http.response.start", "status": 200, "headers": headers})
-                started = True
-            await send({"type": "http.response.body", "body": b"".join(buffer), "more_body": True})
-            buffer, size = [], 0
-        await trio.lowlevel.checkpoint()
-    with trio.CancelScope(shield=True):
-        if not started:
-            await send_reply(send, Reply(200, b"".join(buffer)), exchange.headers)
-        else:
-            await send({"type": "http.response.body", "body": b"".join(buffer), "more_body": False})
+    single = len(request.tokens) == 1
+    await serve_prefill_batch(
+        state,
+        exchange,
+        receive,
+        send,
+        runtime=runtime,
+        tokens=request.tokens,
+        priority=request.priority,
+        where=lambda i: "input" if single else f"input[{i}]",
+        pieces=lambda: embedding_pieces(request, settings.seed or 0, dim),
+    )
 
 
 #: Path -> the raw ASGI route serving ``POST`` on it.

@@ -19,6 +19,10 @@ Rule 3: an admitted request is closed exactly when its exchange ends, whatever e
         collector at once, as on the plain path.
 Rule 4: a stream is written by :func:`~inference_lab.serve.streaming.write_stream`, so
         pacing, delivery spacing and direct writes are the plain streams'.
+Rule 5: an answer carries its prompt's hash chain into the prefix cache (prose: the
+        chain of its prompt and answer, as the plain route's; a JSON answer: its prompt's
+        whole blocks only, :func:`prompt_chain`), so an agent's next turn finds its
+        conversation cached.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any, Protocol, cast
 
 import trio
 
-from inference_lab.api.agent_encoding import ChatAgentEncoder, chat_agent_body
+from inference_lab.api.agent_encoding import REASONING_KEYS, ChatAgentEncoder, chat_agent_body
 from inference_lab.api.agents import (
     AnswerPlan,
     call_id,
@@ -62,6 +66,8 @@ __all__ = [
     "AnswerSink",
     "FrameEncoder",
     "chat_plan",
+    "prompt_chain",
+    "reasoning_keys",
     "refuse_structured",
     "serve_answer",
     "serve_chat_agent",
@@ -95,7 +101,9 @@ class FrameEncoder(Protocol):
 
     def tokens(self, start: int, stop: int, *, final: bool = False) -> bytes: ...
 
-    def closing(self, finish_reason: str, completion_tokens: int) -> bytes: ...
+    def closing(
+        self, finish_reason: str, completion_tokens: int, cached_tokens: int = 0
+    ) -> bytes: ...
 
     def failure(self, message: str) -> bytes: ...
 
@@ -119,7 +127,9 @@ class AnswerSink(StreamSink):
         if self.emitted > self.written:
             rest = self.encoder.tokens(self.written, self.emitted, final=True)
             self.written = self.emitted
-        self.closing = rest + self.encoder.closing(finished.finish_reason, finished.output_tokens)
+        self.closing = rest + self.encoder.closing(
+            finished.finish_reason, finished.output_tokens, finished.cached_tokens
+        )
         self.finished = True
         self._end()
 
@@ -204,6 +214,20 @@ async def chat_plan(
     return await plan_off_loop(decide, inline=size <= INLINE_BODY)
 
 
+def reasoning_keys(state: ServeState, raw: Mapping[str, Any]) -> tuple[str, ...]:
+    """The fields a chat answer's reasoning goes under: ``reasoning`` and, unless the
+    server drops it (``--no-reasoning-content``), ``reasoning_content``; none when the
+    request says ``include_reasoning: false`` (vLLM's field; a 400 unless a boolean)."""
+    include = raw.get("include_reasoning", True)
+    if type(include) is not bool:
+        raise ApiError(
+            400, "invalid_value", "include_reasoning must be a boolean", "include_reasoning"
+        )
+    if not include:
+        return ()
+    return REASONING_KEYS if state.settings.reasoning_content else REASONING_KEYS[:1]
+
+
 async def serve_chat_agent(
     state: ServeState,
     runtime: ModelRuntime,
@@ -212,12 +236,16 @@ async def serve_chat_agent(
     send: Send,
     parsed: ParsedRequest,
     plan: AnswerPlan,
+    keys: tuple[str, ...] = REASONING_KEYS,
 ) -> None:
-    """Serve a chat completion whose answer is ``plan`` (the module rules)."""
+    """Serve a chat completion whose answer is ``plan`` (the module rules); reasoning goes
+    under ``keys`` (:func:`reasoning_keys`)."""
     request_id = exchange.request_id or new_request_id("chat")
     created = int(time.time())
     ids = [[call_id() for _ in plan.calls] for _ in range(parsed.n)]
-    encoder = ChatAgentEncoder(parsed, plan, request_id=request_id, created=created, call_ids=ids)
+    encoder = ChatAgentEncoder(
+        parsed, plan, request_id=request_id, created=created, call_ids=ids, reasoning_keys=keys
+    )
 
     def body(finished: Finished) -> bytes:
         return chat_agent_body(
@@ -228,6 +256,8 @@ async def serve_chat_agent(
             completion_tokens=finished.output_tokens,
             finish_reason=finished.finish_reason,
             call_ids=ids,
+            reasoning_keys=keys,
+            cached_tokens=finished.cached_tokens,
         )
 
     await serve_answer(
@@ -241,7 +271,17 @@ async def serve_chat_agent(
         encoder=encoder,
         body=body,
         chat=True,
+        block_hashes=prompt_chain(parsed, plan, runtime.deployment.scheduler.block_size),
     )
+
+
+def prompt_chain(parsed: ParsedRequest, plan: AnswerPlan, block_size: int) -> tuple[int, ...]:
+    """The hash chain an answer carries (Rule 5): a prose answer's whole chain (its
+    prompt, then the placeholder answer it computes), a JSON answer's prompt blocks only
+    (its document is not the placeholder text the chain's answer part stands for)."""
+    if plan.fixed is None:
+        return parsed.block_hashes
+    return parsed.block_hashes[: parsed.prompt_tokens // block_size]
 
 
 def _gone(handle: RequestHandle, sink: StreamSink | CollectSink) -> None:
@@ -262,18 +302,24 @@ async def serve_answer(
     body: Callable[[Finished], bytes],
     chat: bool,
     finished: Callable[[], None] | None = None,
+    translate: Callable[[Reply], Reply] | None = None,
+    block_hashes: tuple[int, ...] = (),
 ) -> None:
     """Admit ``parsed`` (Rules 1-2) and answer it: ``encoder``'s stream, or
     ``body(finished)`` once it ended. ``finished`` is called after a stream ended with
-    its closing events written (the Responses store). Raises :class:`ApiError`,
-    ``QueueFull`` or ``EngineUnavailable`` only before anything is sent."""
+    its closing events written (the Responses store); ``translate`` puts the refusals
+    sent here into another API's envelope (the Messages API's); ``block_hashes`` (Rule
+    5) go with the request to the router and the prefix cache. Raises
+    :class:`ApiError`, ``QueueFull`` or ``EngineUnavailable`` only before anything is
+    sent."""
     engine_prompt = max(1, parsed.prompt_tokens)
     refused = runtime.check_fits(engine_prompt, parsed.max_tokens, parsed.n)
     if refused is not None:
         raise ApiError(400, "context_length_exceeded", refused.reason, "max_tokens")
     check_work(parsed)
     if state.draining:
-        await send_reply(send, shutting_down_reply(), exchange.headers)
+        refusal = shutting_down_reply()
+        await send_reply(send, translate(refusal) if translate else refusal, exchange.headers)
         return
     sink: StreamSink | CollectSink
     sink = AnswerSink(encoder, state, chat=chat) if parsed.stream else CollectSink()
@@ -287,7 +333,11 @@ async def serve_answer(
         n=parsed.n,
         limit=limit,
         drawn=drawn,
+        min_length=parsed.min_tokens,
+        block_hashes=block_hashes,
     )
+    if block_hashes and parsed.hashed_tokens is not None:
+        state.remember_tokens(parsed)  # the KV-events publisher names blocks' tokens
     try:
         if isinstance(sink, StreamSink):
             encoder.bind(handle.length)
@@ -296,7 +346,7 @@ async def serve_answer(
             send,
             receive,
             lambda: _gone(handle, sink),
-            lambda: _respond(state, exchange, send, handle, sink, body, finished),
+            lambda: _respond(state, exchange, send, handle, sink, body, finished, translate),
         )
     finally:
         handle.close()
@@ -310,6 +360,7 @@ async def _respond(
     sink: StreamSink | CollectSink,
     body: Callable[[Finished], bytes],
     finished: Callable[[], None] | None,
+    translate: Callable[[Reply], Reply] | None,
 ) -> None:
     if isinstance(sink, StreamSink):
         if not handle.alone:
@@ -334,5 +385,7 @@ async def _respond(
     )
     if reply is None:
         return
+    if translate is not None and reply.status != 200:
+        reply = translate(reply)
     with trio.CancelScope(shield=True):
         await send_reply(send, reply, exchange.headers)

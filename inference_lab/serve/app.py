@@ -33,6 +33,7 @@ from inference_lab.serve.asgi import STATE_KEY, InferenceLabApp
 from inference_lab.serve.dashboard import Sampler, register_dashboard_routes
 from inference_lab.serve.harness.control import register_harness_routes
 from inference_lab.serve.launch import fail_launch
+from inference_lab.serve.ops import register_ops_routes
 from inference_lab.serve.routes import register_routes
 from inference_lab.serve.settings import ServeSettings, settings_from_env, startup_warnings
 from inference_lab.serve.state import ServeState
@@ -150,5 +151,6 @@ def create_app(
     if sampler is not None:
         register_dashboard_routes(app, sampler)
     register_response_routes(app, state)  # GET / DELETE /v1/responses/{id}
+    register_ops_routes(app, state)  # /ping, /load, /reset_prefix_cache, sleep mode
     register_harness_routes(app, state)  # POST /control/engine, harness on only
     return app

@@ -6,9 +6,11 @@ Rule 2: every request passes :mod:`inference_lab.serve.gate` first (once a shutd
         begun, every request is refused there with a 503); then ``POST`` on a
         completion path goes straight to :func:`inference_lab.serve.completions.complete`,
         any other method on those paths is a 405; so do ``POST /v1/responses`` and
-        ``POST /v1/embeddings`` to :mod:`inference_lab.serve.agent_routes`; every
-        other request is handed to Quart (with the exchange's headers added to its
-        response).
+        ``POST /v1/embeddings`` to :mod:`inference_lab.serve.agent_routes` and the
+        Messages API's two routes to :mod:`inference_lab.serve.messages_route` (whose
+        refusals, the gate's included, are in Anthropic's envelope), and the pooling
+        routes to :mod:`inference_lab.serve.pooling_routes`; every other
+        request is handed to Quart (with the exchange's headers added to its response).
 Rule 3: the final ``http.response.body`` of a Quart route is shielded from cancellation
         (hypercorn issue #330: quart-trio cancels the request scope when hypercorn reports
         the disconnect that its own end-of-response handling emits; a cancellation landing
@@ -47,10 +49,16 @@ from inference_lab.serve.error_replies import (
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.health import HEALTH_PATH
 from inference_lab.serve.health import quick_answer as health_quick_answer
+from inference_lab.serve.messages_route import MESSAGES_ROUTES, anthropic_reply, is_messages_path
+from inference_lab.serve.ops import INVOCATIONS, invocations
+from inference_lab.serve.pooling_routes import POOLING_ROUTES
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.transport import QuickReply, received_at
 
-__all__ = ["InferenceLabApp", "LabHTTPConnection", "STATE_KEY", "get_state"]
+__all__ = ["InferenceLabApp", "LabHTTPConnection", "RAW_ROUTES", "STATE_KEY", "get_state"]
+
+#: Path -> the raw ASGI route serving ``POST`` on it, besides the completion routes.
+RAW_ROUTES = {**AGENT_ROUTES, **MESSAGES_ROUTES, **POOLING_ROUTES, INVOCATIONS: invocations}
 
 #: Where an app keeps its :class:`ServeState` (``app.extensions[STATE_KEY]``).
 STATE_KEY = "inference_lab"
@@ -71,15 +79,19 @@ class LabHTTPConnection(TrioASGIHTTPConnection):
         gate.prepare(state, exchange)
         refusal = shutting_down_reply() if state.draining else gate.check(state, exchange)
         if refusal is not None:
+            if is_messages_path(exchange.path):
+                refusal = anthropic_reply(refusal)  # the Messages API's envelope
             await send_reply(send, refusal, exchange.headers)
             return
         kind = COMPLETION_ROUTES.get(exchange.path)
         if kind is None:
-            route = AGENT_ROUTES.get(exchange.path)
+            route = RAW_ROUTES.get(exchange.path)
             if route is None:
                 await super().__call__(receive, exchange.wrap(send))  # type: ignore[arg-type]
             elif exchange.method != "POST":
                 reply = method_not_allowed_reply(exchange.method, exchange.path, ("POST",))
+                if is_messages_path(exchange.path):
+                    reply = anthropic_reply(reply)
                 await send_reply(send, reply, exchange.headers)
             else:
                 await route(state, exchange, receive, send)

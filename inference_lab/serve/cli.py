@@ -176,14 +176,33 @@ def _add_agent_flags(parser: argparse.ArgumentParser) -> None:
         type=number(ge=0, le=1),
         default=DEFAULT_TOOL_CALL_PROBABILITY,
         metavar="P",
-        help="the share of tool_choice 'auto' answers that call a tool (default: "
-        f"{DEFAULT_TOOL_CALL_PROBABILITY:g})",
+        help="the chance that a tool_choice 'auto' answer to a fresh question a tool fits "
+        "calls a tool; lower after a tool result (default: "
+        f"{DEFAULT_TOOL_CALL_PROBABILITY:g}; docs/agents.md#tool-calls)",
     )
     parser.add_argument(
         "--embedding-dim",
         type=integer(ge=1),
         metavar="N",
         help="length of /v1/embeddings vectors for every model (default: each model's hidden_dim)",
+    )
+    parser.add_argument(
+        "--run-to-max-tokens",
+        action="store_true",
+        help="every prose answer runs to its max_tokens (without --workload, answer lengths "
+        "are otherwise drawn from the default length model: docs/serve.md#response-lengths)",
+    )
+    parser.add_argument(
+        "--pooling-models",
+        metavar="NAMES",
+        help="serve these models (comma-separated names, or 'all') as pooling models: "
+        "/v1/rerank, /v1/score, /classify and /pooling (docs/serve.md#pooling-models)",
+    )
+    parser.add_argument(
+        "--no-reasoning-content",
+        action="store_true",
+        help="chat answers carry reasoning as 'reasoning' only, without the older "
+        "'reasoning_content' field",
     )
 
 
@@ -294,6 +313,10 @@ def _banner(settings: ServeSettings, url: str, kv_lines: list[str] | None = None
         )
     if settings.workload is not None:
         lines.append("  response lengths: min(workload output_len_dist sample, max_tokens)")
+    elif settings.run_to_max_tokens:
+        lines.append("  response lengths: max_tokens (--run-to-max-tokens)")
+    if settings.pooling_models:
+        lines.append(f"  pooling models: {', '.join(sorted(settings.pooling_models))}")
     lines.extend(kv_lines or ())
     lines.append(f"listening on {url}  (Ctrl-C to stop)")
     return "\n".join(lines)
@@ -358,6 +381,9 @@ def run(args: argparse.Namespace) -> int:
                 args, "tool_call_probability", DEFAULT_TOOL_CALL_PROBABILITY
             ),
             embedding_dim=embedding_dim,
+            run_to_max_tokens=bool(getattr(args, "run_to_max_tokens", False)),
+            reasoning_content=not getattr(args, "no_reasoning_content", False),
+            pooling_models=getattr(args, "pooling_models", None),
             on_skip=skip,
             labels=labels,
         )

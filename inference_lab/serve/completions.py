@@ -30,17 +30,24 @@ Rule 7: a chat request whose answer is tool calls, structured output or reasonin
         (``serve.agents.chat_plan``) is served from the harness's place on by
         :func:`inference_lab.serve.agents.serve_chat_agent`, under the same contract; a
         completions request asking for structured output is a 400.
+Rule 8: a completions body of several prompts is an engine request per prompt, admitted
+        whole or not at all (:func:`serve_batch`; not streamed), and answered with every
+        prompt's choices once all finished (:mod:`inference_lab.api.completion_batch`).
+        ``max_tokens: 0`` scores the prompt: one prefill step, whose token is not
+        reported (``completion_tokens`` 0, ``finish_reason: length``).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
+import attrs
 import trio
 
+from inference_lab.api.completion_batch import PromptResult, batch_pieces
 from inference_lab.api.encoding import (
     PIECE_TOKENS,
     StreamEncoder,
@@ -51,15 +58,21 @@ from inference_lab.api.encoding import (
 )
 from inference_lab.api.requests import (
     MAX_BODY_BYTES,
+    MAX_RESPONSE_WORK,
     ParsedRequest,
     check_work,
     parse_chat_request,
-    parse_completion_request,
+    parse_completion_requests,
 )
 from inference_lab.api.schema import parse_json_object
 from inference_lab.errors import ApiError, EngineUnavailable, QueueFull
-from inference_lab.runtime.model_runtime import RequestHandle
-from inference_lab.serve.agents import chat_plan, refuse_structured, serve_chat_agent
+from inference_lab.runtime.model_runtime import ModelRuntime, RequestHandle
+from inference_lab.serve.agents import (
+    chat_plan,
+    reasoning_keys,
+    refuse_structured,
+    serve_chat_agent,
+)
 from inference_lab.serve.client_gone import while_watched
 from inference_lab.serve.error_replies import (
     JSON,
@@ -110,6 +123,19 @@ class ServedStreamSink(StreamSink):
         else:
             self.closing = stream_shutdown_frames()
             self._end()
+
+
+class ScoringStreamEncoder(StreamEncoder):
+    """The stream of a ``max_tokens: 0`` request (Rule 8): the echo (with the prompt's
+    logprobs) and the closing frames; the prefill step's token is not sent or counted."""
+
+    __slots__ = ()
+
+    def tokens(self, start: int, stop: int, *, final: bool = False) -> bytes:
+        return b""
+
+    def closing(self, finish_reason: str, completion_tokens: int, cached_tokens: int = 0) -> bytes:
+        return super().closing(finish_reason, 0, cached_tokens)
 
 
 class BodyTooLarge(Exception):
@@ -247,13 +273,19 @@ async def complete(
                 parsed = parse_chat_request(
                     raw, default_max_tokens, tokenizer=tokenizer, hashing=hashing
                 )
+                batch: tuple[ParsedRequest, ...] = (parsed,)
             else:
-                parsed = parse_completion_request(
+                batch = parse_completion_requests(
                     raw, default_max_tokens, tokenizer=tokenizer, hashing=hashing
                 )
+                parsed = batch[0]
             runtime = state.runtimes.get(parsed.model)
             if runtime is None:
                 raise state.model_not_found(parsed.model)
+            if len(batch) > 1:  # several prompts: answered whole (Rule 8)
+                state.harness.intercept(exchange, raw, parsed)  # (a fault header: its 400)
+                await serve_batch(state, runtime, exchange, receive, send, batch)
+                return
             # The test harness (fault header, scripted marker, [fault] table) answers
             # here; a fault that bypasses the engine skips fit and depth (no 529).
             harnessed = state.harness.intercept(exchange, raw, parsed)
@@ -268,10 +300,11 @@ async def complete(
             else:
                 refuse_structured(raw)
             if plan is not None:
-                await serve_chat_agent(state, runtime, exchange, receive, send, parsed, plan)
+                keys = reasoning_keys(state, raw)
+                await serve_chat_agent(state, runtime, exchange, receive, send, parsed, plan, keys)
                 return
             engine_prompt = max(1, parsed.prompt_tokens)
-            refused = runtime.check_fits(engine_prompt, parsed.max_tokens, parsed.n)
+            refused = runtime.check_fits(engine_prompt, parsed.engine_max_tokens, parsed.n)
             if refused is not None:
                 raise ApiError(400, "context_length_exceeded", refused.reason, "max_tokens")
             check_work(parsed)
@@ -281,8 +314,10 @@ async def complete(
             request_id = exchange.request_id or new_request_id(parsed.kind)
             created = int(time.time())
             sink: StreamSink | CollectSink
+            scoring = parsed.max_tokens == 0  # the prompt's prefill alone (Rule 8)
             if parsed.stream:
-                encoder = StreamEncoder(
+                encoder_class = ScoringStreamEncoder if scoring else StreamEncoder
+                encoder = encoder_class(
                     parsed,
                     request_id=request_id,
                     created=created,
@@ -293,13 +328,15 @@ async def complete(
                 sink = CollectSink()
             handle = runtime.admit_nowait(
                 prompt_tokens=engine_prompt,
-                max_tokens=parsed.max_tokens,
+                max_tokens=parsed.engine_max_tokens,
                 priority=parsed.priority,
                 sink=sink,
                 arrival=exchange.arrival,
                 n=parsed.n,
-                limit=parsed.output_cap,
+                limit=1 if scoring else parsed.output_cap,
                 block_hashes=parsed.block_hashes,
+                drawn=not (parsed.ignore_eos or scoring),
+                min_length=parsed.min_tokens,
             )
             if parsed.hashed_tokens is not None:  # the KV-events publisher names blocks' tokens
                 state.remember_tokens(parsed)
@@ -368,6 +405,8 @@ async def _respond(
         await sink.event.wait()
         handle.close()
         finished = sink.finished
+        if finished is not None and parsed.max_tokens == 0:  # scored: no answer token
+            finished = attrs.evolve(finished, output_tokens=0)
         if finished is not None and body_work(parsed, finished.output_tokens) > LARGE_BODY:
             await _send_in_pieces(
                 send,
@@ -401,3 +440,136 @@ async def _respond(
             reply = unfinished
         with trio.CancelScope(shield=True):
             await send_reply(send, reply, exchange.headers)
+
+
+def _batch_work(requests: Sequence[ParsedRequest]) -> None:
+    """A 400 when a batch asks for more than :data:`MAX_RESPONSE_WORK` token entries in
+    all (Rule 5, summed over its prompts)."""
+    work = 0
+    for request in requests:
+        echo = request.prompt_tokens if request.echo_text else 0
+        work += request.n * (request.max_tokens + echo) * (1 + (request.logprobs or 0))
+    if work > MAX_RESPONSE_WORK:
+        raise ApiError(
+            400,
+            "invalid_value",
+            f"{len(requests)} prompts ask for {work:,} token entries in all, more than this "
+            f"server's {MAX_RESPONSE_WORK:,} per request: send fewer prompts or lower max_tokens",
+            "prompt",
+        )
+
+
+class _Batch:
+    """The sinks and handles of a batch's prompts: done when all finished, or when one
+    failed or the client left."""
+
+    def __init__(self, count: int) -> None:
+        self.sinks = [CollectSink() for _ in range(count)]
+        self.handles: list[RequestHandle] = []
+
+    def gone(self) -> None:
+        self.close()
+        for sink in self.sinks:
+            sink.on_gone()
+
+    async def wait(self) -> None:
+        for sink in self.sinks:
+            await sink.event.wait()
+            if sink.finished is None:
+                return
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.close()
+
+
+async def serve_batch(
+    state: ServeState,
+    runtime: ModelRuntime,
+    exchange: Exchange,
+    receive: Receive,
+    send: Send,
+    requests: Sequence[ParsedRequest],
+) -> None:
+    """A completions body of several prompts (Rule 8). Raises :class:`ApiError`,
+    ``QueueFull`` or ``EngineUnavailable`` only before anything is sent."""
+    for i, request in enumerate(requests):
+        refused = runtime.check_fits(
+            max(1, request.prompt_tokens), request.engine_max_tokens, request.n
+        )
+        if refused is not None:
+            raise ApiError(
+                400, "context_length_exceeded", f"prompt[{i}]: {refused.reason}", "prompt"
+            )
+    _batch_work(requests)
+    if state.draining:
+        await send_reply(send, shutting_down_reply(), exchange.headers)
+        return
+    batch = _Batch(len(requests))
+    try:
+        for request, sink in zip(requests, batch.sinks, strict=True):
+            scoring = request.max_tokens == 0
+            batch.handles.append(
+                runtime.admit_nowait(
+                    prompt_tokens=max(1, request.prompt_tokens),
+                    max_tokens=request.engine_max_tokens,
+                    priority=request.priority,
+                    sink=sink,
+                    arrival=exchange.arrival,
+                    n=request.n,
+                    limit=1 if scoring else request.output_cap,
+                    block_hashes=request.block_hashes,
+                    drawn=not (request.ignore_eos or scoring),
+                    min_length=request.min_tokens,
+                )
+            )
+            if request.hashed_tokens is not None:
+                state.remember_tokens(request)
+    except (QueueFull, EngineUnavailable):
+        for handle in batch.handles:
+            handle.withdraw()  # all or none
+        raise
+    try:
+        await while_watched(send, receive, batch.gone, batch.wait)
+        batch.close()
+        await _answer_batch(state, exchange, send, requests, batch)
+    finally:
+        batch.close()
+
+
+async def _answer_batch(
+    state: ServeState,
+    exchange: Exchange,
+    send: Send,
+    requests: Sequence[ParsedRequest],
+    batch: _Batch,
+) -> None:
+    failed = next((s for s in batch.sinks if s.finished is None), None)
+    if failed is not None:
+        reply = failed.unfinished_reply(state.shutdown_message)
+        if reply is not None:
+            with trio.CancelScope(shield=True):
+                await send_reply(send, reply, exchange.headers)
+        return
+    results = [
+        PromptResult(
+            completion_tokens=0 if request.max_tokens == 0 else sink.finished.output_tokens,
+            finish_reason=sink.finished.finish_reason,
+            cached_tokens=sink.finished.cached_tokens,
+        )
+        for request, sink in zip(requests, batch.sinks, strict=True)
+        if sink.finished is not None
+    ]
+    request_id = exchange.request_id if exchange.request_id.startswith("cmpl-") else ""
+    pieces = batch_pieces(
+        requests,
+        results,
+        request_id=request_id or new_request_id("completions"),
+        created=int(time.time()),
+    )
+    work = sum(body_work(r, x.completion_tokens) for r, x in zip(requests, results, strict=True))
+    if work > LARGE_BODY:
+        await _send_in_pieces(send, exchange, pieces)
+        return
+    with trio.CancelScope(shield=True):
+        await send_reply(send, Reply(200, b"".join(pieces)), exchange.headers)

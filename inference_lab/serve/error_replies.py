@@ -24,6 +24,7 @@ from inference_lab.api.requests import MAX_BODY_BYTES
 from inference_lab.errors import (
     MAX_ECHO_CHARS,
     ApiError,
+    EngineSleeping,
     EngineUnavailable,
     QueueFull,
     error_body,
@@ -132,8 +133,9 @@ def error_reply(
         retry = retry_after_header(exc.retry_after)
         headers = ((b"x-should-retry", b"false"), retry) if should_retry_header else (retry,)
         return Reply(529, body, headers)
-    if isinstance(exc, EngineUnavailable):
-        reply = _envelope(503, str(exc), "service_unavailable_error", "engine_unavailable", None)
+    if isinstance(exc, EngineUnavailable):  # (EngineSleeping is one)
+        reason = "engine_sleeping" if isinstance(exc, EngineSleeping) else "engine_unavailable"
+        reply = _envelope(503, str(exc), "service_unavailable_error", reason, None)
         retry = retry_after_header(retry_after or RETRY_AFTER_UNAVAILABLE)
         return attrs.evolve(reply, headers=(retry,))
     if isinstance(exc, HTTPException):

@@ -6,7 +6,8 @@ Rule 1: :func:`prepare` runs first for every request and decides the headers eve
 Rule 2: the checks run in a fixed order (path, CORS preflight, control token, API key,
         content type) and the first refusal answers; every refusal is a whole :class:`Reply` from
         :mod:`inference_lab.serve.error_replies`.
-Rule 3: the control plane (``/control/*``) answers CORS -- headers and preflights -- only
+Rule 3: the control plane (``/control/*``, and vLLM's development routes
+        :data:`DEV_PATHS`) answers CORS -- headers and preflights -- only
         when the server has a control token: without one its only guard is that the
         client is on loopback, which a page in a local browser is.
 Rule 4: the API key guards every path but :data:`OPEN_PATHS` and the control plane (which
@@ -14,6 +15,8 @@ Rule 4: the API key guards every path but :data:`OPEN_PATHS` and the control pla
 Rule 5: a browser cannot put a header on a page it navigates to or on an ``EventSource``,
         so a ``GET`` under :data:`DASHBOARD_PREFIX` may carry the control token as the query
         argument ``token`` instead; it is compared as the header's would be.
+Rule 6: a POST must declare a JSON body, except a bodiless POST without an ``Origin``
+        header on the paths vLLM's clients POST to bare (:data:`BODILESS_PATHS`).
 """
 
 from __future__ import annotations
@@ -40,9 +43,16 @@ from inference_lab.serve.state import ServeState
 __all__ = ["check", "prepare"]
 
 
-#: Paths answered without the API key: liveness, version and metrics (scrapers and probes
-#: hold no key).
-OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+#: Paths answered without the API key: liveness (``/ping``, SageMaker's), load, version
+#: and metrics (scrapers and probes hold no key).
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics", "/ping", "/load"})
+#: vLLM's development routes (``VLLM_SERVER_DEV_MODE``): the control plane's rules apply
+#: to them (Rule 3).
+DEV_PATHS = frozenset({"/reset_prefix_cache", "/sleep", "/wake_up", "/is_sleeping"})
+#: Paths vLLM's clients POST to without a body (Rule 6).
+BODILESS_PATHS = DEV_PATHS | {"/ping"}
+#: Paths whose clients (Anthropic's SDKs) send the API key as ``x-api-key``.
+ANTHROPIC_KEY_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 #: The dashboard's paths (``serve/dashboard.py``), where ``?token=`` may stand for the
 #: control token's header (Rule 5).
 DASHBOARD_PREFIX = "/control/dashboard"
@@ -67,7 +77,7 @@ def _allowed_origin(allowed: Sequence[str], origin: bytes) -> bytes | None:
 
 
 def _is_control(path: str) -> bool:
-    return path.startswith("/control/") or path == "/control"
+    return path.startswith("/control/") or path == "/control" or path in DEV_PATHS
 
 
 def _cors_allowed(state: ServeState, exchange: Exchange) -> Sequence[str]:
@@ -197,14 +207,17 @@ def _query_token(exchange: Exchange) -> bytes | None:
 
 def _api_key(state: ServeState, exchange: Exchange) -> Reply | None:
     """With an API key (``--api-key``), every path but :data:`OPEN_PATHS` and the control
-    plane needs ``Authorization: Bearer <key>``, compared in constant time; 401
-    ``invalid_api_key`` otherwise (Rule 4)."""
+    plane needs ``Authorization: Bearer <key>`` (on the Messages API's paths, Anthropic's
+    ``x-api-key: <key>`` too), compared in constant time; 401 ``invalid_api_key``
+    otherwise (Rule 4)."""
     key = state.settings.api_key
     path = exchange.path
     if key is None or path in OPEN_PATHS or _is_control(path):
         return None
     scheme, _, credentials = (exchange.header(b"authorization") or b"").strip().partition(b" ")
     credentials = credentials.strip()
+    if scheme.lower() != b"bearer" and path in ANTHROPIC_KEY_PATHS:
+        scheme, credentials = b"bearer", (exchange.header(b"x-api-key") or b"").strip()
     if scheme.lower() != b"bearer" or not credentials:
         return api_key_reply(provided=False)
     if not hmac.compare_digest(credentials, key.encode()):
@@ -212,11 +225,29 @@ def _api_key(state: ServeState, exchange: Exchange) -> Reply | None:
     return None
 
 
+def _bodiless(exchange: Exchange) -> bool:
+    """A request that declares no body: no ``Transfer-Encoding`` and a ``Content-Length``
+    of 0 or none."""
+    if exchange.header(b"transfer-encoding") is not None:
+        return False
+    length = exchange.header(b"content-length")
+    return length is None or length.strip() == b"0"
+
+
 def _content_type(state: ServeState, exchange: Exchange) -> Reply | None:
     """A POST body must be declared ``application/json`` (parameters such as ``charset``
     allowed): a browser page can send ``text/plain``, form and untyped bodies without a
-    CORS preflight, never a JSON one. 415 otherwise."""
+    CORS preflight, never a JSON one. 415 otherwise. vLLM's bodiless POSTs (``/sleep``
+    and the other :data:`BODILESS_PATHS`, their arguments in the query) pass without one
+    when they carry no ``Origin`` header: a browser sends one with every cross-origin
+    POST, vLLM's clients (an HTTP library) send none (Rule 6)."""
     if exchange.method != "POST":
+        return None
+    if (
+        exchange.path in BODILESS_PATHS
+        and _bodiless(exchange)
+        and exchange.header(b"origin") is None
+    ):
         return None
     value = exchange.header(b"content-type")
     if value is None or value.partition(b";")[0].strip().lower() != b"application/json":

@@ -39,7 +39,7 @@ _OK = Reply(200, b'{"status":"ok"}')
 
 
 def health_reply(state: ServeState) -> Reply:
-    """Rule 1: the answer to ``GET /health`` now."""
+    """Rule 1: the answer to ``GET /health`` (and ``/ping``) now."""
     alive = {name: rt.snapshot().alive for name, rt in state.runtimes.items()}
     if all(alive.values()):
         return _OK

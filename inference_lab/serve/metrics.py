@@ -13,12 +13,14 @@ Rule 2: everything else happens at scrape time, on the scraping request's task: 
         one instant; the exposition is ``prometheus_client``'s (metric families from a
         custom collector, encoded by its ``generate_latest`` one family at a time, with a
         checkpoint in between so that a scrape never holds up the pacer for long).
-Rule 3: names, types and histogram buckets are vLLM's (``vllm:*``, label ``model_name``);
-        the latency histograms carry the engine's simulated times (``Finished``), i.e. the
-        model's prediction, not times measured at the socket. Our own series are
-        ``inference_lab:*``.
+Rule 3: names, types, labels and histogram buckets are vLLM's (``vllm:*``, labels
+        ``model_name`` and ``engine``: our workers are vLLM's engine cores,
+        :mod:`inference_lab.serve.engine_series`); the latency histograms carry the
+        engine's simulated times (``Finished``), i.e. the model's prediction, not times
+        measured at the socket. Our own series are ``inference_lab:*``, per model.
 Rule 4: a model whose engine stopped reports nothing running, waiting or cached (its
         gauges are 0, ``inference_lab:engine_alive`` is 0); its counters keep their values.
+        A sleeping model's ``vllm:engine_sleep_state`` names its level.
 Rule 5: with fine buckets (``--fine-latency-buckets``) the TTFT, ITL / TPOT, E2E and queue
         histograms have every one of vLLM's bounds plus finer ones below: a query written
         for vLLM's buckets still finds each of its ``le`` values, and
@@ -60,6 +62,7 @@ from prometheus_client.utils import floatToGoString
 
 from inference_lab.core.engine import EngineStatistics, Finished, StepEvents
 from inference_lab.runtime.model_runtime import ModelRuntime, RuntimeSnapshot
+from inference_lab.serve.engine_series import SLEEP_STATES, EngineSeries, engine_families
 
 __all__ = [
     "E2E_BUCKETS",
@@ -121,11 +124,8 @@ LAG_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 )  # fmt: skip
 
-Reason = Literal["queue_saturated", "engine_unavailable"]
-REJECT_REASONS: tuple[Reason, ...] = ("queue_saturated", "engine_unavailable")
-#: Finish reasons exported (at 0) before any request finished with them: vLLM's, with
-#: ``abort`` for a request whose client left (or that was cancelled) before it finished.
-FINISH_REASONS = ("stop", "length", "abort")
+Reason = Literal["queue_saturated", "engine_unavailable", "engine_sleeping"]
+REJECT_REASONS: tuple[Reason, ...] = ("queue_saturated", "engine_unavailable", "engine_sleeping")
 _LABEL = ["model_name"]
 #: Finished requests kept for the dashboard's latency window (``serve/dashboard.py``).
 RECENT_FINISHED = 8192
@@ -175,23 +175,24 @@ class Histogram:
 
 class ModelMetrics:
     """One model's counters and histograms, fed by its runtime (the runtime's observer)
-    and read at scrape time. Created by :class:`ServeMetrics`."""
+    and read at scrape time: vLLM's per engine (:class:`EngineSeries`, one per worker),
+    ours per model. Created by :class:`ServeMetrics`."""
 
     def __init__(self, runtime: ModelRuntime, *, fine_buckets: bool = False) -> None:
         self.runtime = runtime
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.preemptions = 0
-        self.success: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
         self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
-        self.ttft = Histogram(FINE_TTFT_BUCKETS if fine_buckets else TTFT_BUCKETS)
-        self.itl = Histogram(FINE_ITL_BUCKETS if fine_buckets else ITL_BUCKETS)
-        self.e2e = Histogram(FINE_E2E_BUCKETS if fine_buckets else E2E_BUCKETS)
-        self.queue = Histogram(FINE_E2E_BUCKETS if fine_buckets else E2E_BUCKETS)
-        max_len = runtime.deployment.model.max_seq_len
-        self.prompt_hist = Histogram(token_buckets(max_len))
-        self.generation_hist = Histogram(token_buckets(max_len))
-        self.iteration = Histogram(ITERATION_BUCKETS)
+        tokens = token_buckets(runtime.deployment.model.max_seq_len)
+        self.engines = tuple(
+            EngineSeries(
+                Histogram,
+                ttft=FINE_TTFT_BUCKETS if fine_buckets else TTFT_BUCKETS,
+                itl=FINE_ITL_BUCKETS if fine_buckets else ITL_BUCKETS,
+                latency=FINE_E2E_BUCKETS if fine_buckets else E2E_BUCKETS,
+                tokens=tokens,
+                iteration=ITERATION_BUCKETS,
+            )
+            for _ in range(runtime.deployment.workers)
+        )
         self.lag = Histogram(LAG_BUCKETS)
         # For the dashboard's sampler (serve/dashboard.py), which reads them between steps:
         #: the newest finished requests as (finish, TTFT, E2E) in engine seconds ...
@@ -236,35 +237,26 @@ class ModelMetrics:
                 for j, count in enumerate(step.accepted_per_position):
                     row[3 + j] += count
         if step is not None:
-            self.iteration.observe(step.num_tokens)
-            self.preemptions += step.preempted
+            engine = self.engines[step.worker]
+            engine.iteration.observe(step.num_tokens)
+            engine.preemptions += step.preempted
         for finished in events.finished:
             self._finished(finished)
 
     def _finished(self, f: Finished) -> None:
-        generated = f.output_tokens * f.n
-        self.prompt_tokens += f.prompt_tokens
-        self.generation_tokens += generated
-        self.success[f.finish_reason] = self.success.get(f.finish_reason, 0) + 1
-        ttft = f.first_token_time - f.arrival_time
-        e2e = f.finish_time - f.arrival_time
-        self.ttft.observe(ttft)
-        self.e2e.observe(e2e)
+        self.engines[f.worker].finished(f)
         self.finished += 1
-        self.recent.append((f.finish_time, ttft, e2e))
+        self.recent.append(
+            (f.finish_time, f.first_token_time - f.arrival_time, f.finish_time - f.arrival_time)
+        )
         if f.n > 1:
             self.tokens_emitted += (f.n - 1) * f.output_tokens
-        self.queue.observe(f.first_scheduled_time - f.arrival_time)
-        self.prompt_hist.observe(f.prompt_tokens)
-        self.generation_hist.observe(generated)
-        if f.output_tokens > 1:
-            # The engine reports a request's first and last token times, not each token's:
-            # its output_tokens - 1 gaps are observed at their mean (sum and count exact).
-            gaps = f.output_tokens - 1
-            self.itl.observe((f.finish_time - f.first_token_time) / gaps, gaps * f.n)
 
-    def on_aborted(self) -> None:
-        self.success["abort"] += 1
+    def on_finished_request(self, finished: Finished, max_tokens: int) -> None:
+        self.engines[finished.worker].max_tokens_hist.observe(max_tokens)
+
+    def on_aborted(self, worker: int) -> None:
+        self.engines[worker].success["abort"] += 1
 
     # -- the HTTP side -------------------------------------------------------------------
     def on_refused(self, reason: Reason) -> None:
@@ -280,6 +272,56 @@ def _histogram(
     return family
 
 
+Row = tuple[str, "ModelMetrics", RuntimeSnapshot, EngineStatistics | None]
+
+
+def _engine_gauges(rows: list[Row]) -> Iterator[Metric]:
+    """Rule 4's per-engine gauges: running and waiting requests, KV usage, sleep state
+    (all 0 for a stopped engine, and awake)."""
+    labels = [*_LABEL, "engine"]
+    running = GaugeMetricFamily(
+        "vllm:num_requests_running", "Number of requests in model execution batches.", labels=labels
+    )
+    waiting = GaugeMetricFamily(
+        "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=labels
+    )
+    usage = GaugeMetricFamily(
+        "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=labels
+    )
+    old_usage = GaugeMetricFamily(
+        "vllm:gpu_cache_usage_perc",
+        "GPU KV-cache usage. 1 means 100 percent usage. "
+        "DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+        labels=labels,
+    )
+    sleep = GaugeMetricFamily(
+        "vllm:engine_sleep_state",
+        "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is "
+        "awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep "
+        "level 2.",
+        labels=[*labels, "sleep_state"],
+    )
+    for name, m, _snap, eng in rows:
+        runtime = m.runtime
+        pending = runtime.pending_by_worker() if eng is not None else []
+        level = runtime.sleep_level
+        for w in range(runtime.deployment.workers):
+            engine = str(w)
+            if eng is not None:
+                ws = eng.workers[w]
+                kv = ws.kv_used_blocks / ws.kv_total_blocks if ws.kv_total_blocks else 0.0
+                values = (ws.running, ws.waiting + pending[w], kv)
+            else:
+                values = (0, 0, 0.0)
+            running.add_metric([name, engine], values[0])
+            waiting.add_metric([name, engine], values[1])
+            usage.add_metric([name, engine], values[2])
+            old_usage.add_metric([name, engine], values[2])
+            for i, state in enumerate(SLEEP_STATES):
+                sleep.add_metric([name, engine, state], 1.0 if level == i else 0.0)
+    yield from (running, waiting, usage, old_usage, sleep)
+
+
 class _Collector:
     """The app's metric families, built from live state on each scrape (Rule 2)."""
 
@@ -288,13 +330,10 @@ class _Collector:
 
     def collect(self) -> Iterator[Metric]:
         models = self.metrics.models
-        rows = []
+        rows: list[Row] = []
         for name, m in models.items():
             snap = m.runtime.snapshot()
             rows.append((name, m, snap, m.runtime.engine.statistics() if snap.alive else None))
-
-        def kv_usage(eng: EngineStatistics | None) -> float:
-            return eng.kv_usage if eng is not None else 0.0
 
         def gauge(name: str, documentation: str, values: list[float]) -> GaugeMetricFamily:
             family = GaugeMetricFamily(name, documentation, labels=_LABEL)
@@ -302,72 +341,20 @@ class _Collector:
                 family.add_metric([row[0]], value)
             return family
 
-        def counter(name: str, documentation: str, values: list[int]) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, documentation, labels=_LABEL)
-            for row, value in zip(rows, values, strict=True):
-                family.add_metric([row[0]], value)
-            return family
-
-        yield gauge(
-            "vllm:num_requests_running",
-            "Number of requests in the model's running batches.",
-            [snap.running for _, _, snap, _ in rows],
-        )
-        yield gauge(
-            "vllm:num_requests_waiting",
-            "Number of requests waiting to be scheduled (admitted, not yet running).",
-            [snap.queued for _, _, snap, _ in rows],
-        )
+        yield from _engine_gauges(rows)
         yield gauge(
             "inference_lab:waiting_places",
             "Queued requests holding waiting places rather than seats in the batch: what "
             "max_waiting bounds.",
             [snap.depth for _, _, snap, _ in rows],
         )
-        yield gauge(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            [kv_usage(eng) for _, _, _, eng in rows],
-        )
-        yield gauge(
-            "vllm:gpu_cache_usage_perc",
-            "GPU KV-cache usage. 1 means 100 percent usage. "
-            "DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
-            [kv_usage(eng) for _, _, _, eng in rows],
-        )
-        yield counter(
-            "vllm:prompt_tokens",
-            "Number of prefill tokens processed (of finished requests).",
-            [m.prompt_tokens for _, m, _, _ in rows],
-        )
-        yield counter(
-            "vllm:generation_tokens",
-            "Number of generation tokens processed (of finished requests).",
-            [m.generation_tokens for _, m, _, _ in rows],
-        )
+        yield from engine_families([(name, m.engines) for name, m, _, _ in rows])
         yield from _prefix_cache_families(rows)
         yield from _speculative_families(rows)
-        yield counter(
-            "vllm:num_preemptions",
-            "Cumulative number of preemption from the engine.",
-            [m.preemptions for _, m, _, _ in rows],
-        )
-        success = CounterMetricFamily(
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            labels=[*_LABEL, "finished_reason"],
-        )
-        for name, m, _, _ in rows:
-            for reason, count in m.success.items():
-                success.add_metric([name, reason], count)
-        yield success
-        for hist_name, documentation, attr in _HISTOGRAMS:
-            yield _histogram(
-                hist_name, documentation, ((name, getattr(m, attr)) for name, m, _, _ in rows)
-            )
         rejected = CounterMetricFamily(
             "inference_lab:requests_rejected",
-            "Requests refused before admission: 529 queue_saturated, 503 engine_unavailable.",
+            "Requests refused before admission: 529 queue_saturated, 503 engine_unavailable "
+            "or engine_sleeping.",
             labels=[*_LABEL, "reason"],
         )
         for name, m, _, _ in rows:
@@ -388,6 +375,11 @@ class _Collector:
             "inference_lab:engine_alive",
             "1 while the model's engine task runs, 0 once it stopped or failed.",
             [1.0 if snap.alive else 0.0 for _, _, snap, _ in rows],
+        )
+        yield _histogram(
+            "inference_lab:pacing_lag_seconds",
+            "How late the engine task handled each engine event, in wall-clock seconds.",
+            ((name, m.lag) for name, m, _, _ in rows),
         )
 
 
@@ -471,54 +463,6 @@ def _speculative_families(
                 per_pos.add_metric([name, str(engine), str(j)], row[3 + j])
     yield from families
     yield per_pos
-
-
-#: (name, documentation, ModelMetrics attribute) of every histogram, in exposition order.
-_HISTOGRAMS = (
-    (
-        "vllm:time_to_first_token_seconds",
-        "Histogram of time to first token in seconds (simulated engine time).",
-        "ttft",
-    ),
-    (
-        "vllm:inter_token_latency_seconds",
-        "Histogram of inter-token latency in seconds (simulated engine time; each "
-        "request's gaps at their mean).",
-        "itl",
-    ),
-    (
-        "vllm:time_per_output_token_seconds",
-        "Histogram of time per output token in seconds. "
-        "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
-        "itl",
-    ),
-    (
-        "vllm:e2e_request_latency_seconds",
-        "Histogram of e2e request latency in seconds (simulated engine time).",
-        "e2e",
-    ),
-    (
-        "vllm:request_queue_time_seconds",
-        "Histogram of time spent in WAITING phase for request (simulated engine time).",
-        "queue",
-    ),
-    ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", "prompt_hist"),
-    (
-        "vllm:request_generation_tokens",
-        "Number of generation tokens processed.",
-        "generation_hist",
-    ),
-    (
-        "vllm:iteration_tokens_total",
-        "Histogram of number of tokens per engine_step.",
-        "iteration",
-    ),
-    (
-        "inference_lab:pacing_lag_seconds",
-        "How late the engine task handled each engine event, in wall-clock seconds.",
-        "lag",
-    ),
-)
 
 
 class _Family(Collector):

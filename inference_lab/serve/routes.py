@@ -38,7 +38,14 @@ from inference_lab.serve.error_replies import (
 from inference_lab.serve.health import HEALTH_PATH, health_reply
 from inference_lab.serve.state import ServeState
 
-__all__ = ["capacity_entry", "model_object", "package_version", "register_routes", "stats_entry"]
+__all__ = [
+    "capacity_entry",
+    "health_reply",
+    "model_object",
+    "package_version",
+    "register_routes",
+    "stats_entry",
+]
 
 
 def to_response(reply: Reply) -> Response:

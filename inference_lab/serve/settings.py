@@ -78,14 +78,17 @@ ENV_LABELS: Mapping[str, str] = MappingProxyType(
             "kv_events_no_token_ids",
             "tool_call_probability",
             "embedding_dim",
+            "pooling_models",
         )
     }
 )
 DEFAULT_MAX_TOKENS = 256
 #: Seconds a request body may take to arrive, counted from the request's arrival.
 DEFAULT_BODY_TIMEOUT = 10.0
-#: The share of ``tool_choice: "auto"`` answers that call a tool.
-DEFAULT_TOOL_CALL_PROBABILITY = 0.5
+#: The chance that a ``tool_choice: "auto"`` answer to a fresh question that a tool fits
+#: calls a tool; after a tool result and when no tool fits it is lower
+#: (``api/tool_choice.py``).
+DEFAULT_TOOL_CALL_PROBABILITY = 0.9
 
 
 @attrs.frozen(kw_only=True)
@@ -123,11 +126,22 @@ class ServeSettings:
     fine_latency_buckets: bool = False
     #: Publish KV-cache events over ZeroMQ (``serve/kv_events.py``); None: no events.
     kv_events: KVEventsSettings | None = None
-    #: The share of ``tool_choice: "auto"`` answers that call a tool (``docs/agents.md``).
+    #: The chance that a ``tool_choice: "auto"`` answer to a fresh question a tool fits
+    #: calls a tool (``docs/agents.md``; lower after a tool result: ``api/tool_choice.py``).
     tool_call_probability: float = DEFAULT_TOOL_CALL_PROBABILITY
     #: The length of ``/v1/embeddings`` vectors for every model (None: each model's
     #: ``hidden_dim``).
     embedding_dim: int | None = None
+    #: Every prose answer runs to its ``max_tokens`` (or stop string) instead of drawing
+    #: its length from the default length model (``api/lengths.py``) when there is no
+    #: workload.
+    run_to_max_tokens: bool = False
+    #: Chat answers carry reasoning as ``reasoning_content`` (the older field) besides
+    #: ``reasoning``; False sends ``reasoning`` only.
+    reasoning_content: bool = True
+    #: The models served as pooling models: they answer ``/v1/rerank``, ``/v1/score``,
+    #: ``/classify`` and ``/pooling`` (``serve/pooling_routes.py``).
+    pooling_models: frozenset[str] = frozenset()
 
     def embedding_size(self, deployment: Deployment) -> int:
         """The full length of ``deployment``'s embedding vectors."""
@@ -160,6 +174,9 @@ def load_settings(
     kv_events_no_token_ids: bool = False,
     tool_call_probability: float = DEFAULT_TOOL_CALL_PROBABILITY,
     embedding_dim: int | None = None,
+    run_to_max_tokens: bool = False,
+    reasoning_content: bool = True,
+    pooling_models: str | None = None,
     on_skip: Callable[[str], None] | None = None,
     labels: Mapping[str, str] | None = None,
 ) -> ServeSettings:
@@ -176,7 +193,8 @@ def load_settings(
     with an HTTP header; an empty one is an error, never "no token"); ``body_timeout`` is a finite number of seconds > 0.
     ``api_key`` follows ``control_token``'s rule; ``allowed_origins`` is the comma-separated
     text of ``--allowed-origins`` (see :func:`parse_origins`). ``tool_call_probability``
-    is in 0..1, ``embedding_dim`` (if not None) >= 1. ``labels`` maps a setting's
+    is in 0..1, ``embedding_dim`` (if not None) >= 1. ``pooling_models`` is a
+    comma-separated list of served model names, or ``all``. ``labels`` maps a setting's
     name to how errors call it (Rule 3): the flag or the variable it came from.
     """
 
@@ -272,6 +290,7 @@ def load_settings(
         raise ConfigError(
             f"{path}: no model config has a [hardware.{hardware or DEFAULT_HARDWARE}] entry"
         )
+    pooling = _pooling_models(pooling_models, list(seen), label("pooling_models"))
     loaded = (
         load_workload(resolve_shipped(workload, "workload", label("workload")))
         if workload is not None
@@ -304,7 +323,25 @@ def load_settings(
         kv_events=kv_events,
         tool_call_probability=tool_call_probability,
         embedding_dim=embedding_dim,
+        run_to_max_tokens=run_to_max_tokens,
+        reasoning_content=reasoning_content,
+        pooling_models=pooling,
     )
+
+
+def _pooling_models(text: str | None, served: list[str], name: str) -> frozenset[str]:
+    """``--pooling-models``: served model names, comma-separated, or ``all``."""
+    if text is None or not text.strip():
+        return frozenset()
+    if text.strip() == "all":
+        return frozenset(served)
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    for model in names:
+        if model not in served:
+            raise ConfigError(
+                f"{name}: no served model is named {model!r} (served: {', '.join(served)})"
+            )
+    return frozenset(names)
 
 
 def is_loopback_host(host: str) -> bool:
@@ -467,7 +504,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
     ``_API_KEY``, ``_ALLOWED_ORIGINS``, ``_ENABLE_TEST_HARNESS``,
     ``_NO_SHOULD_RETRY_HEADER``, ``_NO_DASHBOARD``, ``_FINE_LATENCY_BUCKETS``,
     ``_KV_EVENTS_ENDPOINT``, ``_KV_EVENTS_REPLAY_ENDPOINT``, ``_KV_EVENTS_TOPIC``,
-    ``_KV_EVENTS_NO_TOKEN_IDS``, ``_TOOL_CALL_PROBABILITY``, ``_EMBEDDING_DIM``."""
+    ``_KV_EVENTS_NO_TOKEN_IDS``, ``_TOOL_CALL_PROBABILITY``, ``_EMBEDDING_DIM``,
+    ``_RUN_TO_MAX_TOKENS``, ``_NO_REASONING_CONTENT``, ``_POOLING_MODELS``."""
     env = os.environ if environ is None else environ
     enable_test_harness = _env_flag(env, "INFERENCE_LAB_ENABLE_TEST_HARNESS")
     default_max_tokens = _env_int(env, "INFERENCE_LAB_DEFAULT_MAX_TOKENS", 1)
@@ -494,6 +532,9 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
         kv_events_no_token_ids=_env_flag(env, "INFERENCE_LAB_KV_EVENTS_NO_TOKEN_IDS"),
         tool_call_probability=_env_probability(env, "INFERENCE_LAB_TOOL_CALL_PROBABILITY"),
         embedding_dim=_env_int(env, "INFERENCE_LAB_EMBEDDING_DIM", 1),
+        run_to_max_tokens=_env_flag(env, "INFERENCE_LAB_RUN_TO_MAX_TOKENS"),
+        reasoning_content=not _env_flag(env, "INFERENCE_LAB_NO_REASONING_CONTENT"),
+        pooling_models=env.get("INFERENCE_LAB_POOLING_MODELS") or None,
         on_skip=lambda line: print(f"inference-lab: {line}", file=sys.stderr),
         labels=ENV_LABELS,
     )

@@ -18,6 +18,10 @@ Rule 5: a model whose deployment caches prefixes has a
         hashed when parsed. With ``--kv-events-endpoint`` its runtime's KV-cache events go
         to its publisher (:mod:`inference_lab.serve.kv_events`), whose sockets are bound
         when the state is built and whose thread runs while the runtimes do.
+Rule 6: each model's runtime draws prose answer lengths from one generator of its own,
+        seeded by ``--seed`` (else the workload's seed, else 0): the workload's
+        ``output_len_dist``, else the default length model, none with
+        ``run_to_max_tokens``.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ import numpy as np
 import trio
 
 from inference_lab.api.hashing import PromptHashing
+from inference_lab.api.lengths import DEFAULT_ANSWER_LENGTHS
 from inference_lab.api.requests import ParsedRequest
-from inference_lab.core.config import Deployment
+from inference_lab.core.config import Deployment, LengthDist
 from inference_lab.core.engine import AllBlocksCleared
 from inference_lab.errors import ApiError, truncate_echo
 from inference_lab.runtime.model_runtime import ModelRuntime
@@ -116,13 +121,21 @@ class ServeState:
     def _new_runtime(
         settings: ServeSettings, dep: Deployment, hub: KVEventsHub | None = None
     ) -> ModelRuntime:
+        """A model's runtime; prose answers draw their length from the workload's
+        ``output_len_dist``, else from the default length model (``api/lengths.py``),
+        unless ``run_to_max_tokens`` (Rule 6)."""
         workload = settings.workload
+        lengths: LengthDist | None = None
+        seed = settings.seed if settings.seed is not None else 0
+        if workload is not None:
+            lengths = workload.output_len_dist
+            seed = workload.seed if settings.seed is None else settings.seed
+        elif not settings.run_to_max_tokens:
+            lengths = DEFAULT_ANSWER_LENGTHS
         return ModelRuntime(
             dep,
-            output_lengths=workload.output_len_dist if workload is not None else None,
-            rng=np.random.default_rng(workload.seed if settings.seed is None else settings.seed)
-            if workload is not None
-            else None,
+            output_lengths=lengths,
+            rng=np.random.default_rng(seed) if lengths is not None else None,
             kv_events=hub.sink(dep.model.name) if hub is not None else None,
         )
 

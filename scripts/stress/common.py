@@ -161,6 +161,7 @@ def chat_request(max_tokens: int, *, stream: bool = True, content: str = "hello"
         "model": MODEL,
         "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
+        "ignore_eos": True,  # runs to max_tokens
         "stream": stream,
     }
     return post(CHAT, json.dumps(body).encode())

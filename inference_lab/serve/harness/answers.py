@@ -176,7 +176,7 @@ class Fault:
     ) -> None:
         parsed = attrs.evolve(self.parsed, n=1)
         prompt = max(1, parsed.prompt_tokens)
-        refused = runtime.check_fits(prompt, parsed.max_tokens)
+        refused = runtime.check_fits(prompt, parsed.engine_max_tokens)
         if refused is not None:
             raise ApiError(400, "context_length_exceeded", refused.reason, "max_tokens")
         if state.draining:
@@ -186,11 +186,12 @@ class Fault:
         sink = _PacedSink(state)
         handle = runtime.admit_nowait(
             prompt_tokens=prompt,
-            max_tokens=parsed.max_tokens,
+            max_tokens=parsed.engine_max_tokens,
             priority=parsed.priority,
             sink=sink,
             arrival=exchange.arrival,
-            limit=parsed.output_cap,
+            limit=max(1, parsed.output_cap),
+            drawn=False,  # the directive decides where the stream ends, never a drawn length
         )
         try:
             await serve_stream(
