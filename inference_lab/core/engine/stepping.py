@@ -259,11 +259,13 @@ class EventLoop:
             cost, _ = price_lockstep(rf, g.ranks)
             end = start + cost.seconds * self.step_time_factor
             for rank in g.ranks:
+                rank.busy_seconds += end - rank.step_end  # (the step's end moved)
                 rank.step_end = end
             self._calendar.file_boundary(g, end, GROUP_BOUNDARY)
             return
         cost = rf.price(terms) if w.step_plain is None else price_step(rf, w)[0]
         end = w.step_start + cost.seconds * self.step_time_factor
+        w.busy_seconds += end - w.step_end  # (the step's end moved)
         w.step_end = end
         self._calendar.file_boundary(w, end, BOUNDARY)
 
@@ -392,7 +394,9 @@ class EventLoop:
             cost, plain = price_step(rf, w)
             assert w.step_terms is not None  # set by draft
             terms = w.step_terms
-        end = now + cost.seconds * self.step_time_factor
+        duration = cost.seconds * self.step_time_factor
+        end = now + duration
+        w.busy_seconds += duration
         w.batch = batch
         w.step_start = now
         w.step_end = end
@@ -473,6 +477,8 @@ class EventLoop:
             )
         cost, plain = price_lockstep(rf, g.ranks)
         duration = cost.seconds * self.step_time_factor
+        for w in g.ranks:
+            w.busy_seconds += duration
         g.busy = True
         g.step_start = now
         for w in g.ranks:
