@@ -309,7 +309,7 @@ class EventLoop:
         if not spec.remote_positions:  # nothing to send: its blocks go back now
             held = handoffs.transfer_done(decode, now)
             if held is not None:
-                w.release(held)
+                self._release(held, now)
 
     def _file_transfers(self, w: Scheduler, now: float) -> None:
         """The receptions ``w``'s last pass started (scheduler Rule 6): each transfer's end
@@ -340,6 +340,15 @@ class EventLoop:
             link, dep.hardware.tp, sent, overlap=False, layers=layers, overlapped=0.0
         )
 
+    def _release(self, held: Request, now: float) -> None:
+        """``held``'s blocks go back (scheduler Rule 6); its worker, idle with requests
+        waiting for blocks, steps at ``now``."""
+        w = self.workers[held.worker]
+        w.release(held)
+        if w.waiting.count and not w.scheduled:
+            w.scheduled = True
+            self._calendar.file_boundary(w, now, BOUNDARY)
+
     def _received(self, r: Request, now: float) -> None:
         """``r``'s remote KV arrived at ``now`` (scheduler Rule 6): it is admitted next on
         its worker, and a prefill's held blocks go back (handoff Rule 3)."""
@@ -348,7 +357,7 @@ class EventLoop:
         if self._handoffs is not None:
             held = self._handoffs.transfer_done(r, now)
             if held is not None:
-                self.workers[held.worker].release(held)
+                self._release(held, now)
         if not w.scheduled:
             w.scheduled = True
             self._calendar.file_boundary(w, now, BOUNDARY)
