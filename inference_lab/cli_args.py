@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import math
 import operator
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -158,3 +159,18 @@ def check_output(flag: str, path: Path | None) -> None:
     parent = path.parent
     if not parent.is_dir():
         raise ValueError(f"{flag} {path}: directory {parent} does not exist")
+
+
+_PD = re.compile(r"([0-9]+)P([0-9]+)D", re.IGNORECASE)
+
+
+def pd_split(text: str) -> tuple[int, int]:
+    """``--pd``'s value: ``xPyD`` (``2P1D``) as (prefill replicas, decode replicas), each
+    1 to 1024; argparse reports a ValueError's message as the flag's error."""
+    match = _PD.fullmatch(text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"expected xPyD (e.g. 2P1D), got {text!r}")
+    x, y = int(match.group(1)), int(match.group(2))
+    if not (1 <= x <= 1024 and 1 <= y <= 1024):
+        raise argparse.ArgumentTypeError(f"each pool needs 1 to 1024 replicas, got {text!r}")
+    return x, y

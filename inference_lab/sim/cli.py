@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from inference_lab.cli_args import EXIT_OK, check_output, fail, integer, number
+from inference_lab.cli_args import EXIT_OK, check_output, fail, integer, number, pd_split
 
 if TYPE_CHECKING:
     from inference_lab.core.config import Workload
@@ -51,6 +51,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--hardware",
         metavar="NAME",
         help="the config's [hardware.NAME] entry (default: the config's only entry, else b200)",
+    )
+    parser.add_argument(
+        "--pd",
+        type=pd_split,
+        metavar="xPyD",
+        help="prefill/decode disaggregation: x prefill and y decode replicas of the entry "
+        "(docs/disaggregation.md); a config's [disaggregation] table does the same",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
@@ -241,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
         load_workload,
         override_scheduler,
         select_deployment,
+        split_pd,
     )
     from inference_lab.errors import InferenceLabError
     from inference_lab.resources import default_hardware, resolve_shipped
@@ -288,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_waiting=args.max_waiting,
         )
+        if args.pd is not None:
+            deployment = split_pd(deployment, *args.pd)
         workload: Workload | Trace
         if args.trace is not None:
             args.trace = str(resolve_shipped(args.trace, "trace", "--trace"))

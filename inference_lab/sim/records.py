@@ -59,11 +59,16 @@ class Refused:
     reason: str
 
 
+#: The columns of a disaggregated run's hand-offs (kept only for one: `disaggregated`).
+_HANDOFF_FLOATS = ("prefill_end_time", "transfer_end_time", "transfer_bytes")
+
+
 class FinishedTable(Sequence[Finished]):
     """Completed requests in completion order, as columns (Rule 1); a `Sequence` of
-    `Finished` built when read."""
+    `Finished` built when read. With `disaggregated`, the hand-off fields too (the
+    prefill worker, the ends of the prefill and of the transfer, the bytes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, disaggregated: bool = False) -> None:
         self._floats: dict[str, array[float]] = {name: array("d") for name in _FLOATS}
         self._ints: dict[str, array[int]] = {name: array("q") for name in _INTS}
         self._length = array("b")  # 1: finish_reason "length", 0: "stop"
@@ -74,6 +79,14 @@ class FinishedTable(Sequence[Finished]):
             *(it[name].append for name in _INTS),
             self._length.append,
         )
+        #: the hand-off columns (None: not a disaggregated run)
+        self._handoffs: tuple[array[int], dict[str, array[float]]] | None = None
+        if disaggregated:
+            self._handoffs = (array("q"), {name: array("d") for name in _HANDOFF_FLOATS})
+
+    @property
+    def disaggregated(self) -> bool:
+        return self._handoffs is not None
 
     def extend(self, records: Sequence[Finished]) -> None:
         """Append `records` (a step's completions)."""
@@ -91,6 +104,13 @@ class FinishedTable(Sequence[Finished]):
             cached(f.cached_tokens)
             worker(f.worker)
             length(f.finish_reason == "length")
+        if self._handoffs is not None:
+            prefill, floats = self._handoffs
+            for f in records:
+                prefill.append(f.prefill_worker)
+                floats["prefill_end_time"].append(f.prefill_end_time)
+                floats["transfer_end_time"].append(f.transfer_end_time)
+                floats["transfer_bytes"].append(f.transfer_bytes)
 
     def column(self, name: str) -> npt.NDArray[Any]:
         """One field of every record, in order: float64 for times, int64 for counts. A
@@ -98,6 +118,11 @@ class FinishedTable(Sequence[Finished]):
         run takes them once it is over)."""
         if name in self._floats:
             return np.frombuffer(self._floats[name], dtype=np.float64)
+        if self._handoffs is not None:
+            if name == "prefill_worker":
+                return np.frombuffer(self._handoffs[0], dtype=np.int64)
+            if name in self._handoffs[1]:
+                return np.frombuffer(self._handoffs[1][name], dtype=np.float64)
         return np.frombuffer(self._ints[name], dtype=np.int64)
 
     def __len__(self) -> int:
@@ -106,7 +131,7 @@ class FinishedTable(Sequence[Finished]):
     def _record(self, i: int) -> Finished:
         fl = self._floats
         it = self._ints
-        return Finished(
+        record = Finished(
             request_id=it["request_id"][i],
             prompt_tokens=it["prompt_tokens"][i],
             output_tokens=it["output_tokens"][i],
@@ -119,6 +144,16 @@ class FinishedTable(Sequence[Finished]):
             n=it["n"][i],
             cached_tokens=it["cached_tokens"][i],
             worker=it["worker"][i],
+        )
+        if self._handoffs is None:
+            return record
+        prefill, floats = self._handoffs
+        return attrs.evolve(
+            record,
+            prefill_worker=prefill[i],
+            prefill_end_time=floats["prefill_end_time"][i],
+            transfer_end_time=floats["transfer_end_time"][i],
+            transfer_bytes=floats["transfer_bytes"][i],
         )
 
     @overload

@@ -53,8 +53,9 @@ import numpy as np
 
 from inference_lab.core.config import Deployment, Workload
 from inference_lab.core.engine import Engine, EngineStatistics, Finished, StepEvents
-from inference_lab.errors import SimError
+from inference_lab.errors import ConfigError, SimError
 from inference_lab.sim.capacity import CapacityVerdict
+from inference_lab.sim.disaggregation import DisaggregationSummary, disaggregation_summary
 from inference_lab.sim.intake import Intake, OpenLoopFeed, open_loop_feed
 from inference_lab.sim.observers import (
     Progress,
@@ -114,6 +115,8 @@ class SimResult:
     series: Series | None = None
     #: speculative decoding's figures, when the deployment speculates
     speculative: SpeculativeSummary | None = None
+    #: a disaggregated deployment's pools, transfers and TTFT stages
+    disaggregation: DisaggregationSummary | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The summary sections of `sim -o`'s JSON, plus the peak queue, the capacity
@@ -126,6 +129,8 @@ class SimResult:
             out["sessions"] = self.sessions.to_dict()
         if self.speculative is not None:
             out["speculative"] = self.speculative.to_dict()
+        if self.disaggregation is not None:
+            out["disaggregation"] = self.disaggregation.to_dict()
         out["peak_waiting"] = self.peak_waiting
         out["capacity"] = None if self.capacity is None else self.capacity.to_dict()
         out["time"] = {
@@ -166,10 +171,15 @@ def run_simulation(
     watch = QueueWatch(engine, times, generator.closed_loop)
     for arrival in initial:
         intake.submit(arrival)
-    finished = FinishedTable()
+    finished = FinishedTable(disaggregated=deployment.disaggregation is not None)
     steps = StepTotals(speculative=deployment.speculative is not None)
     recorder = SeriesRecorder(series_interval, engine) if series_interval is not None else None
     limiter = None
+    if sched.max_waiting and deployment.disaggregation is not None:
+        raise ConfigError(
+            f"{deployment.config_path}: max_waiting with [disaggregation] is not simulated "
+            "(serve applies it per role: docs/disaggregation.md)"
+        )
     if sched.max_waiting:  # Rule 4 (0: unbounded)
         on_refused = recorder.refused if recorder is not None else None
         limiter = WaitingBound(engine, sched.max_waiting, intake, on_refused)
@@ -181,13 +191,14 @@ def run_simulation(
         meter.finish()
 
     stats: EngineStatistics = engine.statistics()
+    summary = summarize(
+        finished,
+        steps,
+        refused=len(intake.refused),
+        first_arrival=intake.first_arrival if intake.first_arrival != math.inf else None,
+    )
     return SimResult(
-        summary=summarize(
-            finished,
-            steps,
-            refused=len(intake.refused),
-            first_arrival=intake.first_arrival if intake.first_arrival != math.inf else None,
-        ),
+        summary=summary,
         finished=finished,
         refused=tuple(intake.refused),
         sim_time_s=engine.now,
@@ -202,6 +213,11 @@ def run_simulation(
         capacity=_capacity(generator, feed, initial, intake, watch, limiter, finished),
         series=recorder.finish(engine.now, engine) if recorder is not None else None,
         speculative=(speculative_summary(steps) if deployment.speculative is not None else None),
+        disaggregation=(
+            disaggregation_summary(deployment, stats, finished, summary.span_s)
+            if deployment.disaggregation is not None
+            else None
+        ),
     )
 
 

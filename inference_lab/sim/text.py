@@ -305,11 +305,39 @@ def format_summary(result: SimResult) -> str:
             f"{sp.draft_tokens:,} draft tokens accepted); speed-up {sp.speedup:.2f}x "
             "(estimated: the same batches without speculation)"
         )
+    lines += _disaggregation_lines(result)
     lines.append(
         f"time         {result.sim_time_s:,.3f} s simulated in {result.wall_time_s:,.3f} s real"
         f"{speedup}"
     )
     return "\n".join(lines)
+
+
+def _disaggregation_lines(result: SimResult) -> list[str]:
+    """A disaggregated run's lines: the pools, the transfers, TTFT's four stages (ms)."""
+    pd = result.disaggregation
+    if pd is None:
+        return []
+    pools = ", ".join(
+        f"{p.role} {p.replicas} x {p.hardware} (tp {p.tp}) busy {p.busy_share:.1%}"
+        for p in (pd.prefill, pd.decode)
+    )
+    stages = "; ".join(
+        f"{name} {_ms(stats.mean)} / {_ms(stats.p99)}"
+        for name, stats in (
+            ("queue", pd.ttft_queue),
+            ("prefill", pd.ttft_prefill),
+            ("hand-off", pd.ttft_handoff),
+            ("first decode step", pd.ttft_first_decode),
+        )
+    )
+    return [
+        f"pools        {pools}",
+        f"transfers    {pd.transfers:,} over {pd.link} ({pd.streams} links at once), "
+        f"{pd.transfer_bytes_mean / 1e6:,.1f} MB and {pd.transfer_seconds_mean * 1e3:,.3f} ms "
+        "each on average",
+        f"TTFT stages  (mean / p99 ms) {stages}",
+    ]
 
 
 def _cache_lines(result: SimResult) -> list[str]:

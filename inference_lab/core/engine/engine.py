@@ -184,7 +184,7 @@ class Engine(EventLoop):
         if self._handoffs is not None:  # a held prefill goes too (handoff Rule 5)
             held = self._handoffs.abort(request_id)
             if held is not None:
-                self.workers[held.worker].release(held)
+                self._release(held, self.now)
         self._aborted += 1
         return True
 
@@ -195,7 +195,7 @@ class Engine(EventLoop):
         for w in self.workers:
             held = w.held.get(request_id)
             if held is not None:
-                w.release(held)
+                self._release(held, self.now)
                 return True
         return False
 

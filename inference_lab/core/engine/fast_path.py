@@ -93,6 +93,7 @@ class FastPath:
     step_budget: int
     step_mark: int
     total_blocks: int
+    busy_seconds: float
     admit_head: Callable[[float, int, int], tuple[Request, int] | None]
     finish: Callable[[Request], None]
 
@@ -443,7 +444,9 @@ class FastPath:
                     cost.memory,
                 )
             start = now
-            now = now + seconds * factor
+            duration = seconds * factor
+            now = now + duration
+            self.busy_seconds += duration
             if roof <= 0:
                 roof = 1.0
             kv_log((total - pool.free) / total)

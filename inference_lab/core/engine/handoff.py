@@ -8,10 +8,10 @@ Rule 1: a submitted request is first a *prefill request* on the prefill pool: it
         with ``max_tokens = 1``, holding its KV when it finishes (scheduler Rule 6). Its
         sampled token is not the client's: the prefill pool's tokens are not reported.
 Rule 2: when its prefill ends at ``t``, a *decode request* of the same id is filed as an
-        arrival at ``t + handoff_latency`` on the decode pool, carrying the prompt's full
-        blocks as remote positions (``min(P - 1, (P // block_size) * block_size)``: the
-        partial last block, and at least the last position, are computed where it
-        decodes, as vLLM's decode side re-prefills them).
+        arrival at ``t + handoff_latency`` on the decode pool, carrying as remote
+        positions the prompt's full blocks short of its last position (``((P - 1) //
+        block_size) * block_size``: the partial last block, and always the last position,
+        are computed where it decodes, as vLLM's decode side re-prefills them).
 Rule 3: a decode worker that takes a decode request's blocks starts its transfer: the KV
         bytes of the remote positions it has not cached itself (its own prefix hits are not
         sent), priced by the link (``Disaggregation.transfer_seconds``; with ``overlap``,
@@ -38,7 +38,7 @@ __all__ = ["Handoff", "Handoffs", "remote_positions"]
 
 def remote_positions(prompt: int, block_size: int) -> int:
     """The positions whose KV a prefill sends for a prompt of ``prompt`` tokens (Rule 2)."""
-    return min(prompt - 1, (prompt // block_size) * block_size)
+    return ((prompt - 1) // block_size) * block_size
 
 
 @attrs.define(slots=True)

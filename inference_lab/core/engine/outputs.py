@@ -127,6 +127,8 @@ class WorkerStatistics:
         count as free, not used).
       receiving: requests admitted with blocks for a remote prefill's KV, waiting for it.
       held: finished requests whose blocks are kept for a remote decode.
+      busy_seconds: simulated seconds it spent stepping (its steps' durations, summed;
+        a lockstep step counts on each of its ranks).
     """
 
     waiting: int
@@ -140,6 +142,7 @@ class WorkerStatistics:
     cached_blocks: int = 0
     receiving: int = 0
     held: int = 0
+    busy_seconds: float = 0.0
 
 
 @attrs.frozen(kw_only=True)

@@ -119,6 +119,8 @@ class Scheduler(FastPath):
         self.held: dict[int, Request] = {}
         #: its tokens are not the client's (a disaggregated deployment's prefill pool)
         self.internal = False
+        #: simulated seconds it has spent stepping (its steps' durations, summed)
+        self.busy_seconds = 0.0
         self.init_fast_path(roofline, allowed=self.spec is None)
 
     @property
@@ -547,4 +549,5 @@ class Scheduler(FastPath):
             cached_blocks=pool.cached_blocks,
             receiving=len(self.receiving),
             held=len(self.held),
+            busy_seconds=self.busy_seconds,
         )

@@ -259,11 +259,13 @@ class EventLoop:
             cost, _ = price_lockstep(rf, g.ranks)
             end = start + cost.seconds * self.step_time_factor
             for rank in g.ranks:
+                rank.busy_seconds += end - rank.step_end  # (the step's end moved)
                 rank.step_end = end
             self._calendar.file_boundary(g, end, GROUP_BOUNDARY)
             return
         cost = rf.price(terms) if w.step_plain is None else price_step(rf, w)[0]
         end = w.step_start + cost.seconds * self.step_time_factor
+        w.busy_seconds += end - w.step_end  # (the step's end moved)
         w.step_end = end
         self._calendar.file_boundary(w, end, BOUNDARY)
 
@@ -307,7 +309,7 @@ class EventLoop:
         if not spec.remote_positions:  # nothing to send: its blocks go back now
             held = handoffs.transfer_done(decode, now)
             if held is not None:
-                w.release(held)
+                self._release(held, now)
 
     def _file_transfers(self, w: Scheduler, now: float) -> None:
         """The receptions ``w``'s last pass started (scheduler Rule 6): each transfer's end
@@ -338,6 +340,15 @@ class EventLoop:
             link, dep.hardware.tp, sent, overlap=False, layers=layers, overlapped=0.0
         )
 
+    def _release(self, held: Request, now: float) -> None:
+        """``held``'s blocks go back (scheduler Rule 6); its worker, idle with requests
+        waiting for blocks, steps at ``now``."""
+        w = self.workers[held.worker]
+        w.release(held)
+        if w.waiting.count and not w.scheduled:
+            w.scheduled = True
+            self._calendar.file_boundary(w, now, BOUNDARY)
+
     def _received(self, r: Request, now: float) -> None:
         """``r``'s remote KV arrived at ``now`` (scheduler Rule 6): it is admitted next on
         its worker, and a prefill's held blocks go back (handoff Rule 3)."""
@@ -346,7 +357,7 @@ class EventLoop:
         if self._handoffs is not None:
             held = self._handoffs.transfer_done(r, now)
             if held is not None:
-                self.workers[held.worker].release(held)
+                self._release(held, now)
         if not w.scheduled:
             w.scheduled = True
             self._calendar.file_boundary(w, now, BOUNDARY)
@@ -392,7 +403,9 @@ class EventLoop:
             cost, plain = price_step(rf, w)
             assert w.step_terms is not None  # set by draft
             terms = w.step_terms
-        end = now + cost.seconds * self.step_time_factor
+        duration = cost.seconds * self.step_time_factor
+        end = now + duration
+        w.busy_seconds += duration
         w.batch = batch
         w.step_start = now
         w.step_end = end
@@ -473,6 +486,8 @@ class EventLoop:
             )
         cost, plain = price_lockstep(rf, g.ranks)
         duration = cost.seconds * self.step_time_factor
+        for w in g.ranks:
+            w.busy_seconds += duration
         g.busy = True
         g.step_start = now
         for w in g.ranks:
