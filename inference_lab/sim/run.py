@@ -78,6 +78,7 @@ from inference_lab.sim.summary import (
     speculative_summary,
     summarize,
 )
+from inference_lab.sim.tiers import TierSummary, tier_summary
 from inference_lab.traffic.traces import Trace
 from inference_lab.workload import make_generator
 from inference_lab.workload.arrivals import Arrival, ArrivalGenerator
@@ -117,6 +118,8 @@ class SimResult:
     speculative: SpeculativeSummary | None = None
     #: a disaggregated deployment's pools, transfers and TTFT stages
     disaggregation: DisaggregationSummary | None = None
+    #: the KV tiers behind HBM, when the deployment has them
+    tiers: TierSummary | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The summary sections of `sim -o`'s JSON, plus the peak queue, the capacity
@@ -131,6 +134,8 @@ class SimResult:
             out["speculative"] = self.speculative.to_dict()
         if self.disaggregation is not None:
             out["disaggregation"] = self.disaggregation.to_dict()
+        if self.tiers is not None:
+            out["kv_tiers"] = self.tiers.to_dict()
         out["peak_waiting"] = self.peak_waiting
         out["capacity"] = None if self.capacity is None else self.capacity.to_dict()
         out["time"] = {
@@ -218,6 +223,7 @@ def run_simulation(
             if deployment.disaggregation is not None
             else None
         ),
+        tiers=tier_summary(stats),
     )
 
 

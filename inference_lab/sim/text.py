@@ -306,6 +306,15 @@ def format_summary(result: SimResult) -> str:
             "(estimated: the same batches without speculation)"
         )
     lines += _disaggregation_lines(result)
+    tiers = result.tiers
+    if tiers is not None:
+        lines.append(
+            f"KV tiers     prompt tokens found in HBM {tiers.hbm_hit_rate:.1%}, host "
+            f"{tiers.host_hit_rate:.1%}, disk {tiers.disk_hit_rate:.1%}; {tiers.fetches:,} "
+            f"fetches of {tiers.fetch_bytes / 1e9:,.2f} GB ({tiers.fetch_seconds_mean * 1e3:,.3f} "
+            f"ms each on average); {tiers.recomputed_tokens:,} tokens recomputed where "
+            "fetching cost more"
+        )
     lines.append(
         f"time         {result.sim_time_s:,.3f} s simulated in {result.wall_time_s:,.3f} s real"
         f"{speedup}"

@@ -70,6 +70,7 @@ from inference_lab.core.config.hardware import (
     Fabric,
     HardwareEntry,
     HardwareProfile,
+    HostLink,
     Link,
     TimeCorrection,
 )
@@ -153,6 +154,7 @@ __all__ = [
     "FixedTime",
     "HardwareEntry",
     "HardwareProfile",
+    "HostLink",
     "KV_LAYERS",
     "LINKS",
     "Layer",

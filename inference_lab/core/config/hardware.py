@@ -29,6 +29,7 @@ __all__ = [
     "Fabric",
     "HardwareEntry",
     "HardwareProfile",
+    "HostLink",
     "Link",
     "TimeCorrection",
 ]
@@ -123,6 +124,17 @@ class Fabric:
 
 
 @attrs.frozen(kw_only=True)
+class HostLink:
+    """``[host]`` of a profile: the link between one GPU and host memory (PCIe, or
+    NVLink-C2C on Grace), per direction, and the host DRAM one GPU's share of a node has
+    (the bound on a host KV tier: ``docs/kv-tiers.md``)."""
+
+    bandwidth: float = attrs.field(validator=gt(0))
+    latency: float = attrs.field(validator=ge(0))
+    memory: float = attrs.field(validator=gt(0))
+
+
+@attrs.frozen(kw_only=True)
 class HardwareProfile:
     name: str
     flops_fp4: float | None = attrs.field(default=None, validator=gt(0))
@@ -132,6 +144,8 @@ class HardwareProfile:
     memory_bandwidth: float = attrs.field(validator=gt(0))
     memory_capacity: float = attrs.field(validator=gt(0))
     fabric: Fabric | None = None
+    #: the link to host memory, for KV offloading (None: the profile says nothing)
+    host: HostLink | None = None
     efficiency: Efficiency = attrs.field(factory=Efficiency)
     #: The profile this one was layered on (``base = "h100"``), for display; None for a
     #: datasheet profile.
