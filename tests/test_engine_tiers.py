@@ -85,8 +85,10 @@ def test_a_returning_prefix_is_fetched_at_the_host_links_price() -> None:
     stats = eng.statistics().tiers
     assert stats is not None
     third = finished[3]
-    assert stats.fetches == 1 and 0 < third.cached_tokens < stats.host_hit_tokens
-    assert third.cached_tokens + stats.host_hit_tokens == 62 * 16  # the whole prefix found
+    # the whole prefix found, part in HBM and part in the host tier; like vLLM, the
+    # tokens a connector supplied count as cached
+    assert stats.fetches == 1 and 0 < stats.host_hit_tokens < 62 * 16
+    assert third.cached_tokens == 62 * 16
     fetched = stats.host_hit_tokens // 16 * BLOCK
     assert stats.fetch_bytes == fetched
     assert stats.fetch_seconds == PCIE[1] + fetched / PCIE[0]

@@ -413,15 +413,18 @@ class ModelPublisher:
 
     def _event(self, event: KVEvent) -> dict[str, Any]:
         if isinstance(event, BlockStored):
+            on_gpu = event.medium == kv_wire.MEDIUM_GPU
             return kv_wire.stored(
                 event.block_hashes,
                 event.parent_block_hash,
-                self._token_ids(event.block_hashes) if self.token_ids else [],
+                # (a tier's store of a block HBM evicted: its tokens went with that store)
+                self._token_ids(event.block_hashes) if self.token_ids and on_gpu else [],
                 self.block_size,
                 self._kind,
+                event.medium,
             )
         if isinstance(event, BlockRemoved):
-            return kv_wire.removed(event.block_hashes)
+            return kv_wire.removed(event.block_hashes, event.medium)
         assert isinstance(event, AllBlocksCleared)
         return kv_wire.cleared()
 

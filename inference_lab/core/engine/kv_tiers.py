@@ -111,6 +111,8 @@ class TierStack:
         self.fetch_bytes = 0.0
         self.fetch_seconds_total = 0.0
         self.recomputed_tokens = 0
+        self.host_stores = 0
+        self.disk_stores = 0
         kv.pool.spill = self.spill
 
     # ------------------------------------------------------------------ Rule 1
@@ -124,6 +126,7 @@ class TierStack:
             out = self.host.put(h)
             if out is not None:
                 down.append(out)
+        self.host_stores += len(stored)
         self._event(BlockStored, stored, MEDIUM_CPU)
         self._event(BlockRemoved, down, MEDIUM_CPU)
         if not down or self.disk is None:
@@ -135,6 +138,7 @@ class TierStack:
             out = self.disk.put(h)
             if out is not None:
                 dropped.append(out)
+        self.disk_stores += len(stored)
         self._event(BlockStored, stored, MEDIUM_DISK)
         self._event(BlockRemoved, dropped, MEDIUM_DISK)
 
@@ -237,4 +241,6 @@ class TierStack:
             fetch_bytes=self.fetch_bytes,
             fetch_seconds=self.fetch_seconds_total,
             recomputed_tokens=self.recomputed_tokens,
+            host_stores=self.host_stores,
+            disk_stores=self.disk_stores,
         )

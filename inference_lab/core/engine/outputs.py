@@ -113,9 +113,10 @@ class StepEvents:
 
 @attrs.frozen(kw_only=True)
 class TierStatistics:
-    """The tiers of a worker (or their sums): blocks held in each, the prompt tokens found
-    there at admissions, fetches with their bytes and seconds, and the tokens computed
-    instead of fetched because computing them was cheaper (Rule 3)."""
+    """The KV tiers of a worker (or their sums; ``core/engine/kv_tiers.py``): blocks held
+    in each and their capacities, the prompt tokens fetched from each at admissions,
+    fetches with their bytes and seconds, the tokens computed instead because computing
+    them was cheaper, and the blocks written to each."""
 
     host_blocks: int = 0
     disk_blocks: int = 0
@@ -127,6 +128,8 @@ class TierStatistics:
     fetch_bytes: float = 0.0
     fetch_seconds: float = 0.0
     recomputed_tokens: int = 0
+    host_stores: int = 0
+    disk_stores: int = 0
 
     def __add__(self, other: TierStatistics) -> TierStatistics:
         return TierStatistics(

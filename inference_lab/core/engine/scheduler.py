@@ -262,6 +262,8 @@ class Scheduler(FastPath):
             r.num_computed = positions
             if positions >= r.next_cache_position:
                 self.kv.cache_computed(r, positions)
+        if not r.preemptions:  # found computed, as vLLM counts external tokens as cached
+            r.cached_tokens = max(r.cached_tokens, positions)
         r.status = WAITING
         self.waiting.push_front(r)
 
