@@ -1,10 +1,11 @@
 """A served model with a KV tier behind HBM (docs/kv-tiers.md), over real sockets: driven
-by ``inference-lab load --sessions``' replay, its KV events -- with ``medium`` "CPU" for
+by ``inference-lab load --sessions``, its KV events -- with ``medium`` "CPU" for
 the blocks HBM evicted to the host tier -- decoded with the structs that mirror vLLM's
 declarations, and its ``/metrics`` reporting what the tier held and gave back."""
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import trio
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from inference_lab.client.replay import ReplayConfig, load_traffic, run_replay
+from inference_lab import cli
 from inference_lab.core.config import load_deployment
 from inference_lab.serve import ServeSettings, create_app, get_state
 from inference_lab.serve.kv_events import KVEventsSettings
@@ -77,9 +78,13 @@ async def test_a_host_tier_publishes_cpu_events_and_fetches_returning_turns(
             ]
             path = tmp_path / "s.jsonl"
             write_sessions(path, sessions)
-            config = ReplayConfig(url=urls[0], model=GPT, sessions=path)
-            result = await run_replay(config, load_traffic(config))
-            assert [r.outcome for r in result.records] == ["ok"] * 24
+            csv_path = tmp_path / "turns.csv"
+            argv = ["load", "--url", urls[0], "--model", GPT, "--sessions", str(path)]
+            code = await trio.to_thread.run_sync(cli.main, [*argv, "--csv", str(csv_path), "-q"])
+            assert code == 0
+            with csv_path.open() as fh:
+                records = list(csv.DictReader(fh))
+            assert [r["outcome"] for r in records] == ["ok"] * 24
             media: dict[str, int] = {}
             with trio.fail_after(20):
                 while len(media) < 2 or sum(media.values()) < 4:
@@ -93,8 +98,8 @@ async def test_a_host_tier_publishes_cpu_events_and_fetches_returning_turns(
             assert media.get("WireStored:CPU", 0) > 0 and media.get("WireRemoved:GPU", 0) > 0
             stats = state.runtimes[GPT].engine.statistics()
             assert stats.tiers is not None and stats.tiers.fetches > 0
-            late = [r for r in result.records if r.turn > 0]
-            assert sum(r.cached_tokens or 0 for r in late) > 60 * 64  # more than HBM holds at once
+            late = [int(r["cached_tokens"]) for r in records if int(r["turn"]) > 0]
+            assert sum(late) > 60 * 64  # more than HBM holds at once
             port = int(urls[0].rsplit(":", 1)[1].split("/")[0])
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             async with stream:
