@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import attrs
 
-from inference_lab.plan.backends import Executor, JobFailure
+from inference_lab.executors.backends import Executor, JobFailure
 from inference_lab.plan.cache import ResultCache
 from inference_lab.plan.jobs import Job, ProbeResult, make_job, probe_workload
 from inference_lab.plan.search import RateSearch, SearchOutcome
@@ -74,7 +74,7 @@ class _Open:
 def run_plan(
     spec: PlanSpec,
     candidates: list[Candidate],
-    executor: Executor,
+    executor: Executor[Job, ProbeResult],
     cache: ResultCache,
     progress: Callable[[PlanProgress], None] | None = None,
     window: int | None = None,
