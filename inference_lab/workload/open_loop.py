@@ -13,6 +13,7 @@ Rule 3: each chunk draws its gaps, then its prompt lengths, then its output leng
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -91,15 +92,14 @@ class OpenLoopGenerator(ArrivalGenerator):
         """All arrivals as arrays, in arrival order (the interface's lazy feed)."""
         return self._draw()
 
-    def _draw(self) -> ArrivalArrays:
-        """Every arrival, drawn chunk by chunk (Rules 1-3)."""
+    def chunks(self) -> Iterator[ArrivalArrays]:
+        """Every arrival, in arrival order, one chunk of at most CHUNK at a time (Rules
+        1-3): the arrays :meth:`arrays` returns, cut where they were drawn. A sharded
+        simulation reads a long run's arrivals this way, without holding them all."""
         wl = self._workload
         limit = wl.num_requests if wl.num_requests is not None else math.inf
         duration = wl.duration_secs if wl.duration_secs is not None else math.inf
         lengths = Lengths(wl, self._rng)
-        times: list[npt.NDArray[np.float64]] = []
-        prompts: list[npt.NDArray[np.int64]] = []
-        outputs: list[npt.NDArray[np.int64]] = []
         produced = 0
         next_t = 0.0
         while produced < limit:
@@ -112,16 +112,19 @@ class OpenLoopGenerator(ArrivalGenerator):
                 past = np.flatnonzero((t[:keep] >= duration) | np.isinf(t[:keep]))
             if past.size:
                 keep = int(past[0])
-            times.append(t[:keep])
-            prompts.append(chunk_prompts[:keep])
-            outputs.append(chunk_outputs[:keep])
+            if keep:
+                yield ArrivalArrays(t[:keep], chunk_prompts[:keep], chunk_outputs[:keep])
             produced += keep
             if keep < CHUNK:
                 break
+
+    def _draw(self) -> ArrivalArrays:
+        """Every arrival, drawn chunk by chunk (Rules 1-3)."""
+        parts = list(self.chunks())
         return ArrivalArrays(
-            np.concatenate(times) if times else np.zeros(0),
-            np.concatenate(prompts) if prompts else np.zeros(0, np.int64),
-            np.concatenate(outputs) if outputs else np.zeros(0, np.int64),
+            np.concatenate([c.times for c in parts]) if parts else np.zeros(0),
+            np.concatenate([c.prompt_tokens for c in parts]) if parts else np.zeros(0, np.int64),
+            np.concatenate([c.output_lens for c in parts]) if parts else np.zeros(0, np.int64),
         )
 
     def initial(self) -> list[Arrival]:
