@@ -65,6 +65,7 @@ from inference_lab.sim.observers import (
 )
 from inference_lab.sim.records import QUEUE_LIMIT, FinishedTable, Refused, StepTotals
 from inference_lab.sim.series import Series, SeriesRecorder
+from inference_lab.sim.sharding import FleetInfo
 from inference_lab.sim.summary import (
     PrefixCacheSummary,
     ReplicaSummary,
@@ -114,6 +115,8 @@ class SimResult:
     series: Series | None = None
     #: speculative decoding's figures, when the deployment speculates
     speculative: SpeculativeSummary | None = None
+    #: a sharded run's shards and what of it is not exact (`inference_lab.sim.fleet`)
+    fleet: FleetInfo | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The summary sections of `sim -o`'s JSON, plus the peak queue, the capacity
@@ -127,6 +130,8 @@ class SimResult:
         if self.speculative is not None:
             out["speculative"] = self.speculative.to_dict()
         out["peak_waiting"] = self.peak_waiting
+        if self.fleet is not None:
+            out["fleet"] = self.fleet.to_dict()
         out["capacity"] = None if self.capacity is None else self.capacity.to_dict()
         out["time"] = {
             "simulated_s": self.sim_time_s,
