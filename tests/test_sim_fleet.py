@@ -6,12 +6,14 @@ cannot be sharded is refused in one line."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import attrs
 import numpy as np
 import pytest
 
+from inference_lab import cli
 from inference_lab.core.config import Deployment, Workload, load_deployment, load_workload
 from inference_lab.errors import ConfigError, SimError
 from inference_lab.executors.backends import InlineExecutor
@@ -215,3 +217,51 @@ def test_what_else_cannot_be_sharded_is_refused() -> None:
     speculating = shard_deployment(load_deployment(FRONTIER, "b200"), 2)
     assert speculating.speculative is not None
     assert "speculative decoding cannot be sharded" in _refusal(speculating, _mix())
+
+
+# ---------------------------------------------------------------------------------------
+# the command's flags (the sharded run itself on Ray: tests/test_sim_fleet_ray.py)
+
+
+def _sim(*argv: str) -> int:
+    return cli.main(["sim", "--config", str(GPT_OSS_20B), "--hardware", "b200", *argv])
+
+
+def test_replicas_overrides_the_entry(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--replicas N`` runs N replicas behind the entry's router, sharded or not."""
+    assert _sim("--workload", str(WORKLOADS / "quick.toml"), "--replicas", "3") == 0
+    out = capsys.readouterr().out
+    assert "3 replicas (round_robin)" in out and "replicas     3: requests 17 / 17 / 16" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--shards", "2"], "--shards applies to --ray only"),
+        (["--ray", "--request-csv", "r.csv"], "--request-csv needs every request's record"),
+        (["--ray", "--report", "r.html"], "--report needs every request's record"),
+        (["--ray", "--timeseries", "s.csv"], "--timeseries needs every request's record"),
+        (["--ray", "--shards", "0"], "argument --shards: must be an integer >= 1, got 0"),
+        (["--replicas", "0"], "argument --replicas: must be an integer >= 1, got 0"),
+    ],
+)
+def test_flags_that_do_not_go_with_ray_are_usage_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One line, exit 2, before any simulation or Ray."""
+    rc = _sim("--workload", str(WORKLOADS / "quick.toml"), *argv)
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 2 and len(err) == 1 and message in err[0]
+
+
+def test_what_cannot_be_sharded_is_one_line_before_ray_starts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--ray`` with a closed loop: exit 1, the reason in one line, and Ray never
+    imported (the check comes first)."""
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    rc = _sim("--workload", str(WORKLOADS / "chat-closed-64.toml"), "--ray", "-q")
+    err = capsys.readouterr().err.splitlines()
+    assert rc == 1 and len(err) == 1
+    assert err[0].startswith("inference-lab sim: error: --ray: a closed-loop workload")
+    assert "ray" not in sys.modules

@@ -35,13 +35,13 @@ from inference_lab.executors.backends import Executor, JobFailure
 from inference_lab.sim.capacity import judge_capacity
 from inference_lab.sim.records import FinishedTable
 from inference_lab.sim.run import SimResult
-from inference_lab.sim.shard import LATENCIES, ShardJob, ShardResult
+from inference_lab.sim.shard import LATENCIES, ShardJob, ShardResult, run_shard
 from inference_lab.sim.sharding import FleetInfo, check_shardable
 from inference_lab.sim.sketch import RELATIVE_ACCURACY, QuantileSketch
 from inference_lab.sim.summary import PrefixCacheSummary, ReplicaSummary, SimSummary
 from inference_lab.traffic.traces import Trace
 
-__all__ = ["merge_shards", "run_fleet", "shard_jobs"]
+__all__ = ["merge_shards", "run_fleet", "run_on_ray", "shard_jobs"]
 
 
 def shard_jobs(
@@ -98,6 +98,30 @@ def run_fleet(
         wall_s=time.perf_counter() - start,
         parallelism=executor.parallelism,
     )
+
+
+def run_on_ray(
+    address: str,
+    deployment: Deployment,
+    workload: Workload | Trace,
+    *,
+    seed: int | None = None,
+    shards: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> SimResult:
+    """:func:`run_fleet` on Ray (``sim --ray ADDRESS``: ``local``, ``auto`` or a cluster
+    address; the executors' ``ray_backend`` Rule 3): refused before Ray starts when it
+    cannot be sharded; the executor is closed however the run ends."""
+    check_shardable(deployment, workload)
+    from inference_lab.executors.ray_backend import RayExecutor
+
+    executor: RayExecutor[ShardJob, ShardResult] = RayExecutor(run_shard, address)
+    try:
+        return run_fleet(
+            deployment, workload, executor, seed=seed, shards=shards, progress=progress
+        )
+    finally:
+        executor.close()
 
 
 def _latency_sketches(results: Sequence[ShardResult]) -> dict[str, QuantileSketch]:
@@ -201,6 +225,7 @@ def merge_shards(
             for w in workers
         ),
         fleet=FleetInfo(
+            replicas=deployment.hardware.replicas,
             shards=len(results),
             parallelism=parallelism,
             relative_accuracy=RELATIVE_ACCURACY,

@@ -40,6 +40,7 @@ _READS = {
 class FleetInfo:
     """How a sharded run ran and what of it is not exact (Rule 4)."""
 
+    replicas: int  # the deployment's
     shards: int
     parallelism: int  # jobs the executor ran at once
     relative_accuracy: float  # of the percentiles
@@ -49,11 +50,13 @@ class FleetInfo:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "replicas": self.replicas,
             "shards": self.shards,
             "parallelism": self.parallelism,
             "percentiles": "merged quantile sketches",
             "relative_accuracy": self.relative_accuracy,
             "peak_waiting": "sum of the shards' peaks (an upper bound)",
+            "refusals": dict(self.refusals),
             "shard_wall_s": list(self.shard_wall_s),
         }
 
