@@ -47,14 +47,14 @@ def _answer(doc: dict[str, Any]) -> dict[str, Any]:
     out = dict(doc)
     out["time"] = {"simulated_s": doc["time"]["simulated_s"]}
     out["fleet"] = {
-        k: v for k, v in doc["fleet"].items() if k not in ("shard_wall_s", "parallelism")
+        k: v for k, v in doc["fleet"].items() if k not in ("shards_ran", "parallelism")
     }
     return out
 
 
 def _figures(r: ShardResult) -> dict[str, Any]:
     """A shard's answer: every field but how and where it ran, the sketches by bucket."""
-    out = {k: v for k, v in attrs.asdict(r, recurse=False).items() if k not in ("wall_s", "host")}
+    out = {k: v for k, v in attrs.asdict(r, recurse=False).items() if k != "timing"}
     out["latencies"] = {
         name: [b.tolist() if hasattr(b, "tolist") else b for b in sketch.buckets()]
         for name, sketch in r.latencies.items()
@@ -80,7 +80,7 @@ def test_shards_on_two_ray_nodes_merge_to_the_in_process_answer(ray_cluster: str
     hosts = set()
     for key, remote in results.items():
         assert isinstance(remote, ShardResult), remote
-        hosts.add(remote.host)
+        hosts.add(remote.timing.host)
         here = run_shard(jobs[key])
         assert _figures(remote) == _figures(here)
     assert len(results) == 4 and len(hosts) >= 2

@@ -229,7 +229,7 @@ def merge_shards(
             shards=len(results),
             parallelism=parallelism,
             relative_accuracy=RELATIVE_ACCURACY,
-            shard_wall_s=tuple(r.wall_s for r in results),
+            timings=tuple(r.timing for r in results),
             refusals=refusals,
             first_refusal=counting[0].first_refusal if counting else "",
         ),

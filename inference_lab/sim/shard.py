@@ -5,8 +5,8 @@ Rule 1: a :class:`ShardJob` holds everything its run reads -- the whole deployme
         its replicas), the open-loop workload, the seed, the replicas the shard owns --
         and never a path: :func:`run_shard` is a pure function of it and of the code, so
         a job gives the same :class:`ShardResult` on any worker, however often it is run
-        or retried (``ShardResult.wall_s`` and ``.host`` say how and where it ran;
-        nothing else depends on that).
+        or retried (``ShardResult.timing`` says how and where it ran; nothing else
+        depends on that).
 Rule 2: the shard draws the workload's whole arrival stream, chunk by chunk, exactly as
         an unsharded run draws it, and keeps the arrivals routed to its replicas: round
         robin sends the ``k``-th arrival the deployment can run to worker ``k mod W``
@@ -61,6 +61,7 @@ from inference_lab.core.engine.limits import fits_total
 from inference_lab.errors import ConfigError
 from inference_lab.sim.intake import Intake, OpenLoopFeed
 from inference_lab.sim.records import FinishedTable, StepTotals
+from inference_lab.sim.sharding import ShardTiming
 from inference_lab.sim.sketch import QuantileSketch
 from inference_lab.workload import make_generator
 from inference_lab.workload.arrivals import ArrivalArrays, ArrivalGenerator
@@ -156,8 +157,7 @@ class ShardResult:
     waiting_at_mid: int
     waiting_at_end: int
     sim_time_s: float  # the shard's engine clock at its last event
-    wall_s: float = 0.0  # Rule 1: how long it took
-    host: str = ""  # Rule 1: host:pid
+    timing: ShardTiming = ShardTiming()  # Rule 1: how long it took, and where
 
 
 def shard_deployment(deployment: Deployment, replicas: int) -> Deployment:
@@ -357,9 +357,10 @@ class _Folder:
 def run_shard(job: ShardJob) -> ShardResult:
     """Run ``job``'s shard (module rules). Raises ConfigError for a workload that is not
     an open loop (:mod:`inference_lab.sim.fleet` checks that first)."""
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     engine = Engine(shard_deployment(job.deployment, len(job.replicas)))
     stream = _select(job, engine)
+    select_cpu = time.process_time() - cpu
     # the queue readings' times (Rule 5): the unsharded run's watch reads the queue after
     # the last arrival at or before the middle of every arrival's time, and the last
     middle = (stream.first + stream.last) / 2
@@ -371,7 +372,13 @@ def run_shard(job: ShardJob) -> ShardResult:
     folder = _Folder(len(engine.workers), (mid, stream.last_offered))
     queue = _run(engine, stream.own, folder, readings)
     folder.fold()
-    return _result(job, engine, stream, folder, queue, time.perf_counter() - start)
+    timing = ShardTiming(
+        wall_s=time.perf_counter() - start,
+        cpu_s=time.process_time() - cpu,
+        select_cpu_s=select_cpu,
+        host=f"{socket.gethostname()}:{os.getpid()}",
+    )
+    return _result(job, engine, stream, folder, queue, timing)
 
 
 @attrs.define
@@ -423,7 +430,7 @@ def _run(
 
 def _result(
     job: ShardJob, engine: Engine, stream: _Stream, folder: _Folder, queue: _Queue,
-    wall_s: float,
+    timing: ShardTiming,
 ) -> ShardResult:  # fmt: skip
     """The shard's figures once its run is over."""
     stats = engine.statistics()
@@ -472,6 +479,5 @@ def _result(
         waiting_at_mid=queue.at_mid,
         waiting_at_end=queue.at_end,
         sim_time_s=engine.now,
-        wall_s=wall_s,
-        host=f"{socket.gethostname()}:{os.getpid()}",
+        timing=timing,
     )

@@ -26,7 +26,7 @@ from inference_lab.core.config import Deployment, Workload
 from inference_lab.errors import ConfigError
 from inference_lab.traffic.traces import Trace
 
-__all__ = ["FleetInfo", "check_shardable"]
+__all__ = ["FleetInfo", "ShardTiming", "check_shardable"]
 
 #: Why a router cannot be sharded: what it reads of every replica at each arrival.
 _READS = {
@@ -37,6 +37,20 @@ _READS = {
 
 
 @attrs.frozen(kw_only=True)
+class ShardTiming:
+    """How and where a shard ran (nothing of its answer depends on it): its wall and CPU
+    seconds, the CPU seconds of its first pass over the arrival stream, its host:pid."""
+
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    select_cpu_s: float = 0.0
+    host: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen(kw_only=True)
 class FleetInfo:
     """How a sharded run ran and what of it is not exact (Rule 4)."""
 
@@ -44,7 +58,7 @@ class FleetInfo:
     shards: int
     parallelism: int  # jobs the executor ran at once
     relative_accuracy: float  # of the percentiles
-    shard_wall_s: tuple[float, ...]  # each shard's own time, in shard order
+    timings: tuple[ShardTiming, ...]  # each shard's, in shard order
     refusals: tuple[tuple[str, int], ...]  # requests that can never run, by limit
     first_refusal: str
 
@@ -57,7 +71,7 @@ class FleetInfo:
             "relative_accuracy": self.relative_accuracy,
             "peak_waiting": "sum of the shards' peaks (an upper bound)",
             "refusals": dict(self.refusals),
-            "shard_wall_s": list(self.shard_wall_s),
+            "shards_ran": [t.to_dict() for t in self.timings],
         }
 
 
