@@ -115,7 +115,11 @@ def run_on_ray(
     check_shardable(deployment, workload)
     from inference_lab.executors.ray_backend import RayExecutor
 
-    executor: RayExecutor[ShardJob, ShardResult] = RayExecutor(run_shard, address)
+    try:
+        executor: RayExecutor[ShardJob, ShardResult] = RayExecutor(run_shard, address)
+    except (ValueError, ConnectionError, RuntimeError) as exc:  # ray.init's
+        lines = str(exc).strip().splitlines()
+        raise SimError(f"--ray {address}: {lines[0] if lines else type(exc).__name__}") from exc
     try:
         return run_fleet(
             deployment, workload, executor, seed=seed, shards=shards, progress=progress
