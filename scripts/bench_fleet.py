@@ -31,6 +31,7 @@ many cores two busy processes get, before and after (2.00 on an idle 2-core mach
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import subprocess
@@ -195,6 +196,17 @@ def day_shard() -> None:
     )
 
 
+def _counts(text: str) -> list[int]:
+    """``--workers``: integers >= 1, comma-separated."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"each value must be an integer >= 1, got {text!r}")
+    return values
+
+
 def main() -> int:
     parser = CliParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=integer(ge=1), default=8, help="default 8")
@@ -203,7 +215,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--workers",
-        type=lambda text: [int(x) for x in text.split(",")],
+        type=_counts,
         default=[1, 2, 4],
         help="shards (one per worker) to time, comma-separated (default 1,2,4)",
     )

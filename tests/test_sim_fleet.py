@@ -18,7 +18,7 @@ from inference_lab.core.config import Deployment, Workload, load_deployment, loa
 from inference_lab.errors import ConfigError, SimError
 from inference_lab.executors.backends import InlineExecutor
 from inference_lab.sim import shard as shard_module
-from inference_lab.sim.fleet import run_fleet, shard_jobs
+from inference_lab.sim.fleet import run_fleet, run_on_ray, shard_jobs
 from inference_lab.sim.run import SimResult, run_simulation
 from inference_lab.sim.shard import ShardJob, ShardResult, run_shard, shard_deployment
 from inference_lab.sim.sketch import RELATIVE_ACCURACY
@@ -265,3 +265,19 @@ def test_what_cannot_be_sharded_is_one_line_before_ray_starts(
     assert rc == 1 and len(err) == 1
     assert err[0].startswith("inference-lab sim: error: --ray: a closed-loop workload")
     assert "ray" not in sys.modules
+
+
+def test_a_cluster_that_cannot_be_reached_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``ray.init`` raises for a bad address is a SimError naming the address, its
+    first line only (the CLI's one-line error)."""
+    from inference_lab.executors import ray_backend
+
+    class Unreachable:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise ConnectionError("Could not find any running Ray instance.\nPlease specify ...")
+
+    monkeypatch.setattr(ray_backend, "RayExecutor", Unreachable)
+    dep, wl, _ = SCENARIOS["poisson"]
+    with pytest.raises(SimError) as info:
+        run_on_ray("10.0.0.1:6379", dep, wl)
+    assert str(info.value) == "--ray 10.0.0.1:6379: Could not find any running Ray instance."

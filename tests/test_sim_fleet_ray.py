@@ -46,9 +46,7 @@ def _answer(doc: dict[str, Any]) -> dict[str, Any]:
     """A result's JSON without what says how it ran (wall times, parallelism)."""
     out = dict(doc)
     out["time"] = {"simulated_s": doc["time"]["simulated_s"]}
-    out["fleet"] = {
-        k: v for k, v in doc["fleet"].items() if k not in ("shards_ran", "parallelism")
-    }
+    out["fleet"] = {k: v for k, v in doc["fleet"].items() if k not in ("shards_ran", "parallelism")}
     return out
 
 
