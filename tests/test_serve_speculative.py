@@ -21,7 +21,7 @@ from inference_lab.api.requests import ParsedRequest, parse_chat_request, parse_
 from inference_lab.api.text import placeholder_text
 from inference_lab.core.config import load_deployment
 from inference_lab.core.engine import Engine, RequestSpec
-from inference_lab.core.engine import engine as engine_module
+from inference_lab.core.engine import stepping as engine_module
 from inference_lab.core.speculative import FixedAcceptance
 from inference_lab.serve import ServeSettings
 from tests.conftest import ServeFactory
