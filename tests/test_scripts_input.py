@@ -23,6 +23,8 @@ CASES = [
     ("bench_overload.py", ["--model", "no-such-model"], "--model: "),
     ("bench_sim.py", ["--config", "no-such.toml"], "bench_sim: no-such.toml: no such file"),
     ("bench_sim.py", ["--requests", "0"], "--requests: must be an integer >= 1, got 0"),
+    ("bench_fleet.py", ["--workers", "1,0"], "--workers: each value must be an integer >= 1"),
+    ("bench_fleet.py", ["--replicas", "0"], "--replicas: must be an integer >= 1, got 0"),
     ("bench_tokenize.py", ["--tokenizer", "no-such.json"], "no such tokenizer file"),
     ("bench_agents.py", ["--repeat", "0"], "--repeat must be at least 1"),
     ("bench_specdec.py", ["--batches", "1,0"], "--batches: each value must be an integer >= 1"),

@@ -66,6 +66,7 @@ from inference_lab.sim.observers import (
 )
 from inference_lab.sim.records import QUEUE_LIMIT, FinishedTable, Refused, StepTotals
 from inference_lab.sim.series import Series, SeriesRecorder
+from inference_lab.sim.sharding import FleetInfo
 from inference_lab.sim.summary import (
     PrefixCacheSummary,
     ReplicaSummary,
@@ -120,6 +121,8 @@ class SimResult:
     disaggregation: DisaggregationSummary | None = None
     #: the KV tiers behind HBM, when the deployment has them
     tiers: TierSummary | None = None
+    #: a sharded run's shards and what of it is not exact (`inference_lab.sim.fleet`)
+    fleet: FleetInfo | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The summary sections of `sim -o`'s JSON, plus the peak queue, the capacity
@@ -137,6 +140,8 @@ class SimResult:
         if self.tiers is not None:
             out["kv_tiers"] = self.tiers.to_dict()
         out["peak_waiting"] = self.peak_waiting
+        if self.fleet is not None:
+            out["fleet"] = self.fleet.to_dict()
         out["capacity"] = None if self.capacity is None else self.capacity.to_dict()
         out["time"] = {
             "simulated_s": self.sim_time_s,
