@@ -399,6 +399,19 @@ WORKLOAD_TABLE: dict[str, dict[str, Any]] = {
             system_prompt_tokens=4096,
         ),
     },
+    "agent-long-context": {
+        "arrival_pattern": "closed_loop",
+        "num_concurrent_users": 64,
+        "num_requests": 2048,
+        "input": ("lognormal", 7.1, 0.5),
+        "output": ("lognormal", 5.7, 0.5),
+        "sessions": SessionConfig(
+            num_sessions=128,
+            turns=FixedDist(value=16),
+            think_time=FixedTime(value=20.0),
+            system_prompt_tokens=4096,
+        ),
+    },
 }
 
 
