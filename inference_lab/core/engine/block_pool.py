@@ -21,6 +21,7 @@ Rule 3: no clock, no I/O. Events (blocks stored, removed, all cleared) are recor
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import islice
 
 import attrs
 
@@ -137,12 +138,12 @@ class BlockPool:
         excess = len(evictable) - self.free
         if excess > 0:
             ref = self.ref
-            gone = []
-            for _ in range(excess):
-                h = next(iter(evictable))
+            # (one pass from the front: a dict's first key lies past the slots earlier
+            # pops left behind, so taking them one next(iter()) at a time rescans those)
+            gone = list(islice(evictable, excess))
+            for h in gone:
                 del evictable[h]
                 del ref[h]
-                gone.append(h)
             if self.events is not None:
                 self.events.append(BlockRemoved(worker=self.worker, block_hashes=tuple(gone)))
             if self.spill is not None:

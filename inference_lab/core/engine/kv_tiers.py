@@ -27,6 +27,7 @@ Rule 4: a tier counts in whole blocks of the full-attention layers (``block_byte
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 from inference_lab.core.config import Deployment
 from inference_lab.core.engine.block_pool import (
@@ -53,27 +54,23 @@ class KVTier:
     def __init__(self, medium: str, capacity: int) -> None:
         self.medium = medium
         self.capacity = capacity
-        #: hash -> None, least recently used first (a dict keeps insertion order)
-        self.blocks: dict[int, None] = {}
+        #: hash -> None, least recently used first (an OrderedDict: popping its oldest is
+        #: O(1), where a dict's first key is found past the slots its pops left behind)
+        self.blocks: OrderedDict[int, None] = OrderedDict()
 
     def put(self, h: int) -> int | None:
         """Keep ``h`` (most recently used); the hash it pushed out, if any."""
         blocks = self.blocks
         if h in blocks:
-            del blocks[h]
-            blocks[h] = None
+            blocks.move_to_end(h)
             return None
         blocks[h] = None
         if len(blocks) > self.capacity:
-            oldest = next(iter(blocks))
-            del blocks[oldest]
-            return oldest
+            return blocks.popitem(last=False)[0]
         return None
 
     def touch(self, h: int) -> None:
-        blocks = self.blocks
-        del blocks[h]
-        blocks[h] = None
+        self.blocks.move_to_end(h)
 
 
 class TierStack:
