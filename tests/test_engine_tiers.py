@@ -98,6 +98,38 @@ def test_a_returning_prefix_is_fetched_at_the_host_links_price() -> None:
     )
 
 
+def test_each_request_in_the_queue_plans_its_own_fetch() -> None:
+    """Rule 3 for every admission: two conversations return together, both pushed out of
+    HBM into the host tier; the one behind the first fetch is planned when it reaches the
+    head too, and fetches its own prefix rather than computing it."""
+    dep = _dep(blocks=70, kv_offloading_size=1.0)
+    eng = Engine(dep)
+    for i, start in enumerate((1, 100, 500)):  # the third pushes the first two out
+        count = 62 if start == 500 else 30
+        eng.submit(
+            RequestSpec(
+                prompt_tokens=count * 16 + 1,
+                max_tokens=1,
+                arrival_time=float(i),
+                block_hashes=_chain(start, count),
+            )
+        )
+    for start in (1, 100):
+        eng.submit(
+            RequestSpec(
+                prompt_tokens=30 * 16 + 1,
+                max_tokens=1,
+                arrival_time=3.0,
+                block_hashes=_chain(start, 30),
+            )
+        )
+    finished = {f.request_id: f for f in _run(eng)}
+    stats = eng.statistics().tiers
+    assert stats is not None and stats.fetches == 2
+    assert finished[4].cached_tokens == finished[5].cached_tokens == 30 * 16
+    assert stats.host_hit_tokens == 2 * 30 * 16
+
+
 def test_a_disk_fetch_crosses_the_disk_and_then_the_host_link() -> None:
     """Rule 3's disk price: latency + bytes / bandwidth on the disk, then over PCIe."""
     dep = _dep(

@@ -187,21 +187,20 @@ class Scheduler(FastPath):
         ``budget`` tokens left, if the cap, the budget and the free blocks allow: it runs
         its first prefill chunk there, on top of the prefix its worker has cached (its
         ``num_computed`` on return). Returns (request, positions) or None."""
-        r = self.waiting.peek()
-        if r is None:
-            return None
-        if self.running_seqs + r.n > self.max_num_seqs and self.running_seqs:
-            return None
         tiers = self.tiers
-        if tiers is not None and not r.tier_checked and not r.num_blocks:
-            if not r.remote_positions and r.cacheable_blocks:
-                tiers.plan(r)  # a fetch from the tiers waits as a received KV does
-        while r.remote_positions and not r.num_blocks:  # a remote prefill's KV (Rule 6)
-            if not self._receive(r, now):
-                return None  # its blocks are short: it waits at the head
+        while True:
             r = self.waiting.peek()
             if r is None:
                 return None
+            if self.running_seqs + r.n > self.max_num_seqs and self.running_seqs:
+                return None
+            if tiers is not None and not r.tier_checked and not r.num_blocks:
+                if not r.remote_positions and r.cacheable_blocks:
+                    tiers.plan(r)  # a fetch from the tiers waits as a received KV does
+            if not r.remote_positions or r.num_blocks:
+                break
+            if not self._receive(r, now):  # a remote prefill's KV or a fetch (Rule 6)
+                return None  # its blocks are short: it waits at the head
         if r.num_blocks:  # its KV arrived: only its next chunk's blocks to find
             return self._admit_resident(r, mark, budget)
         if r.n == 1 and not r.cacheable_blocks:  # first_chunk of a plain request, no prefix
