@@ -92,6 +92,10 @@ async def test_a_host_tier_publishes_cpu_events_and_fetches_returning_turns(
                         break
                     _, _, payload = sub.recv_multipart()
                     for event in decode(payload).events:
+                        if isinstance(event, WireStored) and event.medium != "GPU":
+                            # as vLLM's offloading connector stores: no parent, no tokens
+                            assert event.parent_block_hash is None and event.token_ids == []
+                            assert event.block_size == 0
                         if isinstance(event, (WireStored, WireRemoved)):
                             key = f"{type(event).__name__}:{event.medium}"
                             media[key] = media.get(key, 0) + 1

@@ -413,15 +413,16 @@ class ModelPublisher:
 
     def _event(self, event: KVEvent) -> dict[str, Any]:
         if isinstance(event, BlockStored):
-            on_gpu = event.medium == kv_wire.MEDIUM_GPU
+            if event.medium != kv_wire.MEDIUM_GPU:
+                # a tier's store, as vLLM's offloading connector publishes it: no parent,
+                # no tokens, block size 0
+                return kv_wire.stored(event.block_hashes, None, [], 0, self._kind, event.medium)
             return kv_wire.stored(
                 event.block_hashes,
                 event.parent_block_hash,
-                # (a tier's store of a block HBM evicted: its tokens went with that store)
-                self._token_ids(event.block_hashes) if self.token_ids and on_gpu else [],
+                self._token_ids(event.block_hashes) if self.token_ids else [],
                 self.block_size,
                 self._kind,
-                event.medium,
             )
         if isinstance(event, BlockRemoved):
             return kv_wire.removed(event.block_hashes, event.medium)
