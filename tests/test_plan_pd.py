@@ -220,6 +220,17 @@ def test_a_split_that_cannot_run_keeps_its_reason(tmp_path: Path) -> None:
         )
 
 
+def test_the_shipped_pd_spec_loads() -> None:
+    """configs/plans/pd-h200.toml (docs/planning.md's example): every split of at most 4
+    GPUs after 2, 3 and 4 aggregated replicas, all runnable."""
+    spec = load_spec(CONFIGS / "plans" / "pd-h200.toml")
+    cands = expand_candidates(spec)
+    assert [c.label.split()[-1] for c in cands] == [
+        "x2", "x3", "x4", "1P1D", "1P2D", "1P3D", "2P1D", "2P2D", "3P1D",
+    ]  # fmt: skip
+    assert count_candidates(spec) == 9 and all(c.deployment is not None for c in cands)
+
+
 # -- jobs, keys, and sim's figures -----------------------------------------------------
 
 

@@ -377,5 +377,5 @@ def plot_pareto(path: Path, result: PlanResult, ranked: dict[str, list[Row]]) ->
         ax.set_ylabel("cost ($ per hour)")
         ax.set_title(f"{slo_set.name}: {slo_set.label}", fontsize="small")
         ax.grid(True, alpha=0.3)
-        ax.legend(loc="upper left", fontsize="small")
+        ax.legend(loc="best", fontsize="small")
     fig.savefig(path, format="png", dpi=100)
