@@ -334,6 +334,8 @@ def test_a_plan_with_both_kinds_ranks_them_and_says_why(planned: PlanResult) -> 
             assert sum(v for _, v in ttft_stages(r)) == pytest.approx(r.ttft_mean_ms)
             assert r.capped or (r.limit and r.limit_rate and r.limit_rate > r.max_rate)
             assert reason(r).startswith("limit ")
+            if r.pd is not None:
+                assert f"transfer {r.pd.transfer_s * 1e3:,.1f} ms" in reason(r)
         groups = comparisons(set_rows)
         assert [g.gpus for g in groups] == [2, 3]
         assert [len(g.members) for g in groups] == [2, 3]

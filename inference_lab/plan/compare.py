@@ -12,7 +12,8 @@ Rule 2: a group's members rank by their highest passing rate (ties: goodput, the
 Rule 3: a member's reason is its row's (report Rule 4), at its own highest passing rate:
         the bound a higher rate breaks first and at which rate, where its mean TTFT goes
         (aggregated: the queue, then its prefill and first token; a split: ``sim``'s four
-        stages, which add up to its mean TTFT) and, for a split, the pools' busy shares.
+        stages, which add up to its mean TTFT) and, for a split, the pools' busy shares
+        and its mean transfer.
 
 Who calls this: :mod:`inference_lab.plan.output` (the terminal section, the JSON).
 """
@@ -84,13 +85,17 @@ def limit_text(row: Row) -> str:
 
 
 def reason(row: Row) -> str:
-    """Rule 3 in one line: the limit, the TTFT stages and a split's busy pools."""
+    """Rule 3 in one line: the limit, the TTFT stages, a split's busy pools and its mean
+    transfer (the part of the hand-off spent on the link; the rest waits for the proxy's
+    hop and the decode replica's blocks)."""
     parts = [f"limit {limit_text(row)}"]
     stages = ttft_stages(row)
     if stages:
         parts.append("TTFT " + " + ".join(f"{v:,.1f} {k}" for k, v in stages) + " (ms)")
-    if row.pd is not None:
-        parts.append(f"busy prefill {row.pd.prefill_busy:.0%}, decode {row.pd.decode_busy:.0%}")
+    pd = row.pd
+    if pd is not None:
+        parts.append(f"busy prefill {pd.prefill_busy:.0%}, decode {pd.decode_busy:.0%}")
+        parts.append(f"transfer {pd.transfer_s * 1e3:,.1f} ms of {pd.transfer_bytes / 1e9:,.2f} GB")
     return "; ".join(parts)
 
 
