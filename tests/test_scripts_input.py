@@ -34,6 +34,8 @@ CASES = [
     ("bench_stack.py", ["--streams", "0"], "must be at least 1"),
     ("bench_stack.py", ["--paused", "0"], "--paused and --repeats must be at least 1"),
     ("bench_transport.py", ["--units", "0"], "--units, --repeats and --jobs must be at least 1"),
+    ("bench_pd.py", ["--duration", "0"], "argument --duration: must be a number > 0"),
+    ("bench_pd.py", ["--out", "no-such-dir/pd.png"], "bench_pd: --out: no such directory"),
     ("capacity_experiment.py", ["--config", "no-such.toml", "--out", "OUT"], "no such file"),
     ("adaptive_experiment.py", ["--hardware", "zz", "--out", "OUT"], "hardware.zz: no such"),
 ]

@@ -372,6 +372,13 @@ WORKLOAD_TABLE: dict[str, dict[str, Any]] = {
         "input": ("fixed", 512),
         "output": ("fixed", 256),
     },
+    "long-prompt-4k": {
+        "arrival_pattern": "poisson",
+        "arrival_rate": 2.0,
+        "num_requests": 600,
+        "input": ("fixed", 4000),
+        "output": ("fixed", 500),
+    },
     "chat-sessions-200": {
         "arrival_pattern": "poisson",
         "arrival_rate": 2.0,

@@ -234,8 +234,9 @@ def run(args: argparse.Namespace) -> int:
     from inference_lab.executors.backends import default_workers
     from inference_lab.plan.estimate import estimate
     from inference_lab.plan.jobs import code_version
+    from inference_lab.plan.output import format_report, plan_dict, plot_pareto, write_csv
     from inference_lab.plan.planner import run_plan
-    from inference_lab.plan.report import format_report, plan_dict, plot_pareto, rows, write_csv
+    from inference_lab.plan.report import rows
     from inference_lab.plan.spec import iter_candidates
 
     prepared = _prepare(args)
