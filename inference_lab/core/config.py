@@ -478,6 +478,22 @@ class EfficiencyOverride:
 
 
 @attrs.frozen(kw_only=True)
+class Host:
+    """What the engine's host side adds (docs/fidelity.md): its per-request work each step
+    (preparing inputs, sampling, detokenising and streaming one token) costs
+    ``seq_overhead`` seconds per sequence in the step, its API process
+    ``frontend_latency`` seconds per request before the request reaches the engine (added
+    to the scheduler's ``frontend_latency`` of every entry on the profile, when the entry
+    is loaded), and ``reserved_memory`` bytes of each GPU's memory pool hold no KV cache
+    (the CUDA context, activation workspace, CUDA graphs, communication buffers). The
+    defaults, 0, are the roofline itself."""
+
+    seq_overhead: float = attrs.field(default=0.0, validator=[_ge(0), _le(0.01)])
+    frontend_latency: float = attrs.field(default=0.0, validator=[_ge(0), _le(10)])
+    reserved_memory: float = attrs.field(default=0.0, validator=_ge(0))
+
+
+@attrs.frozen(kw_only=True)
 class HardwareEntry:
     #: The hardware profile's file name (``hardware_profiles/<profile>.toml``); None: the
     #: entry's own name. Lets one model have several entries on one GPU (tp variants,
@@ -502,6 +518,8 @@ class HardwareEntry:
     time_correction: TimeCorrection = attrs.field(factory=TimeCorrection)
     #: Replaces the profile's ``[efficiency]`` keys it sets, for this model only.
     efficiency: EfficiencyOverride | None = None
+    #: Replaces the profile's ``[host]`` table, for this model only.
+    host: Host | None = None
     #: A CSV of measured step times (docs/fidelity.md#measured-step-tables), relative to
     #: the config file; after loading, the resolved path.
     step_table: str | None = attrs.field(default=None, validator=_optional_nonempty)
@@ -536,6 +554,7 @@ class HardwareProfile:
     memory_capacity: float = attrs.field(validator=_gt(0))
     fabric: Fabric | None = None
     efficiency: Efficiency = attrs.field(factory=Efficiency)
+    host: Host = attrs.field(factory=Host)
     #: The profile this one was layered on (``base = "h100"``), for display; None for a
     #: datasheet profile.
     base: str | None = attrs.field(default=None, validator=_optional_name)
@@ -578,6 +597,11 @@ class Deployment:
         )
 
     @property
+    def host(self) -> Host:
+        """The entry's ``host`` table if it has one, else the profile's."""
+        return self.profile.host if self.hardware.host is None else self.hardware.host
+
+    @property
     def workers(self) -> int:
         """Schedulers with their own KV cache: ``replicas * dp_attention``."""
         return self.hardware.replicas * self.hardware.dp_attention
@@ -610,7 +634,7 @@ class Deployment:
         """KV bytes of one worker (a replica, or one rank of it with ``dp_attention``):
         ``kv_cache_capacity`` when set, else the replica's memory pool
         (``floor(memory_capacity * tp * gpu_memory_utilization)``) less its resident
-        weights, shared evenly by its ranks."""
+        weights and the host's ``reserved_memory`` per GPU, shared evenly by its ranks."""
         if self.scheduler.kv_cache_capacity > 0:
             return self.scheduler.kv_cache_capacity
         pool = math.floor(
@@ -618,6 +642,9 @@ class Deployment:
         )
         dp = self.hardware.dp_attention
         free = pool - self.resident_weight_bytes
+        reserved = self.host.reserved_memory
+        if reserved:
+            free -= math.floor(reserved * self.hardware.tp)
         return free if dp == 1 else free / dp
 
     def kv_layers(self) -> list[AttentionLayer | MLALayer]:
@@ -1188,6 +1215,10 @@ def load_model_config(
             key = f"{prefix}.profile" if entry.profile is not None else prefix
             raise ConfigError(f"{file}: {key}: no hardware profile {profile_path}")
         profile = load_hardware_profile(profile_path)
+        host = profile.host if entry.host is None else entry.host
+        if host.frontend_latency:
+            latency = merged.frontend_latency + host.frontend_latency
+            merged = attrs.evolve(merged, frontend_latency=latency)
         table = None
         if entry.step_table is not None:
             table = load_step_table(file, entry.step_table, f"{prefix}.step_table")
