@@ -391,3 +391,32 @@ def test_the_seq_overhead_is_one_per_sequence_in_the_step(tmp_path: Path) -> Non
     zero = Roofline(apply(dep, {"seq_overhead": 0.0}))
     assert zero.price(terms) == plain.price(terms)
     assert math.isfinite(plain.price(terms).seconds)
+
+
+def test_the_profiles_frontend_latency_is_added_to_each_entrys_scheduler(tmp_path: Path) -> None:
+    """``[host] frontend_latency = 0.002`` on the profile and 1 ms in ``[scheduler]``: the
+    entry loads with 3 ms; an entry whose own ``host`` table sets 0 keeps 1 ms."""
+    configs, profiles = setup_models(tmp_path)
+    profile = profiles / f"{ENTRY}.toml"
+    profile.write_text(profile.read_text() + "\n[host]\nfrontend_latency = 0.002\n")
+    config = dense_config(
+        scheduler={"max_num_batched_tokens": 2048, "max_num_seqs": 16, "frontend_latency": 0.001},
+        hardware={ENTRY: {}, "own": {"profile": ENTRY, "host": {"frontend_latency": 0.0}}},
+    )
+    path = tmp_path / "c.toml"
+    path.write_text(dumps(config))
+    deps = load_model_config(path, profiles).deployments
+    assert deps[ENTRY].scheduler.frontend_latency == pytest.approx(0.003)
+    assert deps[ENTRY].host.frontend_latency == 0.002
+    assert deps["own"].scheduler.frontend_latency == 0.001
+
+
+def test_the_reserved_memory_leaves_the_kv_cache(tmp_path: Path) -> None:
+    """``[host] reserved_memory = 8e9`` at tp 2: the KV cache is the pool (2 x 100e9 x 0.9
+    = 180e9) less the weights (2e9) less 2 x 8e9 = 162e9 bytes; 0 leaves 178e9."""
+    configs, profiles = setup_models(tmp_path)
+    dep = load_model_config(configs / "small.toml", profiles).deployments[ENTRY]
+    dep = attrs.evolve(dep, hardware=attrs.evolve(dep.hardware, tp=2))
+    assert dep.kv_bytes == 178e9
+    assert apply(dep, {"reserved_memory": 8e9}).kv_bytes == 162e9
+    assert apply(dep, {"reserved_memory": 8e9}).total_blocks == math.floor(162e9 / (16 * 131072))

@@ -74,6 +74,8 @@ PARAMETERS: dict[str, Parameter] = {
     "step_overhead": Parameter("step_overhead", 0.0, 0.1, 1e-3),
     "seq_overhead": Parameter("seq_overhead", 0.0, 1e-3, 1e-6),
     "frontend_latency": Parameter("frontend_latency", 0.0, 2.0, 1e-3),
+    # stepped in units of 100 GB so that a difference (0.003) moves whole KV blocks
+    "reserved_memory": Parameter("reserved_memory", 0.0, 4e10, 1e11),
     "alpha": Parameter("alpha", 0.1, 10.0),
     "beta": Parameter("beta", 0.0, 0.1, 1e-3),
 }
@@ -97,6 +99,7 @@ def current(dep: Deployment, names: Sequence[str]) -> list[float]:
         "step_overhead": eff.step_overhead,
         "seq_overhead": dep.host.seq_overhead,
         "frontend_latency": dep.scheduler.frontend_latency,
+        "reserved_memory": dep.host.reserved_memory,
         "alpha": tc.alpha,
         "beta": tc.beta,
     }
@@ -114,9 +117,9 @@ def apply(dep: Deployment, values: dict[str, float]) -> Deployment:
         hw = attrs.evolve(hw, efficiency=attrs.evolve(base, **eff_keys))
     if tc_keys:
         hw = attrs.evolve(hw, time_correction=attrs.evolve(hw.time_correction, **tc_keys))
-    if "seq_overhead" in values:
-        host = attrs.evolve(dep.host, seq_overhead=values["seq_overhead"])
-        hw = attrs.evolve(hw, host=host)
+    host_keys = {k: v for k, v in values.items() if k in ("seq_overhead", "reserved_memory")}
+    if host_keys:
+        hw = attrs.evolve(hw, host=attrs.evolve(dep.host, **host_keys))
     sched = dep.scheduler
     if "frontend_latency" in values:
         sched = attrs.evolve(sched, frontend_latency=values["frontend_latency"])
@@ -172,10 +175,12 @@ def sim_requests(level: LoadLevel, cap: int) -> int:
 
 def simulate_level(dep: Deployment, level: LoadLevel, cap: int) -> dict[str, float]:
     """The level's metrics predicted by re-simulating it (Rule 1): mean TTFT and TPOT in
-    seconds, output tokens/s."""
+    seconds, output tokens/s; a metric no completed request gives is absent."""
     result = run_simulation(dep, level_workload(level, sim_requests(level, cap)))
     s = result.summary
-    out = {"throughput": s.output_tokens_per_s}
+    out = {}
+    if s.output_tokens_per_s > 0:
+        out["throughput"] = s.output_tokens_per_s
     if s.ttft.mean is not None:
         out["ttft"] = s.ttft.mean / 1e3
     if s.tpot.mean is not None:
@@ -202,14 +207,19 @@ class Prediction:
         return np.array(out, dtype=np.float64)
 
 
+#: A measured metric the re-simulation cannot give (no request of the level completed: the
+#: candidate's KV cache holds none) is predicted as this many times the measured value, so
+#: the residuals keep their layout and the fit is steered away (Rule 2).
+MISSING = 1e3
+
+
 def predict(dep: Deployment, data: Measurements, cap: int) -> Prediction:
     """Every measured value next to the deployment's prediction of it."""
     pairs: dict[str, list[tuple[float, float]]] = {m: [] for m in METRICS}
     for level in data.levels:
         predicted = simulate_level(dep, level, cap)
         for metric, measured in level.measured().items():
-            if metric in predicted:
-                pairs[metric].append((predicted[metric], measured))
+            pairs[metric].append((predicted.get(metric, MISSING * measured), measured))
     if data.steps:
         roofline = Roofline(attrs.evolve(dep, step_table=None))
         for step in data.steps:

@@ -60,8 +60,8 @@ def add_table_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         action="append",
         metavar="DIR",
-        help="with --table: where the rows' model configs are (repeatable; default: the "
-        "shipped configs/fidelity and configs)",
+        help="with --table: where the rows' model configs are (repeatable; searched before "
+        "the shipped configs/fidelity, configs/frontier and configs)",
     )
     parser.add_argument(
         "--workers",
@@ -93,7 +93,7 @@ def load_cases(args: argparse.Namespace) -> list[Case]:
     if not rows:
         raise ConfigError(f"{args.table}: entry: no row names {args.entry!r}")
     shipped = shipped_dir("configs")
-    dirs = list(args.configs_dir or []) + [shipped / "fidelity", shipped]
+    dirs = list(args.configs_dir or []) + [shipped / "fidelity", shipped / "frontier", shipped]
     cases = row_cases(rows, config_finder(dirs), args.profiles_dir)
     for case in cases:
         check_units(case)
@@ -144,6 +144,8 @@ def run_table(args: argparse.Namespace, names: Sequence[str]) -> int:
 def _value(name: str, value: float) -> str:
     from inference_lab.calibrate.fit import PARAMETERS
 
+    if name == "reserved_memory":
+        return f"{value / 1e9:.4g} GB"
     scale = PARAMETERS[name].scale
     unit = {1.0: "", 1e-3: " ms", 1e-6: " us"}[scale]
     return f"{value / scale:.4g}{unit}"
@@ -231,9 +233,9 @@ def table_snippet(
     ]
     lines += [f"{k} = {v:.6g}" for k, v in values.items()]
     host = {
-        "seq_overhead": result.fitted.get("seq_overhead", dep.host.seq_overhead),
-        "frontend_latency": result.fitted.get("frontend_latency", dep.host.frontend_latency),
+        key: result.fitted.get(key, getattr(dep.host, key))
+        for key in ("seq_overhead", "frontend_latency", "reserved_memory")
     }
-    if any(host.values()) or {"seq_overhead", "frontend_latency"} & set(result.fitted):
+    if any(host.values()) or set(host) & set(result.fitted):
         lines += ["", "[host]"] + [f"{k} = {v:.6g}" for k, v in host.items()]
     return "\n".join(lines) + "\n"
