@@ -420,3 +420,18 @@ def test_the_reserved_memory_leaves_the_kv_cache(tmp_path: Path) -> None:
     assert dep.kv_bytes == 178e9
     assert apply(dep, {"reserved_memory": 8e9}).kv_bytes == 162e9
     assert apply(dep, {"reserved_memory": 8e9}).total_blocks == math.floor(162e9 / (16 * 131072))
+
+
+def test_a_level_that_did_not_run_is_counted_not_averaged() -> None:
+    """A prediction that is MISSING's stand-in (1,000 x the measured value) is left out of
+    the MAPE and counted as not run; the fit still sees it (a residual of ln 1000)."""
+    from inference_lab.calibrate.fit import MISSING, is_missing
+    from inference_lab.calibrate.tablefit import not_run
+
+    ran = Prediction({"ttft": [(1.2, 1.0)], "tpot": [(0.9, 1.0)]})
+    failed = Prediction({"ttft": [(MISSING * 2.0, 2.0)], "tpot": [(MISSING * 0.5, 0.5)]})
+    assert is_missing(MISSING * 2.0, 2.0) and not is_missing(1.2, 1.0)
+    errors = pooled([ran, failed])
+    assert errors["ttft"] == (pytest.approx(20.0), pytest.approx(20.0), 1)
+    assert not_run([ran, failed]) == 1
+    assert failed.residuals()[0] == pytest.approx(math.log(MISSING))

@@ -173,8 +173,10 @@ def snippet(
     eff_values.update({k: v for k, v in fitted.items() if k in PRESETS["efficiency"]})
     if any(k in fitted for k in PRESETS["efficiency"]) or hw.efficiency is not None:
         lines.append(f"efficiency = {_toml_value(eff_values)}")
-    if {"seq_overhead", "frontend_latency"} & set(fitted) or hw.host is not None or (
-        dep.host.frontend_latency
+    if (
+        {"seq_overhead", "frontend_latency"} & set(fitted)
+        or hw.host is not None
+        or (dep.host.frontend_latency)
     ):
         # the scheduler line carries the whole frontend latency (the profile's included)
         host = {"seq_overhead": fitted.get("seq_overhead", dep.host.seq_overhead)}

@@ -50,6 +50,7 @@ __all__ = [
     "fit",
     "check_determined",
     "fit_cases",
+    "is_missing",
     "merge",
     "mape",
     "predict",
@@ -213,6 +214,12 @@ class Prediction:
 MISSING = 1e3
 
 
+def is_missing(predicted: float, measured: float) -> bool:
+    """Whether ``predicted`` is :data:`MISSING`'s stand-in, not a prediction (reports
+    leave it out and say the level did not run)."""
+    return predicted == MISSING * measured
+
+
 def predict(dep: Deployment, data: Measurements, cap: int) -> Prediction:
     """Every measured value next to the deployment's prediction of it."""
     pairs: dict[str, list[tuple[float, float]]] = {m: [] for m in METRICS}
@@ -228,7 +235,8 @@ def predict(dep: Deployment, data: Measurements, cap: int) -> Prediction:
 
 
 def mape(prediction: Prediction) -> dict[str, float]:
-    """Rule 4: the mean absolute percentage error of each metric."""
+    """Rule 4: the mean absolute percentage error of each metric (a level that did not
+    run counts with :data:`MISSING`'s stand-in: 99,900 %)."""
     return {
         metric: 100.0 * sum(abs(p - m) / m for p, m in pairs) / len(pairs)
         for metric, pairs in prediction.pairs.items()

@@ -195,7 +195,7 @@ def format_groups(groups: Sequence[GroupError], key: str) -> str:
 def format_holdout(by: str, folds: Sequence[Fold], models: Sequence[str]) -> str:
     """Each fold's held-out rows: their MAPE (mean signed error) per metric, and the
     values fitted without them."""
-    from inference_lab.calibrate.tablefit import pooled
+    from inference_lab.calibrate.tablefit import not_run, pooled
 
     if not folds:
         reason = f"one model ({', '.join(models)})" if by == "model" else "one load level"
@@ -204,6 +204,9 @@ def format_holdout(by: str, folds: Sequence[Fold], models: Sequence[str]) -> str
     for fold in folds:
         errors = pooled(fold.predictions)
         cells = ", ".join(f"{_NAMES[m]} {_cell(v)}" for m, v in errors.items())
+        failed = not_run(fold.predictions)
+        if failed:
+            cells += f"{', ' if cells else ''}{failed} did not run (no request fits the KV cache)"
         fitted = ", ".join(f"{n} {_value(n, v)}" for n, v in fold.values.items())
         lines.append(f"  {fold.held_out}: {len(fold.tested_on)} rows: {cells}  [{fitted}]")
     return "\n".join(lines)

@@ -23,7 +23,14 @@ from collections.abc import Sequence
 
 import attrs
 
-from inference_lab.calibrate.fit import FitResult, Mapper, Prediction, apply, fit_cases
+from inference_lab.calibrate.fit import (
+    FitResult,
+    Mapper,
+    Prediction,
+    apply,
+    fit_cases,
+    is_missing,
+)
 from inference_lab.calibrate.measurements import METRICS, Measurements
 from inference_lab.calibrate.table import Case
 
@@ -34,6 +41,7 @@ __all__ = [
     "fit_entry",
     "group_errors",
     "holdout",
+    "not_run",
     "pooled",
     "predict_rows",
 ]
@@ -169,10 +177,16 @@ def group_errors(
 
 def pooled(predictions: Sequence[Prediction]) -> dict[str, tuple[float, float, int]]:
     """Per metric, the MAPE and the mean signed error (both in %) of every pair in
-    ``predictions``, and how many there are."""
+    ``predictions`` that is a prediction, and how many there are (a level that did not
+    run is left out: :func:`not_run` counts them)."""
     metrics = {}
     for metric in METRICS:
-        errors = [p / m - 1.0 for pred in predictions for p, m in pred.pairs.get(metric, [])]
+        errors = [
+            p / m - 1.0
+            for pred in predictions
+            for p, m in pred.pairs.get(metric, [])
+            if not is_missing(p, m)
+        ]
         if errors:
             metrics[metric] = (
                 100.0 * sum(abs(e) for e in errors) / len(errors),
@@ -180,3 +194,12 @@ def pooled(predictions: Sequence[Prediction]) -> dict[str, tuple[float, float, i
                 len(errors),
             )
     return metrics
+
+
+def not_run(predictions: Sequence[Prediction]) -> int:
+    """How many of ``predictions`` hold a level that did not run (no request completed:
+    the KV cache the terms leave holds none)."""
+    return sum(
+        any(is_missing(p, m) for pairs in pred.pairs.values() for p, m in pairs)
+        for pred in predictions
+    )
