@@ -237,8 +237,8 @@ def synthetic_table(tmp_path: Path, truth: dict[str, float]) -> list[Any]:
     from inference_lab.calibrate.fit import simulate_level
 
     configs, profiles = setup_models(tmp_path)
-    shapes = [("small", 1, 400, 40), ("small", 4, 2000, 40), ("small", 12, 3000, 30)]
-    shapes += [("large", 1, 300, 40), ("large", 4, 1500, 40), ("large", 12, 2500, 30)]
+    shapes = [("small", 1, 2000, 40), ("small", 4, 2000, 40), ("small", 12, 2000, 40)]
+    shapes += [("large", 1, 1500, 30), ("large", 4, 1500, 30), ("large", 12, 1500, 30)]
     plain = [
         row(id=f"{m}-{u}", scenario="burst", model_config=m, level=u, isl=i, osl=o, requests=u)
         for m, u, i, o in shapes
@@ -267,7 +267,8 @@ def test_one_fit_over_two_models_recovers_the_shared_terms_and_holds_out(tmp_pat
     """Rows of a 1B and a 4B model simulated with bandwidth 0.7, FLOP/s 0.5 and 0.3 ms per
     step: the joint fit lands within 1 % of each term with every metric within 0.5 %;
     held out by model, each model is predicted from the other within 1 %; held out by
-    load level, the folds are 'levels 12-12' (fitted on 1 and 4) and 'levels 1-4'."""
+    load level (each model's levels split at their median), the folds hold out the upper
+    levels (12, fitted on 1 and 4) and the lower (1 and 4)."""
     truth = {"memory_bandwidth": 0.7, "flops": 0.5, "step_overhead": 3e-4}
     cases = synthetic_table(tmp_path, truth)
     names = list(truth)
@@ -282,7 +283,7 @@ def test_one_fit_over_two_models_recovers_the_shared_terms_and_holds_out(tmp_pat
         assert {c.row["model_config"] for c in fold.tested_on} == {fold.held_out}
         assert all(v[0] < 1.0 for v in pooled(fold.predictions).values()), fold
     levels = holdout(cases, names, "concurrency", cap=96, max_iterations=12)
-    assert [f.held_out for f in levels] == ["levels 12-12", "levels 1-4"]
+    assert [f.held_out for f in levels] == ["upper levels (12-12)", "lower levels (1-4)"]
     assert {c.level.level for c in levels[0].tested_on} == {12}
 
 
@@ -435,3 +436,18 @@ def test_a_level_that_did_not_run_is_counted_not_averaged() -> None:
     assert errors["ttft"] == (pytest.approx(20.0), pytest.approx(20.0), 1)
     assert not_run([ran, failed]) == 1
     assert failed.residuals()[0] == pytest.approx(math.log(MISSING))
+
+
+def test_a_fold_its_rows_cannot_determine_is_reported_not_fitted(tmp_path: Path) -> None:
+    """Two load levels of one model held out by load range: each fold fits one row (three
+    measured values) and cannot determine four terms; both folds say so and predict
+    nothing."""
+    configs, profiles = setup_models(tmp_path)
+    table = write_table(tmp_path / "t.csv", [row(), row(id="r2", level="8", requests="80")])
+    cases = row_cases(read_table(table), config_finder([configs]), profiles)
+    names = ["memory_bandwidth", "flops", "step_overhead", "seq_overhead"]
+    folds = holdout(cases, names, "concurrency", cap=32)
+    assert [f.held_out for f in folds] == ["upper levels (8-8)", "lower levels (4-4)"]
+    for fold in folds:
+        assert fold.unfitted.startswith("fit: 3 measured value(s) cannot determine 4 terms")
+        assert fold.predictions == () and fold.values == {}

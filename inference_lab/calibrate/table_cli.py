@@ -202,6 +202,11 @@ def format_holdout(by: str, folds: Sequence[Fold], models: Sequence[str]) -> str
         return f"held out by {by}: {reason}, nothing to hold out"
     lines = [f"held out by {by} (fitted without the held-out rows): MAPE (mean signed error)"]
     for fold in folds:
+        if fold.unfitted:
+            lines.append(
+                f"  {fold.held_out}: {len(fold.tested_on)} rows: not fitted: {fold.unfitted}"
+            )
+            continue
         errors = pooled(fold.predictions)
         cells = ", ".join(f"{_NAMES[m]} {_cell(v)}" for m, v in errors.items())
         failed = not_run(fold.predictions)

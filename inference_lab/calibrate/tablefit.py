@@ -9,9 +9,12 @@ Rule 1: the terms are shared: one set of values prices every model of the entry 
         (:func:`inference_lab.calibrate.fit.fit_cases`).
 Rule 2: out of sample means by whole models, and separately by whole load ranges: a
         ``model`` hold-out refits without each model in turn and predicts that model's
-        rows; a ``concurrency`` hold-out splits the distinct load levels at their median
-        and fits each half to predict the other. A fold is only made when both its sides
-        have rows; with one model there is no model hold-out (the reason is reported).
+        rows; a ``concurrency`` hold-out splits each series' load levels (one model and
+        request shape) at their median and fits the lower range of every series to
+        predict the upper, and the other way round. A fold is only made when both its
+        sides have rows; with one model there is no model hold-out (the reason is
+        reported). A fold the rows it is fitted on cannot determine is reported with the
+        reason, not fitted.
 Rule 3: residuals are reported per model and per load level: the MAPE and the mean signed
         error (predicted / measured - 1) of each metric.
 """
@@ -33,6 +36,7 @@ from inference_lab.calibrate.fit import (
 )
 from inference_lab.calibrate.measurements import METRICS, Measurements
 from inference_lab.calibrate.table import Case
+from inference_lab.errors import CalibrationError
 
 __all__ = [
     "HOLDOUTS",
@@ -88,6 +92,8 @@ class Fold:
     tested_on: tuple[Case, ...]
     values: dict[str, float]
     predictions: tuple[Prediction, ...]
+    #: Why the fold was not fitted (its rows cannot determine the terms), or "".
+    unfitted: str = ""
 
 
 def _model_folds(cases: Sequence[Case]) -> list[tuple[str, list[Case], list[Case]]]:
@@ -105,17 +111,29 @@ def _model_folds(cases: Sequence[Case]) -> list[tuple[str, list[Case], list[Case
 
 
 def _level_folds(cases: Sequence[Case]) -> list[tuple[str, list[Case], list[Case]]]:
-    levels = sorted({c.level.level for c in cases})
-    if len(levels) < 2:
-        return []
-    cut = statistics.median(levels)
-    low = [c for c in cases if c.level.level <= cut]
-    high = [c for c in cases if c.level.level > cut]
+    """Rule 2's load ranges: within each series (one model and shape: scenario, lengths)
+    the levels at or below the series' median are the lower range, the rest the upper; a
+    series of one level is in both fits and in neither test."""
+    series: dict[tuple[str, str, int, int], list[Case]] = {}
+    for c in cases:
+        key = (c.row["model_config"], c.level.kind, c.level.prompt_tokens, c.level.output_tokens)
+        series.setdefault(key, []).append(c)
+    low: list[Case] = []
+    high: list[Case] = []
+    shared: list[Case] = []
+    for members in series.values():
+        levels = sorted({c.level.level for c in members})
+        if len(levels) < 2:
+            shared += members
+            continue
+        cut = statistics.median(levels)
+        low += [c for c in members if c.level.level <= cut]
+        high += [c for c in members if c.level.level > cut]
     if not low or not high:
         return []
-    lo_name = f"levels {_fmt(min(levels))}-{_fmt(cut)}"
-    hi_name = f"levels {_fmt(min(c.level.level for c in high))}-{_fmt(max(levels))}"
-    return [(hi_name, low, high), (lo_name, high, low)]
+    lo_name = f"lower levels ({_fmt(min(c.level.level for c in low))}-{_fmt(max(c.level.level for c in low))})"
+    hi_name = f"upper levels ({_fmt(min(c.level.level for c in high))}-{_fmt(max(c.level.level for c in high))})"
+    return [(hi_name, low + shared, high), (lo_name, high + shared, low)]
 
 
 def _fmt(value: float) -> str:
@@ -137,7 +155,11 @@ def holdout(
     splits = _model_folds(cases) if by == "model" else _level_folds(cases)
     folds = []
     for held_out, fit_on, test_on in splits:
-        result = fit_entry(fit_on, names, cap, mapper, max_iterations)
+        try:
+            result = fit_entry(fit_on, names, cap, mapper, max_iterations)
+        except CalibrationError as exc:
+            folds.append(Fold(held_out, tuple(fit_on), tuple(test_on), {}, (), str(exc)))
+            continue
         predictions = predict_rows(test_on, result.fitted, cap, mapper)
         folds.append(
             Fold(held_out, tuple(fit_on), tuple(test_on), result.fitted, tuple(predictions))
