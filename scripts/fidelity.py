@@ -452,7 +452,11 @@ def render_rows(cases: Sequence[Case], got: dict[str, dict[str, dict[str, float]
             preds = [g.get("datasheet"), g.get("calibrated"), out_of_sample(case, g)]
             cells = [" / ".join(_num(meas.get(m), u) for m, _, u in metrics[::-1])]
             errors = []
-            for p in preds:
+            for i, p in enumerate(preds):
+                if p is None and i == 0:
+                    cells.append("does not fit")
+                    errors.append("does not fit the datasheet's memory")
+                    continue
                 if p == {}:
                     cells.append("did not run")
                     errors.append("did not run")
@@ -491,8 +495,8 @@ def _splice(page: str, body: str, begin: str, end: str) -> str:
 def render_calibrated(cases: Sequence[Case]) -> str:
     """The calibrated entries: what each was fitted on and its shipped values."""
     out = [
-        "| entry | fitted on | terms fitted | memory_bandwidth | flops | step_overhead | seq_overhead | frontend_latency |",
-        "|---|---|---|---|---|---|---|---|",
+        "| entry | fitted on | terms fitted | memory_bandwidth | flops | step_overhead | seq_overhead | frontend_latency | reserved_memory |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     entries: dict[str, list[Case]] = {}
     for case in cases:
@@ -506,7 +510,7 @@ def render_calibrated(cases: Sequence[Case]) -> str:
             f"| `{entry}` | {len(fit_rows)} rows: {members[0].row['engine']}, {', '.join(models)} "
             f"| {', '.join(terms_of(entry))} | {eff.memory_bandwidth:.3g} | {eff.flops:.3g} "
             f"| {eff.step_overhead * 1e3:.3g} ms | {host.seq_overhead * 1e6:.3g} µs "
-            f"| {host.frontend_latency * 1e3:.3g} ms |"
+            f"| {host.frontend_latency * 1e3:.3g} ms | {host.reserved_memory / 1e9:.3g} GB |"
         )
     return "\n".join(out)
 
