@@ -72,6 +72,7 @@ from inference_lab.core.config.hardware import (
     HardwareProfile,
     HostLink,
     Link,
+    Overheads,
     TimeCorrection,
 )
 from inference_lab.core.config.loading import (
@@ -146,6 +147,7 @@ __all__ = [
     "EFFORTS",
     "Efficiency",
     "EfficiencyOverride",
+    "Overheads",
     "ExponentialTime",
     "FAULT_MODES",
     "Fabric",

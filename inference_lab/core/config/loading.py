@@ -287,6 +287,10 @@ def _load_entry(
         key = f"{prefix}.profile" if entry.profile is not None else prefix
         raise ConfigError(f"{file}: {key}: no hardware profile {profile_path}")
     profile = load_hardware_profile(profile_path)
+    overheads = profile.overheads if entry.overheads is None else entry.overheads
+    if overheads.frontend_latency:  # the API process's time, on top of the scheduler's
+        latency = merged.frontend_latency + overheads.frontend_latency
+        merged = attrs.evolve(merged, frontend_latency=latency)
     step_table = None
     if entry.step_table is not None:
         step_table = load_step_table(file, entry.step_table, f"{prefix}.step_table")
