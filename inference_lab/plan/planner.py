@@ -91,6 +91,109 @@ def _job(spec: PlanSpec, cand: Candidate, rate: float) -> Job:
     return make_job(cand.deployment, workload)
 
 
+class _PlanDriver:
+    """One `run_plan` call's state: the candidates open (at most ``limit``), the searches
+    waiting for each job in flight, the finished results and the counts."""
+
+    def __init__(
+        self,
+        spec: PlanSpec,
+        candidates: Iterable[Candidate],
+        executor: Executor[Job, ProbeResult],
+        cache: ResultCache,
+        limit: int,
+        primed: Collection[str],
+    ) -> None:
+        self.spec, self.executor, self.cache, self.limit = spec, executor, cache, limit
+        self.queue = iter(candidates)
+        self.primed_keys = frozenset(primed)
+        self.unasked = set(self.primed_keys)
+        self.finished: dict[int, CandidateResult] = {}
+        self.open: dict[int, _Open] = {}
+        self.in_flight: dict[str, list[tuple[int, str]]] = {}  # job key -> waiting searches
+        self.counts = {"run": 0, "cached": 0, "failed": 0}
+
+    def progress(self, total: int) -> PlanProgress:
+        return PlanProgress(
+            candidates_done=len(self.finished),
+            candidates_total=total,
+            jobs_run=self.counts["run"],
+            jobs_cached=self.counts["cached"],
+            jobs_in_flight=len(self.in_flight),
+        )
+
+    def close_if_done(self, index: int) -> None:
+        entry = self.open[index]
+        if all(s.done for s in entry.searches.values()):
+            del self.open[index]
+            self.finished[index] = CandidateResult(
+                candidate=entry.candidate,
+                outcomes={
+                    name: s.outcome for name, s in entry.searches.items() if s.outcome is not None
+                },
+            )
+
+    def advance(self, index: int, name: str) -> None:
+        """Drive one search until it waits for a job in flight or is done (cache hits are
+        fed at once)."""
+        entry = self.open[index]
+        search = entry.searches[name]
+        while search.next_rate is not None:
+            job = _job(self.spec, entry.candidate, search.next_rate)
+            if job.key in self.in_flight:
+                self.in_flight[job.key].append((index, name))
+                return
+            cached = self.cache.get(job.key)
+            if cached is None:
+                self.in_flight[job.key] = [(index, name)]
+                self.executor.submit(job)
+                return
+            if job.key in self.unasked:  # Rule 5: run by the caller for the estimate
+                self.unasked.discard(job.key)
+                self.counts["run"] += 1
+            elif job.key not in self.primed_keys:  # its other asks would have found it in flight
+                self.counts["cached"] += 1
+            search.feed(cached)
+
+    def open_more(self) -> None:
+        spec = self.spec
+        while len(self.open) < self.limit:
+            cand = next(self.queue, None)
+            if cand is None:
+                return
+            if cand.deployment is None:
+                self.finished[cand.index] = CandidateResult(candidate=cand, outcomes={})
+                continue
+            self.open[cand.index] = _Open(
+                candidate=cand,
+                searches={
+                    s.name: RateSearch(s, spec.search, spec.start_rate) for s in spec.slo_sets
+                },
+            )
+            for name in list(self.open[cand.index].searches):
+                self.advance(cand.index, name)
+            self.close_if_done(cand.index)
+
+    def answered(self, job: Job, outcome: ProbeResult | JobFailure) -> None:
+        """Feed a job's answer to every search waiting for it, then open more candidates."""
+        waiters = self.in_flight.pop(job.key, [])
+        if isinstance(outcome, JobFailure):
+            self.counts["failed"] += 1
+        else:
+            self.counts["run"] += 1
+            self.cache.put(outcome)
+        for index, name in waiters:
+            search = self.open[index].searches[name]
+            if isinstance(outcome, ProbeResult):
+                search.feed(outcome)
+            else:
+                search.fail(f"job failed: {outcome.message}")
+            self.advance(index, name)
+        for index in {index for index, _ in waiters}:
+            self.close_if_done(index)
+        self.open_more()
+
+
 def run_plan(
     spec: PlanSpec,
     candidates: Iterable[Candidate],
@@ -109,103 +212,20 @@ def run_plan(
     if total is None:
         assert isinstance(candidates, Collection), "give total with a lazy iterable"
         total = len(candidates)
-    queue = iter(candidates)
-    primed_keys = frozenset(primed)
-    unasked = set(primed_keys)
-    finished: dict[int, CandidateResult] = {}
-    open_: dict[int, _Open] = {}
-    in_flight: dict[str, list[tuple[int, str]]] = {}  # job key -> waiting searches
-    counts = {"run": 0, "cached": 0, "failed": 0}
-
-    def report() -> None:
-        if progress is not None:
-            progress(
-                PlanProgress(
-                    candidates_done=len(finished),
-                    candidates_total=total,
-                    jobs_run=counts["run"],
-                    jobs_cached=counts["cached"],
-                    jobs_in_flight=len(in_flight),
-                )
-            )
-
-    def close_if_done(index: int) -> None:
-        entry = open_[index]
-        if all(s.done for s in entry.searches.values()):
-            del open_[index]
-            finished[index] = CandidateResult(
-                candidate=entry.candidate,
-                outcomes={
-                    name: s.outcome for name, s in entry.searches.items() if s.outcome is not None
-                },
-            )
-
-    def advance(index: int, name: str) -> None:
-        """Drive one search until it waits for a job in flight or is done (cache hits are
-        fed at once)."""
-        entry = open_[index]
-        search = entry.searches[name]
-        while search.next_rate is not None:
-            job = _job(spec, entry.candidate, search.next_rate)
-            if job.key in in_flight:
-                in_flight[job.key].append((index, name))
-                return
-            cached = cache.get(job.key)
-            if cached is None:
-                in_flight[job.key] = [(index, name)]
-                executor.submit(job)
-                return
-            if job.key in unasked:  # Rule 5: run by the caller for the estimate
-                unasked.discard(job.key)
-                counts["run"] += 1
-            elif job.key not in primed_keys:  # its other asks would have found it in flight
-                counts["cached"] += 1
-            search.feed(cached)
-
-    def open_more() -> None:
-        while len(open_) < limit:
-            cand = next(queue, None)
-            if cand is None:
-                return
-            if cand.deployment is None:
-                finished[cand.index] = CandidateResult(candidate=cand, outcomes={})
-                continue
-            open_[cand.index] = _Open(
-                candidate=cand,
-                searches={
-                    s.name: RateSearch(s, spec.search, spec.start_rate) for s in spec.slo_sets
-                },
-            )
-            for name in list(open_[cand.index].searches):
-                advance(cand.index, name)
-            close_if_done(cand.index)
-
-    open_more()
-    report()
+    driver = _PlanDriver(spec, candidates, executor, cache, limit, primed)
+    driver.open_more()
+    if progress is not None:
+        progress(driver.progress(total))
     for job, outcome in executor.results():
-        waiters = in_flight.pop(job.key, [])
-        if isinstance(outcome, JobFailure):
-            counts["failed"] += 1
-        else:
-            counts["run"] += 1
-            cache.put(outcome)
-        for index, name in waiters:
-            search = open_[index].searches[name]
-            if isinstance(outcome, ProbeResult):
-                search.feed(outcome)
-            else:
-                search.fail(f"job failed: {outcome.message}")
-            advance(index, name)
-        for index in {index for index, _ in waiters}:
-            close_if_done(index)
-        open_more()
-        report()
-    assert not open_, "every search ends when its jobs have answered"
+        driver.answered(job, outcome)
+        if progress is not None:
+            progress(driver.progress(total))
+    assert not driver.open, "every search ends when its jobs have answered"
     return PlanResult(
         spec=spec,
-        candidates=tuple(finished[i] for i in sorted(finished)),
-        jobs_run=counts["run"],
-        jobs_cached=counts["cached"],
-        jobs_failed=counts["failed"],
+        candidates=tuple(driver.finished[i] for i in sorted(driver.finished)),
+        jobs_run=driver.counts["run"],
+        jobs_cached=driver.counts["cached"],
+        jobs_failed=driver.counts["failed"],
         wall_s=time.perf_counter() - start,
     )

@@ -609,9 +609,10 @@ def disaggregate(
 
 
 def split_pd(dep: Deployment, prefill_replicas: int, decode_replicas: int) -> Deployment:
-    """``--pd xPyD``: ``dep`` split into ``x`` prefill and ``y`` decode replicas of its own
-    entry, on the config's ``[disaggregation]`` table when it has one (its other keys
-    kept), else with the defaults."""
+    """``--pd xPyD`` (``sim`` and ``plan``): ``dep``, an aggregated deployment, split into
+    ``x`` prefill and ``y`` decode replicas of its own entry with the default
+    ``[disaggregation]`` keys (link, overlap, hand-off latency). A deployment whose config
+    has a ``[disaggregation]`` table is split already: a :class:`ConfigError`."""
     base = DisaggregationConfig()
     if dep.disaggregation is not None:
         raise ConfigError(
