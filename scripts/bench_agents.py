@@ -48,7 +48,8 @@ from inference_lab.api.messages_encoding import MessageIds, MessagesEncoder
 from inference_lab.api.messages_request import parse_messages_request
 from inference_lab.api.pooling import parse_rerank_request, pooling_pieces
 from inference_lab.api.requests import ParsedRequest, parse_completion_requests
-from inference_lab.api.responses_api import ResponseIds, ResponsesEncoder, parse_responses_request
+from inference_lab.api.responses_api import ResponseIds, ResponsesEncoder
+from inference_lab.api.responses_request import parse_responses_request
 
 WEATHER = {
     "type": "object",

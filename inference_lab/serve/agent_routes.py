@@ -34,9 +34,9 @@ from inference_lab.api.responses_api import (
     ResponsesEncoder,
     final_response,
     now,
-    parse_responses_request,
     response_messages,
 )
+from inference_lab.api.responses_request import parse_responses_request
 from inference_lab.api.schema import parse_json_object
 from inference_lab.errors import ApiError, EngineUnavailable, QueueFull, truncate_echo
 from inference_lab.jsonbytes import dumps
