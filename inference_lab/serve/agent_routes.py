@@ -17,7 +17,7 @@ Rule 3: a response is stored (``store``, default true) when it finished, bounded
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from quart import Response
@@ -36,10 +36,11 @@ from inference_lab.api.responses_api import (
     now,
     response_messages,
 )
-from inference_lab.api.responses_request import parse_responses_request
+from inference_lab.api.responses_request import ResponsesRequest, parse_responses_request
 from inference_lab.api.schema import parse_json_object
 from inference_lab.errors import ApiError, EngineUnavailable, QueueFull, truncate_echo
 from inference_lab.jsonbytes import dumps
+from inference_lab.runtime.model_runtime import ModelRuntime
 from inference_lab.serve.agents import serve_answer
 from inference_lab.serve.completions import (
     MAX_BODY_PIECES,
@@ -109,6 +110,52 @@ def _not_found(response_id: str) -> ApiError:
 # POST /v1/responses
 
 
+def _history(state: ServeState, raw: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The stored conversation ``previous_response_id`` names (none without it); a 400
+    when it is not (or no longer) stored."""
+    previous = raw.get("previous_response_id")
+    if type(previous) is not str:
+        return ()
+    stored = state.responses.get(previous)
+    if stored is None:
+        raise ApiError(
+            400,
+            "previous_response_not_found",
+            f"Previous response with id '{truncate_echo(previous)}' not found (this "
+            "server keeps responses in memory, bounded: it may have been evicted)",
+            "previous_response_id",
+        )
+    return stored.messages
+
+
+async def _plan(
+    state: ServeState,
+    runtime: ModelRuntime,
+    request: ResponsesRequest,
+    raw: Mapping[str, Any],
+    *,
+    inline: bool,
+) -> AnswerPlan:
+    """The answer's plan: prose needs no draw; tools and structured output are planned
+    within the generation budget, off the event loop past its first units."""
+    agent = request.agent
+    reasoning = runtime.deployment.model.reasoning
+    if agent.output is None and not agent.tools:  # prose: nothing to draw
+        return AnswerPlan(ratio=reasoning_ratio(reasoning, agent.effort, agent.thinking))
+    settings = state.settings
+    plan = await plan_off_loop(
+        lambda budget: plan_answer(
+            agent,
+            content_rng(settings.seed or 0, raw),
+            reasoning=reasoning,
+            tool_call_probability=settings.tool_call_probability,
+            budget=budget,
+        ),
+        inline=inline,
+    )
+    return plan or AnswerPlan()
+
+
 async def create_response(
     state: ServeState, exchange: Exchange, receive: Receive, send: Send
 ) -> None:
@@ -121,43 +168,13 @@ async def create_response(
         raw = parse_json_object(body)
         model = raw.get("model")
         tokenizer = settings.tokenizers.get(model) if type(model) is str else None
-        previous = raw.get("previous_response_id")
-        history: tuple[Any, ...] = ()
-        if type(previous) is str:
-            stored = state.responses.get(previous)
-            if stored is None:
-                raise ApiError(
-                    400,
-                    "previous_response_not_found",
-                    f"Previous response with id '{truncate_echo(previous)}' not found (this "
-                    "server keeps responses in memory, bounded: it may have been evicted)",
-                    "previous_response_id",
-                )
-            history = stored.messages
         request = parse_responses_request(
-            raw, settings.default_max_tokens, tokenizer=tokenizer, history=history
+            raw, settings.default_max_tokens, tokenizer=tokenizer, history=_history(state, raw)
         )
         runtime = state.runtimes.get(request.parsed.model)
         if runtime is None:
             raise state.model_not_found(request.parsed.model)
-        agent = request.agent
-        reasoning = runtime.deployment.model.reasoning
-        if agent.output is None and not agent.tools:  # prose: nothing to draw
-            plan = AnswerPlan(ratio=reasoning_ratio(reasoning, agent.effort, agent.thinking))
-        else:
-            plan = (
-                await plan_off_loop(
-                    lambda budget: plan_answer(
-                        agent,
-                        content_rng(settings.seed or 0, raw),
-                        reasoning=reasoning,
-                        tool_call_probability=settings.tool_call_probability,
-                        budget=budget,
-                    ),
-                    inline=len(body) <= INLINE_BODY,
-                )
-                or AnswerPlan()
-            )
+        plan = await _plan(state, runtime, request, raw, inline=len(body) <= INLINE_BODY)
         ids = ResponseIds.new(len(plan.calls))
         created = now()
         encoder = ResponsesEncoder(request, plan, ids, created_at=created)
