@@ -53,6 +53,14 @@ K8S_VERSION = "1.33.0"
 #: using one is checked once it exists and skipped until then; any other unknown flag fails.
 PENDING_SUBCOMMANDS = frozenset({"proxy"})
 PENDING_FLAGS = frozenset({"--role", "--kv-peers", "--data-parallel-size"})
+#: The series the endpoint picker's default metrics mapping reads that do not need LoRA
+#: (llm-d-router, pkg/epp/framework/plugins/datalayer/extractor/metrics/factories.go).
+EPP_SERIES = (
+    "vllm:num_requests_waiting",
+    "vllm:num_requests_running",
+    "vllm:kv_cache_usage_perc",
+    "vllm:cache_config_info",
+)
 #: serve's --shutdown-grace default (docs/serve.md#shutdown) and the 2 s it then gives the
 #: last frames: a pod's termination grace period must cover both after its preStop sleep.
 SHUTDOWN_GRACE_DEFAULT = 3.0
@@ -573,20 +581,24 @@ def test_the_build_context_builds_the_package_with_the_configs(tmp_path: Path) -
         assert f"inference_lab/configs/{config}.toml" in names
 
 
-def _read_port(proc: subprocess.Popen[str], deadline: float) -> int:
-    """The port from serve's banner line ``listening on http://127.0.0.1:PORT``."""
+def _read_port(proc: subprocess.Popen[bytes], deadline: float) -> int:
+    """The port from serve's banner line ``listening on http://127.0.0.1:PORT``. Reads the
+    pipe's bytes as they come (a buffered readline could hold the line while select waits)."""
     assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    seen = b""
     with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
+        sel.register(fd, selectors.EVENT_READ)
         while time.monotonic() < deadline:
-            if sel.select(timeout=deadline - time.monotonic()):
-                line = proc.stdout.readline()
-                if not line:
+            if sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                chunk = os.read(fd, 65536)
+                if not chunk:
                     break
-                match = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+                seen += chunk
+                match = re.search(rb"listening on http://127\.0\.0\.1:(\d+)", seen)
                 if match:
                     return int(match.group(1))
-    pytest.fail("serve did not print its address")
+    pytest.fail(f"serve did not print its address: {seen.decode(errors='replace')}")
 
 
 def _healthcheck(url: str) -> int:
@@ -621,14 +633,15 @@ def test_the_healthcheck_passes_on_a_healthy_server_and_fails_otherwise() -> Non
         [sys.executable, "-m", "inference_lab.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        text=True,
     )
     try:
         port = _read_port(proc, time.monotonic() + 60)
         base = f"http://127.0.0.1:{port}"
         assert _healthcheck(f"{base}/health") == 0
         with urllib.request.urlopen(f"{base}/metrics", timeout=10) as answer:
-            assert b"vllm:num_requests_running" in answer.read()
+            metrics = answer.read().decode()
+        for name in EPP_SERIES:
+            assert f"\n{name}{{" in metrics, name
         kill = urllib.request.Request(
             f"{base}/control/engine",
             data=json.dumps({"model": "gpt-oss-20b", "action": "kill"}).encode(),
