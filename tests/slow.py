@@ -57,6 +57,12 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
             "test_outcome_counts_match_the_servers_admissions",
         }
     ),
+    "test_deploy.py": frozenset(
+        {
+            "test_the_build_context_builds_the_package_with_the_configs",
+            "test_the_healthcheck_passes_on_a_healthy_server_and_fails_otherwise",
+        }
+    ),
     "test_engine_runs.py": frozenset(
         {
             "test_run_until_is_step_by_step",
