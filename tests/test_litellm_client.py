@@ -1,6 +1,6 @@
 """litellm (the SDK) as a client of ``serve`` on a real socket, each test under
 ``trio.fail_after``: chat streamed and not through its ``hosted_vllm`` provider, sync and
-``acompletion``; tool calls (``required`` and an ``auto`` agent loop that ends with an
+``acompletion``; completions and the Responses API; tool calls (``required`` and an ``auto`` agent loop that ends with an
 answer); reasoning as litellm surfaces it (``reasoning_content``, also when the server
 sends only vLLM's ``reasoning``); the Messages API through its ``anthropic`` provider and
 its ``anthropic.messages`` interface; embeddings; rerank through its ``hosted_vllm``,
@@ -335,6 +335,38 @@ async def test_messages_api_through_the_anthropic_provider() -> None:
     assert {"tool_use", "tool_result"} <= {b["type"] for b in blocks}
 
 
+async def test_cached_prompt_tokens_as_litellm_reports_them() -> None:
+    """A long system prompt sent twice: litellm's ``usage`` counts the whole prompt both
+    times and reports the prefix cache's hit on the second, through ``anthropic/``
+    (``cache_read_input_tokens``, which litellm adds back into ``prompt_tokens``) and
+    ``hosted_vllm/`` (``cached_tokens``)."""
+    system = " ".join(f"rule{i}" for i in range(600))
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
+    with trio.fail_after(60):
+        async with running_server(settings()) as (url, _, _state):
+            replies = []
+            for params in (
+                {"model": f"anthropic/{GPT}", "api_base": url, "api_key": "unused"},
+                vllm(url, GPT),
+            ):
+                for _ in range(2):
+                    replies.append(
+                        await in_thread(
+                            lambda p=params: litellm.completion(
+                                **p, messages=messages, max_tokens=5
+                            )
+                        )
+                    )
+    first, again, chat_first, chat_again = (reply.usage for reply in replies)
+    assert first.prompt_tokens == again.prompt_tokens > 600
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert 0 < again.cache_read_input_tokens == again.prompt_tokens_details.cached_tokens
+    assert again.cache_read_input_tokens < again.prompt_tokens
+    # (the chat route renders the conversation as the Messages route did: found cached)
+    assert chat_first.prompt_tokens == chat_again.prompt_tokens == first.prompt_tokens
+    assert chat_again.prompt_tokens_details.cached_tokens == again.cache_read_input_tokens
+
+
 async def test_embeddings_and_rerank_through_their_providers() -> None:
     """``litellm.embedding`` (``hosted_vllm``) gives unit vectors of the model's width;
     ``litellm.rerank`` through ``hosted_vllm`` (``/v1/rerank``), ``cohere``
@@ -385,6 +417,51 @@ async def test_embeddings_and_rerank_through_their_providers() -> None:
         f"{url}/v2/rerank",
         f"{url}/v1/rerank",
     ]
+
+
+async def test_completions_and_responses_through_litellm() -> None:
+    """``litellm.text_completion`` posts a batch of prompts (one choice each) and a
+    scoring request (``echo`` with ``logprobs``, ``max_tokens`` 0: the prompt's own
+    logprobs, the first ``None``) to ``/v1/completions``; ``litellm.responses`` reaches
+    ``/v1/responses``, streamed and not (litellm raises a ``max_output_tokens`` below 16
+    to 16, so 20 here)."""
+    with trio.fail_after(60), recording() as sent:
+        async with running_server(settings(run_to_max_tokens=True)) as (url, _, _state):
+            params = vllm(url, GPT)
+            batch = await in_thread(
+                lambda: litellm.text_completion(**params, prompt=["a b", "c d"], max_tokens=5)
+            )
+            scored = await in_thread(
+                lambda: litellm.text_completion(
+                    **params, prompt="a b c", max_tokens=0, echo=True, logprobs=1
+                )
+            )
+            response = await in_thread(
+                lambda: litellm.responses(**params, input="hello", max_output_tokens=20)
+            )
+            events = await in_thread(
+                lambda: list(
+                    litellm.responses(**params, input="hello", max_output_tokens=20, stream=True)
+                )
+            )
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert all(len(c.text.split()) == 5 and c.finish_reason == "length" for c in batch.choices)
+    assert batch.usage.completion_tokens == 10
+    assert scored.choices[0].text == "a b c"
+    logprobs = scored.choices[0].logprobs
+    assert logprobs.token_logprobs[0] is None and len(logprobs.tokens) > 1
+    assert all(x is not None for x in logprobs.token_logprobs[1:])
+    assert scored.usage.completion_tokens == 0
+    assert response.status == "incomplete"  # (the answer ran to max_output_tokens)
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 20 and len(response.output_text.split()) == 20
+    assert events[0].type == "response.created"
+    final = events[-1].response  # (litellm names the server's response.incomplete so)
+    assert final.status == "incomplete" and final.usage.output_tokens == 20
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == final.output[0].content[0].text == response.output_text
+    assert sent.requests[1][1]["extra_body"] == {"echo": True} or sent.requests[1][1]["echo"]
+    assert [u for u, _ in sent.requests][2:] == [f"{url}/v1/responses"] * 2
 
 
 async def test_a_529_as_litellm_raises_it() -> None:
