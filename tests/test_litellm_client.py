@@ -1,10 +1,11 @@
 """litellm (the SDK) as a client of ``serve`` on a real socket, each test under
-``trio.fail_after``: chat streamed and not through its ``hosted_vllm`` provider, sync and
-``acompletion``; completions and the Responses API; tool calls (``required`` and an ``auto`` agent loop that ends with an
-answer); reasoning as litellm surfaces it (``reasoning_content``, also when the server
-sends only vLLM's ``reasoning``); the Messages API through its ``anthropic`` provider and
-its ``anthropic.messages`` interface; embeddings; rerank through its ``hosted_vllm``,
-``cohere`` and ``jina_ai`` providers; and a 529 as litellm raises it.
+``trio.fail_after``: chat streamed and not through its ``hosted_vllm`` provider, sync
+and ``acompletion``; completions and the Responses API; tool calls (``required`` and an
+``auto`` agent loop that ends with an answer); reasoning as litellm surfaces it
+(``reasoning_content``, also when the server sends only vLLM's ``reasoning``); the
+Messages API through its ``anthropic`` provider and its ``anthropic.messages``
+interface; embeddings; rerank through its ``hosted_vllm``, ``cohere`` and ``jina_ai``
+providers; and a 529 as litellm raises it.
 
 litellm is not a test extra (it is part of the ``clients`` extra: ``make test-clients``),
 so the module skips where it is absent. litellm's sync client blocks and its async one
@@ -75,7 +76,7 @@ CITY = {
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
 
 
-class Sent(CustomLogger):  # type: ignore[misc]
+class Sent(CustomLogger):
     """litellm's own record of each request it made: (URL, body)."""
 
     def __init__(self) -> None:
