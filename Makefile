@@ -45,7 +45,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_sim.py
 
 # The clients lane (not part of `make test`): litellm and aiperf, real clients of `serve`, in
-# their own .venv-clients (`.[test,clients]`; about 3 minutes to install, 1 GB), so the
+# their own .venv-clients (`.[test,clients]`; about 3 minutes to install, 2 GB), so the
 # main .venv keeps the versions the suite pins. Only 127.0.0.1; no network needed once
 # installed.
 .PHONY: test-clients
