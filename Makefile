@@ -44,6 +44,23 @@ test-fast: lint $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_sim.py
 
+# The clients lane (not part of `make test`): litellm and aiperf, real clients of `serve`, in
+# their own .venv-clients (`.[test,clients]`; about 3 minutes to install, 2 GB), so the
+# main .venv keeps the versions the suite pins. Only 127.0.0.1; no network needed once
+# installed.
+.PHONY: test-clients
+CLIENTS_VENV := .venv-clients
+CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
+
+$(CLIENTS_STAMP): pyproject.toml
+	test -d $(CLIENTS_VENV) || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(CLIENTS_VENV)/bin/python -m pip install --quiet -e '.[test,clients]'
+	touch $(CLIENTS_STAMP)
+
+test-clients: $(CLIENTS_STAMP)
+	$(CLIENTS_VENV)/bin/python -m pytest -p no:dash tests/test_litellm_client.py tests/test_aiperf_client.py
+
 # The stress suite (not part of `make test`; about 2 minutes): fuzz, burst 1,000,
 # disconnect storm, slow clients, soak, SIGTERM under load. SOAK_SECONDS=1200 for the
 # 20-minute soak. Only 127.0.0.1.
@@ -53,4 +70,4 @@ stress: $(STAMP)
 	$(BIN)/python scripts/stress/run_all.py --soak-seconds $(SOAK_SECONDS)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(CLIENTS_VENV) .mypy_cache .pytest_cache .ruff_cache

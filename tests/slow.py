@@ -10,7 +10,9 @@ under two minutes on 2 cores.
 #: Modules slow as a whole (a browser, Ray, real servers in subprocesses, the wheel).
 SLOW_MODULES = frozenset(
     {
+        "test_aiperf_client.py",
         "test_browser.py",
+        "test_litellm_client.py",
         "test_packaging.py",
         "test_plan_ray.py",
         "test_scripts_input.py",
