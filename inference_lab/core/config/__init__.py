@@ -6,6 +6,7 @@ The package, by concern:
 - :mod:`~inference_lab.core.config.model`: layers, weight streams, ``ModelArch``, reasoning;
 - :mod:`~inference_lab.core.config.speculative`: the drafter, ``SpeculativeConfig``,
   acceptance rates;
+- :mod:`~inference_lab.core.config.lora`: ``[lora]``, adapters and their sizes;
 - :mod:`~inference_lab.core.config.scheduler`: ``SchedulerConfig``;
 - :mod:`~inference_lab.core.config.hardware`: profiles, entries, efficiency, links, fabric;
 - :mod:`~inference_lab.core.config.deployment`: ``Deployment``, ``ModelConfig``,
@@ -49,6 +50,7 @@ from inference_lab.core.config.deployment import (
     Deployment,
     Disaggregation,
     ModelConfig,
+    with_lora,
 )
 from inference_lab.core.config.disaggregation import (
     DECODE_ROUTERS,
@@ -89,6 +91,12 @@ from inference_lab.core.config.loading import (
     select_deployment,
     split_pd,
     vary_deployment,
+)
+from inference_lab.core.config.lora import (
+    LORA_RANKS,
+    LoraAdapter,
+    LoraConfig,
+    adapter_widths,
 )
 from inference_lab.core.config.model import (
     BYTES_PER_VALUE,
@@ -181,6 +189,11 @@ __all__ = [
     "SchedulerConfig",
     "SessionConfig",
     "SpeculativeConfig",
+    "LORA_RANKS",
+    "LoraAdapter",
+    "LoraConfig",
+    "adapter_widths",
+    "with_lora",
     "TimeCorrection",
     "TimeDist",
     "UniformDist",

@@ -24,10 +24,11 @@ from typing import Any
 import attrs
 
 from inference_lab.core.config.convert import read_text, read_toml, structure_table
-from inference_lab.core.config.deployment import Deployment, Disaggregation, ModelConfig
+from inference_lab.core.config.deployment import Deployment, Disaggregation, ModelConfig, with_lora
 from inference_lab.core.config.disaggregation import DECODE_ROUTERS, DisaggregationConfig
 from inference_lab.core.config.fault import FaultConfig
 from inference_lab.core.config.hardware import ROUTERS, HardwareEntry, HardwareProfile
+from inference_lab.core.config.lora import LoraConfig
 from inference_lab.core.config.model import ModelArch
 from inference_lab.core.config.scheduler import SchedulerConfig
 from inference_lab.core.config.speculative import SpeculativeConfig
@@ -53,6 +54,9 @@ __all__ = [
     "split_pd",
     "vary_deployment",
 ]
+
+#: the tables a model config may hold
+_TABLES = ("model", "scheduler", "hardware", "fault", "speculative", "disaggregation", "lora")
 
 
 def _resolve_tokenizer(file: Path, written: str) -> Path:
@@ -321,11 +325,11 @@ def load_model_config(
     file = Path(path)
     raw = read_toml(file)
     for key in raw:
-        if key not in ("model", "scheduler", "hardware", "fault", "speculative", "disaggregation"):
+        if key not in _TABLES:
             raise ConfigError(
                 f"{file}: {key}: unknown key (a model config holds the tables [model], "
-                "[scheduler], [hardware.<name>] and optionally [fault], [speculative] and "
-                "[disaggregation])"
+                "[scheduler], [hardware.<name>] and optionally [fault], [speculative], "
+                "[disaggregation] and [lora])"
             )
     fault = structure_table(raw["fault"], FaultConfig, file, "fault") if "fault" in raw else None
     speculative: SpeculativeConfig | None = None
@@ -349,8 +353,13 @@ def load_model_config(
         deployments[name] = _load_entry(
             file, name, table, sched_raw, profiles, model, speculative, rates
         )
+    lora = structure_table(raw["lora"], LoraConfig, file, "lora") if "lora" in raw else None
+    for name, dep in deployments.items():
+        deployments[name] = with_lora(dep, lora, f"{file}: lora")
     split = None
     if "disaggregation" in raw:
+        if lora is not None:
+            raise ConfigError(f"{file}: lora: not modelled with [disaggregation]")
         split = structure_table(raw["disaggregation"], DisaggregationConfig, file, "disaggregation")
         for dep in deployments.values():  # Rule 1: checked now, for every entry
             disaggregate(dep, split, deployments, f"{file}: disaggregation")
@@ -363,6 +372,7 @@ def load_model_config(
         speculative=speculative,
         acceptance_rates=rates,
         disaggregation=split,
+        lora=lora,
     )
 
 
@@ -489,6 +499,7 @@ def base_deployment(
         config_path=config.path,
         speculative=config.speculative,
         acceptance_rates=config.acceptance_rates,
+        lora=config.lora,
     )
 
 

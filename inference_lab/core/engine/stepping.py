@@ -235,6 +235,8 @@ class EventLoop:
         (Rule 2). The step is priced again with it and its end moves accordingly; the
         tokens of the step's other members were not yet emitted, so none is observed
         early."""
+        if w.lora is not None and not w.lora.may_join(r):
+            return
         g = self._group_of[w.index]
         start = w.step_start if g is None else g.step_start
         admitted = w.admit_head(start, w.step_mark, w.step_budget)
@@ -264,6 +266,8 @@ class EventLoop:
             self._calendar.file_boundary(g, end, GROUP_BOUNDARY)
             return
         cost = rf.price(terms) if w.step_plain is None else price_step(rf, w)[0]
+        if w.lora is not None:
+            cost = w.lora.again(cost)
         end = w.step_start + cost.seconds * self.step_time_factor
         w.busy_seconds += end - w.step_end  # (the step's end moved)
         w.step_end = end
@@ -401,6 +405,8 @@ class EventLoop:
                 assert out.positions is not None and out.contexts is not None
                 terms = rf.batch_terms(out.positions, out.contexts)
             cost = plain = rf.price(terms)
+            if w.lora is not None:  # adapter loads and kernels (lora Rules 2, 3)
+                cost = plain = w.lora.price(cost, batch)
             w.step_terms = terms
         else:
             assert isinstance(batch, list)  # (speculation keeps the fast path off)
