@@ -126,6 +126,7 @@ from inference_lab.core.config.speculative import (
 )
 from inference_lab.core.config.workload import (
     ARRIVAL_PATTERNS,
+    AdapterMix,
     ExponentialTime,
     FixedDist,
     FixedTime,
@@ -200,6 +201,7 @@ __all__ = [
     "UniformTime",
     "WeightStream",
     "Workload",
+    "AdapterMix",
     "base_deployment",
     "check_acceptance_rates",
     "default_profiles_dir",
