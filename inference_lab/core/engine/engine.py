@@ -171,8 +171,9 @@ class Engine(EventLoop):
 
     def _with_adapter(self, r: Request, name: str) -> None:
         """``r`` runs with the adapter ``name``: its id, name and own block hashes (lora
-        Rule 4). ValueError when no such adapter is served."""
-        adapter = None if self.adapters is None else self.adapters.by_name.get(name)
+        Rule 4). ValueError when no such adapter was ever served (the serving layer refuses
+        a name not served; one unloaded after its request was admitted still runs)."""
+        adapter = None if self.adapters is None else self.adapters.resolve(name)
         if adapter is None:
             raise ValueError(f"unknown LoRA adapter {name!r}")
         r.lora = adapter.id
@@ -195,7 +196,7 @@ class Engine(EventLoop):
         return adapter
 
     def unload_adapter(self, name: str) -> Adapter:
-        """Stop serving ``name``: new requests cannot name it; those submitted with it run
+        """Stop serving ``name`` (it leaves ``adapters.by_name``); requests naming it run
         to their end (vLLM's ``/v1/unload_lora_adapter``, which refuses nothing in use).
         KeyError when it is not served."""
         if self.adapters is None:

@@ -89,6 +89,8 @@ class AdapterSet:
         self.by_name: dict[str, Adapter] = {}
         #: every adapter ever added (an unloaded one stays for the requests that use it)
         self.by_id: dict[int, Adapter] = {}
+        #: the adapters unloaded, by name (the last of each name)
+        self.retired: dict[str, Adapter] = {}
         self._ids = itertools.count(1)
         for a in config.adapters:
             self.add(a.name, a.path or a.name, config.rank_of(a), a.base_model_name)
@@ -110,8 +112,15 @@ class AdapterSet:
 
     def remove(self, name: str) -> Adapter:
         """Stop serving ``name`` (KeyError when it is not served). Requests already
-        submitted with it run on: its id stays known."""
-        return self.by_name.pop(name)
+        submitted with it run on: its id stays known, and its name in ``retired``."""
+        adapter = self.by_name.pop(name)
+        self.retired[name] = adapter
+        return adapter
+
+    def resolve(self, name: str) -> Adapter | None:
+        """The adapter a request naming ``name`` runs with: the one served, else the last
+        one unloaded (a request admitted before the unload reaches the engine after it)."""
+        return self.by_name.get(name) or self.retired.get(name)
 
 
 class LoraSlots:
