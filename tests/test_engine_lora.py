@@ -198,20 +198,33 @@ def test_unknown_adapters_load_and_unload() -> None:
         plain.load_adapter("a0", "/x")
 
 
-def test_a_late_adapter_arrival_waits_for_the_next_boundary() -> None:
-    """Engine Rule 2's late hand-over takes a base-model request into the step in flight,
-    never an adapter's (its price's adapter terms would change)."""
-    for name, joins in (("a0", False), (None, True)):
+def test_a_late_arrival_joins_when_its_adapter_is_resident() -> None:
+    """Engine Rule 2's late hand-over takes a base-model request, or one whose adapter keeps
+    the batch within max_loras (loaded now if it is not in a slot), into the step in
+    flight, priced as if it had been there from the start; one past max_loras waits for
+    the next boundary."""
+    for name, joins in (("a2", False), ("a1", True), ("a0", True), (None, True)):
         e = Engine(lora_dep(max_loras=2))  # type: ignore[arg-type]
         e.submit(spec(64, 10, lora="a0"))
-        e.step()  # its arrival
-        e.step()  # the first step starts
+        if name == "a2":  # a0 and a1 run: a2 would be a third adapter
+            e.submit(spec(64, 10, lora="a1"))
+        while e.workers[0].step_start == 0.0 and not e.workers[0].batch:
+            e.step()  # the arrivals, then the first step starts, loading a0 (and a1)
         start = e.workers[0].step_start
         end = e.workers[0].step_end
-        late = e.submit(spec(64, 10, lora=name, arrival_time=start - 1e-6))
+        late = e.submit(spec(48, 10, lora=name, arrival_time=start - 1e-6))
         e.step()  # the late arrival
         assert (late in [r.id for r, _ in e.workers[0].batch]) is joins
-        assert (e.workers[0].step_end > end) is joins
+        if not joins:
+            assert e.workers[0].step_end == end
+            continue
+        on_time = Engine(lora_dep(max_loras=2))  # type: ignore[arg-type]
+        on_time.submit(spec(64, 10, lora="a0"))
+        on_time.submit(spec(48, 10, lora=name))
+        first_batch_ids(on_time)
+        assert e.workers[0].step_end == pytest.approx(
+            start + (on_time.workers[0].step_end - on_time.workers[0].step_start), rel=1e-12
+        )
 
 
 def write_config(tmp_path: Path, lora: str) -> Path:

@@ -28,7 +28,12 @@ Rule 3: a step's adapter kernels add, serially after its roofline time, ``max(FL
 Rule 4: a request of an adapter carries its own block hashes: each of its chain's hashes
         is hashed again with the adapter's name (vLLM's extra keys), so no prefix is ever
         shared between two adapters or with the base model.
-Rule 5: a deployment without ``[lora]`` builds nothing here and pays nothing.
+Rule 5: a late arrival (engine Rule 2) joins the step in flight when Rule 1 admits it
+        there (a base-model request, or an adapter that keeps the running requests within
+        ``max_loras``), as if it had been in the batch from the step's start: its
+        adapter is loaded then if it is not in a slot, and the step is priced again (its
+        loads and its kernels over the batch it joined).
+Rule 6: a deployment without ``[lora]`` builds nothing here and pays nothing.
 """
 
 from __future__ import annotations
@@ -153,8 +158,8 @@ class LoraSlots:
         self.cold_loads = 0
         self.load_seconds = 0.0
         self.skips = 0
-        #: seconds the step in flight was given beyond its roofline price
-        self.extra = 0.0
+        #: seconds the step in flight spent loading adapters at its start (Rule 2)
+        self.load_now = 0.0
 
     def load_bytes(self, rank: int) -> int:
         """Bytes of a rank-``rank`` adapter (Rule 2)."""
@@ -214,46 +219,43 @@ class LoraSlots:
             waiting.restore(skipped)
         return budget
 
-    def may_join(self, r: Request) -> bool:
+    def may_join(self, r: Request, running: Sequence[Request]) -> bool:
         """Whether ``r`` may join the step in flight late (engine Rule 2): a base-model
-        request only, as its price's adapter terms do not change."""
-        return not r.lora
+        request, or one whose adapter keeps the running requests within ``max_loras``
+        (Rule 1). The step is then priced again (:meth:`again`), with its adapter's load if
+        it is not in a slot (Rule 5)."""
+        a = r.lora
+        if not a:
+            return True
+        loras = {x.lora for x in running if x.lora}
+        return a in loras or len(loras) < self.max_loras
 
     # ------------------------------------------------------------------ Rules 2 and 3
     def price(self, cost: StepCost, batch: Iterable[tuple[Request, int]]) -> StepCost:
         """The price of a step starting now with ``batch``: ``cost`` (its roofline price)
         plus its adapter loads (Rule 2: the slots change now) and kernels (Rule 3)."""
-        ids: dict[int, None] = {}
-        tokens = 0
-        for r, n in batch:
-            a = r.lora
-            if a:
-                ids[a] = None
-                seqs = r.n if r.n > 1 and r.num_computed >= r.prompt_tokens else 1
-                tokens += n * seqs
+        ids, tokens = _adapter_terms(batch)
+        self.load_now = self._load(ids) if ids else 0.0
+        return self._with_kernels(cost, ids, tokens)
+
+    def again(self, cost: StepCost, batch: Iterable[tuple[Request, int]]) -> StepCost:
+        """The step in flight priced again with ``batch`` (a late arrival joined it): its
+        new roofline price, its loads (those made at its start, and the late member's
+        adapter's if it was not in a slot: Rule 5) and its kernels over ``batch``."""
+        ids, tokens = _adapter_terms(batch)
+        if ids:
+            self.load_now += self._load(ids)
+        return self._with_kernels(cost, ids, tokens)
+
+    def _with_kernels(self, cost: StepCost, ids: dict[int, None], tokens: int) -> StepCost:
         if not ids:
-            self.extra = 0.0
             return cost
-        load = self._load(ids)
         flops = 2.0 * tokens * self.rank * self.widths
         nbytes = float(len(ids) * self.rank * self.widths * LORA_BYTES)
         kernels = max(flops / self.rate, nbytes / self.bandwidth)
-        self.extra = extra = self.alpha * kernels + load
         return StepCost(
-            seconds=cost.seconds + extra,
+            seconds=cost.seconds + self.alpha * kernels + self.load_now,
             roofline=cost.roofline + kernels,
-            compute=cost.compute,
-            memory=cost.memory,
-        )
-
-    def again(self, cost: StepCost) -> StepCost:
-        """The step in flight priced again (a late base-model arrival joined it): its new
-        roofline price plus the adapter seconds it was given."""
-        if not self.extra:
-            return cost
-        return StepCost(
-            seconds=cost.seconds + self.extra,
-            roofline=cost.roofline,
             compute=cost.compute,
             memory=cost.memory,
         )
@@ -292,6 +294,18 @@ class LoraSlots:
             running=_names(by_id, running),
             waiting=_names(by_id, waiting),
         )
+
+
+def _adapter_terms(batch: Iterable[tuple[Request, int]]) -> tuple[dict[int, None], int]:
+    """The distinct adapters of ``batch`` (in batch order) and its adapter tokens."""
+    ids: dict[int, None] = {}
+    tokens = 0
+    for r, n in batch:
+        a = r.lora
+        if a:
+            ids[a] = None
+            tokens += n * (r.n if r.n > 1 and r.num_computed >= r.prompt_tokens else 1)
+    return ids, tokens
 
 
 def _names(by_id: dict[int, Adapter], requests: Iterable[Request]) -> tuple[str, ...]:

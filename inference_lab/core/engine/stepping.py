@@ -235,7 +235,7 @@ class EventLoop:
         (Rule 2). The step is priced again with it and its end moves accordingly; the
         tokens of the step's other members were not yet emitted, so none is observed
         early."""
-        if w.lora is not None and not w.lora.may_join(r):
+        if w.lora is not None and not w.lora.may_join(r, w.running):
             return
         g = self._group_of[w.index]
         start = w.step_start if g is None else g.step_start
@@ -267,7 +267,7 @@ class EventLoop:
             return
         cost = rf.price(terms) if w.step_plain is None else price_step(rf, w)[0]
         if w.lora is not None:
-            cost = w.lora.again(cost)
+            cost = w.lora.again(cost, w.batch)
         end = w.step_start + cost.seconds * self.step_time_factor
         w.busy_seconds += end - w.step_end  # (the step's end moved)
         w.step_end = end
