@@ -4,19 +4,19 @@ against ``serve`` (docs/lora.md, docs/benchmarks.md).
 Llama-3.1-8B-Instruct on one H100 serves 8 rank-16 adapters (``adapter-0`` the most
 popular: weight ``1 / (i + 1)``), Poisson arrivals of 512-token prompts and 128-token
 answers. For each ``max_loras`` the simulator's TTFT p50 / p99, output throughput, adapter
-loads and waits (admission passes that skipped a request for a slot). Then, for one
+loads and skips (one per waiting request passed over for a slot in an admission pass). Then, for one
 ``max_loras`` (``--serve``), ``inference-lab serve`` with the same adapters gets an open
 loop of streaming completions (token-id prompts, ``ignore_eos``), each naming its adapter,
 and the engine is run on exactly the traffic the client sent (its send times, prompts,
-lengths and adapters): TTFT and E2E p50 from the client against the simulator's.
-Targets: E2E p50 within 3 %, TTFT p50 within 5 %.
+lengths and adapters): TTFT and E2E p50 from the client against the simulator's; then
+the same traffic naming the base model only, as a control. Targets: E2E p50 within 3 %,
+TTFT p50 within 5 %.
 
     python scripts/bench_lora.py [--rate 24] [--requests 3000] [--serve 4] [--serve-requests 600]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -27,6 +27,7 @@ import attrs
 import numpy as np
 import trio
 
+from inference_lab.cli_args import CliParser, integer, number
 from inference_lab.core.config import (
     AdapterMix,
     Deployment,
@@ -49,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "Llama-3.1-8B-Instruct.toml"
 HARDWARE = "h100"
 NAMES = tuple(f"adapter-{i}" for i in range(8))
+BASE = "Llama-3.1-8B-Instruct"
 PROMPT, OUTPUT = 512, 128
 
 
@@ -74,7 +76,7 @@ def workload(rate: float, requests: int) -> Workload:
 def sim_table(rate: float, requests: int) -> None:
     print(f"sim: {requests} requests at {rate:g}/s, {PROMPT}-token prompts, {OUTPUT} out\n")
     print("| max_loras | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | output tok/s | loads | "
-          "load ms | waits | wall s |")  # fmt: skip
+          "load ms | skips | wall s |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for k in (2, 4, 8):
         start = time.perf_counter()
@@ -118,14 +120,15 @@ def request_bytes(port: int, adapter: str, prompt: list[int]) -> bytes:
     return head.encode() + body
 
 
-async def open_loop(url: str, rate: float, requests: int) -> list[Sent]:
+async def open_loop(url: str, rate: float, requests: int, base: str | None = None) -> list[Sent]:
     """Poisson arrivals, one connection per request, adapters drawn as ``sim`` draws
-    them; prompts of distinct random token ids (no prefix is shared)."""
+    them (every request names ``base`` instead when given: the control run); prompts of
+    distinct random token ids (no prefix is shared)."""
     port = int(url.rsplit(":", 1)[1])
     rng = np.random.default_rng(11)
     gaps = rng.exponential(1.0 / rate, requests)
     picker = AdapterPicker(AdapterMix(zipf=1.0), NAMES, seed=7)
-    adapters = picker.draws(requests)
+    adapters = picker.draws(requests) if base is None else [base] * requests
     prompts = rng.integers(1000, 30000, size=(requests, PROMPT)).tolist()
     out: list[Sent] = []
     t0 = time.perf_counter()
@@ -178,6 +181,12 @@ def serve_comparison(max_loras: int, rate: float, requests: int) -> None:
         args = ["--config", str(config), "--hardware", HARDWARE, "--max-waiting", "0"]
         with ServerProcess(args) as server:
             sent = trio.run(open_loop, server.url, rate, requests)
+            control = trio.run(open_loop, server.url, rate, requests, BASE)
+    report(max_loras, rate, sent, "adapters (Zipf)")
+    report(max_loras, rate, control, f"control: every request names {BASE}")
+
+
+def report(max_loras: int, rate: float, sent: list[Sent], what: str) -> None:
     ok = [s for s in sent if s.status == 200]
     ttft_sim, e2e_sim = simulate_sent(lora_deployment(max_loras), ok)
 
@@ -190,20 +199,23 @@ def serve_comparison(max_loras: int, rate: float, requests: int) -> None:
         ("TTFT p99", float(np.percentile([s.ttft for s in ok], 99)) * 1e3,
          float(np.percentile(ttft_sim, 99)) * 1e3),
     )  # fmt: skip
-    print(f"serve: max_loras {max_loras}, {len(ok)} of {len(sent)} requests at {rate:g}/s\n")
+    print(f"serve: max_loras {max_loras}, {what}, {len(ok)} of {len(sent)} at {rate:g}/s\n")
     print("| figure | client ms | simulator ms (same traffic) | error |")
     print("|---|---|---|---|")
     for name, client, model in rows:
         print(f"| {name} | {client:.2f} | {model:.2f} | {(client / model - 1) * 100:+.2f} % |")
+    print()
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate", type=float, default=24.0, help="sim arrivals per second")
-    parser.add_argument("--requests", type=int, default=3000, help="sim requests")
-    parser.add_argument("--serve", type=int, default=4, help="max_loras for serve (0: none)")
-    parser.add_argument("--serve-rate", type=float, default=12.0, help="serve arrivals/s")
-    parser.add_argument("--serve-requests", type=int, default=600, help="serve requests")
+    parser = CliParser(prog="bench_lora", description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=number(gt=0), default=24.0, help="sim arrivals/s")
+    parser.add_argument("--requests", type=integer(ge=1), default=3000, help="sim requests")
+    parser.add_argument(
+        "--serve", type=integer(ge=0), default=4, help="max_loras for serve (0: no serve run)"
+    )
+    parser.add_argument("--serve-rate", type=number(gt=0), default=12.0, help="serve arrivals/s")
+    parser.add_argument("--serve-requests", type=integer(ge=1), default=600, help="serve requests")
     args = parser.parse_args()
     sim_table(args.rate, args.requests)
     if args.serve:

@@ -317,7 +317,7 @@ def format_summary(result: SimResult) -> str:
         spread = ", ".join(f"{name} {n:,}" for name, n in lora.requests.items())
         lines.append(
             f"LoRA         {lora.loads:,} adapter loads ({lora.cold_loads:,} cold), "
-            f"{lora.load_seconds * 1e3:,.3f} ms loading; {lora.skips:,} waits for a slot "
+            f"{lora.load_seconds * 1e3:,.3f} ms loading; {lora.skips:,} skips for a slot "
             f"(max_loras); requests: {spread or 'none named an adapter'}"
         )
     lines.append(

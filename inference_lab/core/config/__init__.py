@@ -16,6 +16,7 @@ The package, by concern:
 - :mod:`~inference_lab.core.config.fault`: the test harness's ``[fault]`` table;
 - :mod:`~inference_lab.core.config.workload`: length and time distributions,
   ``SessionConfig``, ``Workload``;
+- :mod:`~inference_lab.core.config.workload_files`: reading a workload file;
 - :mod:`~inference_lab.core.config.convert`: reading TOML, the strict cattrs converter;
 - :mod:`~inference_lab.core.config.loading`: the loaders and deployment variants.
 
@@ -86,7 +87,6 @@ from inference_lab.core.config.loading import (
     load_hardware_profile,
     load_model_config,
     load_step_table,
-    load_workload,
     override_scheduler,
     select_deployment,
     split_pd,
@@ -140,6 +140,7 @@ from inference_lab.core.config.workload import (
     UniformTime,
     Workload,
 )
+from inference_lab.core.config.workload_files import load_workload
 
 __all__ = [
     "ARRIVAL_PATTERNS",
