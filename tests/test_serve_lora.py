@@ -91,6 +91,11 @@ async def test_a_request_naming_an_adapter_runs_it_and_an_unknown_one_is_404(
         assert response.status_code == 200
         status, error = await error_of(await s.post("/v1/chat/completions", chat("nope")))
         assert (status, error["code"], error["param"]) == (404, "model_not_found", "model")
+        # /tokenize counts an adapter's prompt with its base model's tokenizer
+        base = await s.post("/tokenize", {"model": LLAMA, "prompt": "hello world"})
+        adapter = await s.post("/tokenize", {"model": "code", "prompt": "hello world"})
+        assert adapter.status_code == 200
+        assert json.loads(await adapter.get_data()) == json.loads(await base.get_data())
 
 
 async def test_load_and_unload_answer_as_vllm(

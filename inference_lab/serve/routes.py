@@ -115,15 +115,15 @@ def stats_entry(runtime: ModelRuntime, last: int | None, finished: int | None) -
 
 
 def _model_for(state: ServeState, model: str | None) -> ModelRuntime:
-    """The runtime a ``/tokenize``-style request names; ``model`` may be left out only
-    when one model is served."""
+    """The runtime a ``/tokenize``-style request names (a LoRA adapter's: its base
+    model's); ``model`` may be left out only when one model is served."""
     if model is None:
         if len(state.runtimes) == 1:
             return next(iter(state.runtimes.values()))
         raise ApiError(
             400, "invalid_value", "model is required when more than one model is served", "model"
         )
-    runtime = state.runtimes.get(model)
+    runtime = state.runtime_for(model)
     if runtime is None:
         raise state.model_not_found(model)
     return runtime
