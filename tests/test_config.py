@@ -1013,7 +1013,7 @@ def test_the_config_package_reexports_every_public_name() -> None:
 
     names: set[str] = set()
     for module in ("model", "speculative", "scheduler", "hardware", "deployment", "fault",
-                   "workload", "convert", "loading", "disaggregation"):  # fmt: skip
+                   "workload", "convert", "loading", "disaggregation", "lora", "workload_files"):  # fmt: skip
         mod = importlib.import_module(f"inference_lab.core.config.{module}")
         names |= set(mod.__all__)
         for name in mod.__all__:

@@ -21,6 +21,8 @@ CASES = [
     ("bench_overload.py", ["--rates", "0,-5"], "each rate must be a number >= 0"),
     ("bench_overload.py", ["--rates", "0,x"], "not a list of numbers"),
     ("bench_overload.py", ["--model", "no-such-model"], "--model: "),
+    ("bench_lora.py", ["--requests", "0"], "--requests: must be an integer >= 1, got 0"),
+    ("bench_lora.py", ["--serve-rate", "0"], "--serve-rate: must be a number > 0"),
     ("bench_sim.py", ["--config", "no-such.toml"], "bench_sim: no-such.toml: no such file"),
     ("bench_sim.py", ["--requests", "0"], "--requests: must be an integer >= 1, got 0"),
     ("bench_fleet.py", ["--workers", "1,0"], "--workers: each value must be an integer >= 1"),

@@ -110,9 +110,13 @@ def decode_exact(payload: bytes) -> KVEventBatch:
     assert ordered(msgspec.msgpack.decode(payload)) == ordered(theirs)
     for event in batch.events:
         if isinstance(event, WireStored):
-            assert event.extra_keys == [None] * len(event.block_hashes)
+            # a LoRA adapter's blocks: its id, its name, its name as each block's extra key
+            lora = event.lora_name
+            keys = [None if lora is None else (lora,)] * len(event.block_hashes)
+            assert event.extra_keys == keys
+            assert (event.lora_id is None) == (lora is None)
             assert (event.group_idx, event.kv_cache_spec_kind) == (0, "full_attention")
-            assert (event.lora_id, event.lora_name, event.medium) == (None, None, "GPU")
+            assert event.medium == "GPU"
         elif isinstance(event, WireRemoved):
             assert (event.group_idx, event.medium) == (0, "GPU")
     return batch

@@ -423,6 +423,7 @@ class ModelRuntime:
         block_hashes: tuple[int, ...] = (),
         drawn: bool = True,
         min_length: int = 0,
+        model: str | None = None,
     ) -> RequestHandle:
         """The single entry into the engine. Synchronous, no checkpoint.
 
@@ -437,6 +438,8 @@ class ModelRuntime:
         With ``drawn`` False the answer's content decides its length (a JSON document of
         ``limit`` tokens, or a request that runs to its cap): no length is drawn for it.
         A drawn length is at least ``min_length`` (vLLM's ``min_tokens``), within the cap.
+        ``model``, the name the request gave, runs it with that LoRA adapter when it is not
+        this model's own name (the caller checked the engine serves it).
         """
         if not self._alive:
             if self.observer is not None:
@@ -473,6 +476,7 @@ class ModelRuntime:
             arrival_time=(trio.current_time() if arrival is None else arrival) - self.epoch,
             worker=claim.worker,
             block_hashes=block_hashes,
+            lora=None if model is None or model == self.name else model,
         )
         try:
             self._inbox_send.send_nowait(_Arrival(handle))

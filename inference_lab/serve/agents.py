@@ -335,6 +335,7 @@ async def serve_answer(
         drawn=drawn,
         min_length=parsed.min_tokens,
         block_hashes=block_hashes,
+        model=parsed.model,
     )
     if block_hashes and parsed.hashed_tokens is not None:
         state.remember_tokens(parsed)  # the KV-events publisher names blocks' tokens

@@ -29,6 +29,7 @@ from inference_lab.serve import (
     load_settings,
     parse_int_setting,
 )
+from inference_lab.serve.lora import add_lora_flags, lora_flags
 from inference_lab.serve.server import (
     DEFAULT_BACKLOG,
     GRACEFUL_TIMEOUT,
@@ -164,6 +165,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     _add_agent_flags(parser)
     _add_hardening_flags(parser)
+    add_lora_flags(parser)
     return parser
 
 
@@ -307,6 +309,8 @@ def _banner(settings: ServeSettings, url: str, kv_lines: list[str] | None = None
             extra += f" (ep {hw.ep}, dp attention {hw.dp_attention})"
         if sched.frontend_latency:
             extra += f"  frontend latency {sched.frontend_latency * 1e3:g} ms"
+        if dep.lora is not None:
+            extra += f"  LoRA max_loras {dep.lora.max_loras} ({len(dep.lora.adapters)} adapters)"
         lines.append(
             f"  {dep.model.name:<{width}}  max_num_seqs {sched.max_num_seqs}  "
             f"max_waiting {bound}{extra}  ({dep.config_path})"
@@ -384,6 +388,7 @@ def run(args: argparse.Namespace) -> int:
             run_to_max_tokens=bool(getattr(args, "run_to_max_tokens", False)),
             reasoning_content=not getattr(args, "no_reasoning_content", False),
             pooling_models=getattr(args, "pooling_models", None),
+            lora=lora_flags(args),
             on_skip=skip,
             labels=labels,
         )

@@ -267,6 +267,8 @@ async def complete(
             raw = parse_json_object(body)
             # the model's tokenizer counts the prompt (validation still answers first)
             model = raw.get("model")  # any JSON value: validation refuses a non-string
+            if type(model) is str and model not in state.runtimes:  # an adapter's: its base's
+                model = state.base_of(model)
             tokenizer = state.settings.tokenizers.get(model) if type(model) is str else None
             hashing = state.hashing.get(model) if type(model) is str else None  # prefix caching
             if kind == "chat":
@@ -279,7 +281,7 @@ async def complete(
                     raw, default_max_tokens, tokenizer=tokenizer, hashing=hashing
                 )
                 parsed = batch[0]
-            runtime = state.runtimes.get(parsed.model)
+            runtime = state.runtime_for(parsed.model)  # a model, or a LoRA adapter's
             if runtime is None:
                 raise state.model_not_found(parsed.model)
             if len(batch) > 1:  # several prompts: answered whole (Rule 8)
@@ -337,6 +339,7 @@ async def complete(
                 block_hashes=parsed.block_hashes,
                 drawn=not (parsed.ignore_eos or scoring),
                 min_length=parsed.min_tokens,
+                model=parsed.model,
             )
             if parsed.hashed_tokens is not None:  # the KV-events publisher names blocks' tokens
                 state.remember_tokens(parsed)
@@ -521,6 +524,7 @@ async def serve_batch(
                     block_hashes=request.block_hashes,
                     drawn=not (request.ignore_eos or scoring),
                     min_length=request.min_tokens,
+                    model=request.model,
                 )
             )
             if request.hashed_tokens is not None:

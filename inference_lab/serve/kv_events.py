@@ -423,6 +423,8 @@ class ModelPublisher:
                 self._token_ids(event.block_hashes) if self.token_ids else [],
                 self.block_size,
                 self._kind,
+                lora_id=event.lora_id,
+                lora_name=event.lora_name,
             )
         if isinstance(event, BlockRemoved):
             return kv_wire.removed(event.block_hashes, event.medium)

@@ -24,6 +24,10 @@ Rule 3: ``BlockRemoved`` is ``block_hashes``, ``medium``, ``group_idx`` (0);
         ``AllBlocksCleared`` has no field.
 Rule 4: without token ids (``--kv-events-no-token-ids``) a ``BlockStored`` still carries
         ``token_ids`` (vLLM declares it without a default: a decoder needs it), empty.
+Rule 5: a LoRA adapter's blocks carry its ``lora_id`` (vLLM's ``lora_int_id``) and
+        ``lora_name``, and each block's ``extra_keys`` is ``(lora_name,)``: the extra key
+        vLLM hashes a LoRA request's blocks with (``kv_cache_utils``'s
+        ``_gen_lora_extra_hash_keys``).
 """
 
 from __future__ import annotations
@@ -72,19 +76,24 @@ def stored(
     block_size: int,
     kind: str,
     medium: str = MEDIUM_GPU,
+    lora_id: int | None = None,
+    lora_name: str | None = None,
 ) -> dict[str, Any]:
     """A ``BlockStored`` event (Rules 2 and 4); ``medium`` where the blocks are (a KV tier
-    behind HBM: "CPU", "DISK")."""
+    behind HBM: "CPU", "DISK"); ``lora_id`` and ``lora_name`` the LoRA adapter whose
+    request stored them (Rule 5)."""
     return {
         "type": "BlockStored",
         "block_hashes": list(block_hashes),
         "parent_block_hash": parent_block_hash,
         "token_ids": token_ids,
         "block_size": block_size,
-        "lora_id": None,
+        "lora_id": lora_id,
         "medium": medium,
-        "lora_name": None,
-        "extra_keys": [None] * len(block_hashes),
+        "lora_name": lora_name,
+        "extra_keys": [[lora_name]] * len(block_hashes)
+        if lora_name
+        else [None] * len(block_hashes),
         "group_idx": _GROUP,
         "kv_cache_spec_kind": kind,
     }

@@ -63,6 +63,7 @@ from prometheus_client.utils import floatToGoString
 from inference_lab.core.engine import EngineStatistics, Finished, StepEvents
 from inference_lab.runtime.model_runtime import ModelRuntime, RuntimeSnapshot
 from inference_lab.serve.engine_series import SLEEP_STATES, EngineSeries, engine_families
+from inference_lab.serve.lora import lora_info_family
 
 __all__ = [
     "E2E_BUCKETS",
@@ -352,6 +353,7 @@ class _Collector:
         yield from _prefix_cache_families(rows)
         yield from _tier_families(rows)
         yield from _speculative_families(rows)
+        yield from lora_info_family(m.runtime for _, m, _, _ in rows)
         rejected = CounterMetricFamily(
             "inference_lab:requests_rejected",
             "Requests refused before admission: 529 queue_saturated, 503 engine_unavailable "

@@ -36,6 +36,8 @@ from inference_lab.serve.error_replies import (
     json_reply,
 )
 from inference_lab.serve.health import HEALTH_PATH, health_reply
+from inference_lab.serve.lora import model_cards
+from inference_lab.serve.lora_routes import register_lora_routes
 from inference_lab.serve.state import ServeState
 
 __all__ = [
@@ -113,15 +115,15 @@ def stats_entry(runtime: ModelRuntime, last: int | None, finished: int | None) -
 
 
 def _model_for(state: ServeState, model: str | None) -> ModelRuntime:
-    """The runtime a ``/tokenize``-style request names; ``model`` may be left out only
-    when one model is served."""
+    """The runtime a ``/tokenize``-style request names (a LoRA adapter's: its base
+    model's); ``model`` may be left out only when one model is served."""
     if model is None:
         if len(state.runtimes) == 1:
             return next(iter(state.runtimes.values()))
         raise ApiError(
             400, "invalid_value", "model is required when more than one model is served", "model"
         )
-    runtime = state.runtimes.get(model)
+    runtime = state.runtime_for(model)
     if runtime is None:
         raise state.model_not_found(model)
     return runtime
@@ -197,15 +199,22 @@ def register_routes(app: QuartTrio, state: ServeState) -> None:
     @app.get("/v1/models")
     async def models() -> Response:
         data = [model_object(state, rt) for rt in state.runtimes.values()]
+        for rt in state.runtimes.values():  # LoRA adapters, as vLLM lists them
+            data += model_cards(rt, state.created)
         return to_response(json_reply({"object": "list", "data": data}))
 
     @app.get("/v1/models/<path:model_id>")
     async def retrieve_model(model_id: str) -> Response:
         """OpenAI's ``models.retrieve``; ``model_id`` may contain ``/``."""
-        runtime = state.runtimes.get(model_id)
+        runtime = state.runtime_for(model_id)
         if runtime is None:
             return to_response(error_reply(state.model_not_found(model_id)))
+        if runtime.name != model_id:  # an adapter's card
+            card = next(c for c in model_cards(runtime, state.created) if c["id"] == model_id)
+            return to_response(json_reply(card))
         return to_response(json_reply(model_object(state, runtime)))
+
+    register_lora_routes(app, state, to_response)
 
     version_body = dumps({"version": package_version()})
 

@@ -39,6 +39,7 @@ from inference_lab.core.config import (
 from inference_lab.errors import ConfigError
 from inference_lab.resources import DEFAULT_HARDWARE, default_hardware, resolve_shipped, shipped_dir
 from inference_lab.serve.kv_events import KVEventsSettings, check_endpoint, exposure_warnings
+from inference_lab.serve.lora import LoraFlags, apply_lora, runtime_updating
 
 __all__ = [
     "DEFAULT_BODY_TIMEOUT",
@@ -142,6 +143,8 @@ class ServeSettings:
     #: The models served as pooling models: they answer ``/v1/rerank``, ``/v1/score``,
     #: ``/classify`` and ``/pooling`` (``serve/pooling_routes.py``).
     pooling_models: frozenset[str] = frozenset()
+    #: ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: the adapter load/unload routes exist
+    lora_updating: bool = False
 
     def embedding_size(self, deployment: Deployment) -> int:
         """The full length of ``deployment``'s embedding vectors."""
@@ -177,6 +180,7 @@ def load_settings(
     run_to_max_tokens: bool = False,
     reasoning_content: bool = True,
     pooling_models: str | None = None,
+    lora: LoraFlags | None = None,
     on_skip: Callable[[str], None] | None = None,
     labels: Mapping[str, str] | None = None,
 ) -> ServeSettings:
@@ -194,7 +198,8 @@ def load_settings(
     ``api_key`` follows ``control_token``'s rule; ``allowed_origins`` is the comma-separated
     text of ``--allowed-origins`` (see :func:`parse_origins`). ``tool_call_probability``
     is in 0..1, ``embedding_dim`` (if not None) >= 1. ``pooling_models`` is a
-    comma-separated list of served model names, or ``all``. ``labels`` maps a setting's
+    comma-separated list of served model names, or ``all``. ``lora``: the LoRA flags
+    (:func:`~inference_lab.serve.lora.apply_lora`). ``labels`` maps a setting's
     name to how errors call it (Rule 3): the flag or the variable it came from.
     """
 
@@ -290,6 +295,7 @@ def load_settings(
         raise ConfigError(
             f"{path}: no model config has a [hardware.{hardware or DEFAULT_HARDWARE}] entry"
         )
+    deployments = apply_lora(deployments, lora)
     pooling = _pooling_models(pooling_models, list(seen), label("pooling_models"))
     loaded = (
         load_workload(resolve_shipped(workload, "workload", label("workload")))
@@ -326,6 +332,7 @@ def load_settings(
         run_to_max_tokens=run_to_max_tokens,
         reasoning_content=reasoning_content,
         pooling_models=pooling,
+        lora_updating=runtime_updating(),
     )
 
 

@@ -38,6 +38,7 @@ from inference_lab.api.lengths import DEFAULT_ANSWER_LENGTHS
 from inference_lab.api.requests import ParsedRequest
 from inference_lab.core.config import Deployment, LengthDist
 from inference_lab.core.engine import AllBlocksCleared
+from inference_lab.core.engine.lora import adapter_hashes
 from inference_lab.errors import ApiError, truncate_echo
 from inference_lab.runtime.model_runtime import ModelRuntime
 from inference_lab.serve.error_replies import SHUTDOWN_MESSAGE
@@ -141,11 +142,33 @@ class ServeState:
 
     def remember_tokens(self, parsed: ParsedRequest) -> None:
         """Keep an admitted request's hashed stream for its model's KV-event publisher
-        (the token ids of the blocks it stores); nothing without one."""
+        (the token ids of the blocks it stores); nothing without one. An adapter's blocks
+        are named by its own hashes (the engine's lora Rule 4)."""
         if self.kv_events is not None:
-            publisher = self.kv_events.publishers.get(parsed.model)
+            base = self.base_of(parsed.model)
+            publisher = self.kv_events.publishers.get(base)
             if publisher is not None:
-                publisher.remember(parsed.block_hashes, parsed.hashed_tokens)
+                hashes = parsed.block_hashes
+                if base != parsed.model:
+                    hashes = adapter_hashes(hashes, parsed.model)
+                publisher.remember(hashes, parsed.hashed_tokens)
+
+    def runtime_for(self, model: str) -> ModelRuntime | None:
+        """The runtime a request's ``model`` runs on: the model's, or that of the model
+        serving the LoRA adapter of that name (serve/lora.py Rule 3); None: neither."""
+        runtime = self.runtimes.get(model)
+        if runtime is not None:
+            return runtime
+        for rt in self.runtimes.values():
+            adapters = rt.engine.adapters
+            if adapters is not None and model in adapters.by_name:
+                return rt
+        return None
+
+    def base_of(self, model: str) -> str:
+        """The model a name runs on: itself, or an adapter's base model."""
+        runtime = self.runtime_for(model)
+        return model if runtime is None else runtime.name
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Start the delivery task, the KV-event publishers and every model's runtime in

@@ -33,6 +33,7 @@ from inference_lab.core.builders import frozen_builder
 from inference_lab.core.engine import Engine, Finished, RequestSpec
 from inference_lab.errors import RequestRefused, SimError
 from inference_lab.sim.records import ArrivalTable, Refused
+from inference_lab.workload.adapters import AdapterPicker
 from inference_lab.workload.arrivals import Arrival, ArrivalArrays, ArrivalGenerator
 
 __all__ = ["FEED_CHUNK", "MAX_REFUSAL_STREAK", "Intake", "OpenLoopFeed", "open_loop_feed"]
@@ -51,11 +52,15 @@ class Intake:
 
     __slots__ = (
         "_engine", "_generator", "_reactive", "refused", "held", "arrivals",
-        "first_arrival", "streak", "_parked",
+        "first_arrival", "streak", "_parked", "adapters",
     )  # fmt: skip
 
-    def __init__(self, engine: Engine, generator: ArrivalGenerator) -> None:
+    def __init__(
+        self, engine: Engine, generator: ArrivalGenerator, adapters: AdapterPicker | None = None
+    ) -> None:
         self._engine = engine
+        #: the LoRA adapter of each request (None: every request is the base model's)
+        self.adapters = adapters
         self._generator = generator
         self._reactive = generator.reactive
         self.refused: list[Refused] = []
@@ -91,6 +96,7 @@ class Intake:
                 arrival_time=arrival.time,
                 n=arrival.n,
                 block_hashes=arrival.block_hashes,
+                lora=None if self.adapters is None else self.adapters.pick(arrival),
             )
             try:
                 request_id = self._engine.submit(spec)
@@ -156,6 +162,9 @@ class OpenLoopFeed:
         new_spec = self._new_spec
         fed = self._fed
         end = min(fed + FEED_CHUNK, self._count)
+        adapters = intake.adapters
+        # an adapter per arrival, in arrival order, from its own stream (adapters Rule 2)
+        loras = None if adapters is None else adapters.draws(end - fed)
         for i, t, p, o in zip(
             range(fed, end),
             self.times[fed:end].tolist(),
@@ -163,7 +172,10 @@ class OpenLoopFeed:
             self._outputs[fed:end].tolist(),
             strict=True,
         ):
-            spec = new_spec(prompt_tokens=p, max_tokens=o, arrival_time=t)
+            if loras is None:
+                spec = new_spec(prompt_tokens=p, max_tokens=o, arrival_time=t)
+            else:
+                spec = new_spec(prompt_tokens=p, max_tokens=o, arrival_time=t, lora=loras[i - fed])
             try:
                 request_id = submit(spec, preorder=i)
             except RequestRefused as exc:

@@ -57,6 +57,7 @@ from inference_lab.errors import ConfigError, SimError
 from inference_lab.sim.capacity import CapacityVerdict
 from inference_lab.sim.disaggregation import DisaggregationSummary, disaggregation_summary
 from inference_lab.sim.intake import Intake, OpenLoopFeed, open_loop_feed
+from inference_lab.sim.lora import LoraSummary, lora_summary
 from inference_lab.sim.observers import (
     Progress,
     ProgressMeter,
@@ -82,6 +83,7 @@ from inference_lab.sim.summary import (
 from inference_lab.sim.tiers import TierSummary, tier_summary
 from inference_lab.traffic.traces import Trace
 from inference_lab.workload import make_generator
+from inference_lab.workload.adapters import AdapterPicker
 from inference_lab.workload.arrivals import Arrival, ArrivalGenerator
 
 __all__ = [
@@ -121,6 +123,8 @@ class SimResult:
     disaggregation: DisaggregationSummary | None = None
     #: the KV tiers behind HBM, when the deployment has them
     tiers: TierSummary | None = None
+    #: the LoRA adapters, when the deployment serves them
+    lora: LoraSummary | None = None
     #: a sharded run's shards and what of it is not exact (`inference_lab.sim.fleet`)
     fleet: FleetInfo | None = None
 
@@ -139,6 +143,8 @@ class SimResult:
             out["disaggregation"] = self.disaggregation.to_dict()
         if self.tiers is not None:
             out["kv_tiers"] = self.tiers.to_dict()
+        if self.lora is not None:
+            out["lora"] = self.lora.to_dict()
         out["peak_waiting"] = self.peak_waiting
         if self.fleet is not None:
             out["fleet"] = self.fleet.to_dict()
@@ -149,6 +155,16 @@ class SimResult:
             "speedup": self.sim_time_s / self.wall_time_s if self.wall_time_s > 0 else None,
         }
         return out
+
+
+def _adapters(engine: Engine, workload: Workload | Trace, seed: int | None) -> AdapterPicker | None:
+    """The run's adapter draws (``[adapters]``; None: every request is the base model's).
+    ConfigError when the workload names adapters the deployment does not serve."""
+    if not isinstance(workload, Workload) or workload.adapters is None:
+        return None
+    mix = workload.adapters
+    served = () if engine.adapters is None else tuple(engine.adapters.by_name)
+    return AdapterPicker(mix, served, workload.seed if seed is None else seed)
 
 
 def run_simulation(
@@ -174,7 +190,8 @@ def run_simulation(
     generator = make_generator(
         workload, seed, sched.block_size if sched.enable_prefix_caching else None
     )
-    intake = Intake(engine, generator)
+    adapters = _adapters(engine, workload, seed)
+    intake = Intake(engine, generator, adapters)
     feed = open_loop_feed(engine, intake, generator)  # Rule 2
     initial = generator.initial() if feed is None else []
     times = feed.times if feed is not None else np.array([a.time for a in initial], np.float64)
@@ -229,6 +246,7 @@ def run_simulation(
             else None
         ),
         tiers=tier_summary(stats),
+        lora=lora_summary(stats, adapters),
     )
 
 

@@ -102,6 +102,11 @@ def check_shardable(deployment: Deployment, workload: Workload | Trace) -> None:
             "--ray: a disaggregated deployment cannot be sharded: every decode replica "
             "takes hand-offs from every prefill replica"
         )
+    if deployment.lora is not None:
+        raise ConfigError(
+            "--ray: LoRA adapters are not sharded yet (a shard returns no adapter counters); "
+            "run without --ray"
+        )
     if deployment.scheduler.kv_offloading_size:
         raise ConfigError(
             "--ray: KV tiers are not sharded yet (a shard returns no tier counters); "

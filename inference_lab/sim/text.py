@@ -312,6 +312,14 @@ def format_summary(result: SimResult) -> str:
             f"ms each on average); {tiers.recomputed_tokens:,} tokens recomputed where "
             "fetching cost more"
         )
+    lora = result.lora
+    if lora is not None:
+        spread = ", ".join(f"{name} {n:,}" for name, n in lora.requests.items())
+        lines.append(
+            f"LoRA         {lora.loads:,} adapter loads ({lora.cold_loads:,} cold), "
+            f"{lora.load_seconds * 1e3:,.3f} ms loading; {lora.skips:,} skips for a slot "
+            f"(max_loras); requests: {spread or 'none named an adapter'}"
+        )
     lines.append(
         f"time         {result.sim_time_s:,.3f} s simulated in {result.wall_time_s:,.3f} s real"
         f"{speedup}"

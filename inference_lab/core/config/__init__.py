@@ -6,6 +6,7 @@ The package, by concern:
 - :mod:`~inference_lab.core.config.model`: layers, weight streams, ``ModelArch``, reasoning;
 - :mod:`~inference_lab.core.config.speculative`: the drafter, ``SpeculativeConfig``,
   acceptance rates;
+- :mod:`~inference_lab.core.config.lora`: ``[lora]``, adapters and their sizes;
 - :mod:`~inference_lab.core.config.scheduler`: ``SchedulerConfig``;
 - :mod:`~inference_lab.core.config.hardware`: profiles, entries, efficiency, links, fabric;
 - :mod:`~inference_lab.core.config.deployment`: ``Deployment``, ``ModelConfig``,
@@ -15,6 +16,7 @@ The package, by concern:
 - :mod:`~inference_lab.core.config.fault`: the test harness's ``[fault]`` table;
 - :mod:`~inference_lab.core.config.workload`: length and time distributions,
   ``SessionConfig``, ``Workload``;
+- :mod:`~inference_lab.core.config.workload_files`: reading a workload file;
 - :mod:`~inference_lab.core.config.convert`: reading TOML, the strict cattrs converter;
 - :mod:`~inference_lab.core.config.loading`: the loaders and deployment variants.
 
@@ -49,6 +51,7 @@ from inference_lab.core.config.deployment import (
     Deployment,
     Disaggregation,
     ModelConfig,
+    with_lora,
 )
 from inference_lab.core.config.disaggregation import (
     DECODE_ROUTERS,
@@ -84,11 +87,16 @@ from inference_lab.core.config.loading import (
     load_hardware_profile,
     load_model_config,
     load_step_table,
-    load_workload,
     override_scheduler,
     select_deployment,
     split_pd,
     vary_deployment,
+)
+from inference_lab.core.config.lora import (
+    LORA_RANKS,
+    LoraAdapter,
+    LoraConfig,
+    adapter_widths,
 )
 from inference_lab.core.config.model import (
     BYTES_PER_VALUE,
@@ -118,6 +126,7 @@ from inference_lab.core.config.speculative import (
 )
 from inference_lab.core.config.workload import (
     ARRIVAL_PATTERNS,
+    AdapterMix,
     ExponentialTime,
     FixedDist,
     FixedTime,
@@ -131,6 +140,7 @@ from inference_lab.core.config.workload import (
     UniformTime,
     Workload,
 )
+from inference_lab.core.config.workload_files import load_workload
 
 __all__ = [
     "ARRIVAL_PATTERNS",
@@ -181,12 +191,18 @@ __all__ = [
     "SchedulerConfig",
     "SessionConfig",
     "SpeculativeConfig",
+    "LORA_RANKS",
+    "LoraAdapter",
+    "LoraConfig",
+    "adapter_widths",
+    "with_lora",
     "TimeCorrection",
     "TimeDist",
     "UniformDist",
     "UniformTime",
     "WeightStream",
     "Workload",
+    "AdapterMix",
     "base_deployment",
     "check_acceptance_rates",
     "default_profiles_dir",

@@ -25,6 +25,7 @@ from inference_lab.core.config.hardware import (
     Link,
     Overheads,
 )
+from inference_lab.core.config.lora import LoraConfig
 from inference_lab.core.config.model import (
     BYTES_PER_VALUE,
     KV_LAYERS,
@@ -35,8 +36,9 @@ from inference_lab.core.config.model import (
 from inference_lab.core.config.scheduler import SchedulerConfig
 from inference_lab.core.config.speculative import SpeculativeConfig
 from inference_lab.core.step_table import StepTable
+from inference_lab.errors import ConfigError
 
-__all__ = ["Deployment", "Disaggregation", "ModelConfig"]
+__all__ = ["Deployment", "Disaggregation", "ModelConfig", "with_lora"]
 
 
 @attrs.frozen(kw_only=True)
@@ -57,6 +59,8 @@ class Deployment:
     acceptance_rates: tuple[float, ...] = ()
     #: Its split into a prefill and a decode pool (None: aggregated; docs/disaggregation.md)
     disaggregation: Disaggregation | None = None
+    #: LoRA adapters (``[lora]`` or ``serve --enable-lora``; None: none; docs/lora.md)
+    lora: LoraConfig | None = None
 
     @property
     def efficiency(self) -> Efficiency:
@@ -208,5 +212,31 @@ class ModelConfig:
     #: carries them too).
     speculative: SpeculativeConfig | None = None
     acceptance_rates: tuple[float, ...] = ()
+    #: The ``[lora]`` table (every deployment carries it; None: no adapters).
+    lora: LoraConfig | None = None
     #: The ``[disaggregation]`` table as written (resolved when an entry is selected).
     disaggregation: DisaggregationConfig | None = None
+
+
+def with_lora(dep: Deployment, lora: LoraConfig | None, where: str) -> Deployment:
+    """``dep`` serving the adapters of ``lora`` (None: ``dep`` unchanged). Raises
+    ConfigError, one line naming ``where``, for what LoRA is not modelled with:
+    data-parallel attention ranks, a disaggregated deployment, speculative decoding, KV
+    tiers; or a profile without a ``[host]`` link.
+    Called by the config loader for ``[lora]`` and by ``serve --enable-lora``."""
+    if lora is None:
+        return dep
+    if dep.hardware.dp_attention > 1:
+        raise ConfigError(f"{where}: not modelled with data-parallel attention ranks")
+    if dep.disaggregation is not None:
+        raise ConfigError(f"{where}: not modelled with [disaggregation]")
+    if dep.speculative is not None:
+        raise ConfigError(f"{where}: not modelled with [speculative]")
+    if dep.scheduler.kv_offloading_size > 0:
+        raise ConfigError(f"{where}: not modelled with KV tiers (kv_offloading_size)")
+    if dep.profile.host is None:
+        raise ConfigError(
+            f"{where}: the hardware profile {dep.profile.name!r} has no [host] link to "
+            "load adapters over (docs/kv-tiers.md)"
+        )
+    return attrs.evolve(dep, lora=lora)

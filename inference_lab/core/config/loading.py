@@ -24,19 +24,17 @@ from typing import Any
 import attrs
 
 from inference_lab.core.config.convert import read_text, read_toml, structure_table
-from inference_lab.core.config.deployment import Deployment, Disaggregation, ModelConfig
+from inference_lab.core.config.deployment import Deployment, Disaggregation, ModelConfig, with_lora
 from inference_lab.core.config.disaggregation import DECODE_ROUTERS, DisaggregationConfig
 from inference_lab.core.config.fault import FaultConfig
 from inference_lab.core.config.hardware import ROUTERS, HardwareEntry, HardwareProfile
+from inference_lab.core.config.lora import LoraConfig
 from inference_lab.core.config.model import ModelArch
 from inference_lab.core.config.scheduler import SchedulerConfig
 from inference_lab.core.config.speculative import SpeculativeConfig
-from inference_lab.core.config.workload import Workload
 from inference_lab.core.step_table import StepTable, parse_step_table
 from inference_lab.errors import ConfigError
 from inference_lab.resources import shipped_dir
-from inference_lab.traffic.schedules import PiecewiseRate, check_points
-from inference_lab.validation import FieldError
 
 __all__ = [
     "base_deployment",
@@ -47,12 +45,14 @@ __all__ = [
     "load_hardware_profile",
     "load_model_config",
     "load_step_table",
-    "load_workload",
     "override_scheduler",
     "select_deployment",
     "split_pd",
     "vary_deployment",
 ]
+
+#: the tables a model config may hold
+_TABLES = ("model", "scheduler", "hardware", "fault", "speculative", "disaggregation", "lora")
 
 
 def _resolve_tokenizer(file: Path, written: str) -> Path:
@@ -321,11 +321,11 @@ def load_model_config(
     file = Path(path)
     raw = read_toml(file)
     for key in raw:
-        if key not in ("model", "scheduler", "hardware", "fault", "speculative", "disaggregation"):
+        if key not in _TABLES:
             raise ConfigError(
                 f"{file}: {key}: unknown key (a model config holds the tables [model], "
-                "[scheduler], [hardware.<name>] and optionally [fault], [speculative] and "
-                "[disaggregation])"
+                "[scheduler], [hardware.<name>] and optionally [fault], [speculative], "
+                "[disaggregation] and [lora])"
             )
     fault = structure_table(raw["fault"], FaultConfig, file, "fault") if "fault" in raw else None
     speculative: SpeculativeConfig | None = None
@@ -349,8 +349,13 @@ def load_model_config(
         deployments[name] = _load_entry(
             file, name, table, sched_raw, profiles, model, speculative, rates
         )
+    lora = structure_table(raw["lora"], LoraConfig, file, "lora") if "lora" in raw else None
+    for name, dep in deployments.items():
+        deployments[name] = with_lora(dep, lora, f"{file}: lora")
     split = None
     if "disaggregation" in raw:
+        if lora is not None:
+            raise ConfigError(f"{file}: lora: not modelled with [disaggregation]")
         split = structure_table(raw["disaggregation"], DisaggregationConfig, file, "disaggregation")
         for dep in deployments.values():  # Rule 1: checked now, for every entry
             disaggregate(dep, split, deployments, f"{file}: disaggregation")
@@ -363,6 +368,7 @@ def load_model_config(
         speculative=speculative,
         acceptance_rates=rates,
         disaggregation=split,
+        lora=lora,
     )
 
 
@@ -411,54 +417,6 @@ def load_deployment(
     return select_deployment(load_model_config(config_path, profiles_dir), hardware)
 
 
-def load_workload(path: str | os.PathLike[str]) -> Workload:
-    """Read and validate a workload TOML; raises ConfigError. A piecewise schedule's
-    ``points_file`` is read (relative to the workload file) into its points."""
-    file = Path(path)
-    workload = structure_table(read_toml(file), Workload, file, "")
-    schedule = workload.rate_schedule
-    if isinstance(schedule, PiecewiseRate) and schedule.points_file is not None:
-        if schedule.points:
-            raise ConfigError(
-                f"{file}: rate_schedule.points_file: give points or points_file, not both"
-            )
-        points_path = Path(schedule.points_file).expanduser()
-        if not points_path.is_absolute():
-            points_path = file.parent / points_path
-        points = _read_rate_points(points_path, file)
-        schedule = attrs.evolve(schedule, points=points, points_file=str(points_path))
-        workload = attrs.evolve(workload, rate_schedule=schedule)
-    return workload
-
-
-def _read_rate_points(path: Path, workload: Path) -> tuple[tuple[float, float], ...]:
-    """A rate schedule's points from a CSV of ``time_s,rate`` rows (a header line whose
-    first cell is not a number is skipped). ConfigError names the file and line."""
-    where = f"{workload}: rate_schedule.points_file"
-    text = read_text(path, where)
-    points: list[tuple[float, float]] = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        cells = [c.strip() for c in line.split(",")]
-        if not line.strip():
-            continue
-        try:
-            values = [float(c) for c in cells]
-        except ValueError:
-            if number == 1 and not points:
-                continue  # a header
-            raise ConfigError(
-                f"{path}:{number}: must be two numbers time_s,rate, got {line!r}"
-            ) from None
-        if len(values) != 2 or not all(math.isfinite(v) for v in values):
-            raise ConfigError(f"{path}:{number}: must be two numbers time_s,rate, got {line!r}")
-        points.append((values[0], values[1]))
-    try:
-        check_points(tuple(points))
-    except FieldError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    return tuple(points)
-
-
 # ---------------------------------------------------------------------------------------
 # deployment variants (capacity planning: ``inference_lab.plan``)
 
@@ -489,6 +447,7 @@ def base_deployment(
         config_path=config.path,
         speculative=config.speculative,
         acceptance_rates=config.acceptance_rates,
+        lora=config.lora,
     )
 
 

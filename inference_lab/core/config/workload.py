@@ -14,12 +14,13 @@ from typing import Any
 import attrs
 import numpy as np
 
-from inference_lab.core.config.checks import ge, gt, lowercase, one_of
+from inference_lab.core.config.checks import ge, gt, le, lowercase, one_of
 from inference_lab.traffic.schedules import RateSchedule
 from inference_lab.validation import FieldError
 
 __all__ = [
     "ARRIVAL_PATTERNS",
+    "AdapterMix",
     "ExponentialTime",
     "FixedDist",
     "FixedTime",
@@ -153,6 +154,28 @@ class SessionConfig:
 
 
 @attrs.frozen(kw_only=True)
+class AdapterMix:
+    """``[adapters]``: how requests spread over the deployment's LoRA adapters
+    (docs/lora.md). ``zipf`` s: the i-th adapter of ``[lora]`` (from 0) has weight ``1 /
+    (i + 1) ** s``; or ``weights``: adapter name -> weight. ``base_share``: the share of
+    requests to the base model."""
+
+    zipf: float | None = attrs.field(default=None, validator=ge(0))
+    weights: dict[str, float] | None = None
+    base_share: float = attrs.field(default=0.0, validator=[ge(0), le(1)])
+
+    def __attrs_post_init__(self) -> None:
+        if (self.zipf is None) == (self.weights is None):
+            raise FieldError("zipf", "set exactly one of zipf and weights")
+        if self.weights is not None:
+            if not self.weights:
+                raise FieldError("weights", "must name at least one adapter")
+            for name, w in self.weights.items():
+                if not w > 0:
+                    raise FieldError(f"weights.{name}", f"must be > 0, got {w!r}")
+
+
+@attrs.frozen(kw_only=True)
 class Workload:
     arrival_pattern: str = attrs.field(converter=lowercase, validator=one_of(ARRIVAL_PATTERNS))
     arrival_rate: float = attrs.field(default=1.0, validator=gt(0))
@@ -165,6 +188,7 @@ class Workload:
     seed: int = attrs.field(default=0, validator=ge(0))  # docs/configuration.md
     sessions: SessionConfig | None = None
     rate_schedule: RateSchedule | None = None
+    adapters: AdapterMix | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.arrival_pattern == "closed_loop" and self.num_concurrent_users is None:

@@ -59,6 +59,10 @@ class BlockStored:
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
     medium: str = MEDIUM_GPU
+    #: the LoRA adapter of the request that stored them (vLLM's ``lora_id``, ``lora_name``)
+    #: (out of the repr, which stays what it was without adapters)
+    lora_id: int | None = attrs.field(default=None, repr=False)
+    lora_name: str | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen(kw_only=True)

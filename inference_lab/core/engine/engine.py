@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from inference_lab.core.config import Deployment
 from inference_lab.core.engine.block_pool import KVEvent
 from inference_lab.core.engine.limits import check_fits, fits_total
+from inference_lab.core.engine.lora import Adapter, AdapterSet, LoraSlots, adapter_hashes
 from inference_lab.core.engine.outputs import (
     EngineStatistics,
     QueueView,
@@ -92,6 +93,12 @@ class Engine(EventLoop):
     ) -> None:
         super().__init__(deployment, record_kv_events=record_kv_events, acceptance=acceptance)
         self._ids = itertools.count(1)
+        #: the LoRA adapters served (None: no [lora]; lora Rules 1-5)
+        self.adapters: AdapterSet | None = None
+        if deployment.lora is not None:
+            self.adapters = AdapterSet(deployment.lora)
+            for w in self.workers:
+                w.lora = LoraSlots(deployment, self.adapters, w.roofline.bandwidth)
         self._aborted = 0
         self._max_num_seqs = deployment.scheduler.max_num_seqs
         #: a plain request of at most this many positions passes every check of check_fits
@@ -154,11 +161,47 @@ class Engine(EventLoop):
             spec = self._handoffs.prefill_spec(rid, spec)
             target = 1
         r = Request(rid, spec, arrival, target, stamp)
+        if spec.lora is not None:
+            self._with_adapter(r, spec.lora)
         self.workers[0].kv.prepare(r)  # the same answer on every worker
         self._requests[rid] = r
         self._pending += 1
         self._calendar.file_arrival(r, arrival, preorder)
         return rid
+
+    def _with_adapter(self, r: Request, name: str) -> None:
+        """``r`` runs with the adapter ``name``: its id, name and own block hashes (lora
+        Rule 4). ValueError when no such adapter was ever served (the serving layer refuses
+        a name not served; one unloaded after its request was admitted still runs)."""
+        adapter = None if self.adapters is None else self.adapters.resolve(name)
+        if adapter is None:
+            raise ValueError(f"unknown LoRA adapter {name!r}")
+        r.lora = adapter.id
+        r.lora_name = name
+        if r.block_hashes:
+            r.block_hashes = adapter_hashes(r.block_hashes, name)
+
+    def load_adapter(
+        self, name: str, path: str, rank: int = 0, parent: str | None = None
+    ) -> Adapter:
+        """Serve a new adapter (vLLM's ``add_lora``: into every worker's host cache,
+        evicting the least recently used there). ValueError without ``[lora]``, for a
+        name served already or a rank past ``max_lora_rank``."""
+        if self.adapters is None:
+            raise ValueError("LoRA is not enabled")
+        adapter = self.adapters.add(name, path, rank, parent)
+        for w in self.workers:
+            assert w.lora is not None
+            w.lora.added(adapter)
+        return adapter
+
+    def unload_adapter(self, name: str) -> Adapter:
+        """Stop serving ``name`` (it leaves ``adapters.by_name``); requests naming it run
+        to their end (vLLM's ``/v1/unload_lora_adapter``, which refuses nothing in use).
+        KeyError when it is not served."""
+        if self.adapters is None:
+            raise KeyError(name)
+        return self.adapters.remove(name)
 
     def abort(self, request_id: int) -> bool:
         """Remove a request wherever it is; free its blocks; it emits nothing more.
@@ -220,6 +263,8 @@ class Engine(EventLoop):
     def _probe(self, spec: RequestSpec) -> Request:
         """A request not submitted, as the router and the block counts see it."""
         r = Request(0, spec, self.now, spec.max_tokens, self.now)
+        if spec.lora is not None:
+            self._with_adapter(r, spec.lora)
         self.workers[0].kv.prepare(r)
         return r
 

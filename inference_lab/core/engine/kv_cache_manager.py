@@ -57,6 +57,8 @@ class CachedRequest(Protocol):
     held_hashes: list[int] | tuple[int, ...]
     next_cache_position: int
     cached_tokens: int
+    lora: int
+    lora_name: str | None
 
 
 class GrowingRequest(Protocol):
@@ -234,18 +236,26 @@ class KVCacheManager:
                     parent = hashes[i - 1] if i else None
                 run.append(h)
             elif run and events is not None:
-                events.append(self._stored(run, parent))
+                events.append(self._stored(run, parent, r))
                 run = []
             held.append(h)  # type: ignore[union-attr]  # a list: cacheable_blocks > 0
         if run and events is not None:
-            events.append(self._stored(run, parent))
+            events.append(self._stored(run, parent, r))
         if full < r.cacheable_blocks:
             r.next_cache_position = (full + 1) * bs
         else:
             r.next_cache_position = NOT_CACHED
             pool.filling -= 1
 
-    def _stored(self, run: list[int], parent: int | None) -> BlockStored:
+    def _stored(self, run: list[int], parent: int | None, r: CachedRequest) -> BlockStored:
+        if r.lora:  # (its adapter: lora Rule 4)
+            return BlockStored(
+                worker=self.pool.worker,
+                block_hashes=tuple(run),
+                parent_block_hash=parent,
+                lora_id=r.lora,
+                lora_name=r.lora_name,
+            )
         return BlockStored(
             worker=self.pool.worker, block_hashes=tuple(run), parent_block_hash=parent
         )

@@ -21,6 +21,7 @@ __all__ = [
     "StepEvents",
     "StepInfo",
     "StepLog",
+    "LoraStatistics",
     "TierStatistics",
     "WorkerStatistics",
     "engine_statistics",
@@ -141,6 +142,22 @@ class TierStatistics:
 
 
 @attrs.frozen(kw_only=True)
+class LoraStatistics:
+    """One worker's adapters: GPU loads (cold: evicted from the host cache first), their
+    seconds, the waiting requests skipped for ``max_loras`` (lora Rule 1, one per skip per
+    admission pass), the adapters in its GPU slots (least recently used first), and the
+    distinct adapters of its running and waiting requests, by name."""
+
+    loads: int
+    cold_loads: int
+    load_seconds: float
+    skips: int
+    resident: tuple[str, ...]
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
 class WorkerStatistics:
     """A snapshot of one worker (replica), from :meth:`Engine.statistics`.
 
@@ -175,6 +192,8 @@ class WorkerStatistics:
     held: int = 0
     busy_seconds: float = 0.0
     tiers: TierStatistics | None = None
+    #: (out of the repr, which stays what it was without adapters)
+    lora: LoraStatistics | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen(kw_only=True)

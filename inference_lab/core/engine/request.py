@@ -71,6 +71,8 @@ class RequestSpec:
     #: positions whose KV a remote prefill computed (a decode server's
     #: ``do_remote_prefill``): admitted, they are received over the link, then computed
     remote_positions: int = 0
+    #: the LoRA adapter it runs with, by name (None: the base model; docs/lora.md)
+    lora: str | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -134,6 +136,8 @@ class Request:
         "remote_positions",
         "tier_fetch",
         "tier_checked",
+        "lora",
+        "lora_name",
     )
 
     def __init__(
@@ -186,6 +190,9 @@ class Request:
         #: the disk, seconds (None: none); whether this admission has looked at the tiers
         self.tier_fetch: tuple[int, int, float] | None = None
         self.tier_checked = False
+        #: its LoRA adapter's id and name (0, None: the base model; set by the engine)
+        self.lora = 0
+        self.lora_name: str | None = None
 
     def report(self, finish_time: float, worker: int, frontend_latency: float) -> Finished:
         """The ``Finished`` record of this request, which ended at ``finish_time`` on

@@ -43,6 +43,7 @@ from inference_lab.core.engine.block_pool import BlockPool, KVEvent
 from inference_lab.core.engine.fast_path import FastBatch, FastPath
 from inference_lab.core.engine.kv_cache_manager import KVCacheManager
 from inference_lab.core.engine.kv_tiers import TierStack
+from inference_lab.core.engine.lora import LoraSlots
 from inference_lab.core.engine.outputs import WorkerStatistics
 from inference_lab.core.engine.request import (
     DONE,
@@ -128,7 +129,9 @@ class Scheduler(FastPath):
             if sched.kv_offloading_size > 0
             else None
         )
-        self.init_fast_path(roofline, allowed=self.spec is None)
+        #: its LoRA slots (lora Rules 1-3; None: no [lora]), set by the engine
+        self.lora: LoraSlots | None = None
+        self.init_fast_path(roofline, allowed=self.spec is None and dep.lora is None)
 
     @property
     def free_blocks(self) -> int:
@@ -399,7 +402,9 @@ class Scheduler(FastPath):
             self.step_id += 1
             mark = self.step_id
             batch, ns, cs, budget, preempted = self._schedule_running(mark, gamma)
-            if not preempted:
+            if not preempted and self.lora is not None:  # (lora Rule 1)
+                budget = self.lora.admit(self, now, mark, budget, batch, ns, cs)
+            elif not preempted:
                 while budget > 0 and self.waiting.count:
                     admitted = self.admit_head(now, mark, budget)
                     if admitted is None:
@@ -565,4 +570,5 @@ class Scheduler(FastPath):
             held=len(self.held),
             busy_seconds=self.busy_seconds,
             tiers=None if self.tiers is None else self.tiers.statistics(),
+            lora=None if self.lora is None else self.lora.statistics(self.running, self.waiting),
         )

@@ -81,6 +81,25 @@ class WaitQueue:
         r: Request = heapq.heappop(self.heap)[-1]
         return r
 
+    def pop_head(self) -> tuple[Request, bool]:
+        """Take the head (:meth:`peek`'s) aside: it and whether it was at the front, for
+        :meth:`restore` (a head the scheduler skips: lora Rule 1)."""
+        front = bool(self.front)
+        return self.pop(), front
+
+    def restore(self, taken: list[tuple[Request, bool]]) -> None:
+        """Put back requests :meth:`pop_head` took, in the order they were taken: each
+        where it was (the front, the head of the FIFO, or the heap under its own key), so
+        the queue's order is as if they had never left (Rule 1)."""
+        for r, front in reversed(taken):
+            self.count += 1
+            if front:
+                self.front.appendleft(r)
+            elif self.policy == "fcfs":
+                self.fifo.appendleft(r)
+            else:
+                heapq.heappush(self.heap, (*r.queue_key, r))
+
     def __iter__(self) -> Iterator[Request]:
         """Every waiting request (front first; a heap policy's in heap order)."""
         yield from self.front

@@ -1,0 +1,227 @@
+"""The engine's runs of events (stepping Rule 2): :meth:`RunLoop.run_until` handles every
+event before a time as as many ``step()`` calls would, writing each started step's figures
+to a step log and each completion to a list instead of returning a ``StepEvents`` each.
+
+Rule 1: the same events are handled in the same order, leaving the same state, as
+        ``step()`` one at a time would (``tests/test_engine_runs.py`` compares them to the
+        bit); a worker's pure decode steps are handled as one run by the fast path
+        (:meth:`FastPath.decode_run`).
+Rule 2: this is a base of :class:`~inference_lab.core.engine.stepping.EventLoop` and
+        reaches the loop only through the attributes and methods declared here, which
+        the loop defines.
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from inference_lab.core.engine.calendar import ARRIVAL, BOUNDARY, TRANSFER, EventCalendar
+from inference_lab.core.engine.dp_group import DPGroup
+from inference_lab.core.engine.drafting import DraftCounts
+from inference_lab.core.engine.outputs import Finished, StepEvents, StepInfo, StepLog
+from inference_lab.core.engine.request import Request
+from inference_lab.core.engine.scheduler import Scheduler
+from inference_lab.core.roofline import BatchTerms, StepCost
+
+__all__ = ["RunLoop", "RunReport", "Started"]
+
+#: what ``_start_step`` returns for a step it started: its price, its terms, the requests
+#: preempted to make room, and with speculative decoding its drafts and its plain price
+Started = tuple[StepCost, BatchTerms, int, DraftCounts | None, StepCost]
+
+
+@attrs.define
+class RunReport:
+    """What :meth:`EventLoop.run_until` handled (Rule 2), for a caller that watches the
+    waiting queue (the simulator's peak and its capacity verdict).
+
+    Attributes:
+      events: events handled (each boundary of a decode run counts one).
+      arrivals: arrivals among them.
+      steps: steps started.
+      peak_waiting: the most requests waiting after an arrival or a step that preempted.
+      waiting_at_mid: requests waiting after the last arrival at or before ``mid`` (None:
+        no such arrival).
+      waiting_at_end: requests waiting after the last arrival (None: no arrival).
+      kv_usage: the KV usage of the last step started (None: none started).
+    """
+
+    events: int = 0
+    arrivals: int = 0
+    steps: int = 0
+    peak_waiting: int = 0
+    waiting_at_mid: int | None = None
+    waiting_at_end: int | None = None
+    kv_usage: float | None = None
+
+
+class RunLoop:
+    """The event loop's runs (Rule 1). What it uses of the loop (Rule 2):"""
+
+    step_time_factor: float
+    now: float
+    workers: list[Scheduler]
+    _calendar: EventCalendar
+    _steps: int
+    _scratch: list[tuple[int, int]]
+    _ended: list[tuple[Request, float, float]]
+
+    def _arrive(self, r: Request, now: float) -> None:
+        raise NotImplementedError
+
+    def _received(self, r: Request, now: float) -> None:
+        raise NotImplementedError
+
+    def _group_boundary(self, g: DPGroup, now: float) -> StepEvents:
+        raise NotImplementedError
+
+    def _complete(
+        self, w: Scheduler, now: float, emit: list[tuple[int, int]], finished: list[Finished]
+    ) -> tuple[tuple[int, int], ...]:
+        raise NotImplementedError
+
+    def _ended_request(
+        self, w: Scheduler, r: Request, now: float, step: float, finished: list[Finished]
+    ) -> None:
+        raise NotImplementedError
+
+    def _start_step(self, w: Scheduler, now: float) -> Started | None:
+        raise NotImplementedError
+
+    def _step_info(self, w: Scheduler, now: float, started: Started) -> StepInfo:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ runs (Rule 2)
+    def run_until(
+        self,
+        before: float,
+        log: StepLog,
+        finished: list[Finished],
+        *,
+        mid: float = -math.inf,
+        stop_at_arrival: bool = False,
+        stop_on_finish: bool = False,
+    ) -> RunReport:
+        """Handle every event earlier than ``before`` as ``step()`` would (Rule 2), each
+        started step's figures written to ``log`` and each completion appended to
+        ``finished``. Stops before an arrival with ``stop_at_arrival`` (its caller decides
+        on it), and after the first event that completed a request with
+        ``stop_on_finish`` (its caller submits follow-ups). ``mid``: the time whose queue
+        the report gives."""
+        cal = self._calendar
+        report = RunReport()
+        while True:
+            t = cal.next_time()
+            if t is None or t >= before:
+                return report
+            if stop_at_arrival and cal.heap[0][2] == ARRIVAL:
+                return report
+            t, kind, payload = cal.pop()
+            if t > self.now:
+                self.now = t
+            now = self.now
+            report.events += 1
+            if kind == ARRIVAL:
+                self._arrive(payload, now)
+                report.arrivals += 1
+                waiting = self.num_waiting()
+                if waiting > report.peak_waiting:
+                    report.peak_waiting = waiting
+                if now <= mid:
+                    report.waiting_at_mid = waiting
+                report.waiting_at_end = waiting
+                continue
+            if kind == TRANSFER:
+                self._received(payload, now)
+                continue
+            done = len(finished)
+            if kind == BOUNDARY:
+                self._run_boundary(payload, now, before, log, finished, report, stop_on_finish)
+            else:
+                ev = self._group_boundary(payload, now)
+                finished.extend(ev.finished)
+                if ev.step is not None:
+                    log.add(ev.step)
+                    self._report_step(report, ev.step.kv_usage, ev.step.preempted)
+            if stop_on_finish and len(finished) > done:
+                return report
+
+    def _run_boundary(
+        self,
+        w: Scheduler,
+        now: float,
+        before: float,
+        log: StepLog,
+        finished: list[Finished],
+        report: RunReport,
+        stop_on_finish: bool,
+    ) -> None:
+        """``run_until``'s handling of ``w``'s boundary at ``now``: with the boundaries
+        after it, as one decode run when the fast path can take them (Rule 2), else alone,
+        as ``_boundary`` without its ``StepEvents``."""
+        cal = self._calendar
+        nxt = cal.next_time()
+        limit = before if nxt is None or nxt > before else nxt
+        ended = self._ended
+        run = w.decode_run(
+            now,
+            limit,
+            w.roofline.price,
+            self.step_time_factor,
+            log,
+            ended,
+            stop_after_finish=stop_on_finish or w.internal,  # (a hand-off files events)
+        )
+        if run is not None:
+            for r, t, step in ended:
+                self._ended_request(w, r, t, step, finished)
+            ended.clear()
+            self._steps += run.started
+            report.events += run.boundaries - 1
+            report.steps += run.started
+            if run.started:
+                report.kv_usage = log.kv_usage[-1]
+            if not run.partial:
+                self.now = w.step_start
+                cal.file_boundary(w, w.step_end, BOUNDARY)
+                return
+            now = self.now = run.last  # its next step is ours to start
+        else:
+            self._complete(w, now, self._scratch, finished)
+            self._scratch.clear()
+        started = self._start_step(w, now)
+        if started is None:
+            return
+        cost, _terms, preempted, counts, _plain = started
+        if counts is not None:  # a speculative step: its draft figures too
+            info = self._step_info(w, now, started)
+            log.add(info)
+            self._report_step(report, info.kv_usage, preempted)
+            return
+        roof = cost.roofline if cost.roofline > 0 else 1.0
+        usage = (w.total_blocks - w.pool.free) / w.total_blocks
+        log.kv_usage.append(usage)
+        log.flop_util.append(cost.compute / roof)
+        log.bw_util.append(cost.memory / roof)
+        if preempted:
+            log.preempted += preempted
+        self._report_step(report, usage, preempted)
+
+    def _report_step(self, report: RunReport, kv_usage: float, preempted: int) -> None:
+        """A step started during ``run_until``: counted, and the queue after a
+        preemption looked at (the simulator's peak)."""
+        report.steps += 1
+        report.kv_usage = kv_usage
+        if preempted:
+            waiting = self.num_waiting()
+            if waiting > report.peak_waiting:
+                report.peak_waiting = waiting
+
+    def num_waiting(self) -> int:
+        """Requests waiting, over every worker."""
+        workers = self.workers
+        if len(workers) == 1:
+            return workers[0].waiting.count
+        return sum(w.waiting.count for w in workers)
