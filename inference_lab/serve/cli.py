@@ -421,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
     if ranks > 1 and args.data_parallel_rank is None:
         from inference_lab.serve.ranks import run_ranks
 
-        return run_ranks(args, _banner(settings, "").splitlines()[:-1], notes)
+        return run_ranks(args, _banner(settings, "").splitlines()[:-1], notes, run)
     if ranks > 1:
         settings = attrs.evolve(
             settings, data_parallel_rank=args.data_parallel_rank, data_parallel_size=ranks

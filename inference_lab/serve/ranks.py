@@ -139,8 +139,12 @@ class _Rank:
 class _Supervisor:
     """The parent (Rules 3-5)."""
 
-    def __init__(self, args: argparse.Namespace, ports: list[RankPort]) -> None:
+    def __init__(
+        self, args: argparse.Namespace, ports: list[RankPort], entry: Callable[..., int]
+    ) -> None:
         self.args = args
+        #: What a rank runs with its flags (the serve command's ``run``, pickled by name).
+        self.entry = entry
         self.ranks = [_Rank(p) for p in ports]
         self.stopping = trio.Event()
         self.size = len(ports)
@@ -151,7 +155,7 @@ class _Supervisor:
         """Start ``rank``'s process (Rule 2) and the tasks that read it."""
         args = argparse.Namespace(**vars(self.args))
         args.data_parallel_rank, args.port = rank.port.rank, rank.port.port
-        payload = pickle.dumps((os.getpid(), args))
+        payload = pickle.dumps((os.getpid(), self.entry, args))
         rank.ready, rank.settled = trio.Event(), trio.Event()
         rank.body, rank.errors = [], []
         process = await trio.lowlevel.open_process(
@@ -301,8 +305,10 @@ def _banner(sup: _Supervisor, models: list[str]) -> str:
     return "\n".join(lines)
 
 
-async def _supervise(args: argparse.Namespace, ports: list[RankPort], models: list[str]) -> int:
-    sup = _Supervisor(args, ports)
+async def _supervise(
+    args: argparse.Namespace, ports: list[RankPort], models: list[str], entry: Callable[..., int]
+) -> int:
+    sup = _Supervisor(args, ports, entry)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(sup.watch_signals, signals)
@@ -352,8 +358,14 @@ async def _reap(sup: _Supervisor) -> None:
     await sup.wait_all()
 
 
-def run_ranks(args: argparse.Namespace, models: list[str], notes: Callable[[], None]) -> int:
-    """Serve ``args`` as ``args.data_parallel_size`` rank processes (the module's rules);
+def run_ranks(
+    args: argparse.Namespace,
+    models: list[str],
+    notes: Callable[[], None],
+    entry: Callable[[argparse.Namespace], int],
+) -> int:
+    """Serve ``args`` as ``args.data_parallel_size`` rank processes (the module's rules),
+    each running ``entry(args)`` (a module-level function: it is pickled by name);
     ``models`` are the banner's model lines, ``notes`` prints the start-up warnings once.
     Called by ``serve/cli.py``'s ``run`` once the settings loaded; returns the exit code."""
     from inference_lab.cli_args import fail
@@ -364,7 +376,7 @@ def run_ranks(args: argparse.Namespace, models: list[str], notes: Callable[[], N
         return fail(_PROG, str(exc))
     notes()
     try:
-        return trio.run(_supervise, args, ports, models)
+        return trio.run(_supervise, args, ports, models, entry)
     except KeyboardInterrupt:  # a signal before the handlers were installed
         return 0
 
@@ -379,15 +391,14 @@ def _lifeline(fd: int) -> None:
 
 def _child() -> int:
     """A rank's process (Rule 2): the parent's flags from stdin, then the serve command."""
-    parent, args = pickle.load(sys.stdin.buffer)  # noqa: S301 - our own parent's pipe
+    parent, entry, args = pickle.load(sys.stdin.buffer)  # noqa: S301 - our parent's pipe
     if os.getppid() != parent:  # the parent died already
         return 1
     threading.Thread(
         target=_lifeline, args=(sys.stdin.fileno(),), daemon=True, name="lifeline"
     ).start()
-    from inference_lab.serve import cli
-
-    return cli.run(args)
+    code: int = entry(args)
+    return code
 
 
 if __name__ == "__main__":
