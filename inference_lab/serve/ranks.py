@@ -227,10 +227,7 @@ class _Supervisor:
         for rank in self.ranks:
             if rank.ready.is_set() or not rank.settled.is_set():
                 continue
-            found = [e for e in rank.errors if ": error: " in e]
-            code = rank.process.returncode if rank.process is not None else None
-            why = found[-1].split(": error: ", 1)[1] if found else _exit_text(code)
-            return f"{rank.name} (port {rank.port.port}) did not start: {why}"
+            return f"{rank.name} (port {rank.port.port}) did not start: {_why(rank)}"
         return "no rank started"
 
     async def keep(self, rank: _Rank, nursery: trio.Nursery) -> None:
@@ -240,12 +237,13 @@ class _Supervisor:
             await rank.process.wait()
             if self.stopping.is_set():
                 return
-            if trio.current_time() - rank.ready_at >= BACKOFF_RESET:
+            served = rank.ready.is_set()
+            if served and trio.current_time() - rank.ready_at >= BACKOFF_RESET:
                 rank.delay = BACKOFF_START
-            note = "" if rank.ready.is_set() else " before it served"
+            note = "" if served else " before it served"
             print(
                 f"{_PROG}: {rank.name} (pid {rank.process.pid}) exited{note}: "
-                f"{_exit_text(rank.process.returncode)}; restarting in {rank.delay:g} s",
+                f"{_why(rank)}; restarting in {rank.delay:g} s",
                 file=sys.stderr,
                 flush=True,
             )
@@ -255,6 +253,8 @@ class _Supervisor:
                 return
             rank.delay = min(rank.delay * 2, BACKOFF_MAX)
             await self.spawn(rank, nursery)
+            if self.stopping.is_set():  # signalled while it was being started
+                self.signal_all(signal.SIGTERM)
             await rank.settled.wait()
             if rank.ready.is_set():
                 print(
@@ -279,6 +279,14 @@ async def _lines(stream: trio.abc.ReceiveStream) -> AsyncIterator[str]:
             yield line.decode("utf-8", "replace")
     if pending:
         yield pending.decode("utf-8", "replace")
+
+
+def _why(rank: _Rank) -> str:
+    """Why ``rank`` exited: its last start-up error line, else its exit status."""
+    found = [e for e in rank.errors if ": error: " in e]
+    if found and not rank.ready.is_set():
+        return found[-1].split(": error: ", 1)[1]
+    return _exit_text(rank.process.returncode if rank.process is not None else None)
 
 
 def _exit_text(code: int | None) -> str:
