@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -93,12 +94,16 @@ class Serve:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         assert self.proc.stdout is not None
+        banner = ""
         for line in self.proc.stdout:
+            banner += line
             if line.startswith("listening on "):
                 self.urls = re.findall(r"http://\S+", line)
                 break
         else:
             raise SystemExit("bench_ranks: the server did not start")
+        pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", banner)]
+        self.pids = pids or [self.proc.pid]
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGINT)
@@ -127,18 +132,33 @@ class HAProxy:
         self.dir.cleanup()
 
 
-def wrk(url: str, connections: int, duration: float) -> dict[str, float]:
-    """wrk's E2E percentiles (seconds) and requests/s for one run (after a warm-up run)."""
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wrk(url: str, connections: int, duration: float, watch: list[int]) -> dict[str, float]:
+    """wrk's E2E percentiles (seconds) and requests/s for one run (after a warm-up run),
+    and the cores the processes ``watch`` (the servers, HAProxy) and wrk used meanwhile."""
     threads = min(2, connections)
     base = ["wrk", f"-t{threads}", f"-c{connections}", "--latency", "-s", str(LUA)]
     target = url + "/v1/completions"
     env = {**os.environ, "WRK_MAX_TOKENS": str(OUTPUT), "WRK_MODEL": MODEL}
     subprocess.run([*base, "-d3s", target], capture_output=True, env=env, check=True)
+    before = [cpu_seconds(p) for p in watch]
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.monotonic()
     done = subprocess.run(
         [*base, f"-d{duration:g}s", target], capture_output=True, text=True, env=env, check=True
     )
+    wall = time.monotonic() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    used = [cpu_seconds(p) - b for p, b in zip(watch, before, strict=True)]
+    wrk_cpu = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
     out = done.stdout
-    result = {}
+    result = {f"cores_{i}": u / wall for i, u in enumerate(used)}
+    result["wrk_cores"] = wrk_cpu / wall
     for pct in ("50", "90", "99"):
         match = re.search(rf"^\s+{pct}%\s+([\d.]+)(us|ms|s|m)\s*$", out, re.M)
         assert match, out
@@ -203,14 +223,17 @@ def main() -> int:
         for balance in ("leastconn", "roundrobin"):
             proxy = HAProxy(fleet.urls, balance)
             try:
-                rows.append((balance, wrk(f"http://127.0.0.1:{proxy.port}", total, args.duration)))
+                url = f"http://127.0.0.1:{proxy.port}"
+                rows.append(
+                    (balance, wrk(url, total, args.duration, [*fleet.pids, proxy.proc.pid]))
+                )
             finally:
                 proxy.stop()
     finally:
         fleet.stop()
     single = Serve(1)
     try:
-        alone = wrk(single.urls[0], total, args.duration)
+        alone = wrk(single.urls[0], total, args.duration, single.pids)
     finally:
         single.stop()
     sim = sim_p50(args.ranks, args.streams, args.duration)
@@ -228,6 +251,12 @@ def main() -> int:
         f"sim --replicas {args.ranks}: p50 {sim['p50'] * 1e3:.1f} ms, {sim['rps']:.1f} requests/s"
     )
     print(f"non-2xx: {[r['non_2xx'] for _, r in rows] + [alone['non_2xx']]}")
+    for label, r in [*rows, ("one process", alone)]:
+        cores = [r[k] for k in sorted(r) if k.startswith("cores_")]
+        print(
+            f"cores used, {label}: servers / HAProxy {', '.join(f'{c:.2f}' for c in cores)}; "
+            f"wrk {r['wrk_cores']:.2f}"
+        )
     print(
         f"load average {load_before:.2f} -> {load_after:.2f}, steal "
         f"{steal_pct(steal_before, steal_after):.1f} %"
