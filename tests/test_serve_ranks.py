@@ -138,12 +138,14 @@ def test_ranks_draw_different_answer_lengths_and_rank_0_is_the_single_server() -
 
 
 def test_a_taken_port_in_the_range_is_named() -> None:
+    base = plan_ports("127.0.0.1", 0, 3)[0].port  # three free ports; the middle one taken
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+        taken.bind(("127.0.0.1", base + 1))
         taken.listen()
-        port = taken.getsockname()[1]
-        with pytest.raises(RankError, match=rf"^port {port} \(rank 1 of --data-parallel-size 3\)"):
-            plan_ports("127.0.0.1", port - 1, 3)
+        with pytest.raises(
+            RankError, match=rf"^port {base + 1} \(rank 1 of --data-parallel-size 3\)"
+        ):
+            plan_ports("127.0.0.1", base, 3)
 
 
 def test_port_0_takes_free_consecutive_ports() -> None:
