@@ -13,6 +13,7 @@ SLOW_MODULES = frozenset(
         "test_aiperf_client.py",
         "test_browser.py",
         "test_litellm_client.py",
+        "test_gateway_haproxy.py",
         "test_packaging.py",
         "test_plan_ray.py",
         "test_scripts_input.py",
@@ -147,6 +148,13 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
     "test_serve_dashboard.py": frozenset(
         {
             "test_with_a_control_token_the_dashboard_needs_it_in_the_header_or_the_query",
+        }
+    ),
+    "test_serve_ranks.py": frozenset(
+        {
+            "test_a_rank_that_cannot_bind_fails_the_start",
+            "test_no_rank_outlives_the_parent",
+            "test_ranks_serve_restart_and_drain_on_sigterm",
         }
     ),
     "test_serve_hardening.py": frozenset(

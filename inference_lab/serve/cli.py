@@ -18,6 +18,7 @@ import sys
 from functools import partial
 from typing import Any
 
+import attrs
 import trio
 
 from inference_lab.errors import ConfigError
@@ -166,7 +167,30 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_agent_flags(parser)
     _add_hardening_flags(parser)
     add_lora_flags(parser)
+    _add_rank_flags(parser)
     return parser
+
+
+def _add_rank_flags(parser: argparse.ArgumentParser) -> None:
+    """Data-parallel rank processes (``serve/ranks.py``, ``docs/data-parallel.md``)."""
+    from inference_lab.cli_args import integer
+
+    parser.add_argument(
+        "--data-parallel-size",
+        type=integer(ge=1),
+        default=1,
+        metavar="N",
+        help="serve N complete servers, one process each, on ports --port .. --port + N - 1 "
+        "under a supervising parent, for a load balancer in front (default: 1, one "
+        "process; not the config's dp_attention; docs/data-parallel.md)",
+    )
+    parser.add_argument(
+        "--data-parallel-rank",
+        type=integer(ge=0),
+        metavar="R",
+        help="serve only rank R of --data-parallel-size on --port (as vLLM's external load "
+        "balancing): engine labels, KV-event ports and seeds offset by R",
+    )
 
 
 def _add_agent_flags(parser: argparse.ArgumentParser) -> None:
@@ -322,6 +346,9 @@ def _banner(settings: ServeSettings, url: str, kv_lines: list[str] | None = None
     if settings.pooling_models:
         lines.append(f"  pooling models: {', '.join(sorted(settings.pooling_models))}")
     lines.extend(kv_lines or ())
+    if settings.data_parallel_size > 1:
+        rank, size = settings.data_parallel_rank, settings.data_parallel_size
+        lines.append(f"  data-parallel rank {rank} of {size} (engine labels from {rank})")
     lines.append(f"listening on {url}  (Ctrl-C to stop)")
     return "\n".join(lines)
 
@@ -337,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
         seed = _int_flag(args.seed, "--seed", 0)
         default_max_tokens = _int_flag(args.default_max_tokens, "--default-max-tokens", 1)
         embedding_dim = _int_flag(getattr(args, "embedding_dim", None), "--embedding-dim", 1)
+        ranks = _check_ranks(args)
     except _UsageError as exc:
         return _fail(str(exc))
 
@@ -394,6 +422,15 @@ def run(args: argparse.Namespace) -> int:
         )
     except ConfigError as exc:
         return _fail(str(exc))
+    notes = partial(_notes, settings, args)
+    if ranks > 1 and args.data_parallel_rank is None:
+        from inference_lab.serve.ranks import run_ranks
+
+        return run_ranks(args, _banner(settings, "").splitlines()[:-1], notes, run)
+    if ranks > 1:
+        settings = attrs.evolve(
+            settings, data_parallel_rank=args.data_parallel_rank, data_parallel_size=ranks
+        )
     try:
         sock = bind_socket(args.host, port or 0, args.backlog)
     except OSError as exc:
@@ -407,6 +444,40 @@ def run(args: argparse.Namespace) -> int:
     hub = get_state(app).kv_events
     kv_lines = hub.describe() if hub is not None else []
     banner = _banner(settings, _url(sock), kv_lines)
+    notes()
+    serve = partial(
+        serve_until_signalled,
+        grace=args.shutdown_grace,
+        backlog=args.backlog,
+        banner=banner,
+        prog=PROG,
+    )
+    try:
+        trio.run(serve, app, sock)
+    except KeyboardInterrupt:
+        pass  # a signal before the handlers were installed: nothing was serving yet
+    print(f"{PROG}: stopped", file=sys.stderr)
+    return 0
+
+
+def _check_ranks(args: argparse.Namespace) -> int:
+    """``--data-parallel-size`` and ``--data-parallel-rank`` against each other and the
+    port range; the size."""
+    size = _int_flag(getattr(args, "data_parallel_size", 1), "--data-parallel-size", 1) or 1
+    rank = getattr(args, "data_parallel_rank", None)
+    args.data_parallel_size, args.data_parallel_rank = size, rank
+    if rank is not None and rank >= size:
+        raise _UsageError(f"--data-parallel-rank {rank} is not below --data-parallel-size {size}")
+    if rank is None and args.port and args.port + size - 1 > 65535:
+        raise _UsageError(
+            f"--port {args.port} with --data-parallel-size {size} needs ports up to "
+            f"{args.port + size - 1}, past 65535"
+        )
+    return size
+
+
+def _notes(settings: ServeSettings, args: argparse.Namespace) -> None:
+    """The start-up notes on stderr: the test harness, exposure warnings, the backlog."""
     if settings.enable_test_harness:
         print(
             f"{PROG}: test harness on: requests can inject faults and script answers, and "
@@ -422,16 +493,3 @@ def run(args: argparse.Namespace) -> int:
             f"({cap}) by the kernel",
             file=sys.stderr,
         )
-    serve = partial(
-        serve_until_signalled,
-        grace=args.shutdown_grace,
-        backlog=args.backlog,
-        banner=banner,
-        prog=PROG,
-    )
-    try:
-        trio.run(serve, app, sock)
-    except KeyboardInterrupt:
-        pass  # a signal before the handlers were installed: nothing was serving yet
-    print(f"{PROG}: stopped", file=sys.stderr)
-    return 0

@@ -10,7 +10,11 @@ Rule 1: one publisher per model whose deployment caches prefixes: a PUB socket o
         ``ipc://`` / ``inproc://``, connected otherwise (vLLM's rule) -- and, with a
         replay endpoint, a ROUTER socket bound there. With several such models the
         ``k``-th one's TCP ports are the given ones plus ``k`` (``ipc`` / ``inproc``
-        names get ``_k`` appended), as vLLM offsets a data-parallel rank's.
+        names get ``_k`` appended), as vLLM offsets a data-parallel rank's. A server that
+        is rank ``r`` of ``n`` (``serve --data-parallel-size``) offsets them by vLLM's own
+        rule on top: TCP ports by ``k * n + r`` (the first model's ranks: port + ``r``),
+        ``ipc`` / ``inproc`` names get ``_dp<r>`` appended, and each batch's rank is
+        ``r * replicas + replica`` (:func:`rank_endpoint`).
 Rule 2: every message is three frames, as vLLM's: the topic (UTF-8; ``{model}`` in it is
         replaced by the model's name), the sequence number (8 bytes, big-endian, from 0
         per model), the payload: the msgpack of the batch in vLLM's layout
@@ -66,6 +70,7 @@ __all__ = [
     "check_endpoint",
     "exposure_warnings",
     "offset_endpoint",
+    "rank_endpoint",
 ]
 
 #: Batches kept for replay (vLLM's ``buffer_steps`` default).
@@ -125,6 +130,16 @@ def offset_endpoint(endpoint: str, k: int) -> str:
         head, _, port = endpoint.rpartition(":")
         return endpoint if port == "*" or int(port) == 0 else f"{head}:{int(port) + k}"
     return f"{endpoint}_{k}"
+
+
+def rank_endpoint(endpoint: str, k: int, rank: int, ranks: int) -> str:
+    """The ``k``-th model's endpoint in the server that is data-parallel rank ``rank`` of
+    ``ranks`` (Rule 1): vLLM's ``offset_endpoint_port`` applied to the model's ports, a
+    TCP port ``*`` or 0 left as it is."""
+    if endpoint.startswith("tcp://"):
+        return offset_endpoint(endpoint, k * ranks + rank)
+    named = offset_endpoint(endpoint, k)
+    return f"{named}_dp{rank}" if rank else named
 
 
 def binds(endpoint: str) -> bool:
@@ -217,8 +232,11 @@ class ModelPublisher:
         buffer_steps: int = BUFFER_STEPS,
         hwm: int = HWM,
         replay_limits: ReplayLimits = ReplayLimits(),  # noqa: B008 - frozen
+        rank_offset: int = 0,
     ) -> None:
         zmq, msgspec = _modules()
+        #: Added to each replica's index: the batch's rank (Rule 1).
+        self._rank_offset = rank_offset
         self._zmq = zmq
         self._encoder = msgspec.msgpack.Encoder()
         self.model = deployment.model.name
@@ -317,7 +335,7 @@ class ModelPublisher:
             if len(queue) >= self._queue_size:
                 queue.popleft()
                 self._dropped += 1
-            queue.append((self._seq, ts, worker, tuple(batch)))
+            queue.append((self._seq, ts, worker + self._rank_offset, tuple(batch)))
             self._seq += 1
         self._wake.set()
 
@@ -454,7 +472,16 @@ class KVEventsHub:
     """The publishers of one app (Rule 1): built with the app's state (sockets bound, so
     a port in use is a startup error), started and closed with its runtimes."""
 
-    def __init__(self, settings: KVEventsSettings, deployments: Sequence[Deployment]) -> None:
+    def __init__(
+        self,
+        settings: KVEventsSettings,
+        deployments: Sequence[Deployment],
+        *,
+        rank: int = 0,
+        ranks: int = 1,
+    ) -> None:
+        """``rank`` of ``ranks``: this server's place among data-parallel rank processes
+        (Rule 1)."""
         zmq, _ = _modules()
         self._ctx = zmq.Context()
         self.publishers: dict[str, ModelPublisher] = {}
@@ -464,11 +491,12 @@ class KVEventsHub:
                 replay = settings.replay_endpoint
                 self.publishers[dep.model.name] = ModelPublisher(
                     dep,
-                    offset_endpoint(settings.endpoint, k),
-                    offset_endpoint(replay, k) if replay is not None else None,
+                    rank_endpoint(settings.endpoint, k, rank, ranks),
+                    rank_endpoint(replay, k, rank, ranks) if replay is not None else None,
                     settings.topic,
                     self._ctx,
                     token_ids=settings.token_ids,
+                    rank_offset=rank * dep.workers,
                 )
         except BaseException:
             self.close()

@@ -39,6 +39,10 @@ Rule 7: a speculative model exports vLLM's speculative-decoding counters, per en
         ``..._num_accepted_tokens_per_pos`` (label ``position``), counted when a step's
         batch is chosen (its acceptance is drawn then). A lockstep step of data-parallel
         attention ranks counts under its first rank. Other models export none of them.
+Rule 8: a server that is data-parallel rank ``r`` (``serve --data-parallel-size``,
+        ``serve/ranks.py``) numbers its engines as vLLM's rank ``r`` does: every
+        ``engine`` label is offset by ``r`` x the model's workers (rank ``r`` of a
+        one-replica model: ``engine="r"``), at encoding time.
 """
 
 from __future__ import annotations
@@ -531,6 +535,18 @@ def _speculative_families(
     yield per_pos
 
 
+def _offset_engines(family: Metric, offsets: Mapping[str, int]) -> None:
+    """Rule 8: add the model's offset to every ``engine`` label of ``family``."""
+    samples = []
+    for sample in family.samples:
+        labels = sample.labels
+        if "engine" in labels:
+            offset = offsets.get(labels.get("model_name", ""), 0)
+            labels = {**labels, "engine": str(int(labels["engine"]) + offset)}
+        samples.append(sample._replace(labels=labels))
+    family.samples = samples
+
+
 class _Family(Collector):
     """One collected metric family, as the registry ``generate_latest`` encodes."""
 
@@ -545,8 +561,15 @@ class ServeMetrics:
     """The metrics of one app: a :class:`ModelMetrics` per runtime (installed as its
     observer) and the registry ``GET /metrics`` exports. Built by ``ServeState.build``."""
 
-    def __init__(self, runtimes: Mapping[str, ModelRuntime], *, fine_buckets: bool = False) -> None:
+    def __init__(
+        self, runtimes: Mapping[str, ModelRuntime], *, fine_buckets: bool = False, rank: int = 0
+    ) -> None:
         self.models: dict[str, ModelMetrics] = {}
+        #: Model name -> what its ``engine`` labels are offset by (Rule 8): data-parallel
+        #: rank x workers; empty for rank 0.
+        self.engine_offsets = {
+            name: rank * r.deployment.workers for name, r in runtimes.items() if rank
+        }
         for name, runtime in runtimes.items():
             metrics = ModelMetrics(runtime, fine_buckets=fine_buckets)
             runtime.observer = metrics
@@ -566,6 +589,8 @@ class ServeMetrics:
         ``# TYPE vllm:x`` (prometheus/client_python#1177)."""
         parts = []
         for family in list(self.registry.collect()):
+            if self.engine_offsets:
+                _offset_engines(family, self.engine_offsets)
             parts.append(generate_latest(_Family(family)))
             await trio.lowlevel.checkpoint()
         return b"".join(parts), CONTENT_TYPE_PLAIN_0_0_4

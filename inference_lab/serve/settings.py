@@ -145,6 +145,12 @@ class ServeSettings:
     pooling_models: frozenset[str] = frozenset()
     #: ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: the adapter load/unload routes exist
     lora_updating: bool = False
+    #: This server's place among ``--data-parallel-size`` rank processes
+    #: (``serve/ranks.py``): its engines' ``engine`` label and KV-event ranks start at
+    #: rank x workers, its KV-event ports are offset by the rank, its seeds are the
+    #: given ones + rank. 0 of 1: a single server.
+    data_parallel_rank: int = 0
+    data_parallel_size: int = 1
 
     def embedding_size(self, deployment: Deployment) -> int:
         """The full length of ``deployment``'s embedding vectors."""

@@ -19,7 +19,8 @@ Rule 5: a model whose deployment caches prefixes has a
         to its publisher (:mod:`inference_lab.serve.kv_events`), whose sockets are bound
         when the state is built and whose thread runs while the runtimes do.
 Rule 6: each model's runtime draws prose answer lengths from one generator of its own,
-        seeded by ``--seed`` (else the workload's seed, else 0): the workload's
+        seeded by ``--seed`` (else the workload's seed, else 0) plus the server's
+        data-parallel rank (``serve/ranks.py``: ranks are not clones): the workload's
         ``output_len_dist``, else the default length model, none with
         ``run_to_max_tokens``.
 """
@@ -90,7 +91,12 @@ class ServeState:
         """The state of a new app. Raises ConfigError when a KV-events socket cannot be
         bound (or pyzmq is missing)."""
         hub = (
-            KVEventsHub(settings.kv_events, settings.deployments)
+            KVEventsHub(
+                settings.kv_events,
+                settings.deployments,
+                rank=settings.data_parallel_rank,
+                ranks=settings.data_parallel_size,
+            )
             if settings.kv_events is not None
             else None
         )
@@ -108,11 +114,15 @@ class ServeState:
             settings=settings,
             runtimes=runtimes,
             created=int(time.time()),
-            metrics=ServeMetrics(runtimes, fine_buckets=settings.fine_latency_buckets),
+            metrics=ServeMetrics(
+                runtimes,
+                fine_buckets=settings.fine_latency_buckets,
+                rank=settings.data_parallel_rank,
+            ),
             harness=Harness(
                 enabled=settings.enable_test_harness,
                 faults=settings.faults,
-                seed=settings.seed or 0,
+                seed=(settings.seed or 0) + settings.data_parallel_rank,
             ),
             hashing=hashing,
             kv_events=hub,
@@ -136,7 +146,9 @@ class ServeState:
         return ModelRuntime(
             dep,
             output_lengths=lengths,
-            rng=np.random.default_rng(seed) if lengths is not None else None,
+            rng=np.random.default_rng(seed + settings.data_parallel_rank)
+            if lengths is not None
+            else None,
             kv_events=hub.sink(dep.model.name) if hub is not None else None,
         )
 
