@@ -45,6 +45,10 @@ import attrs
 import trio
 from benchkit import ServerProcess, request_json, scrape_loop
 
+from inference_lab.core.config import load_deployment
+from inference_lab.errors import ConfigError
+from inference_lab.resources import shipped_dir
+
 CASES = ("200B-stream", "200B", "16KB-stream", "16KB")
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -340,6 +344,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.requests < args.concurrency:
         parser.error("--requests must be at least --concurrency")
+    path = Path(args.config)
+    if not path.exists():
+        path = shipped_dir("configs") / f"{args.config}.toml"
+    try:
+        load_deployment(path, args.hardware)
+    except ConfigError as exc:
+        parser.exit(2, f"bench_cpu_budget: {exc}\n")
+    args.config = str(path)
     return args
 
 
