@@ -43,7 +43,7 @@ from pathlib import Path
 
 import attrs
 import trio
-from benchkit import ServerProcess, request_json, scrape_loop
+from benchkit import ServerProcess, scrape_loop
 
 from inference_lab.core.config import load_deployment
 from inference_lab.errors import ConfigError
@@ -304,10 +304,6 @@ async def main_async(args: argparse.Namespace, port: int, pid: int) -> None:
     latencies: list[float] = []
     sizes: list[int] = []
     results: list[CaseResult] = []
-    status, models = await request_json(f"http://127.0.0.1:{port}", "GET", "/v1/models")
-    if status != 200:
-        raise RuntimeError(f"GET /v1/models: HTTP {status}")
-    args.model = models["data"][0]["id"]
     with tempfile.TemporaryDirectory(prefix="cpu-budget-") as tmp:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(dashboard_reader, port, args.model)
@@ -348,7 +344,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not path.exists():
         path = shipped_dir("configs") / f"{args.config}.toml"
     try:
-        load_deployment(path, args.hardware)
+        args.model = load_deployment(path, args.hardware).model.name
     except ConfigError as exc:
         parser.exit(2, f"bench_cpu_budget: {exc}\n")
     args.config = str(path)

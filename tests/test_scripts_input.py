@@ -39,6 +39,8 @@ CASES = [
     ("bench_cpu_budget.py", ["--config", "no-such-model"], "no-such-model.toml: no such file"),
     ("bench_cpu_budget.py", ["--hardware", "zz"], "hardware.zz: no such entry"),
     ("bench_cpu_budget.py", ["--requests", "0"], "--requests must be at least 1"),
+    ("bench_targets.py", ["--runs", "0"], "--runs must be at least 1"),
+    ("bench_targets.py", ["--duration", "0"], "--duration and --warmup must be positive"),
     ("capacity_experiment.py", ["--config", "no-such.toml", "--out", "OUT"], "no such file"),
     ("adaptive_experiment.py", ["--hardware", "zz", "--out", "OUT"], "hardware.zz: no such"),
 ]
