@@ -32,6 +32,11 @@ Rule 4: block ``i``'s hash is :func:`inference_lab.traffic.hashing.block_hash` o
 Rule 5: hashing runs only for a model whose deployment caches prefixes (the caller
         passes no :class:`PromptHashing` otherwise), so a request to any other model
         pays nothing.
+Rule 6: a block's digest is remembered by the bytes it was computed from (its parent's
+        digest and its ids), at most :data:`BLOCK_MEMO` and one request's, all forgotten when
+        full: a conversation resent with one more turn finds its earlier blocks there and
+        hashes only its new ones (a dictionary lookup costs about a third of a BLAKE2b
+        call). The chain is the same with or without it.
 """
 
 from __future__ import annotations
@@ -67,6 +72,9 @@ CHAT_TEMPLATE_TOKEN = 0
 TEMPLATE_EVERY = 20
 #: The most answer tokens a request's chain covers (Rule 1).
 MAX_ANSWER_HASH_TOKENS = 2048
+#: Block digests remembered across requests (Rule 6): about 250 bytes each, 4 MB in all.
+BLOCK_MEMO = 16384
+_block_memo: dict[bytes, bytes] = {}
 #: What the default chat rendering writes before an assistant message's content.
 DEFAULT_ASSISTANT_PREFIX = "\nassistant: "
 
@@ -148,9 +156,17 @@ def chain_hashes(ids: Ids, block_size: int, blocks: int) -> tuple[int, ...]:
     step = 8 * block_size
     parent = bytes(8)
     digests = []
+    memo = _block_memo
+    if len(memo) + blocks > BLOCK_MEMO:
+        memo.clear()  # bounded (Rule 6): a full memo starts over
+    get = memo.get
     for start in range(0, len(buf), step):
-        parent = blake2b(parent + buf[start : start + step], digest_size=8).digest()
-        digests.append(parent)
+        key = parent + buf[start : start + step]
+        digest = get(key)
+        if digest is None:
+            digest = memo[key] = blake2b(key, digest_size=8).digest()
+        parent = digest
+        digests.append(digest)
     return tuple(int.from_bytes(d, "little") for d in digests)
 
 
