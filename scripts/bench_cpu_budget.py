@@ -304,7 +304,8 @@ async def main_async(args: argparse.Namespace, port: int, pid: int) -> None:
     latencies: list[float] = []
     sizes: list[int] = []
     results: list[CaseResult] = []
-    with tempfile.TemporaryDirectory(prefix="cpu-budget-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="cpu-budget-") as tmp_dir:
+        tmp = args.keep or tmp_dir
         async with trio.open_nursery() as nursery:
             nursery.start_soon(dashboard_reader, port, args.model)
             nursery.start_soon(scrape_loop, f"http://127.0.0.1:{port}", "/metrics", 1.0, stop,
@@ -334,6 +335,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-profile", action="store_true", help="CPU only, no py-spy")
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     parser.add_argument("--top", type=int, default=12, help="functions listed per case")
+    parser.add_argument(
+        "--keep", metavar="DIR", help="keep py-spy's raw stacks here (CASE.txt, collapsed)"
+    )
     args = parser.parse_args(argv)
     for flag in ("requests", "concurrency", "max_tokens", "rate", "top"):
         if getattr(args, flag) < 1:
@@ -348,6 +352,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ConfigError as exc:
         parser.exit(2, f"bench_cpu_budget: {exc}\n")
     args.config = str(path)
+    if args.keep is not None and not Path(args.keep).is_dir():
+        parser.exit(2, f"bench_cpu_budget: --keep: no such directory: {args.keep}\n")
     return args
 
 
