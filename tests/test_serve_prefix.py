@@ -69,15 +69,15 @@ def test_chain_hashes_equal_the_traffic_chain() -> None:
 def test_remembered_blocks_give_the_same_chain_and_the_memo_stays_bounded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Hashing Rule 6: a longer stream sharing a prefix takes the prefix's digests from
-    the memo (no BLAKE2b call for them) and its chain is still the traffic chain; a
-    full memo starts over."""
+    """Hashing Rule 6: a longer stream sharing a prefix takes the prefix's runs of 16
+    blocks from the memo (no BLAKE2b call for them) and its chain is still the traffic
+    chain; a run that is not whole is hashed anew; a full memo starts over."""
     from inference_lab.api import hashing
 
     monkeypatch.setattr(hashing, "_block_memo", {})
-    monkeypatch.setattr(hashing, "BLOCK_MEMO", 75)
+    monkeypatch.setattr(hashing, "BLOCK_MEMO", 96)
     ids = np.arange(1, 16 * 40 + 1, dtype=np.int64)
-    assert chain_hashes(ids[: 16 * 30], 16, 30) == token_block_hashes(ids[: 16 * 30].tolist(), 16)
+    assert chain_hashes(ids[: 16 * 32], 16, 32) == token_block_hashes(ids[: 16 * 32].tolist(), 16)
     calls: list[bytes] = []
     real = hashing.blake2b
 
@@ -87,10 +87,12 @@ def test_remembered_blocks_give_the_same_chain_and_the_memo_stays_bounded(
 
     monkeypatch.setattr(hashing, "blake2b", counted)
     assert chain_hashes(ids, 16, 40) == token_block_hashes(ids.tolist(), 16)
-    assert len(calls) == 10  # only the ten new blocks
-    assert len(hashing._block_memo) == 40
-    chain_hashes(ids + 7, 16, 40)  # 40 more would pass 75: the memo starts over
-    assert len(hashing._block_memo) == 40
+    assert len(calls) == 8  # only the eight new blocks: runs 0-15 and 16-31 remembered
+    assert chain_hashes(ids[: 16 * 20], 16, 20) == token_block_hashes(ids[:320].tolist(), 16)
+    assert len(calls) == 8 + 4  # blocks 16-19 are not a remembered run of their own
+    assert len(hashing._block_memo) == 4  # runs 0-15, 16-31, 32-39, 16-19
+    chain_hashes(ids + 7, 16, 40)  # three more runs would pass 96 blocks: starts over
+    assert len(hashing._block_memo) == 3
 
 
 def test_byte_rule_chat_stream_is_the_rendering_with_template_tokens() -> None:
