@@ -28,6 +28,8 @@ Behaviour is scripted, not simulated:
   connection after each answer without saying so (a keep-alive time-out on the server).
 - ``retry_after``: the ``Retry-After`` value sent with every 429, 503 and 529 (none when
   None).
+- ``pacing_lags``: ``inference-lab-pacing-lag-ms`` values, one per completion request in
+  turn (cycled), sent with every answer (none when empty).
 - ``GET /v1/models`` lists ``models`` (answered ``models_status`` when that is not 200);
   it is counted apart (``FakeStats.model_lists``), never in the completion counters.
 """
@@ -77,6 +79,7 @@ class FakeConfig:
     close_idle: bool = False
     """Close the connection after each answer, without a ``connection: close`` header."""
     retry_after: str | None = None
+    pacing_lags: Sequence[str] = ()
     models: Sequence[str] = ("m",)
     models_status: int = 200
 
@@ -183,6 +186,9 @@ class _Handler:
         headers = [("content-type", "application/json")]
         if cfg.close_connections:
             headers.append(("connection", "close"))
+        if cfg.pacing_lags:
+            lag = cfg.pacing_lags[(stats.requests - 1) % len(cfg.pacing_lags)]
+            headers.append(("inference-lab-pacing-lag-ms", lag))
         if status != 200:
             if cfg.retry_after is not None and status in (429, 503, 529):
                 headers.append(("retry-after", cfg.retry_after))

@@ -178,6 +178,61 @@ def test_the_dashboard_follows_the_server_in_a_real_browser(
     assert browser.errors == []
 
 
+def _first_events(url: str, count: int) -> list[tuple[str, dict[str, Any]]]:
+    """The first ``count`` events of the dashboard's event stream, decoded."""
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        conn.request("GET", "/control/dashboard/events?model=gpt-oss-20b")
+        response = conn.getresponse()
+        buffer = b""
+        while buffer.count(b"\n\n") < count:
+            piece = response.read1(65536)
+            assert piece, "the event stream ended early"
+            buffer += piece
+    finally:
+        conn.close()
+    events = []
+    for block in buffer.split(b"\n\n")[:count]:
+        head, _, data = block.partition(b"\n")
+        events.append((head.removeprefix(b"event: ").decode(), json.loads(data[len(b"data: ") :])))
+    return events
+
+
+def test_the_dashboards_banner_says_when_the_host_is_behind(
+    browser: Browser, tmp_path: Path
+) -> None:
+    """A sample whose ``host_behind`` is set (the server's own sample, with the lag's p99
+    raised to 12.5 ms) brings the banner naming the lag and the response header; the next
+    ordinary sample clears it. The page reads a stream routed by the browser, built from
+    the server's real init and sample events."""
+    from benchkit import ServerProcess
+
+    with ServerProcess(["--config", "gpt-oss-20b"], log=tmp_path / "server.log") as server:
+        (_, init), (_, sample) = _first_events(server.url, 2)
+        behind = {**sample, "seq": sample["seq"] + 1, "lag_p99_ms": 12.5, "host_behind": True}
+        calm = {**sample, "seq": sample["seq"] + 2}
+        frames = [("init", {**init, "history": []}), ("sample", behind)]
+        body = "".join(f"event: {e}\ndata: {json.dumps(d)}\n\n" for e, d in frames)
+        browser.page.route(
+            "**/control/dashboard/events*",
+            lambda route: route.fulfill(
+                status=200, headers={"content-type": "text/event-stream"}, body=body
+            ),
+        )
+        browser.page.goto(server.url + "/control/dashboard")
+        browser.page.wait_for_selector("#banner:not([hidden])", timeout=WAIT_MS)
+        banner = browser.page.text_content("#banner") or ""
+        assert "not keeping up" in banner and "12.5 ms" in banner
+        assert "inference-lab-pacing-lag-ms" in banner
+        frames[1] = ("sample", calm)
+        body = "".join(f"event: {e}\ndata: {json.dumps(d)}\n\n" for e, d in frames)
+        browser.page.wait_for_selector(
+            "#banner[hidden]", state="attached", timeout=WAIT_MS
+        )  # the stream reconnects: the calm sample
+    assert browser.errors == []
+
+
 def test_a_sim_report_renders_its_charts_in_a_real_browser(
     browser: Browser, tmp_path: Path
 ) -> None:

@@ -43,13 +43,14 @@ from inference_lab.client.load import (
     RequestRecord,
     run_load,
 )
-from inference_lab.client.report import distribution, settled_limit, summarize
+from inference_lab.client.report import distribution, format_summary, settled_limit, summarize
 from inference_lab.client.wire import (
     StreamAccumulator,
     build_prompt,
     chat_prompt_tokens,
     completion_prompt_tokens,
     endpoint_path,
+    parse_pacing_lag,
 )
 from tests.fake_openai_server import (
     DROP,
@@ -863,6 +864,50 @@ def test_cli_retry_after_is_reported_in_the_summary(capsys: pytest.CaptureFixtur
     assert re.fullmatch(
         r"retry-after: 2 waits for Retry-After, [\d.]+ s in all \(longest [\d.]+ s\)", line
     )
+
+
+async def test_the_servers_pacing_lag_is_recorded_and_reported(autojump_clock: MockClock) -> None:
+    """Every answer's ``inference-lab-pacing-lag-ms`` (the 529's too) lands in its record;
+    the report gives their mean and max, and says the host was behind when the mean is a
+    large share of the TTFT (the fake's first token comes 10 ms after the request)."""
+    lags = ("0.50", "2.00", "8.00", "9.50")
+    fake = FakeConfig(script=[200, 529, 200, 200], tokens=2, token_delay=0.01, pacing_lags=lags)
+    result, _ = await load_against(fake, concurrency=1, requests=4, max_tokens=2)
+    assert [r.pacing_lag for r in result.records] == [0.0005, 0.002, 0.008, 0.0095]
+    assert [r.status for r in result.records] == [200, 529, 200, 200]
+    summary = summarize(result)
+    assert summary.pacing_lag is not None
+    assert summary.pacing_lag.count == 4
+    assert summary.pacing_lag.mean == pytest.approx(0.0050)
+    assert summary.pacing_lag.max == pytest.approx(0.0095)
+    lines = format_summary(result, summary).splitlines()
+    at = lines.index(
+        "server pacing lag at admission (inference-lab-pacing-lag-ms, 4 answers): "
+        "mean 5.00 ms · max 9.50 ms"
+    )
+    assert lines[at + 1].startswith("  the server's host was behind: its engine ran 5.0 ms late")
+    assert "50% of the mean TTFT" in lines[at + 1]
+
+
+async def test_a_small_pacing_lag_is_reported_without_blame(autojump_clock: MockClock) -> None:
+    fake = FakeConfig(tokens=2, token_delay=0.01, pacing_lags=("0.00", "0.20"))
+    result, _ = await load_against(fake, concurrency=1, requests=4, max_tokens=2)
+    text = format_summary(result, summarize(result))
+    assert "(inference-lab-pacing-lag-ms, 4 answers): mean 0.10 ms · max 0.20 ms" in text
+    assert "host was behind" not in text
+
+
+async def test_a_server_without_the_header_gets_no_lag_line(autojump_clock: MockClock) -> None:
+    result, _ = await load_against(FakeConfig(tokens=2), concurrency=1, requests=2, max_tokens=2)
+    summary = summarize(result)
+    assert summary.pacing_lag is None
+    assert "pacing lag" not in format_summary(result, summary)
+
+
+def test_a_malformed_pacing_lag_is_ignored() -> None:
+    assert parse_pacing_lag(b"1.5") == 0.0015
+    for bad in (b"", b"x", b"-1", b"nan", b"inf"):
+        assert parse_pacing_lag(bad) is None
 
 
 def test_load_help_describes_every_option() -> None:

@@ -38,6 +38,11 @@ CASES = [
     ("bench_transport.py", ["--units", "0"], "--units, --repeats and --jobs must be at least 1"),
     ("bench_pd.py", ["--duration", "0"], "argument --duration: must be a number > 0"),
     ("bench_pd.py", ["--out", "no-such-dir/pd.png"], "bench_pd: --out: no such directory"),
+    ("bench_cpu_budget.py", ["--config", "no-such-model"], "no-such-model.toml: no such file"),
+    ("bench_cpu_budget.py", ["--hardware", "zz"], "hardware.zz: no such entry"),
+    ("bench_cpu_budget.py", ["--requests", "0"], "--requests must be at least 1"),
+    ("bench_targets.py", ["--runs", "0"], "--runs must be at least 1"),
+    ("bench_targets.py", ["--duration", "0"], "--duration and --warmup must be positive"),
     ("capacity_experiment.py", ["--config", "no-such.toml", "--out", "OUT"], "no such file"),
     ("adaptive_experiment.py", ["--hardware", "zz", "--out", "OUT"], "hardware.zz: no such"),
 ]

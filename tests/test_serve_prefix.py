@@ -66,6 +66,35 @@ def test_chain_hashes_equal_the_traffic_chain() -> None:
     assert chain_hashes(ids[:15], 16, 5) == ()
 
 
+def test_remembered_blocks_give_the_same_chain_and_the_memo_stays_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Hashing Rule 6: a longer stream sharing a prefix takes the prefix's runs of 16
+    blocks from the memo (no BLAKE2b call for them) and its chain is still the traffic
+    chain; a run that is not whole is hashed anew; a full memo starts over."""
+    from inference_lab.api import hashing
+
+    monkeypatch.setattr(hashing, "_block_memo", {})
+    monkeypatch.setattr(hashing, "BLOCK_MEMO", 96)
+    ids = np.arange(1, 16 * 40 + 1, dtype=np.int64)
+    assert chain_hashes(ids[: 16 * 32], 16, 32) == token_block_hashes(ids[: 16 * 32].tolist(), 16)
+    calls: list[bytes] = []
+    real = hashing.blake2b
+
+    def counted(data: bytes, digest_size: int) -> Any:
+        calls.append(data)
+        return real(data, digest_size=digest_size)
+
+    monkeypatch.setattr(hashing, "blake2b", counted)
+    assert chain_hashes(ids, 16, 40) == token_block_hashes(ids.tolist(), 16)
+    assert len(calls) == 8  # only the eight new blocks: runs 0-15 and 16-31 remembered
+    assert chain_hashes(ids[: 16 * 20], 16, 20) == token_block_hashes(ids[:320].tolist(), 16)
+    assert len(calls) == 8 + 4  # blocks 16-19 are not a remembered run of their own
+    assert len(hashing._block_memo) == 4  # runs 0-15, 16-31, 32-39, 16-19
+    chain_hashes(ids + 7, 16, 40)  # three more runs would pass 96 blocks: starts over
+    assert len(hashing._block_memo) == 3
+
+
 def test_byte_rule_chat_stream_is_the_rendering_with_template_tokens() -> None:
     """Rule 3: the chat stream is the default rendering's byte-rule ids followed by the
     continuation's, one template token after every 20; the prompt's part is the chat

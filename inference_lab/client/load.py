@@ -53,6 +53,7 @@ from .http import (
 )
 from .sse import SSEParser
 from .wire import (
+    PACING_LAG_HEADER,
     Endpoint,
     StreamAccumulator,
     build_prompt,
@@ -62,6 +63,7 @@ from .wire import (
     parse_completion_body,
     parse_error_body,
     parse_model_ids,
+    parse_pacing_lag,
     parse_retry_after,
 )
 
@@ -261,6 +263,9 @@ class RequestRecord:
     """The answer's ``Retry-After`` in seconds, when it was a 429 / 503 / 529 with one."""
     retry_wait: float = 0.0
     """Seconds the slot stayed taken after this answer for its ``Retry-After`` (Rule 7)."""
+    pacing_lag: float | None = None
+    """The answer's ``inference-lab-pacing-lag-ms`` in seconds (an inference-lab server:
+    how late its engine was when the request reached admission), when it had one."""
 
     @property
     def e2e(self) -> float:
@@ -326,6 +331,7 @@ class _Attempt:
     finish_reason: str | None = None
     retry_after: float | None = None
     retry_wait: float = 0.0
+    pacing_lag: float | None = None
     settled: bool = False  # the controller has seen the outcome (``_Run._settle``)
 
     def fail(
@@ -356,6 +362,7 @@ class _Attempt:
             finish_reason=self.finish_reason,
             retry_after=self.retry_after,
             retry_wait=self.retry_wait,
+            pacing_lag=self.pacing_lag,
         )
 
 
@@ -642,6 +649,9 @@ class _Run:
         try:
             conn, response = await self._send()
             att.status = status = response.status_code
+            for name, value in response.headers:
+                if name == PACING_LAG_HEADER:
+                    att.pacing_lag = parse_pacing_lag(value)
             if status != 200:
                 etype, code, message = parse_error_body(await conn.read_body(_ERROR_BODY_LIMIT))
                 outcome = _status_outcome(status)

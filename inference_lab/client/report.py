@@ -9,6 +9,10 @@ Rule 2: throughput is a rate over the measurement window ``[warmup, end]`` — `
 Rule 3: the settled limit of an adaptive run is the time-weighted median of the limit over
   the final third of the load phase ``[2/3 · dispatch_end, dispatch_end]``.
 Rule 4: JSON holds no NaN or infinity: a statistic with no samples is ``null``.
+Rule 6: the server's pacing lag (``inference-lab-pacing-lag-ms``, an inference-lab
+  server's) is summarized over the attempts started after the warm-up whose answer carried
+  it; the report says the host was behind when its mean is at least
+  :data:`LAG_EXPLAINS_MS` and :data:`LAG_EXPLAINS_SHARE` of the mean TTFT.
 Rule 5: the first error is the first attempt, in start order, that did not succeed —
   except a 529 of an adaptive run, which is the controller's signal, not a failure. A run
   in which no attempt succeeded has ``all_failed`` set (the CLI exits 1 on it).
@@ -42,6 +46,13 @@ __all__ = [
     "write_csv",
     "write_json",
 ]
+
+
+#: A mean pacing lag (ms) from which the report says the host, not the model, was behind
+#: (Rule 6): a few hundred microseconds are the timer's and the loop's ordinary jitter ...
+LAG_EXPLAINS_MS = 0.5
+#: ... and a share of the mean TTFT below which the lag explains little of it.
+LAG_EXPLAINS_SHARE = 0.1
 
 
 @attrs.frozen
@@ -150,6 +161,9 @@ class Summary:
     """At least one attempt, and none succeeded (Rule 5)."""
     retry_after: RetryAfterSummary | None = None
     """With ``--retry-after`` only."""
+    pacing_lag: Distribution | None = None
+    """The server's ``inference-lab-pacing-lag-ms`` over the measured answers that carried
+    it (seconds; Rule 6); None when none did (another server)."""
 
 
 def _completion_tokens(r: RequestRecord) -> int:
@@ -237,6 +251,7 @@ def summarize(result: LoadResult) -> Summary:
             without_header=sum(1 for r in refusals if r.retry_after is None),
         )
 
+    lags = [r.pacing_lag for r in measured if r.pacing_lag is not None]
     return Summary(
         mode=cfg.mode,
         run_time=result.end,
@@ -261,6 +276,7 @@ def summarize(result: LoadResult) -> Summary:
         first_error=first_error,
         all_failed=bool(records) and not any(r.outcome == "ok" for r in records),
         retry_after=retry_after,
+        pacing_lag=distribution(lags) if lags else None,
     )
 
 
@@ -367,6 +383,7 @@ def format_summary(result: LoadResult, summary: Summary) -> str:
             f"  {name:6}{_ms(d.p50):>10}{_ms(d.p90):>10}{_ms(d.p99):>10}{_ms(d.mean):>10}"
             f"{d.count:>9}"
         )
+    lines.extend(_lag_lines(summary))
     if summary.first_error is not None:
         e = summary.first_error
         lines.append(
@@ -394,6 +411,29 @@ def format_summary(result: LoadResult, summary: Summary) -> str:
             + (f" · {a.given_up} given up" if a.given_up else "")
         )
     return "\n".join(lines)
+
+
+def _lag_lines(summary: Summary) -> list[str]:
+    """The server's pacing lag (Rule 6): its mean and max, and a sentence when it is large
+    enough to explain the TTFT measured."""
+    lag = summary.pacing_lag
+    if lag is None or lag.mean is None or lag.max is None:
+        return []
+    lines = [
+        f"server pacing lag at admission (inference-lab-pacing-lag-ms, {lag.count} answers):"
+        f" mean {lag.mean * 1e3:.2f} ms · max {lag.max * 1e3:.2f} ms"
+    ]
+    ttft = summary.ttft.mean
+    if lag.mean * 1e3 >= LAG_EXPLAINS_MS and (
+        ttft is None or lag.mean >= LAG_EXPLAINS_SHARE * ttft
+    ):
+        share = f", {lag.mean / ttft:.0%} of the mean TTFT" if ttft else ""
+        lines.append(
+            f"  the server's host was behind: its engine ran {lag.mean * 1e3:.1f} ms late on "
+            f"average when these requests arrived{share}; that much of the latency above is "
+            "the host's CPU, not the model"
+        )
+    return lines
 
 
 # -- files -------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ __all__ = [
     "parse_completion_body",
     "parse_error_body",
     "parse_model_ids",
+    "PACING_LAG_HEADER",
+    "parse_pacing_lag",
     "parse_retry_after",
 ]
 
@@ -131,6 +133,21 @@ def parse_retry_after(value: bytes, now: float) -> float | None:
     if not math.isfinite(seconds):
         return None
     return max(0.0, seconds)
+
+
+#: The header an inference-lab server puts on every generation answer: how late its
+#: model's engine was when the request reached admission, in milliseconds.
+PACING_LAG_HEADER = b"inference-lab-pacing-lag-ms"
+
+
+def parse_pacing_lag(value: bytes) -> float | None:
+    """Seconds of an ``inference-lab-pacing-lag-ms`` value (``1.25`` is 1.25 ms); None
+    for one that is not a finite number >= 0."""
+    try:
+        ms = float(value.decode("latin-1"))
+    except ValueError:
+        return None
+    return ms / 1e3 if math.isfinite(ms) and ms >= 0.0 else None
 
 
 def encode_request(

@@ -8,6 +8,11 @@ Rule 2: the meter keeps the count, sum and maximum since the runtime started, th
 Rule 3: a window whose p99 passes :data:`LAG_WARN_P99` logs a warning naming the model,
         at most once per :data:`LAG_WARN_EVERY` seconds.
 Rule 4: the meter reads no clock: the caller passes the time.
+Rule 5: :attr:`LagMeter.latest` is the largest lag of the latest wake-up of the engine
+        task that handled events (the caller sets it once per such wake-up), and
+        :meth:`LagMeter.recent_p99` the last complete window's p99 while that window
+        ended less than :data:`LAG_WINDOW` ago (0 after a quiet second): the cheap
+        "how late now" figures an answer's header and the dashboard read.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class LagMeter:
 
     __slots__ = (
         "count",
+        "latest",
         "max",
         "name",
         "total",
@@ -85,6 +91,8 @@ class LagMeter:
         self.count = 0
         self.total = 0.0
         self.max = 0.0
+        #: The largest lag of the latest wake-up that handled events (Rule 5).
+        self.latest = 0.0
         self._samples: deque[float] = deque(maxlen=LAG_SAMPLES)
         self._window: list[float] = []  # lags of the current window
         self._window_start = 0.0
@@ -137,6 +145,12 @@ class LagMeter:
                 window[-1] * 1e3,
                 elapsed,
             )
+
+    def recent_p99(self, now: float) -> float:
+        """The p99 of the last complete window if it ended less than :data:`LAG_WINDOW`
+        before ``now``, else 0 (Rule 5: an engine that handled nothing for a second is
+        not late). O(1); read by the dashboard's sampler each tick."""
+        return self._window_p99 if now - self._window_start < LAG_WINDOW else 0.0
 
     def statistics(self, last: int | None = None) -> LagStatistics:
         """The meter's figures; the ``recent_*`` percentiles are over the ``last``

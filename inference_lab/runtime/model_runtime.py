@@ -404,6 +404,24 @@ class ModelRuntime:
             e2e_p50=float(np.median(e2e)) if e2e.size else 0.0,
         )
 
+    def pacing_lag(self) -> float:
+        """How late this model's engine is now (seconds, >= 0), for the header every
+        generation answer carries: 0 while it has no event ahead (idle, or not running);
+        else the larger of how overdue its next event already is and the lag of its latest
+        wake-up that handled events (lag Rule 5). O(1), no allocation; called by the serve
+        layer when a request reaches admission."""
+        t = self.engine.next_event_time() if self._alive else None
+        if t is None:
+            return 0.0
+        overdue = trio.current_time() - (self.epoch + t)
+        latest = self._lag.latest
+        return overdue if overdue > latest else latest
+
+    def recent_lag_p99(self) -> float:
+        """The pacing lag's p99 over the last complete second, 0 after a quiet second
+        (lag Rule 5); read by the dashboard's sampler."""
+        return self._lag.recent_p99(trio.current_time())
+
     # ------------------------------------------------------------------ HTTP side
     def check_fits(self, prompt_tokens: int, max_tokens: int, n: int = 1) -> RequestRefused | None:
         """Why a request of this size (``n`` sequences) can never run on this model, or
@@ -724,6 +742,7 @@ class ModelRuntime:
         # into an idle engine also finds its (back-dated) first step due.
         first = self._ticked and self._precise
         self._ticked = False
+        latest = -1.0  # the first event's lag: the pass's largest (one `now`, events in order)
         for _ in range(MAX_EVENTS_PER_WAKE):
             t = engine.next_event_time()
             if t is None or epoch + t > horizon:
@@ -737,9 +756,13 @@ class ModelRuntime:
                 first = False
             lag = signed if signed > 0.0 else 0.0
             lag_meter.record(lag)
+            if latest < 0.0:
+                latest = lag
             self._deliver(events)
             if observer is not None:
                 observer.on_step(events, lag)
+        if latest >= 0.0:
+            lag_meter.latest = latest
         lag_meter.tick(now)
         if self.kv_events is not None:
             kv = engine.take_kv_events()

@@ -312,6 +312,7 @@ async def serve_answer(
     5) go with the request to the router and the prefix cache. Raises
     :class:`ApiError`, ``QueueFull`` or ``EngineUnavailable`` only before anything is
     sent."""
+    exchange.note_pacing_lag(runtime.pacing_lag())  # (once: a chat's route noted it first)
     engine_prompt = max(1, parsed.prompt_tokens)
     refused = runtime.check_fits(engine_prompt, parsed.max_tokens, parsed.n)
     if refused is not None:

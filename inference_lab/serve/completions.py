@@ -284,6 +284,7 @@ async def complete(
             runtime = state.runtime_for(parsed.model)  # a model, or a LoRA adapter's
             if runtime is None:
                 raise state.model_not_found(parsed.model)
+            exchange.note_pacing_lag(runtime.pacing_lag())  # on every answer from here
             if len(batch) > 1:  # several prompts: answered whole (Rule 8)
                 state.harness.intercept(exchange, raw, parsed)  # (a fault header: its 400)
                 await serve_batch(state, runtime, exchange, receive, send, batch)

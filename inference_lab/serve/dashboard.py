@@ -29,6 +29,12 @@ Rule 6: a model whose engine is not running is sampled with ``alive`` false and 
 Rule 7: a page that names no model is shown the busiest (:meth:`Sampler.busiest`): the
         most requests running and queued now, then the most admitted since start, then the
         first served; an idle server opens on its first model.
+Rule 8: each sample carries the pacing lag's p99 over the last complete second
+        (``lag_p99_ms``, 0 after a quiet second) and ``host_behind``, true when it
+        passes the threshold of the server's "not keeping up" log warning
+        (:data:`~inference_lab.runtime.lag.LAG_WARN_P99`, ``lag_warn_ms`` in the page's
+        settings): the page's banner then says the host, not the model, sets the
+        latencies clients see.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from inference_lab.jsonbytes import dumps
+from inference_lab.runtime.lag import LAG_WARN_P99
 from inference_lab.runtime.model_runtime import ModelRuntime
 from inference_lab.serve.error_replies import error_reply
 from inference_lab.serve.metrics import RECENT_FINISHED, ModelMetrics
@@ -248,6 +255,7 @@ class Sampler:
         lag_mean = (lag_total - track.lag_total) / lag_n if lag_n > 0 else 0.0
         track.lag_total, track.lag_events = lag_total, lag_events
         lag_peak, metrics.lag_peak = metrics.lag_peak, 0.0
+        lag_p99 = runtime.recent_lag_p99() if snap.alive else 0.0
         sample: dict[str, Any] = {
             "seq": self.seq,
             "t": round(t, 4),
@@ -271,6 +279,8 @@ class Sampler:
             "aborted": track.aborted,
             "lag_mean_ms": _ms(lag_mean),
             "lag_max_ms": _ms(lag_peak),
+            "lag_p99_ms": _ms(lag_p99),
+            "host_behind": lag_p99 > LAG_WARN_P99,
         }
         sample.update(self._latencies(track, runtime, metrics))
         changes = self._new_changes(track, runtime)
@@ -375,6 +385,7 @@ class Sampler:
                 "rate_window": RATE_WINDOW,
                 "latency_window": LATENCY_WINDOW,
                 "ring_samples": RING_SAMPLES,
+                "lag_warn_ms": _ms(LAG_WARN_P99),
                 "started_unix": self.started_unix,
                 "changes": list(track.changes),
             }

@@ -13,7 +13,13 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Exchange", "Receive", "Send"]
+__all__ = ["PACING_LAG_HEADER", "Exchange", "Receive", "Send"]
+
+#: The response header that tells a client how late the model's engine was when its
+#: request reached admission (Rule 2): a client-measured TTFT above the model's has a
+#: visible reason when the host, not the model, was the bottleneck.
+PACING_LAG_HEADER = b"inference-lab-pacing-lag-ms"
+_NO_LAG = (PACING_LAG_HEADER, b"0.00")
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -30,6 +36,8 @@ class Exchange:
     #: The id the server gave this request (set by the gate's ``prepare``): a completion's
     #: body ``id``, and ``x-request-id`` unless the client sent a usable one.
     request_id: str = ""
+    #: The pacing-lag header is among :attr:`headers` (Rule 2).
+    lag_noted: bool = False
 
     @property
     def method(self) -> str:
@@ -45,6 +53,15 @@ class Exchange:
             if key == name:
                 return bytes(value)
         return None
+
+    def note_pacing_lag(self, lag: float) -> None:
+        """Add the pacing-lag header (``lag`` seconds, from ``ModelRuntime.pacing_lag``)
+        to every answer of this exchange from now on, once (Rule 2); called where a
+        generation route reaches a model's admission."""
+        if self.lag_noted:
+            return
+        self.lag_noted = True
+        self.headers.append(_NO_LAG if lag <= 0.0 else (PACING_LAG_HEADER, b"%.2f" % (lag * 1e3)))
 
     def wrap(self, send: Send) -> Send:
         """``send`` with this exchange's headers added to the response start (``send``

@@ -131,6 +131,11 @@
         "with 503 (engine_unavailable), and it reports nothing running or queued.");
     } else if (sample.draining) {
       setBanner("The server is shutting down: new requests get 503.");
+    } else if (sample.host_behind) {
+      setBanner(`The host is not keeping up with ${info.model}: over the last second, 1 % of ` +
+        `engine events were handled ${fmt(sample.lag_p99_ms, 1)} ms or more late (above ` +
+        `${fmt(info.lag_warn_ms, 0)} ms). Clients see latencies above the model's by about ` +
+        "that much; every answer says how late in its inference-lab-pacing-lag-ms header.");
     } else {
       setBanner("");
     }
