@@ -167,7 +167,12 @@ def test_the_dashboard_follows_the_server_in_a_real_browser(
                 server.url, "/control/engine", {"model": "gpt-oss-20b", "action": "kill"}
             )
             assert status == 200
-            browser.page.wait_for_selector("#banner:not([hidden])", timeout=WAIT_MS)
+            # (a loaded machine may show the host-behind banner first: wait for this one)
+            browser.page.wait_for_function(
+                """() => { const b = document.getElementById("banner");
+                    return !b.hidden && b.textContent.includes("not running"); }""",
+                timeout=WAIT_MS,
+            )
             banner = browser.page.text_content("#banner") or ""
             assert "not running" in banner and "503" in banner
             browser.wait_value("v-running", "v === 0")
