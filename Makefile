@@ -44,9 +44,9 @@ test-fast: lint $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_sim.py
 
-# The clients lane (not part of `make test`): litellm and aiperf, real clients of `serve`, in
-# their own .venv-clients (`.[test,clients]`; about 3 minutes to install, 2 GB), so the
-# main .venv keeps the versions the suite pins. Only 127.0.0.1; no network needed once
+# The clients lane (not part of `make test`): litellm, aiperf, openai-agents and pydantic-ai,
+# real clients of `serve`, in their own .venv-clients (`.[test,clients]`; about 3 minutes to
+# install, 2 GB), so the main .venv keeps the versions the suite pins. Only 127.0.0.1; no network needed once
 # installed.
 .PHONY: test-clients
 CLIENTS_VENV := .venv-clients
@@ -59,7 +59,8 @@ $(CLIENTS_STAMP): pyproject.toml
 	touch $(CLIENTS_STAMP)
 
 test-clients: $(CLIENTS_STAMP)
-	$(CLIENTS_VENV)/bin/python -m pytest -p no:dash tests/test_litellm_client.py tests/test_aiperf_client.py
+	$(CLIENTS_VENV)/bin/python -m pytest -p no:dash tests/test_litellm_client.py tests/test_aiperf_client.py \
+		tests/test_openai_agents_client.py tests/test_pydantic_ai_client.py
 
 # The stress suite (not part of `make test`; about 2 minutes): fuzz, burst 1,000,
 # disconnect storm, slow clients, soak, SIGTERM under load. SOAK_SECONDS=1200 for the

@@ -14,7 +14,8 @@ and tool choice (``docs/agents.md#when-an-auto-answer-calls-a-tool``):
 It prints, per framework, the runs that ended with a non-empty final answer, the
 distribution of model calls per run, the tool calls and output tokens per run, and the
 median wall time of a run.
-Needs the clients (not test extras): ``pip install openai-agents 'pydantic-ai-slim[openai]'``.
+Needs the clients (not test extras; the ``clients`` extra has them, as ``make test-clients``'
+``.venv-clients`` does): ``pip install openai-agents 'pydantic-ai-slim[openai]'``.
 
     python scripts/bench_agent_loops.py [--runs 50] [--concurrency 5] [--config gpt-oss-20b]
 """

@@ -14,8 +14,10 @@ SLOW_MODULES = frozenset(
         "test_browser.py",
         "test_litellm_client.py",
         "test_gateway_haproxy.py",
+        "test_openai_agents_client.py",
         "test_packaging.py",
         "test_plan_ray.py",
+        "test_pydantic_ai_client.py",
         "test_scripts_input.py",
         "test_serve_e2e.py",
     }
