@@ -32,6 +32,7 @@ from inference_lab.serve.agent_routes import register_response_routes
 from inference_lab.serve.asgi import STATE_KEY, InferenceLabApp
 from inference_lab.serve.dashboard import Sampler, register_dashboard_routes
 from inference_lab.serve.harness.control import register_harness_routes
+from inference_lab.serve.kv_routes import register_kv_routes
 from inference_lab.serve.launch import fail_launch
 from inference_lab.serve.ops import register_ops_routes
 from inference_lab.serve.routes import register_routes
@@ -153,4 +154,5 @@ def create_app(
     register_response_routes(app, state)  # GET / DELETE /v1/responses/{id}
     register_ops_routes(app, state)  # /ping, /load, /reset_prefix_cache, sleep mode
     register_harness_routes(app, state)  # POST /control/engine, harness on only
+    register_kv_routes(app, state)  # /kv_transfer/*: prefill/decode hand-offs
     return app
