@@ -197,7 +197,14 @@ async def test_the_openai_client_through_a_1p1d_deployment() -> None:
             counts = holds.counts[LLAMA]
             assert (counts.held, counts.ended["released"], counts.claims) == (4, 4, 4)
             assert pd.decode.runtimes[LLAMA].engine.statistics().transfers == 4
-            assert pd.proxy.statistics()["completed"] == 4
+            stats = pd.proxy.statistics()
+            assert stats["completed"] == 4
+            assert {stage: v["count"] for stage, v in stats["stages"].items()} == {
+                "front": 4,
+                "prefill": 4,
+                "handoff": 4,
+                "decode_head": 4,
+            }
 
 
 async def test_a_full_decode_server_refuses_before_the_prefill_is_spent() -> None:
@@ -378,3 +385,29 @@ def test_three_processes_make_a_1p1d_deployment() -> None:
     for code, err in results:
         assert code == 0, err
         assert "Traceback" not in err, err
+
+
+async def test_the_admission_probe_is_answered_where_it_is_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """kv_routes Rule 3 / quick Rule 2: with 32 tasks always runnable, a decode server
+    writes its answer to a served model's admission probe in the batch whose read brought
+    it, as ``/health``; the answer is the route's (200, ``admits``). A model it does not
+    serve goes the route's way: a 404 in the envelope."""
+    from inference_lab.serve.kv_routes import admission_target
+    from tests.serve_util import running_server
+    from tests.test_serve_health import batches_from_read_to_answer, batches_of_work
+
+    with trio.fail_after(30):
+        async with running_server(settings("decode")) as (_, port, _state):
+            async with batches_of_work() as counter:
+                quick, answer = await batches_from_read_to_answer(
+                    monkeypatch, port, counter, admission_target(LLAMA), False
+                )
+                _, unknown = await batches_from_read_to_answer(
+                    monkeypatch, port, counter, admission_target("nope"), False
+                )
+    assert quick == 0
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    assert json.loads(answer.partition(b"\r\n\r\n")[2])["admits"] is True
+    assert unknown.startswith(b"HTTP/1.1 404 ")

@@ -201,7 +201,8 @@ class ProxyApp:
         await _reply(send, unavailable("no decode backend could be reached: " + "; ".join(down)))
 
     def statistics(self) -> dict[str, Any]:
-        """``GET /stats``: requests by outcome, the hops' means (ms) and the backends."""
+        """``GET /stats``: requests by outcome, each stage's count, total and mean (ms:
+        ``handoff.py``'s :class:`HandoffStats`) and the backends."""
         s = self.stats
         return {
             "requests": s.requests,
@@ -210,8 +211,7 @@ class ProxyApp:
             "probe_refusals": s.probe_refusals,
             "unavailable": s.unavailable,
             "released": s.released,
-            "front_ms_mean": s.front_seconds / s.requests * 1e3 if s.requests else 0.0,
-            "handoff_ms_mean": s.handoff_seconds / s.handoffs * 1e3 if s.handoffs else 0.0,
+            "stages": s.summary(),
             "prefill": [b.statistics() for b in self.prefill.backends],
             "decode": [b.statistics() for b in self.decode.backends],
         }

@@ -41,6 +41,7 @@ import trio
 from inference_lab.errors import error_body
 from inference_lab.jsonbytes import dumps
 from inference_lab.proxy.backends import Backend, BackendFailed, Exchange, Pool
+from inference_lab.serve.transport import chunk_writer
 
 __all__ = ["HandoffStats", "ProxyReply", "prefill_request", "serve_completion"]
 
@@ -70,11 +71,18 @@ def unavailable(message: str) -> ProxyReply:
     return ProxyReply(503, body, ((b"content-type", b"application/json"), (b"retry-after", b"1")))
 
 
+#: The stages of a request through the proxy that :class:`HandoffStats` times.
+STAGES = ("front", "prefill", "handoff", "decode_head")
+
+
 @attrs.define
 class HandoffStats:
-    """What the proxy did: requests by outcome, and the two hops it adds (seconds summed):
-    ``front`` from a request's body read to its prefill request sent, ``handoff`` from the
-    prefill's answer read to the decode request sent."""
+    """What the proxy did: requests by outcome, and where their time went, per stage
+    (seconds summed, and how many requests passed the stage): ``front`` from a request's
+    body read to its prefill request sent (the admission probe included), ``prefill``
+    from there to the prefill's answer read, ``handoff`` from there to the decode request
+    sent, ``decode_head`` from there to the decode answer's head (the decode server's
+    claim and admission)."""
 
     requests: int = 0
     completed: int = 0
@@ -82,9 +90,25 @@ class HandoffStats:
     probe_refusals: int = 0
     unavailable: int = 0
     released: int = 0
-    front_seconds: float = 0.0
-    handoff_seconds: float = 0.0
-    handoffs: int = 0
+    seconds: dict[str, float] = attrs.field(factory=lambda: dict.fromkeys(STAGES, 0.0))
+    counts: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(STAGES, 0))
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.seconds[stage] += seconds
+        self.counts[stage] += 1
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Each stage's count, total and mean (ms; the mean 0 before any request passed
+        it)."""
+        out: dict[str, dict[str, float]] = {}
+        for stage in STAGES:
+            count, total = self.counts[stage], self.seconds[stage] * 1e3
+            out[stage] = {
+                "count": count,
+                "total_ms": total,
+                "mean_ms": total / count if count else 0.0,
+            }
+        return out
 
 
 def prefill_request(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -194,7 +218,7 @@ async def _release(call: _Call, stats: HandoffStats) -> None:
 
 
 async def _decode(
-    call: _Call, order: list[Backend], send: _Started, stats: HandoffStats, sent_at: list[float]
+    call: _Call, order: list[Backend], send: _Started, stats: HandoffStats, answered: float
 ) -> ProxyReply | None:
     """Step 3: the decode answer passed through as it arrives; the reply to send instead
     when no decode backend could be reached (Rule 1). A refusal passes through too. A
@@ -203,11 +227,15 @@ async def _decode(
     body = dumps(call.raw)
     down: list[str] = []
     for backend in order:
-        sent_at.append(trio.current_time())
+        sent = trio.current_time()
+        if answered:
+            stats.add("handoff", sent - answered)
+            answered = 0.0
         try:
             async with Exchange(
                 backend, call.timeout, "POST", call.path, call.headers, body
             ) as answer:
+                stats.add("decode_head", trio.current_time() - sent)
                 if answer.status == 200:
                     call.held = None  # the decode server answers for the KV now
                     stats.completed += 1
@@ -215,9 +243,14 @@ async def _decode(
                     stats.passed_refusals += 1
                 start = {"status": answer.status, "headers": answer.headers}
                 await send({"type": "http.response.start", **start})
+                write = chunk_writer(send.raw)  # (pre-framed chunks, past h11, when hooked)
                 while not answer.ended:
                     data = await answer.chunk()
-                    if data:
+                    if not data:
+                        continue
+                    if write is not None:
+                        await write(data)
+                    else:
                         await send({"type": "http.response.body", "body": data, "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return None
@@ -233,13 +266,13 @@ class _Started:
     that cannot be answered with a status any more)."""
 
     def __init__(self, send: Send) -> None:
-        self._send = send
+        self.raw = send
         self.started = False
 
     async def __call__(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
             self.started = True
-        await self._send(message)
+        await self.raw(message)
 
 
 async def serve_completion(
@@ -270,7 +303,8 @@ async def serve_completion(
                 return
             assert chosen is not None
             order = [chosen, *(b for b in order if b is not chosen)]
-        stats.front_seconds += trio.current_time() - read_at
+        sent = trio.current_time()
+        stats.add("front", sent - read_at)
         step = await _prefill(call, prefill)
         if isinstance(step, ProxyReply):
             if step.status == 503 and b"backend_unavailable" in step.body:
@@ -281,14 +315,11 @@ async def serve_completion(
             return
         backend, params = step
         answered = trio.current_time()
+        stats.add("prefill", answered - sent)
         if params is not None:
             call.raw = {**raw, FIELD: params}
             call.held = (backend, params)
-        sent_at: list[float] = []
-        reply = await _decode(call, order, started, stats, sent_at)
-        if sent_at:
-            stats.handoff_seconds += sent_at[0] - answered
-            stats.handoffs += 1
+        reply = await _decode(call, order, started, stats, answered)
         if reply is not None:
             stats.unavailable += 1
             await _send_whole(started, reply)

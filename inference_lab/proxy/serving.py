@@ -5,6 +5,9 @@ Rule 1: the proxy binds its socket itself (so ``--port 0`` names its port in the
         server's transport interface (``serve/transport``: ``serve``).
 Rule 2: SIGINT or SIGTERM stops accepting and gives live requests
         :data:`FLUSH_TIMEOUT` seconds before their connections are cut.
+Rule 3: connections are served by the transport's hooked connection server
+        (``install_connection_hook``), so a stream's pieces are written to the client as
+        pre-framed chunks (``transport.chunk_writer``) rather than through h11 one by one.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import trio
 
-from inference_lab.serve.transport import serve
+from inference_lab.serve.transport import install_connection_hook, serve
 
 __all__ = ["FLUSH_TIMEOUT", "bind", "serve_proxy", "serve_until_signalled"]
 
@@ -50,6 +53,7 @@ async def serve_proxy(
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` on ``sock`` (taken over) until ``stop`` is set (Rule 2)."""
+    install_connection_hook()  # the transport's connection server: cheap mid-body writes
     await serve(
         app,
         sock,
