@@ -51,16 +51,35 @@ def main() -> int:
         assert split is not None
         stages = [
             s.mean or 0.0
-            for s in (split.ttft_queue, split.ttft_prefill, split.ttft_handoff, split.ttft_first_decode)
+            for s in (
+                split.ttft_queue,
+                split.ttft_prefill,
+                split.ttft_handoff,
+                split.ttft_first_decode,
+            )
         ]
         agg_dep = attrs.evolve(base, hardware=attrs.evolve(base.hardware, replicas=x + y))
         agg = run_simulation(agg_dep, workload)
-        rows.append((f"{x}P{y}D", stages, agg.summary.ttft.mean or 0.0, pd.summary.tpot.p50 or 0.0,
-                     agg.summary.tpot.p50 or 0.0))
-    print(f"{'layout':8} " + " ".join(f"{s:>18}" for s in STAGES) + "  TTFT  aggregated  TPOT p50 (pd / agg)")
+        rows.append(
+            (
+                f"{x}P{y}D",
+                stages,
+                agg.summary.ttft.mean or 0.0,
+                pd.summary.tpot.p50 or 0.0,
+                agg.summary.tpot.p50 or 0.0,
+            )
+        )
+    print(
+        f"{'layout':8} "
+        + " ".join(f"{s:>18}" for s in STAGES)
+        + "  TTFT  aggregated  TPOT p50 (pd / agg)"
+    )
     for name, stages, agg_ttft, tpot, agg_tpot in rows:
-        print(f"{name:8} " + " ".join(f"{v:18.2f}" for v in stages)
-              + f"  {sum(stages):6.1f}  {agg_ttft:10.1f}  {tpot:.2f} / {agg_tpot:.2f}")
+        print(
+            f"{name:8} "
+            + " ".join(f"{v:18.2f}" for v in stages)
+            + f"  {sum(stages):6.1f}  {agg_ttft:10.1f}  {tpot:.2f} / {agg_tpot:.2f}"
+        )
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,13 +87,19 @@ def main() -> int:
 
     fig, ax = plt.subplots(figsize=(8.5, 3.4))
     colours = ("#8c8c8c", "#1f77b4", "#ff7f0e", "#2ca02c")
-    for i, (name, stages, agg_ttft, _, _) in enumerate(rows):
+    for i, (_name, stages, agg_ttft, _, _) in enumerate(rows):
         left = 0.0
         for j, value in enumerate(stages):
             ax.barh(i, value, left=left, color=colours[j], label=STAGES[j] if i == 0 else None)
             left += value
-        ax.plot([agg_ttft], [i], marker="|", markersize=22, color="black",
-                label="aggregated, same GPUs" if i == 0 else None)
+        ax.plot(
+            [agg_ttft],
+            [i],
+            marker="|",
+            markersize=22,
+            color="black",
+            label="aggregated, same GPUs" if i == 0 else None,
+        )
     ax.set_yticks(range(len(rows)), [r[0] for r in rows])
     ax.set_xlabel("mean TTFT (ms)")
     ax.set_title(f"Llama-3.3-70B FP8 on H200, 4k in / 500 out, {args.rate:g} req/s")
