@@ -537,3 +537,35 @@ async def test_the_admission_probe_answers_as_admission_would(
         assert stopped.status_code == 503
         # the claim routes belong to a prefill server
         assert (await d.post("/kv_transfer/claim", {})).status_code == 404
+
+
+async def test_a_reasoning_models_hand_off_goes_the_agent_path(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A chat that asks gpt-oss-20b to reason is served by the agent path
+    (``serve_chat_agent``): its prefill holds the KV and answers the params, its decode
+    pulls them, answers with reasoning, and releases them."""
+    from tests.conftest import GPT
+
+    def gpt(role: str) -> ServeSettings:
+        return attrs.evolve(make_settings(GPT), role=role)
+
+    async with serve(gpt("prefill")) as p, serve(gpt("decode")) as d:
+        peers = AppPeers(p)
+        pulls(d).peers = peers
+        effort = {"reasoning_effort": "medium"}
+        body = chat_body(PROMPT, max_tokens=1, stream=False, **effort, **{FIELD: dict(PREFILL_ASK)})
+        async with p.stream(body) as stream:
+            await stream.read_all()
+        params = json.loads(stream.body_bytes())[FIELD]
+        assert p.runtime(GPT).engine.statistics().workers[0].held == 1
+        answer = await d.post(
+            "/v1/chat/completions", chat_body(PROMPT, max_tokens=40, **effort, **{FIELD: params})
+        )
+        assert answer.status_code == 200, await answer.get_data()
+        message = json.loads(await answer.get_data())["choices"][0]["message"]
+        assert message.get("reasoning")
+        await settle()
+        assert d.runtime(GPT).engine.statistics().transfers == 1
+        assert p.runtime(GPT).engine.statistics().kv_used_blocks == 0
+        assert [path for path, _ in peers.calls] == ["/kv_transfer/claim", "/kv_transfer/release"]
