@@ -42,6 +42,12 @@ class ConfigError(InferenceLabError):
     """
 
 
+class CalibrationError(InferenceLabError):
+    """Raised by :mod:`inference_lab.calibrate.fit` for a fit the measurements cannot
+    determine (fewer measured values than terms, a term nothing moves, two terms that
+    move everything alike). ``inference-lab calibrate`` prints it on one line, exit 1."""
+
+
 class SimError(InferenceLabError):
     """Raised by :func:`inference_lab.sim.run.run_simulation` for a workload that cannot make
     progress on the deployment (every request refused in a duration-bounded closed loop).

@@ -25,8 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from inference_lab.cli_args import CliParser, number
-from inference_lab.plan.backends import Executor, InlineExecutor, ProcessExecutor
+from inference_lab.executors.backends import Executor, InlineExecutor, ProcessExecutor
 from inference_lab.plan.cache import ResultCache
+from inference_lab.plan.jobs import Job, ProbeResult, run_job
 from inference_lab.plan.planner import PlanResult, run_plan
 from inference_lab.plan.spec import expand_candidates, load_spec
 from inference_lab.resources import shipped_dir
@@ -96,7 +97,7 @@ def decisions(result: PlanResult) -> list[object]:
 
 
 def run(
-    name: str, make: Callable[[], Executor], spec_path: Path, base: Path
+    name: str, make: Callable[[], Executor[Job, ProbeResult]], spec_path: Path, base: Path
 ) -> tuple[PlanResult, float, int]:
     spec = load_spec(spec_path)
     candidates = expand_candidates(spec)
@@ -138,10 +139,10 @@ def main() -> int:
         print(f"space: {len(cands)} candidates, {runnable} can run; probes of {args.duration:g} s")
         print(f"machine: two busy processes get {machine_parallelism():.2f} cores (before)")
 
-        backends: list[tuple[str, Callable[[], Executor]]] = [
-            ("in-process", InlineExecutor),
-            ("1 process", lambda: ProcessExecutor(1)),
-            ("2 processes", lambda: ProcessExecutor(2)),
+        backends: list[tuple[str, Callable[[], Executor[Job, ProbeResult]]]] = [
+            ("in-process", lambda: InlineExecutor(run_job)),
+            ("1 process", lambda: ProcessExecutor(run_job, 1)),
+            ("2 processes", lambda: ProcessExecutor(run_job, 2)),
         ]
         rows = []
         reference: list[object] | None = None
@@ -152,14 +153,14 @@ def main() -> int:
             reference = reference or decisions(result)
             assert decisions(result) == reference, f"{name}: another answer"
         if not args.no_ray:
-            from inference_lab.plan.ray_backend import RayExecutor, local_cluster
+            from inference_lab.executors.ray_backend import RayExecutor, local_cluster
 
             start = time.perf_counter()
             with local_cluster(nodes=2) as address:
                 up = time.perf_counter() - start
                 print(f"Ray: 2 local nodes up in {up:.1f} s")
                 result, busy, workers = run(
-                    "Ray, 2 nodes", lambda: RayExecutor(address), spec_path, base
+                    "Ray, 2 nodes", lambda: RayExecutor(run_job, address), spec_path, base
                 )
             rows.append(("Ray, 2 nodes", result, busy, workers))
             assert decisions(result) == reference, "Ray: another answer"

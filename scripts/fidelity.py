@@ -1,27 +1,22 @@
 """The fidelity table: the simulator's predictions against published measurements.
 
-``docs/fidelity/measurements.csv`` holds rows copied from public vendor tables (each with
-its source document, table and row) and a ``split`` column: ``fit`` or ``test``. This
-script re-simulates every row on the datasheet entry of its GPU and on the calibrated one,
-and writes the table, the out-of-sample errors and the per-row results:
+``docs/fidelity/measurements.csv`` holds rows copied from public tables (each with its
+source document, table and row; the columns are inference_lab/calibrate/table.py's). Each
+row names the calibrated entry of its GPU and engine (``h100-vllm``, ``h200-sglang``, ...);
+this script re-simulates every row on the datasheet roofline of its GPU, on the calibrated
+entry, and out of sample, and writes the tables of docs/fidelity.md, the per-row results
+and the predicted-vs-measured plot:
 
-    python scripts/fidelity.py table     # regenerate docs/fidelity.md's table (and results.csv)
-    python scripts/fidelity.py fit       # refit the calibrated profiles on the fit rows (writes them)
+    python scripts/fidelity.py fit       # refit the calibrated profiles (writes them)
+    python scripts/fidelity.py holdout   # the out-of-sample folds (writes holdout.csv)
+    python scripts/fidelity.py table     # docs/fidelity.md's tables, results.csv, fidelity.png
 
-How a row is reproduced (docs/fidelity.md says why):
-
-- ``offline`` (trtllm-bench throughput): all ``requests`` at t = 0, every prompt ``isl``
-  and every output ``osl`` tokens; the engine's batch and token limits are those
-  trtllm-bench derives for the model, the GPUs and the lengths
-  (tensorrt_llm/bench/build/tuning.py: requests that fit 95 % of the memory left after the
-  weights, rounded up to a multiple of 32 / 128 / 256, at most 4096; tokens per step
-  max_batch x (1 + isl / osl), at most 32768, rounded up), with 95 % of the memory for the
-  weights and KV cache, and no more running requests than the KV cache holds at their
-  full length (TensorRT-LLM's default capacity policy, GUARANTEED_NO_EVICT); compared on
-  output tokens/s;
-- ``closed_loop`` (aiperf against NIM): ``level`` users, each sending its next request when
-  the previous one ends; the model config's scheduler; compared on mean TTFT, mean ITL
-  (TPOT) and output tokens/s.
+Out of sample (docs/fidelity.md says why): an entry with ``test`` rows in the CSV keeps
+that split (the shipped values are fitted on its ``fit`` rows, its ``test`` rows are out
+of sample); the others are fitted on every row and held out by whole model where they
+cover two models or more (each model predicted by the terms fitted on the others), else
+by whole load range where they cover one model at several concurrencies (each half of
+the levels predicted from the other).
 
 Rule: every figure this script writes comes from the shipped data (the CSV, the configs,
 the profiles) and the simulator; nothing is typed in by hand.
@@ -31,207 +26,344 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-
-import attrs
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from inference_lab.calibrate.fit import (  # noqa: E402
-    PRESETS,
-    fit_cases,
-    mape,
-    simulate_level,
+import attrs  # noqa: E402
+
+from inference_lab.calibrate.fit import apply, is_missing, mape, simulate_level  # noqa: E402
+from inference_lab.calibrate.table import (  # noqa: E402
+    Case,
+    TableRow,
+    check_units,
+    config_finder,
+    datasheet_case,
+    read_table,
+    row_cases,
+    trtllm_bench_limits,
 )
-from inference_lab.calibrate.measurements import (  # noqa: E402
-    LoadLevel,
-    Measurements,
-    start_spread,
-)
-from inference_lab.core.config import (  # noqa: E402
-    BYTES_PER_VALUE,
-    AttentionLayer,
-    Deployment,
-    load_deployment,
-    load_hardware_profile,
-)
-from inference_lab.core.roofline import Roofline  # noqa: E402
-from inference_lab.errors import ConfigError  # noqa: E402
+from inference_lab.calibrate.tablefit import fit_entry, holdout  # noqa: E402
+from inference_lab.core.config import load_hardware_profile  # noqa: E402
+from inference_lab.errors import InferenceLabError  # noqa: E402
+
+__all__ = ["read_rows", "trtllm_bench_limits"]
 
 DATA = ROOT / "docs" / "fidelity" / "measurements.csv"
 RESULTS = ROOT / "docs" / "fidelity" / "results.csv"
+HOLDOUT = ROOT / "docs" / "fidelity" / "holdout.csv"
+PLOT = ROOT / "docs" / "fidelity.png"
 PAGE = ROOT / "docs" / "fidelity.md"
 PROFILES = ROOT / "hardware_profiles"
+CONFIG_DIRS = (ROOT / "configs" / "fidelity", ROOT / "configs" / "frontier", ROOT / "configs")
 BEGIN, END = "<!-- fidelity-table:begin -->", "<!-- fidelity-table:end -->"
 CAL_BEGIN, CAL_END = "<!-- calibrated-values:begin -->", "<!-- calibrated-values:end -->"
-#: The calibrated entry of each (engine, GPU): the group a row is fitted in.
-ENGINE_TAG = {"trtllm-bench": "trtllm", "NIM 1.8.0 (aiperf)": "nim"}
-#: What each group fits: throughput-only rows cannot tell a per-step overhead from the
-#: bandwidth, so the offline groups fit the two fractions only.
-GROUP_TERMS = {"trtllm": ("memory_bandwidth", "flops"), "nim": PRESETS["efficiency"]}
-COLUMNS = (
-    "id", "source", "table", "row", "column", "engine", "scenario", "model_config", "hardware",
-    "tp", "isl", "osl", "level", "requests", "output_tps", "ttft_ms", "tpot_ms", "split",
-)  # fmt: skip
-#: A closed-loop level is re-simulated with at most this many requests.
-SIM_CAP = 1000
-#: The fit's iterations at most (each re-simulates every fit row of a group 3-4 times).
+#: What each calibrated entry fits, by its engine tag (the entry's name after the GPU's):
+#: throughput-only tables cannot tell a per-step overhead from the bandwidth; vLLM's
+#: bursts of 100-1,000 requests pin the host's per-sequence work and, filling the KV
+#: cache, the memory the engine keeps out of it; SGLang's closed loops at 4-64 users (the
+#: KV cache never full) its per-request latency in front of the engine.
+TERMS = {
+    "trtllm": ("memory_bandwidth", "flops"),
+    "nim": ("memory_bandwidth", "flops", "step_overhead"),
+    "vllm": ("memory_bandwidth", "flops", "step_overhead", "seq_overhead", "reserved_memory"),
+    "sglang": ("memory_bandwidth", "flops", "step_overhead", "frontend_latency"),
+}
+#: Entries whose rows determine fewer terms than their engine's: h200-vllm has two fit
+#: rows of one model (bursts of 100 32K-token and 500 2K-token prompts, both FLOP-bound),
+#: which tell the FLOP fraction and the per-sequence work apart and nothing else.
+ENTRY_TERMS = {"h200-vllm": ("flops", "seq_overhead")}
+#: Where every fit starts: the datasheet (no efficiency or host terms).
+DATASHEET = {
+    "memory_bandwidth": 1.0,
+    "flops": 1.0,
+    "step_overhead": 0.0,
+    "seq_overhead": 0.0,
+    "frontend_latency": 0.0,
+    "reserved_memory": 0.0,
+}
+#: A closed-loop level is re-simulated with at most this many requests (or 4 per user).
+SIM_CAP = 200
+#: The fit's iterations at most (each re-simulates every row of an entry 3-5 times).
 FIT_ITERATIONS = 12
+METRICS = (("throughput", "output tokens/s", 1.0), ("tpot", "TPOT", 1e3), ("ttft", "TTFT", 1e3))
 
 
-@attrs.frozen
-class Row:
-    path: Path
-    line: int
-    cells: dict[str, str]
-
-    def __getitem__(self, key: str) -> str:
-        return self.cells[key]
-
-    @property
-    def group(self) -> str:
-        return f"{self['hardware']}-{ENGINE_TAG[self['engine']]}"
-
-    def number(self, key: str) -> float | None:
-        text = self.cells[key]
-        if text == "":
-            return None
-        try:
-            value = float(text)
-        except ValueError:
-            raise ConfigError(
-                f"{self.path}:{self.line}: {key}: must be a number, got {text!r}"
-            ) from None
-        if not math.isfinite(value) or value <= 0:
-            raise ConfigError(f"{self.path}:{self.line}: {key}: must be > 0, got {text!r}")
-        return value
+def read_rows(path: Path = DATA) -> list[TableRow]:
+    """The measurement rows (inference_lab.calibrate.table.read_table: file:line: column:
+    problem for a bad one)."""
+    return read_table(path)
 
 
-def read_rows(path: Path = DATA) -> list[Row]:
-    """The measurement rows; ConfigError (file:line: column: problem) for a bad one."""
-    with path.open(newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh)
-        if tuple(reader.fieldnames or ()) != COLUMNS:
-            raise ConfigError(f"{path}:1: the header must be {','.join(COLUMNS)}")
-        rows = [Row(path, i, dict(r)) for i, r in enumerate(reader, start=2)]
-    for row in rows:
-        if row["split"] not in ("fit", "test"):
-            raise ConfigError(f"{path}:{row.line}: split: must be fit or test")
-        if row["engine"] not in ENGINE_TAG:
-            raise ConfigError(f"{path}:{row.line}: engine: must be one of {', '.join(ENGINE_TAG)}")
-        if row["scenario"] not in ("offline", "closed_loop"):
-            raise ConfigError(f"{path}:{row.line}: scenario: must be offline or closed_loop")
-        for key in ("tp", "isl", "osl", "level", "requests", "output_tps", "ttft_ms", "tpot_ms"):
-            row.number(key)
-    return rows
+def engine_tag(entry: str) -> str:
+    return entry.rsplit("-", 1)[1]
+
+
+def terms_of(entry: str) -> tuple[str, ...]:
+    """The terms ``entry`` is fitted on (its engine's, unless ENTRY_TERMS says fewer)."""
+    return ENTRY_TERMS.get(entry, TERMS[engine_tag(entry)])
+
+
+@contextmanager
+def mapper(workers: int) -> Iterator[Callable[[Any, list[Any]], list[Any]]]:
+    if workers <= 1:
+        yield lambda func, jobs: list(map(func, jobs))
+        return
+    with ProcessPoolExecutor(workers) as pool:
+        yield lambda func, jobs: list(pool.map(func, jobs))
+
+
+def entry_cases(rows: Sequence[TableRow]) -> dict[str, list[Case]]:
+    """Every row as a case on its calibrated entry (checked), grouped by entry."""
+    cases = row_cases(rows, config_finder(CONFIG_DIRS), PROFILES)
+    for case in cases:
+        check_units(case)
+    groups: dict[str, list[Case]] = {}
+    for case in cases:
+        groups.setdefault(case.row["entry"], []).append(case)
+    return groups
+
+
+def holdout_kind(cases: Sequence[Case]) -> str:
+    """How an entry is measured out of sample (the module docstring): by the CSV's split
+    where it has test rows (the shipped values are fitted on the others), else by whole
+    model, else by whole load range."""
+    if any(c.row["split"] == "test" for c in cases):
+        return "split"
+    if len({c.row["model_config"] for c in cases}) >= 2:
+        return "model"
+    closed = [c for c in cases if c.level.kind == "closed"]
+    if len({c.level.level for c in closed}) >= 2 and len(closed) == len(cases):
+        return "concurrency"
+    return "none"
 
 
 # ---------------------------------------------------------------------------------------
-# reproducing a row
+# the fit
 
 
-def trtllm_bench_limits(dep: Deployment, isl: int, osl: int) -> tuple[int, int]:
-    """The (max batch, max tokens per step) trtllm-bench picks for ``dep`` at ``isl`` /
-    ``osl``: the rule of tensorrt_llm/bench/build/tuning.py (calc_engine_setting,
-    finetune_setting), in GiB as it counts, with KV at the model's KV precision."""
-    model, tp = dep.model, dep.hardware.tp
-    gib = 1024**3
-    params = sum(w.resident_params for w in model.weights)
-    quantised = [w for w in model.weights if w.precision != "bf16"]
-    per_param = BYTES_PER_VALUE[quantised[0].precision] if quantised else 2.0
-    attention = [x for x in model.layers if isinstance(x, AttentionLayer)]
-    per_token = (
-        sum(
-            2 * x.count * max(tp, x.kv_heads) * x.head_dim * BYTES_PER_VALUE[x.kv_precision]
-            for x in attention
+def fit_entries(workers: int, only: list[str] | None) -> None:
+    """Fit each calibrated entry (or those of ``only``) and write its profile."""
+    groups = entry_cases(read_rows())
+    for entry, cases in groups.items():
+        if only and entry not in only:
+            continue
+        terms = terms_of(entry)
+        start_at = {n: DATASHEET[n] for n in terms}
+        fit_on = [
+            attrs.evolve(c, deployment=apply(c.deployment, start_at))
+            for c in cases
+            if c.row["split"] == "fit"
+        ]
+        start = time.monotonic()
+        with mapper(workers) as run:
+            result = fit_entry(fit_on, terms, SIM_CAP, run, FIT_ITERATIONS)
+        before, after = mape(result.before), mape(result.after)
+        print(
+            f"{entry}: {len(fit_on)} fit rows; "
+            + ", ".join(f"{n} = {v:.4g}" for n, v in result.fitted.items())
+            + "; MAPE "
+            + ", ".join(f"{m} {before[m]:.1f} % -> {after[m]:.1f} %" for m in before)
+            + f" ({result.iterations} iterations, {result.evaluations} evaluations, "
+            f"{time.monotonic() - start:.0f} s)",
+            flush=True,
         )
-        / gib
-    )
-    available = dep.profile.memory_capacity * tp / gib - params * per_param / gib
-    requests = available * 0.95 / (per_token * (isl + osl))
-    raw_batch = min(requests, 4096)
-    if raw_batch < 256:
-        batch = max(64, 32 * math.ceil(raw_batch / 32))
-    elif raw_batch < 1024:
-        batch = 128 * math.ceil(raw_batch / 128)
-    else:
-        batch = 256 * math.ceil(raw_batch / 256)
-    raw_tokens = min(raw_batch * (1 + isl / osl), 32768)
-    if raw_tokens < 4096:
-        tokens = max(2048, 256 * math.ceil(raw_tokens / 256))
-    elif raw_tokens < 8192:
-        tokens = 512 * math.ceil(raw_tokens / 512)
-    else:
-        tokens = 1024 * math.ceil(raw_tokens / 1024)
-    return batch, tokens
+        write_profile(entry, result.fitted)
 
 
-def row_case(row: Row, hardware: str) -> tuple[Deployment, LoadLevel]:
-    """The deployment and the load level that reproduce ``row`` on the entry ``hardware``
-    of its model config."""
-    path = ROOT / "configs" / "fidelity" / f"{row['model_config']}.toml"
-    dep = load_deployment(path, hardware, PROFILES)
-    isl, osl = round(row.number("isl") or 0), round(row.number("osl") or 0)
-    level_value = row.number("level") or 0
-    if row["scenario"] == "offline":
-        batch, tokens = trtllm_bench_limits(dep, isl, osl)
-        sched = attrs.evolve(
-            dep.scheduler, max_num_batched_tokens=tokens, gpu_memory_utilization=0.95
+def write_profile(entry: str, fitted: dict[str, float]) -> None:
+    """Set the fitted keys in ``hardware_profiles/<entry>.toml``: ``[efficiency]``'s, and
+    ``[overheads]``'s (the table added at the end when the profile has none); the rest of the
+    file, its comments included, is kept."""
+    path = PROFILES / f"{entry}.toml"
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for name, value in fitted.items():
+        over = name in ("seq_overhead", "frontend_latency", "reserved_memory")
+        table = "[overheads]" if over else "[efficiency]"
+        if table not in lines:
+            lines += ["", table]
+        start = lines.index(table)
+        end = next(
+            (i for i in range(start + 1, len(lines)) if lines[i].startswith("[")), len(lines)
         )
-        dep = attrs.evolve(dep, scheduler=sched)
-        # TensorRT-LLM's default capacity policy, GUARANTEED_NO_EVICT, admits a request
-        # only when its whole length fits the KV cache: at most this many at once
-        seats = dep.total_blocks // Roofline(dep).blocks_for(isl + osl)
-        sched = attrs.evolve(sched, max_num_seqs=max(1, min(batch, seats)))
-        dep = attrs.evolve(dep, scheduler=sched)
-        kind = "batched"
-    else:
-        kind = "closed"
-    level = LoadLevel(
-        source=f"{row.path}:{row.line}",
-        kind=kind,
-        level=level_value,
-        prompt_tokens=isl,
-        output_tokens=osl,
-        ttft=None if row.number("ttft_ms") is None else (row.number("ttft_ms") or 0) / 1e3,
-        tpot=None if row.number("tpot_ms") is None else (row.number("tpot_ms") or 0) / 1e3,
-        throughput=row.number("output_tps"),
-    )
-    return dep, start_spread(level)
-
-
-def _simulate(args: tuple[Row, str]) -> tuple[str, str, dict[str, float], float]:
-    row, hardware = args
-    start = time.process_time()
-    dep, level = row_case(row, hardware)
-    return row["id"], hardware, simulate_level(dep, level, SIM_CAP), time.process_time() - start
-
-
-def simulate_all(
-    jobs: list[tuple[Row, str]], workers: int
-) -> Iterator[tuple[str, str, dict[str, float], float]]:
-    if workers <= 1:
-        yield from map(_simulate, jobs)
-        return
-    with ProcessPoolExecutor(workers) as pool:
-        yield from pool.map(_simulate, jobs)
+        for i in range(start + 1, end):
+            if lines[i].split("=")[0].strip() == name:
+                lines[i] = f"{name} = {value:.4g}"
+                break
+        else:
+            at = end
+            while at > start + 1 and not lines[at - 1].strip():
+                at -= 1
+            lines.insert(at, f"{name} = {value:.4g}")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    check = load_hardware_profile(path)
+    print(f"  wrote {path.relative_to(ROOT)}: {check.efficiency}, {check.overheads}")
 
 
 # ---------------------------------------------------------------------------------------
 # the table
 
 
-def _fmt(value: float | None, digits: int = 0) -> str:
-    if value is None:
-        return "–"
-    return f"{value:,.{digits}f}"
+def _simulate(case: Case) -> dict[str, float]:
+    return simulate_level(case.deployment, case.level, SIM_CAP)
+
+
+def predictions(workers: int) -> tuple[list[Case], dict[str, dict[str, dict[str, float]]]]:
+    """Every row's predictions: ``datasheet``, ``calibrated`` (simulated here) and ``held
+    out`` (read from HOLDOUT), by row id."""
+    groups = entry_cases(read_rows())
+    cases = [c for members in groups.values() for c in members]
+    out: dict[str, dict[str, dict[str, float]]] = {c.row["id"]: {} for c in cases}
+    sheets = [datasheet_case(c, PROFILES) for c in cases]
+    with mapper(workers) as run:
+        runnable = [s for s in sheets if s is not None]
+        for sheet, got in zip(runnable, run(_simulate, runnable), strict=True):
+            out[sheet.row["id"]]["datasheet"] = got
+        for case, got in zip(cases, run(_simulate, cases), strict=True):
+            out[case.row["id"]]["calibrated"] = got
+    held, unfitted = read_holdout()
+    for entry, members in groups.items():
+        if holdout_kind(members) in ("model", "concurrency"):
+            missing = [c.row["id"] for c in members if c.row["id"] not in {**held, **unfitted}]
+            if missing:
+                raise InferenceLabError(
+                    f"{HOLDOUT}: no held-out prediction of {', '.join(missing[:3])}: run "
+                    f"`python scripts/fidelity.py holdout --entry {entry}` first"
+                )
+        for case in members:
+            if case.row["id"] in held:
+                out[case.row["id"]]["held out"] = held[case.row["id"]]
+    return cases, out
+
+
+def holdout_entries(workers: int, only: list[str] | None) -> None:
+    """Each entry held out by model or by load range (or those of ``only``): the folds
+    fitted from the datasheet, their held-out rows' predictions written to HOLDOUT (the
+    other entries' lines kept)."""
+    groups = entry_cases(read_rows())
+    kept = [line for line in _holdout_lines() if not only or line["entry"] not in only]
+    lines = list(kept)
+    for entry, cases in groups.items():
+        kind = holdout_kind(cases)
+        if (only and entry not in only) or kind not in ("model", "concurrency"):
+            continue
+        terms = terms_of(entry)
+        start_at = {n: DATASHEET[n] for n in terms}
+        cases = [attrs.evolve(c, deployment=apply(c.deployment, start_at)) for c in cases]
+        start = time.monotonic()
+        with mapper(workers) as run:
+            folds = holdout(cases, terms, kind, SIM_CAP, run, FIT_ITERATIONS)
+        for fold in folds:
+            fitted = "; ".join(f"{n} = {v:.4g}" for n, v in fold.values.items())
+            if fold.unfitted:
+                for case in fold.tested_on:
+                    lines.append({
+                        "entry": entry, "id": case.row["id"], "held_out": f"{kind}: {fold.held_out}",
+                        "metric": "", "predicted": "", "fitted": f"not fitted: {fold.unfitted}",
+                    })  # fmt: skip
+                continue
+            for case, prediction in zip(fold.tested_on, fold.predictions, strict=True):
+                for metric, [(p, measured)] in prediction.pairs.items():
+                    lines.append({
+                        "entry": entry, "id": case.row["id"], "held_out": f"{kind}: {fold.held_out}",
+                        "metric": metric, "predicted": "" if is_missing(p, measured) else f"{p:.6g}",
+                        "fitted": fitted,
+                    })  # fmt: skip
+        print(
+            f"{entry}: held out by {kind}, {len(folds)} folds ({time.monotonic() - start:.0f} s)",
+            flush=True,
+        )
+        write_holdout(lines)
+    write_holdout(lines)
+
+
+def write_holdout(lines: list[dict[str, str]]) -> None:
+    with HOLDOUT.open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=HOLDOUT_COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(lines)
+
+
+HOLDOUT_COLUMNS = ("entry", "id", "held_out", "metric", "predicted", "fitted")
+
+
+def _holdout_lines() -> list[dict[str, str]]:
+    if not HOLDOUT.is_file():
+        return []
+    with HOLDOUT.open(newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh))
+
+
+def read_holdout() -> tuple[dict[str, dict[str, float]], dict[str, str]]:
+    """The held-out predictions by row id (a blank value: the row did not run), and the
+    rows of folds that were not fitted, with the reason."""
+    out: dict[str, dict[str, float]] = {}
+    unfitted: dict[str, str] = {}
+    for line in _holdout_lines():
+        if not line["metric"]:
+            unfitted[line["id"]] = line["fitted"]
+            continue
+        got = out.setdefault(line["id"], {})
+        if line["predicted"]:
+            got[line["metric"]] = float(line["predicted"])
+    return out, unfitted
+
+
+def out_of_sample(case: Case, got: dict[str, dict[str, float]]) -> dict[str, float] | None:
+    """The row's out-of-sample prediction: its held-out one, else the calibrated entry's
+    for a ``test`` row, else None (a fit row of an entry held out by split)."""
+    if "held out" in got:
+        return got["held out"]
+    if case.row["split"] == "test":
+        return got["calibrated"]
+    return None
+
+
+def table(workers: int) -> None:
+    cases, got = predictions(workers)
+    write_results(cases, got)
+    page = _splice(PAGE.read_text(encoding="utf-8"), render(cases, got), BEGIN, END)
+    page = _splice(page, render_calibrated(cases), CAL_BEGIN, CAL_END)
+    PAGE.write_text(page, encoding="utf-8")
+    plot(cases, got)
+    print(f"wrote {RESULTS.relative_to(ROOT)}, {PLOT.relative_to(ROOT)} and the tables of "
+          f"{PAGE.relative_to(ROOT)}")  # fmt: skip
+
+
+def write_results(cases: Sequence[Case], got: dict[str, dict[str, dict[str, float]]]) -> None:
+    with RESULTS.open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.writer(fh, lineterminator="\n")
+        writer.writerow(
+            ["id", "entry", "split", "prediction", "metric", "measured", "predicted", "error_pct"]
+        )
+        for case in cases:
+            rid = case.row["id"]
+            measured = case.row.measured()
+            kinds = [
+                ("datasheet", got[rid].get("datasheet")),
+                ("calibrated", got[rid].get("calibrated")),
+            ]
+            kinds.append(("out of sample", out_of_sample(case, got[rid])))
+            for kind, predicted in kinds:
+                if predicted is None:
+                    continue
+                for metric, _, unit in METRICS:
+                    if metric not in measured or metric not in predicted:
+                        continue
+                    m, p = measured[metric] * unit, predicted[metric] * unit
+                    writer.writerow([rid, case.row["entry"], case.row["split"], kind, metric,
+                                     f"{m:.6g}", f"{p:.6g}", f"{100 * (p - m) / m:.2f}"])  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------
+# rendering
 
 
 def _err(predicted: float | None, measured: float | None) -> str:
@@ -240,225 +372,221 @@ def _err(predicted: float | None, measured: float | None) -> str:
     return f"{100 * (predicted - measured) / measured:+.1f} %"
 
 
-METRIC_KEYS = (
-    ("throughput", "output_tps", 1.0),
-    ("tpot", "tpot_ms", 1e3),
-    ("ttft", "ttft_ms", 1e3),
-)
+def _mape(pairs: list[tuple[float, float]]) -> str:
+    if not pairs:
+        return "–"
+    return f"{100 * sum(abs(p - m) / m for p, m in pairs) / len(pairs):.1f} %"
 
 
-def table(workers: int) -> None:
-    rows = read_rows()
-    jobs = [(row, entry) for row in rows for entry in (row["hardware"], row.group)]
-    results: dict[tuple[str, str], dict[str, float]] = {}
-    cpu = 0.0
-    for i, (rid, hardware, predicted, seconds) in enumerate(simulate_all(jobs, workers), 1):
-        results[(rid, hardware)] = predicted
-        cpu += seconds
-        print(f"[{i}/{len(jobs)}] {rid} on {hardware}: {seconds:.1f} s", file=sys.stderr)
-    # results.csv: every row, both entries
-    with RESULTS.open("w", newline="", encoding="utf-8") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["id", "split", "entry", "metric", "measured", "predicted", "error_pct"])
-        for row in rows:
-            for entry in (row["hardware"], row.group):
-                predicted = results[(row["id"], entry)]
-                for metric, column, unit in METRIC_KEYS:
-                    measured = row.number(column)
-                    if measured is None or metric not in predicted:
-                        continue
-                    value = predicted[metric] * unit
-                    writer.writerow(
-                        [row["id"], row["split"], entry, metric, measured, f"{value:.6g}",
-                         f"{100 * (value - measured) / measured:.2f}"]
-                    )  # fmt: skip
-    page = _splice(PAGE.read_text(encoding="utf-8"), render(rows, results), BEGIN, END)
-    page = _splice(page, render_calibrated(rows), CAL_BEGIN, CAL_END)
-    PAGE.write_text(page, encoding="utf-8")
-    print(f"wrote {RESULTS.relative_to(ROOT)} and the table of {PAGE.relative_to(ROOT)} "
-          f"({len(jobs)} simulations, {cpu:.0f} s CPU)")  # fmt: skip
+def _pairs(
+    cases: Sequence[Case], got: dict[str, dict[str, dict[str, float]]], kind: str, metric: str
+) -> list[tuple[float, float]]:
+    out = []
+    for case in cases:
+        measured = case.row.measured().get(metric)
+        g = got[case.row["id"]]
+        predicted = out_of_sample(case, g) if kind == "out of sample" else g.get(kind)
+        if measured is not None and predicted is not None and metric in predicted:
+            out.append((predicted[metric], measured))
+    return out
 
 
-def _mape(rows: list[Row], results: dict[tuple[str, str], dict[str, float]], split: str,
-          calibrated: bool, metric: str, column: str, unit: float) -> tuple[float | None, int]:  # fmt: skip
-    errors = []
-    for row in rows:
-        measured = row.number(column)
-        if row["split"] != split or measured is None:
-            continue
-        entry = row.group if calibrated else row["hardware"]
-        predicted = results[(row["id"], entry)].get(metric)
-        if predicted is not None:
-            errors.append(abs(predicted * unit - measured) / measured)
-    return (100 * sum(errors) / len(errors), len(errors)) if errors else (None, 0)
-
-
-def render(rows: list[Row], results: dict[tuple[str, str], dict[str, float]]) -> str:
+def render(cases: Sequence[Case], got: dict[str, dict[str, dict[str, float]]]) -> str:
     out = [
-        "MAPE per metric (rows: how many rows carry the metric). *Out of sample* is the test "
-        "half, which the calibration never saw.",
+        "MAPE per calibrated entry (engine x GPU) and metric. *Out of sample*: held out by "
+        "whole model where the entry covers two models or more, by whole load range where it "
+        "covers one model at several concurrencies, else the CSV's test rows; *calibrated*: "
+        "the shipped values on every row (in sample where they were fitted on it).",
         "",
-        "| metric | split | rows | datasheet roofline | calibrated |",
-        "|---|---|---|---|---|",
+        "| entry | models | held out by | metric | rows | datasheet | calibrated | **out of sample** |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    names = {"throughput": "output tokens/s", "tpot": "TPOT (ITL)", "ttft": "TTFT"}
-    for metric, column, unit in METRIC_KEYS:
-        for split in ("test", "fit"):
-            raw, n = _mape(rows, results, split, False, metric, column, unit)
-            cal, _ = _mape(rows, results, split, True, metric, column, unit)
-            if n:
-                label = "**test (out of sample)**" if split == "test" else "fit"
-                out.append(
-                    f"| {names[metric]} | {label} | {n} | {_fmt(raw, 1)} % | {_fmt(cal, 1)} % |"
-                )
-    groups: dict[str, list[Row]] = {}
-    for row in rows:
-        groups.setdefault(f"{row['engine']}|{row['table']}|{row['column']}", []).append(row)
-    for key, members in groups.items():
-        engine, table_name, column = key.split("|")
-        first = members[0]
-        out += ["", f"**{table_name}**, {column} ({engine}; `{first['model_config']}`, "
-                f"entries `{first['hardware']}` / `{first.group}`)", ""]  # fmt: skip
-        if first["scenario"] == "offline":
-            out += [
-                "| row | split | measured tok/s | datasheet | error | calibrated | error |",
-                "|---|---|---|---|---|---|---|",
+    entries: dict[str, list[Case]] = {}
+    for case in cases:
+        entries.setdefault(case.row["entry"], []).append(case)
+    for entry, members in entries.items():
+        models = sorted({c.row["model_config"] for c in members})
+        kind = holdout_kind(members)
+        for metric, name, _ in METRICS:
+            sample = _pairs(members, got, "calibrated", metric)
+            if not sample:
+                continue
+            out.append(
+                f"| `{entry}` | {', '.join(models)} | {kind} | {name} | {len(sample)} "
+                f"| {_mape(_pairs(members, got, 'datasheet', metric))} | {_mape(sample)} "
+                f"| **{_mape(_pairs(members, got, 'out of sample', metric))}** |"
+            )
+    out += ["", "Out of sample per model (MAPE):", "",
+            "| entry | model | rows | TTFT | TPOT | output tokens/s |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for entry, members in entries.items():
+        for model in sorted({c.row["model_config"] for c in members}):
+            mine = [c for c in members if c.row["model_config"] == model]
+            cells = [
+                _mape(_pairs(mine, got, "out of sample", m)) for m in ("ttft", "tpot", "throughput")
             ]
-            for row in members:
-                m = row.number("output_tps")
-                raw = results[(row["id"], row["hardware"])]["throughput"]
-                cal = results[(row["id"], row.group)]["throughput"]
-                out.append(
-                    f"| {row['row']} | {row['split']} | {_fmt(m)} | {_fmt(raw)} | {_err(raw, m)} "
-                    f"| {_fmt(cal)} | {_err(cal, m)} |"
-                )
-        else:
-            out += [
-                "| row | split | measured TTFT / ITL / tok/s | datasheet | errors | calibrated "
-                "| errors |",
-                "|---|---|---|---|---|---|---|",
-            ]
-            for row in members:
-                meas = [row.number(c) for _, c, _ in METRIC_KEYS[::-1]]
-                cells = []
-                for entry in (row["hardware"], row.group):
-                    p = results[(row["id"], entry)]
-                    pred = [p.get(m, math.nan) * u for m, _, u in METRIC_KEYS[::-1]]
-                    cells.append(" / ".join(_fmt(v, 1) for v in pred))
-                    cells.append(" / ".join(_err(v, w) for v, w in zip(pred, meas, strict=True)))
-                measured = " / ".join(_fmt(v, 1) for v in meas)
-                out.append(
-                    f"| {row['row']} | {row['split']} | {measured} | " + " | ".join(cells) + " |"
-                )
+            out.append(f"| `{entry}` | {model} | {len(mine)} | " + " | ".join(cells) + " |")
+    out += render_rows(cases, got)
     return "\n".join(out)
+
+
+def render_rows(cases: Sequence[Case], got: dict[str, dict[str, dict[str, float]]]) -> list[str]:
+    """One table per source table: each row measured, on the datasheet, calibrated and out
+    of sample, with the errors."""
+    out: list[str] = []
+    tables: dict[str, list[Case]] = {}
+    for case in cases:
+        key = f"{case.row['engine']}|{case.row['table']}|{case.row['column']}|{case.row['entry']}"
+        tables.setdefault(key, []).append(case)
+    for key, members in tables.items():
+        engine, table_name, column, entry = key.split("|")
+        first = members[0].row
+        metrics = [m for m in METRICS if any(m[0] in c.row.measured() for c in members)]
+        label = " / ".join(name for _, name, _ in metrics[::-1])
+        out += ["", f"**{table_name}**, {column} ({engine}; `{first['model_config']}`, "
+                f"`{first['hardware']}` datasheet / `{entry}`)", "",
+                f"| row | split | measured {label} | datasheet | calibrated | out of sample | errors (datasheet; calibrated; out of sample) |",
+                "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for case in members:
+            meas = case.row.measured()
+            g = got[case.row["id"]]
+            preds = [g.get("datasheet"), g.get("calibrated"), out_of_sample(case, g)]
+            cells = [" / ".join(_num(meas.get(m), u) for m, _, u in metrics[::-1])]
+            errors = []
+            for i, p in enumerate(preds):
+                if p is None and i == 0:
+                    cells.append("does not fit")
+                    errors.append("does not fit the datasheet's memory")
+                    continue
+                if p == {}:
+                    cells.append("did not run")
+                    errors.append("did not run")
+                    continue
+                cells.append(
+                    "–" if p is None else " / ".join(_num(p.get(m), u) for m, _, u in metrics[::-1])
+                )
+                errors.append(
+                    "–"
+                    if p is None
+                    else " / ".join(_err(p.get(m), meas.get(m)) for m, _, _ in metrics[::-1])
+                )
+            out.append(
+                f"| {case.row['row']} | {case.row['split']} | "
+                + " | ".join(cells)
+                + f" | {'; '.join(errors)} |"
+            )
+    return out
+
+
+def _num(value: float | None, unit: float) -> str:
+    if value is None:
+        return "–"
+    v = value * unit
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
 
 
 def _splice(page: str, body: str, begin: str, end: str) -> str:
     if begin not in page or end not in page:
-        raise ConfigError(f"{PAGE}: the markers {begin} and {end} are missing")
+        raise InferenceLabError(f"{PAGE}: the markers {begin} and {end} are missing")
     head, rest = page.split(begin, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{begin}\n{body}\n{end}{tail}"
 
 
-def render_calibrated(rows: list[Row]) -> str:
-    """The calibrated entries' table: what each was fitted on and its shipped values."""
+def render_calibrated(cases: Sequence[Case]) -> str:
+    """The calibrated entries: what each was fitted on and its shipped values."""
     out = [
-        "| entry | fitted on | terms fitted | memory_bandwidth | flops | step_overhead |",
-        "|---|---|---|---|---|---|",
+        "| entry | fitted on | terms fitted | memory_bandwidth | flops | step_overhead | seq_overhead | frontend_latency | reserved_memory |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    groups: dict[str, list[Row]] = {}
-    for row in rows:
-        groups.setdefault(row.group, []).append(row)
-    for group, members in groups.items():
-        eff = load_hardware_profile(PROFILES / f"{group}.toml").efficiency
-        fit_rows = [r for r in members if r["split"] == "fit"]
-        models = sorted({r["model_config"] for r in members})
-        terms = ", ".join(GROUP_TERMS[group.rsplit("-", 1)[1]])
+    entries: dict[str, list[Case]] = {}
+    for case in cases:
+        entries.setdefault(case.row["entry"], []).append(case)
+    for entry, members in entries.items():
+        profile = load_hardware_profile(PROFILES / f"{entry}.toml")
+        eff, over = profile.efficiency, profile.overheads
+        fit_rows = [c for c in members if c.row["split"] == "fit"]
+        models = sorted({c.row["model_config"] for c in members})
         out.append(
-            f"| `{group}` | {len(fit_rows)} fit rows: {members[0]['engine']}, {', '.join(models)} "
-            f"| {terms} | {eff.memory_bandwidth:.3g} | {eff.flops:.3g} "
-            f"| {eff.step_overhead * 1e3:.3g} ms |"
+            f"| `{entry}` | {len(fit_rows)} rows: {members[0].row['engine']}, {', '.join(models)} "
+            f"| {', '.join(terms_of(entry))} | {eff.memory_bandwidth:.3g} | {eff.flops:.3g} "
+            f"| {eff.step_overhead * 1e3:.3g} ms | {over.seq_overhead * 1e6:.3g} µs "
+            f"| {over.frontend_latency * 1e3:.3g} ms | {over.reserved_memory / 1e9:.3g} GB |"
         )
     return "\n".join(out)
 
 
-# ---------------------------------------------------------------------------------------
-# the fit
+def plot(cases: Sequence[Case], got: dict[str, dict[str, dict[str, float]]]) -> None:
+    """Predicted (out of sample where there is such a prediction, else calibrated) against
+    measured TTFT and TPOT, log-log, one colour per engine, with the y = x line and the
+    goal bands (25 % TTFT, 15 % TPOT)."""
+    import matplotlib
 
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-def fit_groups(workers: int, only: list[str] | None) -> None:
-    """Fit each calibrated group (or those of ``only``) on its fit rows and write the
-    values to its profile."""
-    rows = read_rows()
-    groups: dict[str, list[Row]] = {}
-    for row in rows:
-        if row["split"] == "fit" and (not only or row.group in only):
-            groups.setdefault(row.group, []).append(row)
-    for group, members in groups.items():
-        terms = GROUP_TERMS[group.rsplit("-", 1)[1]]
-        cases = []
-        for row in members:
-            dep, level = row_case(row, row["hardware"])
-            cases.append((dep, Measurements(levels=(level,))))
-        start = time.monotonic()
-        with ProcessPoolExecutor(workers) as pool:
-            evaluations = 0
-
-            def mapper(func: Any, jobs: list[Any], _map: Any = pool.map, _g: str = group) -> Any:
-                nonlocal evaluations
-                evaluations += 1
-                print(f"  {_g}: evaluation {evaluations}", file=sys.stderr, flush=True)
-                return list(_map(func, jobs))
-
-            result = fit_cases(cases, terms, SIM_CAP, mapper, max_iterations=FIT_ITERATIONS)
-        before, after = mape(result.before), mape(result.after)
-        print(
-            f"{group}: {len(members)} fit rows; "
-            + ", ".join(f"{n} = {v:.4g}" for n, v in result.fitted.items())
-            + "; MAPE on the fit rows "
-            + ", ".join(f"{m} {before[m]:.1f} % -> {after[m]:.1f} %" for m in before)
-            + f" ({result.iterations} iterations, {result.evaluations} evaluations, "
-            f"{time.monotonic() - start:.0f} s)",
-            flush=True,
-        )
-        write_efficiency(group, result.fitted)
-
-
-def write_efficiency(group: str, fitted: dict[str, float]) -> None:
-    """Set the fitted keys of the ``[efficiency]`` table of ``hardware_profiles/<group>.toml``
-    (the rest of the file, its comments included, is kept)."""
-    path = PROFILES / f"{group}.toml"
-    lines = path.read_text(encoding="utf-8").splitlines()
-    start = lines.index("[efficiency]")
-    for name, value in fitted.items():
-        for i in range(start + 1, len(lines)):
-            if lines[i].split("=")[0].strip() == name:
-                lines[i] = f"{name} = {value:.4g}"
-                break
-        else:
-            raise ConfigError(f"{path}: efficiency.{name}: no such line to set")
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    check = load_hardware_profile(path)
-    print(f"  wrote {path.relative_to(ROOT)}: {check.efficiency}")
+    engines = sorted({c.row["engine"] for c in cases})
+    colours = dict(zip(engines, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.5))
+    for ax, (metric, name, band) in zip(
+        axes, (("ttft", "TTFT", 0.25), ("tpot", "TPOT", 0.15)), strict=True
+    ):
+        lo, hi = float("inf"), 0.0
+        for engine in engines:
+            xs, ys = [], []
+            for case in cases:
+                if case.row["engine"] != engine or metric not in case.row.measured():
+                    continue
+                g = got[case.row["id"]]
+                predicted = out_of_sample(case, g)
+                if predicted is None:
+                    predicted = g.get("calibrated")
+                if predicted is None or metric not in predicted:
+                    continue
+                xs.append(case.row.measured()[metric] * 1e3)
+                ys.append(predicted[metric] * 1e3)
+            if xs:
+                ax.scatter(xs, ys, s=18, color=colours[engine], label=engine, alpha=0.8)
+                lo, hi = min(lo, *xs, *ys), max(hi, *xs, *ys)
+        if hi > 0:
+            line = [lo / 1.5, hi * 1.5]
+            ax.plot(line, line, color="black", linewidth=0.8)
+            ax.fill_between(
+                line,
+                [v * (1 - band) for v in line],
+                [v * (1 + band) for v in line],
+                color="grey",
+                alpha=0.15,
+                label=f"±{band:.0%}",
+            )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"measured {name} (ms)")
+        ax.set_ylabel(f"predicted {name} (ms)")
+        ax.set_title(f"{name}: out of sample where held out, else calibrated")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(PLOT, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=("table", "fit"))
+    parser.add_argument("command", choices=("table", "fit", "holdout"))
     parser.add_argument(
         "--workers", type=int, default=2, help="simulations in parallel (default 2)"
     )
     parser.add_argument(
-        "--group", action="append", help="fit: only this calibrated entry (repeatable)"
+        "--entry", action="append", help="fit, holdout: only this calibrated entry (repeatable)"
     )
     args = parser.parse_args(argv)
     try:
         if args.command == "table":
             table(args.workers)
+        elif args.command == "holdout":
+            holdout_entries(args.workers, args.entry)
         else:
-            fit_groups(args.workers, args.group)
-    except ConfigError as exc:
+            fit_entries(args.workers, args.entry)
+    except InferenceLabError as exc:
         print(f"fidelity: error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -76,11 +76,16 @@ def assert_blocks_conserved(engine: Engine) -> None:
     running requests holding it, and exactly the unreferenced ones are evictable; a
     request's cached blocks are a prefix of its hash chain; each running member of the
     step in flight holds exactly the blocks of the positions it has once that step ends
-    (no more, no fewer). Without cached blocks this is free + held == total."""
+    (no more, no fewer). Without cached blocks this is free + held == total. Requests
+    receiving a remote prefill's KV or holding theirs for a remote decode (scheduler Rule
+    6) hold blocks as running ones do; a request back in the queue after receiving holds
+    the blocks it received."""
     for w in engine.workers:
         w.sync_running()  # the fast path's rows hold the running requests' counts
         pool = w.pool
-        own = sum(r.num_blocks - len(r.held_hashes) for r in w.running)
+        holders = [*w.running, *w.receiving, *w.held.values()]
+        holders += [r for r in w.waiting if r.num_blocks]
+        own = sum(r.num_blocks - len(r.held_hashes) for r in holders)
         referenced = {h: c for h, c in pool.ref.items() if c > 0}
         assert w.free_blocks + own + len(referenced) == w.total_blocks, (
             w.free_blocks,
@@ -89,15 +94,16 @@ def assert_blocks_conserved(engine: Engine) -> None:
             w.total_blocks,
         )
         assert w.free_blocks >= 0
-        assert referenced == Counter(h for r in w.running for h in r.held_hashes)
+        assert referenced == Counter(h for r in holders for h in r.held_hashes)
         assert set(pool.evictable) == {h for h, c in pool.ref.items() if c == 0}
         assert len(pool.evictable) <= w.free_blocks
-        assert pool.filling == sum(1 for r in w.running if r.next_cache_position != NOT_CACHED)
-        for r in w.running:
+        assert pool.filling == sum(1 for r in holders if r.next_cache_position != NOT_CACHED)
+        for r in holders:
             assert tuple(r.held_hashes) == r.block_hashes[: len(r.held_hashes)], r.id
             assert r.num_blocks >= len(r.held_hashes)
         for r in w.waiting:
-            assert r.num_blocks == 0 and not r.held_hashes, r.id
+            if not r.num_blocks:
+                assert not r.held_hashes, r.id
         for r, n in w.batch:
             if r in w.running:
                 assert r.num_blocks == w.kv.group_blocks(r, r.num_computed + n), (

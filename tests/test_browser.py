@@ -106,6 +106,7 @@ def _stream(url: str, max_tokens: int, done: threading.Event) -> None:
         "model": "gpt-oss-20b",
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": max_tokens,
+        "ignore_eos": True,  # runs to max_tokens: the model's own stop would end it early
         "stream": True,
     }
     try:

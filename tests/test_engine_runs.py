@@ -9,7 +9,8 @@ completion or before an arrival), and compares every step's figures (as the simu
 scenarios cover decode runs (windowed and full attention, loaded and light), preemption,
 prefix hits, groups (``n > 1``), speculative decoding, MLA on data-parallel ranks,
 replicas behind a cache-aware router, a small token budget, the frontend latency and
-prefill/decode disaggregation (hand-offs, transfers, held blocks, back-pressure).
+prefill/decode disaggregation (hand-offs, transfers, held blocks, back-pressure) and KV
+tiers behind HBM (spills, fetches).
 """
 
 from __future__ import annotations
@@ -89,6 +90,17 @@ SCENARIOS: dict[str, Callable[[], tuple[Deployment, dict[str, Any]]]] = {
     "disaggregated-tight-decode": lambda: (
         _pd_tight(),
         {"rate": 150.0},
+    ),
+    "kv-tiers": lambda: (
+        deployment(
+            LLAMA8B,
+            "h100",
+            blocks=600,
+            kv_offloading_size=0.25,
+            kv_offloading_disk_size=1.0,
+            kv_offloading_disk_bandwidth=2e9,
+        ),
+        {"rate": 150.0, "hashes": True},
     ),
     "frontend-latency": lambda: (deployment(LLAMA8B, frontend_latency=0.002), {"rate": 80.0}),
 }

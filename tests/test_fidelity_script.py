@@ -1,5 +1,7 @@
-"""``scripts/fidelity.py``: the shipped measurements load and each names its source and
-split; trtllm-bench's engine limits are reproduced by hand; bad rows are one line."""
+"""``scripts/fidelity.py``: the shipped measurements load, each names its source, and each
+becomes a case its config can serve with plausible units; every calibrated entry can be
+measured out of sample; trtllm-bench's engine limits are reproduced by hand; bad rows are
+one line."""
 
 from __future__ import annotations
 
@@ -7,22 +9,45 @@ from pathlib import Path
 
 import fidelity
 
-from inference_lab.core.config import load_deployment
+from inference_lab.core.config import load_deployment, load_hardware_profile
 from tests.configs_util import CONFIGS, PROFILES, config_error
 
 
-def test_the_shipped_measurements_load_with_sources_and_a_split() -> None:
-    """Every row of docs/fidelity/measurements.csv has a source, a table, a row, a measured
-    figure and a split; each source table has fit and test rows."""
+def test_the_shipped_measurements_load_with_sources_and_become_cases() -> None:
+    """Every row of docs/fidelity/measurements.csv has a source, a table, a row and a
+    measured figure; every row is a case on its calibrated entry that passes the unit
+    check (fidelity.entry_cases runs inference_lab.calibrate.table.check_units)."""
     rows = fidelity.read_rows()
-    assert len(rows) == 59
+    assert len(rows) == 103
     for row in rows:
         assert row["source"] and row["table"] and row["row"]
-        assert row.number("output_tps") is not None
-    tables = {row["table"] + row["column"] for row in rows}
-    for table in tables:
-        splits = {row["split"] for row in rows if row["table"] + row["column"] == table}
-        assert "test" in splits
+        assert row.measured()
+    groups = fidelity.entry_cases(rows)
+    assert sum(len(cases) for cases in groups.values()) == len(rows)
+    for entry in groups:
+        assert fidelity.engine_tag(entry) in fidelity.TERMS
+        load_hardware_profile(PROFILES / f"{entry}.toml")
+
+
+def test_every_entry_is_measured_out_of_sample() -> None:
+    """An entry with test rows keeps its split; the others are held out by model (two
+    models or more) or by load range (one model at several concurrencies): none is left
+    without an out-of-sample measure."""
+    groups = fidelity.entry_cases(fidelity.read_rows())
+    kinds = {entry: fidelity.holdout_kind(cases) for entry, cases in groups.items()}
+    assert kinds["h100-vllm"] == "model"
+    assert kinds["h200-sglang"] == kinds["mi300x-sglang"] == "concurrency"
+    assert kinds["h200-vllm"] == kinds["h100-trtllm"] == kinds["h100-nim"] == "split"
+    assert "none" not in kinds.values()
+
+
+def test_hopper_runs_mxfp4_weights_at_the_bf16_rate_in_the_vllm_profiles() -> None:
+    """The vLLM profiles of Hopper GPUs price FP4 weights at the BF16 rate (dequantised
+    kernels); the datasheet profiles keep the FP8 rate (their figures unchanged)."""
+    for gpu in ("h100", "h200"):
+        vllm = load_hardware_profile(PROFILES / f"{gpu}-vllm.toml")
+        assert vllm.flops("fp4") == vllm.flops("bf16") == 9.89e14
+        assert load_hardware_profile(PROFILES / f"{gpu}.toml").flops("fp4") == 1.979e15
 
 
 def test_trtllm_bench_limits_by_hand() -> None:
@@ -49,7 +74,7 @@ def test_a_bad_row_is_one_line_naming_the_file_and_line(tmp_path: Path) -> None:
     bad.write_text("\n".join([text[0], text[1].replace(",fit", ",train")]) + "\n")
     assert config_error(fidelity.read_rows, bad).endswith("m.csv:2: split: must be fit or test")
     cells = text[1].split(",")
-    cells[14] = "-5"
+    cells[text[0].split(",").index("output_tps")] = "-5"
     bad.write_text("\n".join([text[0], ",".join(cells)]) + "\n")
     assert config_error(fidelity.read_rows, bad).endswith(
         "m.csv:2: output_tps: must be > 0, got '-5'"

@@ -216,7 +216,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(layer)
     for layer in (
         {"errors", "jsonbytes", "validation", "resources", "socket_stamps", "cli_args"},
-        {"traffic", "generate", "web"},
+        {"traffic", "generate", "web", "executors"},
         {"core"},
         {"workload", "api", "runtime"},
         {"sim"},
@@ -260,9 +260,10 @@ def _layer_breaches(graph_: dict[str, set[str]]) -> list[tuple[str, str]]:
 
 def test_packages_import_only_from_lower_layers() -> None:
     """The order between packages that ``docs/internals.md`` states: traffic shapes,
-    generated content and page parts below the core, then the workload generators, the
-    wire format and the trio runtime, then the simulator, then the tools built on it and
-    the server, then the command; every unit of the package is in a layer."""
+    generated content, page parts and the executors below the core, then the workload
+    generators, the wire format and the trio runtime, then the simulator, then the tools
+    built on it and the server, then the command; every unit of the package is in a
+    layer."""
     assert _layer_breaches(GRAPH) == []
     units = {_unit(m) for m in modules()} - {PACKAGE_NAME}
     assert units == set().union(*LAYERS)

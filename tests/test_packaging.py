@@ -216,7 +216,7 @@ def test_every_shipped_name_resolves_to_a_file_that_loads() -> None:
     ("kind", "typed", "hint"),
     [
         ("config", "gpt-oss-2b", "did you mean gpt-oss-20b or gpt-oss-120b?"),
-        ("config", "deepseek-v3", "did you mean DeepSeek-V3?"),
+        ("config", "deepseek-v3", "did you mean DeepSeek-V3 or DeepSeek-R1"),
         ("workload", "quik", "did you mean quick?"),
         ("trace", "mooncake", "did you mean mooncake-sample?"),
         ("plan", "chat-20-rps", "did you mean chat-20rps?"),

@@ -23,9 +23,9 @@ from inference_lab import cli
 from inference_lab.core.config import load_deployment, load_workload
 from inference_lab.core.engine import StepEvents
 from inference_lab.errors import ConfigError
-from inference_lab.plan import backends
+from inference_lab.executors import backends
+from inference_lab.executors.backends import InlineExecutor, ProcessExecutor
 from inference_lab.plan import jobs as jobs_module
-from inference_lab.plan.backends import InlineExecutor, ProcessExecutor
 from inference_lab.plan.cache import ResultCache
 from inference_lab.plan.jobs import (
     ITL_PERCENTILES,
@@ -53,11 +53,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def plan(
-    spec_path: Path, cache_dir: Path, executor: backends.Executor | None = None, **kw: Any
+    spec_path: Path,
+    cache_dir: Path,
+    executor: backends.Executor[Job, ProbeResult] | None = None,
+    **kw: Any,
 ) -> PlanResult:
     """The spec at `spec_path` planned with `executor` (default in-process), closed after."""
     spec = load_spec(spec_path)
-    ex = executor if executor is not None else InlineExecutor()
+    ex = executor if executor is not None else InlineExecutor(run_job)
     try:
         return run_plan(spec, expand_candidates(spec), ex, ResultCache(cache_dir), **kw)
     finally:
@@ -445,7 +448,7 @@ def test_a_process_pool_gives_the_same_answer_after_a_worker_is_killed(
     pool is replaced, the jobs it held run again, and the plan's answer is exactly the
     in-process one."""
     spec, expected = reference
-    executor = ProcessExecutor(2)
+    executor = ProcessExecutor(run_job, 2)
     killed: list[int] = []
 
     def kill_one(p: PlanProgress) -> None:
@@ -467,7 +470,7 @@ def test_a_job_submitted_after_a_worker_died_is_sent_to_the_new_pool() -> None:
     iteration raises; both jobs are answered, by a new pool, with run_job's own answer."""
     from concurrent.futures import wait as wait_futures
 
-    executor = ProcessExecutor(1)
+    executor = ProcessExecutor(run_job, 1)
     first, second = _job(rate=50.0), _job(rate=60.0)
     try:
         executor.submit(first)
@@ -485,21 +488,20 @@ def test_a_job_submitted_after_a_worker_died_is_sent_to_the_new_pool() -> None:
     assert stats.restarts == 1 and stats.retried == 1 and stats.completed == 2
 
 
+def _flaky(job: Job) -> ProbeResult:
+    """`run_job`, with a bug in every simulation on h100."""
+    if job.deployment.hardware_name == "h100":
+        raise RuntimeError("boom")
+    return run_job(job)
+
+
 def test_a_job_that_raises_fails_only_its_candidate(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: tuple[Path, PlanResult]
+    tmp_path: Path, reference: tuple[Path, PlanResult]
 ) -> None:
     """A bug in one candidate's simulation is that candidate's reason; the other
     candidates' answers are untouched and nothing failed is cached."""
     spec, expected = reference
-    real = backends.run_job
-
-    def flaky(job: Job) -> ProbeResult:
-        if job.deployment.hardware_name == "h100":
-            raise RuntimeError("boom")
-        return real(job)
-
-    monkeypatch.setattr(backends, "run_job", flaky)
-    result = plan(spec, tmp_path / "cache", InlineExecutor())
+    result = plan(spec, tmp_path / "cache", InlineExecutor(_flaky))
     for got, want in zip(result.candidates, expected.candidates, strict=True):
         if got.candidate.hardware == "h100" and got.candidate.deployment is not None:
             assert {o.reason for o in got.outcomes.values()} == {"job failed: RuntimeError: boom"}
@@ -523,7 +525,7 @@ def test_an_interrupted_plan_resumes_from_its_cache(
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        plan(spec, tmp_path / "cache", InlineExecutor(), progress=interrupt)
+        plan(spec, tmp_path / "cache", InlineExecutor(run_job), progress=interrupt)
     cache = ResultCache(tmp_path / "cache")
     keys = [p.stem for p in (tmp_path / "cache").glob("*/*.npz")]
     assert len(keys) == 5 and all(cache.get(k) is not None for k in keys)

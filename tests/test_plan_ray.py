@@ -24,10 +24,11 @@ from pathlib import Path
 import pytest
 
 from inference_lab import cli
-from inference_lab.plan.backends import InlineExecutor
+from inference_lab.executors.backends import InlineExecutor
+from inference_lab.executors.ray_backend import RayExecutor, local_cluster
 from inference_lab.plan.cache import ResultCache
+from inference_lab.plan.jobs import run_job
 from inference_lab.plan.planner import PlanProgress, run_plan
-from inference_lab.plan.ray_backend import RayExecutor, local_cluster
 from inference_lab.plan.spec import expand_candidates, load_spec
 from tests.plan_util import SPEC, answer, write_spec
 
@@ -110,10 +111,10 @@ def test_a_plan_on_two_ray_nodes_survives_a_killed_worker(ray_cluster: str, tmp_
     spec_path = write_spec(tmp_path)
     spec = load_spec(spec_path)
     inline = run_plan(
-        spec, expand_candidates(spec), InlineExecutor(), ResultCache(tmp_path / "inline")
+        spec, expand_candidates(spec), InlineExecutor(run_job), ResultCache(tmp_path / "inline")
     )
 
-    executor = RayExecutor(ray_cluster)
+    executor = RayExecutor(run_job, ray_cluster)
     assert executor.parallelism == 2
     cache = ResultCache(tmp_path / "ray")
     killed: list[int] = []

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from inference_lab import cli
-from inference_lab.plan.backends import InlineExecutor
+from inference_lab.executors.backends import InlineExecutor
 from inference_lab.plan.cache import ResultCache
 from inference_lab.plan.estimate import estimate, format_duration
+from inference_lab.plan.jobs import run_job
 from inference_lab.plan.planner import first_job, run_plan
 from inference_lab.plan.spec import (
     count_candidates,
@@ -62,14 +63,14 @@ def test_the_planner_takes_candidates_from_an_iterator(tmp_path: Path) -> None:
     list; a primed job counts as run, not cached, and the cache then holds exactly the
     jobs run."""
     spec = load_spec(write_spec(tmp_path))
-    listed = run_plan(spec, expand_candidates(spec), InlineExecutor(), ResultCache(tmp_path / "a"))
+    listed = run_plan(
+        spec, expand_candidates(spec), InlineExecutor(run_job), ResultCache(tmp_path / "a")
+    )
     cache = ResultCache(tmp_path / "b")
     primed = first_job(spec, expand_candidates(spec)[0])
-    from inference_lab.plan.jobs import run_job
-
     cache.put(run_job(primed))
     lazy = run_plan(
-        spec, iter_candidates(spec), InlineExecutor(), cache, total=8, primed={primed.key}
+        spec, iter_candidates(spec), InlineExecutor(run_job), cache, total=8, primed={primed.key}
     )
     assert answer(lazy) == answer(listed)
     assert (lazy.jobs_run, lazy.jobs_cached) == (listed.jobs_run, listed.jobs_cached)

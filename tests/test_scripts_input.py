@@ -23,6 +23,8 @@ CASES = [
     ("bench_overload.py", ["--model", "no-such-model"], "--model: "),
     ("bench_sim.py", ["--config", "no-such.toml"], "bench_sim: no-such.toml: no such file"),
     ("bench_sim.py", ["--requests", "0"], "--requests: must be an integer >= 1, got 0"),
+    ("bench_fleet.py", ["--workers", "1,0"], "--workers: each value must be an integer >= 1"),
+    ("bench_fleet.py", ["--replicas", "0"], "--replicas: must be an integer >= 1, got 0"),
     ("bench_tokenize.py", ["--tokenizer", "no-such.json"], "no such tokenizer file"),
     ("bench_pd_serve.py", ["--streams", "0"], "--streams must be at least 1"),
     ("bench_pd_serve.py", ["--requests", "4", "--streams", "4"], "must be more than --streams"),
@@ -35,6 +37,8 @@ CASES = [
     ("bench_stack.py", ["--streams", "0"], "must be at least 1"),
     ("bench_stack.py", ["--paused", "0"], "--paused and --repeats must be at least 1"),
     ("bench_transport.py", ["--units", "0"], "--units, --repeats and --jobs must be at least 1"),
+    ("bench_pd.py", ["--duration", "0"], "argument --duration: must be a number > 0"),
+    ("bench_pd.py", ["--out", "no-such-dir/pd.png"], "bench_pd: --out: no such directory"),
     ("capacity_experiment.py", ["--config", "no-such.toml", "--out", "OUT"], "no such file"),
     ("adaptive_experiment.py", ["--hardware", "zz", "--out", "OUT"], "hardware.zz: no such"),
 ]

@@ -127,6 +127,42 @@ def test_duration_stops_arrivals_before_the_deadline(pattern: str) -> None:
         assert t.max() > 45.0  # it did run to (near) the deadline, not stop early
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"num_requests": 3 * CHUNK + 17},
+        {"num_requests": 2 * CHUNK},
+        {"num_requests": None, "duration_secs": 700.0},
+        {"arrival_pattern": "burst", "num_requests": CHUNK + 1},
+        {"arrival_pattern": "uniform", "num_requests": 2 * CHUNK - 1, "duration_secs": 400.0},
+    ],
+)
+def test_chunks_are_the_arrays_cut_where_they_were_drawn(overrides: dict[str, Any]) -> None:
+    """``chunks()`` (a sharded simulation's stream) holds exactly ``arrays()``, in order,
+    in pieces of at most CHUNK, whichever limit ends the workload."""
+    wl = workload(**overrides)
+    whole = OpenLoopGenerator(wl, np.random.default_rng(wl.seed)).arrays()
+    parts = list(OpenLoopGenerator(wl, np.random.default_rng(wl.seed)).chunks())
+    assert parts and all(0 < len(p.times) <= CHUNK for p in parts)
+    for k in range(3):
+        assert np.array_equal(np.concatenate([p[k] for p in parts]), whole[k])
+
+
+@pytest.mark.parametrize("pattern", ["poisson", "uniform", "burst"])
+def test_a_stream_resumed_from_a_mark_goes_on_as_it_went(pattern: str) -> None:
+    """``marked_chunks`` marks the first chunk and every ``every``-th; a generator resumed
+    from any mark draws exactly the chunks that followed it."""
+    wl = workload(arrival_pattern=pattern, num_requests=7 * CHUNK + 5)
+    marked = list(OpenLoopGenerator(wl, np.random.default_rng(wl.seed)).marked_chunks(3))
+    marks = [(i, m) for i, (m, _) in enumerate(marked) if m is not None]
+    assert [i for i, _ in marks] == [0, 3, 6]
+    for i, mark in marks:
+        again = list(OpenLoopGenerator.resume(wl, mark).marked_chunks(start=mark))
+        assert len(again) == len(marked) - i
+        for (_, a), (_, b) in zip(again, marked[i:], strict=True):
+            assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
 def test_num_requests_caps_a_duration_bounded_workload() -> None:
     """With both limits the first one reached wins."""
     wl = workload(arrival_pattern="uniform", arrival_rate=10.0, num_requests=20, duration_secs=50.0)

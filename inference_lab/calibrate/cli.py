@@ -1,15 +1,19 @@
 """``inference-lab calibrate``: fit a deployment's efficiency terms (or time_correction) to
-measurements of a real server, report the error before and after, write a TOML snippet.
+measurements of a real server, report the error before and after, write a TOML snippet;
+or (``--table``) fit one GPU and engine's terms to every model a measurement table covers
+and report them per model, per load level and out of sample.
 
 ``cli.py`` calls :func:`add_parser` and then :func:`run`; the fit is
-:func:`inference_lab.calibrate.fit.fit`, the readers :mod:`inference_lab.calibrate.measurements`.
+:func:`inference_lab.calibrate.fit.fit`, the readers :mod:`inference_lab.calibrate.measurements`;
+the table mode is :mod:`inference_lab.calibrate.table_cli`.
 
 Rule 1: this module's top level imports only the standard library and the flag toolkit
         (``--help`` and a bad flag cost no numpy); ``run`` imports the machinery.
 Rule 2: bad input (a measurement file missing, unreadable, of no known format, with a key
-        missing or out of range, of another model; a bad config) is one line,
+        missing or out of range, of another model; a bad config; a table row that cannot
+        be reproduced; a fit the measurements cannot determine) is one line,
         ``inference-lab calibrate: error: <file>: <key or line>: <message>``, exit 1; bad
-        flags exit 2.
+        flags (and a table with measurement files, or neither) exit 2.
 Rule 3: the snippet is a ``[hardware.<name>]`` entry for the config: the fitted entry's
         profile, parallelism and scheduler keys, and the fitted terms; it never replaces
         the entry it was fitted from.
@@ -39,7 +43,7 @@ if TYPE_CHECKING:
     from inference_lab.calibrate.measurements import Measurements
     from inference_lab.core.config import Deployment, ModelConfig
 
-__all__ = ["add_parser", "run", "snippet"]
+__all__ = ["add_parser", "check_mode", "run", "snippet"]
 
 PROG = "inference-lab calibrate"
 #: Rule 5: how many points of MAPE a metric may lose before the entry counts as worse
@@ -57,7 +61,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "profile_export_aiperf.json, guidellm benchmarks.json, or a step CSV. Prints the "
         "error per metric before and after and a [hardware.<name>] TOML snippet.",
     )
-    parser.add_argument("--config", required=True, metavar="PATH|NAME", help="model config")
+    parser.add_argument("--config", metavar="PATH|NAME", help="model config")
     parser.add_argument(
         "--hardware",
         metavar="NAME",
@@ -66,11 +70,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "measurements",
-        nargs="+",
+        nargs="*",
         type=Path,
         metavar="FILE",
         help="measurement files (load / aiperf / guidellm JSON, or a step CSV)",
     )
+    from inference_lab.calibrate.table_cli import add_table_arguments
+
+    add_table_arguments(parser)
     parser.add_argument(
         "--fit",
         default="efficiency",
@@ -123,6 +130,22 @@ def parse_terms(text: str) -> tuple[str, ...]:
     return names
 
 
+def check_mode(args: argparse.Namespace) -> bool:
+    """Whether the command is the table mode; ValueError for flags that do not go
+    together (measurement files with ``--table``, neither, ``--entry`` without it)."""
+    if args.table is not None:
+        if args.measurements or args.config is not None:
+            raise ValueError("--table: fits the table's rows; give no --config or files with it")
+        if args.entry is None:
+            raise ValueError("--table: needs --entry (the calibrated entry to fit)")
+        return True
+    if args.entry is not None or args.holdout is not None:
+        raise ValueError("--entry and --holdout go with --table")
+    if args.config is None or not args.measurements:
+        raise ValueError("needs --config and measurement files, or --table and --entry")
+    return False
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -160,6 +183,8 @@ def snippet(
     sched = {
         k: v for k, v in _fields(dep.scheduler).items() if _fields(config.scheduler).get(k) != v
     }
+    if "frontend_latency" in result.fitted:
+        sched["frontend_latency"] = result.fitted["frontend_latency"]
     if sched:
         lines.append(f"scheduler = {_toml_value(sched)}")
     fitted = result.fitted
@@ -172,6 +197,14 @@ def snippet(
     eff_values.update({k: v for k, v in fitted.items() if k in PRESETS["efficiency"]})
     if any(k in fitted for k in PRESETS["efficiency"]) or hw.efficiency is not None:
         lines.append(f"efficiency = {_toml_value(eff_values)}")
+    if (
+        {"seq_overhead", "frontend_latency"} & set(fitted)
+        or hw.overheads is not None
+        or (dep.overheads.frontend_latency)
+    ):
+        # the scheduler line carries the whole frontend latency (the profile's included)
+        overheads = {"seq_overhead": fitted.get("seq_overhead", dep.overheads.seq_overhead)}
+        lines.append(f"overheads = {_toml_value({**overheads, 'frontend_latency': 0.0})}")
     tc = {"alpha": hw.time_correction.alpha, "beta": hw.time_correction.beta}
     tc.update({k: v for k, v in fitted.items() if k in PRESETS["time_correction"]})
     if tc != {"alpha": 1.0, "beta": 0.0}:
@@ -271,8 +304,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         names = parse_terms(args.fit)
         check_output("-o", args.output)
+        table = check_mode(args)
     except ValueError as exc:
         return fail(PROG, str(exc), EXIT_USAGE)
+    if table:
+        from inference_lab.calibrate.table_cli import run_table
+
+        return run_table(args, names)
     from inference_lab.calibrate.fit import fit
     from inference_lab.calibrate.measurements import read_measurements
     from inference_lab.core.config import load_model_config, select_deployment

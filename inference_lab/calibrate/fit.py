@@ -16,6 +16,9 @@ Rule 3: a simulation is a pure function of the deployment and the workload, so a
         deterministic and its evaluations are cached by parameter vector.
 Rule 4: errors are reported as MAPE per metric (mean of |predicted - measured| /
         measured, in %), before (the deployment as loaded) and after the fit.
+Rule 5: a fit the measurements cannot determine is refused before it runs, one line
+        naming the terms (:func:`check_determined`): fewer measured values than terms, a
+        term no measured value moves, two terms that move them alike.
 """
 
 from __future__ import annotations
@@ -34,16 +37,21 @@ from inference_lab.core.config import (
     Workload,
 )
 from inference_lab.core.roofline import Roofline
+from inference_lab.errors import CalibrationError
 from inference_lab.sim.run import run_simulation
 
 __all__ = [
     "PARAMETERS",
+    "EFFICIENCY_TERMS",
     "PRESETS",
     "FitResult",
     "Parameter",
     "apply",
     "fit",
+    "check_determined",
     "fit_cases",
+    "is_missing",
+    "merge",
     "mape",
     "predict",
     "simulate_level",
@@ -65,9 +73,17 @@ PARAMETERS: dict[str, Parameter] = {
     "memory_bandwidth": Parameter("memory_bandwidth", 0.05, 1.0),
     "flops": Parameter("flops", 0.05, 1.0),
     "step_overhead": Parameter("step_overhead", 0.0, 0.1, 1e-3),
+    "seq_overhead": Parameter("seq_overhead", 0.0, 1e-3, 1e-6),
+    "frontend_latency": Parameter("frontend_latency", 0.0, 2.0, 1e-3),
+    # stepped in units of 100 GB so that a difference (0.003) moves whole KV blocks
+    "reserved_memory": Parameter("reserved_memory", 0.0, 4e10, 1e11),
     "alpha": Parameter("alpha", 0.1, 10.0),
     "beta": Parameter("beta", 0.0, 0.1, 1e-3),
 }
+#: The terms of ``[efficiency]``; ``seq_overhead`` and ``frontend_latency`` are the
+#: ``[overheads]`` table's (fitted only when named; the second is set on the scheduler, where
+#: the loader puts the profile's).
+EFFICIENCY_TERMS = ("memory_bandwidth", "flops", "step_overhead")
 #: ``--fit`` shorthands.
 PRESETS: dict[str, tuple[str, ...]] = {
     "efficiency": ("memory_bandwidth", "flops", "step_overhead"),
@@ -82,6 +98,9 @@ def current(dep: Deployment, names: Sequence[str]) -> list[float]:
         "memory_bandwidth": eff.memory_bandwidth,
         "flops": eff.flops,
         "step_overhead": eff.step_overhead,
+        "seq_overhead": dep.overheads.seq_overhead,
+        "frontend_latency": dep.scheduler.frontend_latency,
+        "reserved_memory": dep.overheads.reserved_memory,
         "alpha": tc.alpha,
         "beta": tc.beta,
     }
@@ -89,17 +108,23 @@ def current(dep: Deployment, names: Sequence[str]) -> list[float]:
 
 
 def apply(dep: Deployment, values: dict[str, float]) -> Deployment:
-    """``dep`` with the named efficiency / time_correction terms set (on the entry, so
-    they win over the profile's)."""
+    """``dep`` with the named efficiency / time_correction / overheads terms set (on the entry,
+    so they win over the profile's; ``frontend_latency`` on the scheduler, absolute)."""
     hw = dep.hardware
-    eff_keys = {k: v for k, v in values.items() if k in PRESETS["efficiency"]}
+    eff_keys = {k: v for k, v in values.items() if k in EFFICIENCY_TERMS}
     tc_keys = {k: v for k, v in values.items() if k in PRESETS["time_correction"]}
     if eff_keys:
         base = hw.efficiency or EfficiencyOverride()
         hw = attrs.evolve(hw, efficiency=attrs.evolve(base, **eff_keys))
     if tc_keys:
         hw = attrs.evolve(hw, time_correction=attrs.evolve(hw.time_correction, **tc_keys))
-    return attrs.evolve(dep, hardware=hw)
+    over_keys = {k: v for k, v in values.items() if k in ("seq_overhead", "reserved_memory")}
+    if over_keys:
+        hw = attrs.evolve(hw, overheads=attrs.evolve(dep.overheads, **over_keys))
+    sched = dep.scheduler
+    if "frontend_latency" in values:
+        sched = attrs.evolve(sched, frontend_latency=values["frontend_latency"])
+    return attrs.evolve(dep, hardware=hw, scheduler=sched)
 
 
 def level_workload(level: LoadLevel, requests: int) -> Workload:
@@ -151,10 +176,12 @@ def sim_requests(level: LoadLevel, cap: int) -> int:
 
 def simulate_level(dep: Deployment, level: LoadLevel, cap: int) -> dict[str, float]:
     """The level's metrics predicted by re-simulating it (Rule 1): mean TTFT and TPOT in
-    seconds, output tokens/s."""
+    seconds, output tokens/s; a metric no completed request gives is absent."""
     result = run_simulation(dep, level_workload(level, sim_requests(level, cap)))
     s = result.summary
-    out = {"throughput": s.output_tokens_per_s}
+    out = {}
+    if s.output_tokens_per_s > 0:
+        out["throughput"] = s.output_tokens_per_s
     if s.ttft.mean is not None:
         out["ttft"] = s.ttft.mean / 1e3
     if s.tpot.mean is not None:
@@ -181,14 +208,25 @@ class Prediction:
         return np.array(out, dtype=np.float64)
 
 
+#: A measured metric the re-simulation cannot give (no request of the level completed: the
+#: candidate's KV cache holds none) is predicted as this many times the measured value, so
+#: the residuals keep their layout and the fit is steered away (Rule 2).
+MISSING = 1e3
+
+
+def is_missing(predicted: float, measured: float) -> bool:
+    """Whether ``predicted`` is :data:`MISSING`'s stand-in, not a prediction (reports
+    leave it out and say the level did not run)."""
+    return predicted == MISSING * measured
+
+
 def predict(dep: Deployment, data: Measurements, cap: int) -> Prediction:
     """Every measured value next to the deployment's prediction of it."""
     pairs: dict[str, list[tuple[float, float]]] = {m: [] for m in METRICS}
     for level in data.levels:
         predicted = simulate_level(dep, level, cap)
         for metric, measured in level.measured().items():
-            if metric in predicted:
-                pairs[metric].append((predicted[metric], measured))
+            pairs[metric].append((predicted.get(metric, MISSING * measured), measured))
     if data.steps:
         roofline = Roofline(attrs.evolve(dep, step_table=None))
         for step in data.steps:
@@ -197,7 +235,8 @@ def predict(dep: Deployment, data: Measurements, cap: int) -> Prediction:
 
 
 def mape(prediction: Prediction) -> dict[str, float]:
-    """Rule 4: the mean absolute percentage error of each metric."""
+    """Rule 4: the mean absolute percentage error of each metric (a level that did not
+    run counts with :data:`MISSING`'s stand-in: 99,900 %)."""
     return {
         metric: 100.0 * sum(abs(p - m) / m for p, m in pairs) / len(pairs)
         for metric, pairs in prediction.pairs.items()
@@ -213,6 +252,8 @@ class FitResult:
     after: Prediction
     evaluations: int
     iterations: int
+    #: Each case's prediction with the fitted values, in the order of the cases.
+    cases_after: tuple[Prediction, ...] = ()
 
     @property
     def fitted(self) -> dict[str, float]:
@@ -297,8 +338,13 @@ def predict_cases(
     cases: Sequence[tuple[Deployment, Measurements]], cap: int, mapper: Mapper = map
 ) -> Prediction:
     """:func:`predict` over several deployments (one prediction, their pairs in order)."""
+    return merge(list(mapper(predict_job, [(dep, data, cap) for dep, data in cases])))
+
+
+def merge(predictions: Sequence[Prediction]) -> Prediction:
+    """Several predictions as one, their pairs in order, metric by metric."""
     pairs: dict[str, list[tuple[float, float]]] = {}
-    for prediction in mapper(predict_job, [(dep, data, cap) for dep, data in cases]):
+    for prediction in predictions:
         for metric, values in prediction.pairs.items():
             pairs.setdefault(metric, []).extend(values)
     return Prediction({m: pairs[m] for m in METRICS if m in pairs})
@@ -325,32 +371,34 @@ def fit_cases(
     """Fit the parameters ``names`` shared by several deployments (one GPU and engine
     measured on several models or settings) to their measurements; the start is the
     first deployment's values. ``mapper`` runs an evaluation's cases (``map``, or a
-    process pool's)."""
+    process pool's). Rule 5: an under-determined fit is refused before it runs."""
     params = [PARAMETERS[n] for n in names]
     scale = np.array([p.scale for p in params])
     lower = np.array([p.lower for p in params]) / scale
     upper = np.array([p.upper for p in params]) / scale
     initial = current(cases[0][0], names)
-    cache: dict[tuple[float, ...], Prediction] = {}
+    cache: dict[tuple[float, ...], list[Prediction]] = {}
 
-    def evaluate(x: np.ndarray[tuple[int], np.dtype[np.float64]]) -> Prediction:
+    def each(x: np.ndarray[tuple[int], np.dtype[np.float64]]) -> list[Prediction]:
         key = tuple(float(v) for v in x)
         if key not in cache:
             values = dict(zip(names, (float(v) for v in x * scale), strict=True))
-            cache[key] = predict_cases([(apply(d, values), m) for d, m in cases], cap, mapper)
+            jobs = [(apply(d, values), m, cap) for d, m in cases]
+            cache[key] = list(mapper(predict_job, jobs))
         return cache[key]
 
+    def residuals(
+        x: np.ndarray[tuple[int], np.dtype[np.float64]],
+    ) -> np.ndarray[tuple[int], np.dtype[np.float64]]:
+        return merge(each(x)).residuals()
+
     x0 = np.clip(np.array(initial) / scale, lower, upper)
-    before = evaluate(x0)  # the deployments as loaded (their values are within the bounds)
+    steps = difference_steps(cases)
+    check_determined(residuals, x0, upper, names, steps[0])
     best, iterations = x0, 0
-    for step in difference_steps(cases):
+    for step in steps:
         best, done = levenberg_marquardt(
-            lambda x: evaluate(x).residuals(),
-            best,
-            lower,
-            upper,
-            step=step,
-            max_iterations=max_iterations,
+            residuals, best, lower, upper, step=step, max_iterations=max_iterations
         )
         iterations += done
     values = tuple(float(v) for v in best * scale)
@@ -358,8 +406,57 @@ def fit_cases(
         names=tuple(names),
         initial=tuple(initial),
         values=values,
-        before=before,
-        after=evaluate(best),
+        before=merge(each(x0)),
+        after=merge(each(best)),
         evaluations=len(cache),
         iterations=iterations,
+        cases_after=tuple(each(best)),
     )
+
+
+#: Rule 5: a fit is under-determined when its normalised Jacobian has a singular value
+#: below this (two terms whose effects on every measured value agree to within 0.02 %).
+DETERMINED = 0.02
+
+
+def check_determined(
+    residuals: Callable[
+        [np.ndarray[tuple[int], np.dtype[np.float64]]], np.ndarray[tuple[int], np.dtype[np.float64]]
+    ],
+    x0: np.ndarray[tuple[int], np.dtype[np.float64]],
+    upper: np.ndarray[tuple[int], np.dtype[np.float64]],
+    names: Sequence[str],
+    step: float,
+) -> None:
+    """Rule 5: CalibrationError, one line naming the term(s), when the measurements cannot
+    determine the terms: fewer measured values than terms, a term that moves no measured
+    value, or terms that move them alike. The Jacobian's probes are the solver's first
+    ones (the evaluations are cached), so the check costs nothing."""
+    r0 = residuals(x0)
+    if r0.size < len(names):
+        raise CalibrationError(
+            f"fit: {r0.size} measured value(s) cannot determine {len(names)} terms "
+            f"({', '.join(names)}); fit fewer terms or add measurements"
+        )
+    jac = np.empty((r0.size, len(names)))
+    for j in range(len(names)):
+        h = step if x0[j] + step <= upper[j] else -step
+        probe = x0.copy()
+        probe[j] += h
+        jac[:, j] = (residuals(probe) - r0) / h
+    norms = np.sqrt((jac**2).sum(axis=0))
+    for j, name in enumerate(names):
+        if norms[j] < 1e-9:
+            raise CalibrationError(
+                f"fit: term {name}: no measured value moves it; leave it out of --fit"
+            )
+    unit = jac / norms
+    if len(names) > 1 and np.linalg.svd(unit, compute_uv=False)[-1] < DETERMINED:
+        cos = np.abs(unit.T @ unit)
+        np.fill_diagonal(cos, 0.0)
+        a, b = (int(i) for i in np.unravel_index(int(np.argmax(cos)), cos.shape))
+        raise CalibrationError(
+            f"fit: terms {names[a]} and {names[b]} move the measured values alike "
+            f"(correlation {cos[a, b]:.4f}): the measurements cannot tell them apart; "
+            "fit one of them"
+        )

@@ -2,10 +2,11 @@
 
 Rule 1: a step is priced from datasheet peaks scaled by the deployment's efficiency. Each
         precision stream costs ``max(FLOPs[p] / (R_p * eta_flops), Bytes[p] / (BW *
-        eta_bw))``; streams are summed (serial kernels); collectives and the fixed
-        ``step_overhead`` are added serially; ``alpha * t + beta`` applies last. With the
-        default efficiency (1.0, 1.0, 0 s) every price is the datasheet roofline's, to
-        the last bit.
+        eta_bw))``; streams are summed (serial kernels); collectives, the fixed
+        ``step_overhead`` and ``[overheads] seq_overhead`` per sequence in the step are
+        added serially; ``alpha * t + beta`` applies last. With the default efficiency
+        (1.0, 1.0, 0 s) and overheads (0 s) every price is the datasheet roofline's, to the
+        last bit.
 Rule 2: a batch's price depends on it only through integer sums over its sequences
         (:class:`BatchTerms`), taken once per batch: with numpy over arrays for a large
         batch, in Python integers for a small one; nothing loops per request per layer.
@@ -169,6 +170,8 @@ class Roofline:
         self._eta_flops = eff.flops
         self._eta_bw = eff.memory_bandwidth
         self._overhead = 0.0 if drafting else eff.step_overhead
+        #: the host's work per sequence in a step (0: none, and nothing is added)
+        self._seq_overhead = 0.0 if drafting else dep.overheads.seq_overhead
         self._table: StepTable | None = None if drafting else dep.step_table
         #: achievable bytes/s of one attention rank (datasheet x GPUs x efficiency)
         self.bandwidth = profile.memory_bandwidth * g * eff.memory_bandwidth
@@ -534,6 +537,8 @@ class Roofline:
             memory += tm
             roof += tc if tc > tm else tm
         roof += collective + self._overhead
+        if self._seq_overhead:
+            roof += self._seq_overhead * nreq
         return _step_cost(
             self.alpha * roof + self.beta,
             roof,
@@ -607,9 +612,10 @@ class Roofline:
         computing its own batch ``ranks[i]``: the slowest rank's own part, then the
         experts over all their tokens and the all-to-alls, the overhead, time_correction."""
         slowest = (0.0, 0.0, 0.0)
-        tokens = 0
+        tokens = seqs = 0
         for terms in ranks:
             tokens += terms.tokens
+            seqs += terms.seqs
             streams, collective, compute, memory = self._roof(
                 terms.tokens, terms.seqs, terms.sums, terms.mla
             )
@@ -617,6 +623,8 @@ class Roofline:
                 slowest = (streams + collective, compute, memory)
         experts = self.expert_time(tokens)
         roof = slowest[0] + experts[0] + self._overhead
+        if self._seq_overhead:
+            roof += self._seq_overhead * seqs
         return StepCost(
             self.alpha * roof + self.beta,
             roof,
@@ -670,6 +678,8 @@ class Roofline:
         attention, one rank's step on its own (:meth:`group_price` adds the experts)."""
         roof, collective, compute, memory = self._roof(tokens, nreq, sums, mla)
         roof += collective + self._overhead
+        if self._seq_overhead:
+            roof += self._seq_overhead * nreq
         # compute and memory at datasheet peaks (x 1.0 is exact: the defaults move nothing)
         return StepCost(
             self.alpha * roof + self.beta,

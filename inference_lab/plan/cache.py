@@ -1,7 +1,8 @@
 """The results cache: one file per finished job, named by the job's key.
 
 Layout: ``<root>/<key[:2]>/<key>.npz`` (numpy's uncompressed archive: the per-request
-latency arrays, the ITL percentiles and a JSON record of the counts).
+latency arrays, the ITL percentiles and a JSON record of the counts, with a disaggregated
+probe's P/D figures).
 
 Rule 1: an entry is written whole or not at all: to a temporary file in the same
         directory, then renamed over the final name (``os.replace`` is atomic), so a plan
@@ -20,14 +21,15 @@ import json
 import os
 from pathlib import Path
 
+import attrs
 import numpy as np
 
-from inference_lab.plan.jobs import ProbeResult
+from inference_lab.plan.jobs import PdFigures, ProbeResult
 from inference_lab.sim.summary import RequestLatencies
 
 __all__ = ["ResultCache"]
 
-_FORMAT = 1
+_FORMAT = 2
 _ARRAYS = ("ttft", "tpot", "e2e", "queue", "output_tokens")
 
 
@@ -61,7 +63,8 @@ class ResultCache:
                     return None
                 arrays = {name: np.array(data[name]) for name in _ARRAYS}
                 itl = np.array(data["itl"])
-        except (OSError, ValueError, KeyError):
+            pd = None if meta.get("pd") is None else PdFigures(**meta["pd"])
+        except (OSError, ValueError, KeyError, TypeError):
             return None
         return ProbeResult(
             key=key,
@@ -76,6 +79,7 @@ class ResultCache:
             itl=itl,
             wall_s=meta["wall_s"],
             worker=meta["worker"],
+            pd=pd,
         )
 
     def put(self, result: ProbeResult) -> None:
@@ -94,6 +98,7 @@ class ResultCache:
             "span_s": result.span_s,
             "wall_s": result.wall_s,
             "worker": result.worker,
+            "pd": None if result.pd is None else attrs.asdict(result.pd),
         }
         arrays = {name: getattr(result.latencies, name) for name in _ARRAYS}
         tmp = path.parent / f".{result.key}.{os.getpid()}.tmp"

@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Any
 from inference_lab.cli_args import EXIT_OK, fail, integer
 
 if TYPE_CHECKING:
-    from inference_lab.plan.backends import Executor
+    from inference_lab.executors.backends import Executor
     from inference_lab.plan.cache import ResultCache
+    from inference_lab.plan.jobs import Job, ProbeResult
     from inference_lab.plan.planner import PlanProgress
     from inference_lab.plan.spec import PlanSpec
 
@@ -148,18 +149,19 @@ def _progress_bar(total: int) -> tuple[Callable[[PlanProgress], None], Callable[
     return update, bar.close
 
 
-def _executor(args: argparse.Namespace) -> Executor:
-    from inference_lab.plan.backends import InlineExecutor, ProcessExecutor
+def _executor(args: argparse.Namespace) -> Executor[Job, ProbeResult]:
+    from inference_lab.executors.backends import InlineExecutor, ProcessExecutor
+    from inference_lab.plan.jobs import run_job
 
     if args.inline:
-        return InlineExecutor()
+        return InlineExecutor(run_job)
     if args.ray is not None:
         if importlib.util.find_spec("ray") is None:  # looked up, not imported (ray_backend Rule 3)
             raise ValueError("--ray needs Ray: pip install 'inference-lab[ray]'")
-        from inference_lab.plan.ray_backend import RayExecutor
+        from inference_lab.executors.ray_backend import RayExecutor
 
-        return RayExecutor(args.ray, max_retries=args.retries, num_cpus=args.workers)
-    return ProcessExecutor(args.workers, max_attempts=args.retries + 1)
+        return RayExecutor(run_job, args.ray, max_retries=args.retries, num_cpus=args.workers)
+    return ProcessExecutor(run_job, args.workers, max_attempts=args.retries + 1)
 
 
 def _ray_hint(args: argparse.Namespace, exc: Exception) -> str:
@@ -229,11 +231,12 @@ def _prepare(args: argparse.Namespace) -> tuple[PlanSpec, int, Path, ResultCache
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``plan`` command; returns the exit code (Rules 2 and 4)."""
-    from inference_lab.plan.backends import default_workers
+    from inference_lab.executors.backends import default_workers
     from inference_lab.plan.estimate import estimate
     from inference_lab.plan.jobs import code_version
+    from inference_lab.plan.output import format_report, plan_dict, plot_pareto, write_csv
     from inference_lab.plan.planner import run_plan
-    from inference_lab.plan.report import format_report, plan_dict, plot_pareto, rows, write_csv
+    from inference_lab.plan.report import rows
     from inference_lab.plan.spec import iter_candidates
 
     prepared = _prepare(args)

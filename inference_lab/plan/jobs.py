@@ -11,6 +11,10 @@ Rule 3: a failure the inputs decide (a ConfigError or SimError: the workload can
         not a result, the backend runs the job again.
 Rule 4: `ProbeResult.wall_s` and `.worker` say how and where the job ran; nothing else in
         a result depends on it, and no decision of the planner reads them.
+Rule 5: a disaggregated deployment's result also keeps `sim`'s own P/D figures
+        (`PdFigures`, from `SimResult.disaggregation`): the mean of TTFT's four stages,
+        each pool's busy share, the transfers' mean bytes and time; the report reads them
+        to say why a split wins or loses.
 
 Who calls this: the planner builds jobs (`make_job`); a backend runs `run_job` in-process,
 in a pool worker or as a Ray task; `inference_lab.plan.cache` stores results.
@@ -35,12 +39,14 @@ import numpy.typing as npt
 from inference_lab.core.config import Deployment, Workload
 from inference_lab.core.engine import StepEvents
 from inference_lab.errors import InferenceLabError
+from inference_lab.sim.disaggregation import DisaggregationSummary
 from inference_lab.sim.run import run_simulation
 from inference_lab.sim.summary import RequestLatencies, request_latencies
 
 __all__ = [
     "ITL_PERCENTILES",
     "Job",
+    "PdFigures",
     "ProbeResult",
     "code_version",
     "make_job",
@@ -131,6 +137,36 @@ def make_job(deployment: Deployment, workload: Workload) -> Job:
     )
 
 
+@attrs.frozen(kw_only=True)
+class PdFigures:
+    """A disaggregated probe's P/D figures, `sim`'s (Rule 5): TTFT's four stages (their
+    means over the completed requests, ms: they add up to the mean TTFT), each pool's busy
+    share (0-1), and the transfers' mean bytes and seconds."""
+
+    queue_ms: float
+    prefill_ms: float
+    handoff_ms: float
+    first_decode_ms: float
+    prefill_busy: float
+    decode_busy: float
+    transfer_bytes: float
+    transfer_s: float
+
+    @classmethod
+    def of(cls, summary: DisaggregationSummary) -> PdFigures:
+        """The figures of `sim`'s summary of a run (no completed request: stages of 0)."""
+        return cls(
+            queue_ms=summary.ttft_queue.mean or 0.0,
+            prefill_ms=summary.ttft_prefill.mean or 0.0,
+            handoff_ms=summary.ttft_handoff.mean or 0.0,
+            first_decode_ms=summary.ttft_first_decode.mean or 0.0,
+            prefill_busy=summary.prefill.busy_share,
+            decode_busy=summary.decode.busy_share,
+            transfer_bytes=summary.transfer_bytes_mean,
+            transfer_s=summary.transfer_seconds_mean,
+        )
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class ProbeResult:
     """What one job produced: counts, each completed request's latencies, the ITL
@@ -149,10 +185,11 @@ class ProbeResult:
     itl: npt.NDArray[np.float64]
     wall_s: float = 0.0  # Rule 4
     worker: str = ""  # Rule 4: host:pid
+    pd: PdFigures | None = None  # Rule 5: a disaggregated deployment's
 
     def same_answer(self, other: ProbeResult) -> bool:
         """Everything but `wall_s` and `worker` is equal (Rule 4; tests use it)."""
-        scalars = ("key", "rate", "requests", "completed", "refused", "refusal", "error")
+        scalars = ("key", "rate", "requests", "completed", "refused", "refusal", "error", "pd")
         if any(getattr(self, n) != getattr(other, n) for n in scalars):
             return False
         arrays = [(self.itl, other.itl)] + [
@@ -238,4 +275,5 @@ def run_job(job: Job) -> ProbeResult:
         itl=itl.percentiles(),
         wall_s=time.perf_counter() - start,
         worker=worker,
+        pd=None if result.disaggregation is None else PdFigures.of(result.disaggregation),
     )

@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Iterable
 
 import attrs
 
-from inference_lab.plan.backends import Executor, JobFailure
+from inference_lab.executors.backends import Executor, JobFailure
 from inference_lab.plan.cache import ResultCache
 from inference_lab.plan.jobs import Job, ProbeResult, make_job, probe_workload
 from inference_lab.plan.search import RateSearch, SearchOutcome
@@ -94,7 +94,7 @@ def _job(spec: PlanSpec, cand: Candidate, rate: float) -> Job:
 def run_plan(
     spec: PlanSpec,
     candidates: Iterable[Candidate],
-    executor: Executor,
+    executor: Executor[Job, ProbeResult],
     cache: ResultCache,
     progress: Callable[[PlanProgress], None] | None = None,
     window: int | None = None,

@@ -15,6 +15,9 @@ Rule 3: a probe passes when it ran (no error), refused at most ``max_refused`` o
         requests, or over all inter-token gaps for ITL) is within its bound. An error or
         too many refusals ends the search as a failure with that one-line reason: neither
         depends on the rate.
+Rule 4: a finished search says what limits the candidate: the SLOs missed by the probe
+        at the lowest failing rate (`SearchOutcome.limit`, at `limit_rate`), the bound
+        that a higher rate breaks first.
 """
 
 from __future__ import annotations
@@ -26,7 +29,15 @@ import numpy.typing as npt
 from inference_lab.plan.jobs import ProbeResult
 from inference_lab.plan.spec import SearchConfig, Slo, SloSet
 
-__all__ = ["RateSearch", "SearchOutcome", "good_requests", "slo_value_ms", "verdict"]
+__all__ = [
+    "Miss",
+    "RateSearch",
+    "SearchOutcome",
+    "good_requests",
+    "misses",
+    "slo_value_ms",
+    "verdict",
+]
 
 
 def _round(rate: float) -> float:
@@ -46,6 +57,32 @@ def slo_value_ms(result: ProbeResult, slo: Slo) -> float | None:
     return float(np.percentile(samples, slo.percentile, method="linear")) * 1e3
 
 
+@attrs.frozen
+class Miss:
+    """A bound a probe missed: ``TTFT p99`` and the probe's value (ms), or a probe in which
+    no request completed (``value_ms`` None)."""
+
+    label: str
+    value_ms: float | None
+
+    @property
+    def text(self) -> str:
+        return self.label if self.value_ms is None else f"{self.label} {self.value_ms:,.1f} ms"
+
+
+def misses(result: ProbeResult, slo_set: SloSet) -> tuple[Miss, ...]:
+    """The bounds of the set the probe's completed requests miss, in the set's order (a
+    probe that completed none misses them all, as one `Miss`)."""
+    if result.completed == 0:
+        return (Miss("no request completed", None),)
+    found = []
+    for slo in slo_set.slos:
+        value = slo_value_ms(result, slo)
+        if value is not None and value > slo.max_ms:
+            found.append(Miss(f"{slo.metric.upper()} p{slo.percentile:g}", value))
+    return tuple(found)
+
+
 def verdict(result: ProbeResult, slo_set: SloSet, search: SearchConfig) -> tuple[bool, str]:
     """Whether the probe passes (Rule 3) and, when it does not, why (one line)."""
     if result.error:
@@ -54,13 +91,9 @@ def verdict(result: ProbeResult, slo_set: SloSet, search: SearchConfig) -> tuple
         return False, f"{result.refused} of {result.requests} requests refused: {result.refusal}"
     if result.completed == 0:
         return False, "no request completed"
-    misses = []
-    for slo in slo_set.slos:
-        value = slo_value_ms(result, slo)
-        if value is not None and value > slo.max_ms:
-            misses.append(f"{slo.metric.upper()} p{slo.percentile:g} {value:,.1f} ms")
-    if misses:
-        return False, "over the bound: " + ", ".join(misses)
+    found = misses(result, slo_set)
+    if found:
+        return False, "over the bound: " + ", ".join(m.text for m in found)
     return True, ""
 
 
@@ -88,6 +121,9 @@ class SearchOutcome:
     reason: str
     probes: tuple[tuple[float, bool], ...]  # (rate, passed) in the order probed
     at_max: ProbeResult | None
+    #: Rule 4: the bounds missed at the lowest failing rate (empty: no rate failed)
+    limit: tuple[Miss, ...] = ()
+    limit_rate: float | None = None
 
 
 class RateSearch:
@@ -102,6 +138,7 @@ class RateSearch:
         self.outcome: SearchOutcome | None = None
         self._pass: ProbeResult | None = None  # the highest rate that passed
         self._fail: float | None = None  # the lowest rate that failed
+        self._limit: tuple[Miss, ...] = ()  # what it missed (Rule 4)
         self._probes: list[tuple[float, bool]] = []
 
     @property
@@ -116,6 +153,8 @@ class RateSearch:
             reason=reason,
             probes=tuple(self._probes),
             at_max=best,
+            limit=self._limit,
+            limit_rate=self._fail,
         )
         self.next_rate = None
 
@@ -139,6 +178,7 @@ class RateSearch:
                 self._pass = result
         elif self._fail is None or rate < self._fail:
             self._fail = rate
+            self._limit = misses(result, self.slo_set)
         cfg = self.search
         lo = self._pass.rate if self._pass is not None else None
         hi = self._fail

@@ -5,9 +5,13 @@ Rule 1: a spec is valid as a whole or not at all: every file it names is loaded,
         each problem is one ConfigError line naming the file and the key
         (``plan.toml: slo.mlperf.ttft_p99: ...``).
 Rule 2: the candidate space is the cross product, in a fixed order, of model configs x
-        hardware x tp x replicas x each scheduler knob (in the spec's order); a candidate
-        that cannot run (the weights do not fit, tp needs a fabric) is kept with its
-        one-line reason, never dropped and never an error of the spec.
+        hardware x tp x layouts x each scheduler knob (in the spec's order), less the
+        points over ``gpu_budget``. The layouts are the aggregated replica counts, then
+        the prefill/decode splits (``disaggregation``, each pool of the candidate's entry
+        and tp; with splits and no ``replicas``, the aggregated counts are the splits'
+        replica totals, so each split meets aggregated candidates of its GPU count). A
+        candidate that cannot run (the weights do not fit, tp needs a fabric) is kept
+        with its one-line reason, never dropped and never an error of the spec.
 Rule 3: paths in a spec are relative to the spec file.
 Rule 4: the space is counted without building it (:func:`count_candidates`: the product
         of the axes' lengths) and built lazily, one candidate at a time
@@ -31,10 +35,12 @@ import attrs
 
 from inference_lab.core.config import (
     Deployment,
+    DisaggregationConfig,
     ModelConfig,
-    SchedulerConfig,
+    PoolConfig,
     Workload,
     base_deployment,
+    disaggregate,
     load_model_config,
     load_workload,
     read_toml,
@@ -42,6 +48,14 @@ from inference_lab.core.config import (
     vary_deployment,
 )
 from inference_lab.errors import ConfigError
+from inference_lab.plan.axes import (
+    MAX_REPLICAS,
+    Split,
+    check_budget,
+    int_axis,
+    scheduler_axes,
+    split_axis,
+)
 from inference_lab.validation import FieldError
 
 __all__ = [
@@ -53,6 +67,7 @@ __all__ = [
     "SearchConfig",
     "Slo",
     "SloSet",
+    "Split",
     "count_candidates",
     "expand_candidates",
     "iter_candidates",
@@ -71,12 +86,6 @@ PRICES_FILE = Path(__file__).resolve().parent / "prices.toml"
 #: Most requests one probe may offer (``max_rate x duration_s``, ``min_requests``): a
 #: probe simulates them all in one worker, about 1 KB each.
 MAX_PROBE_REQUESTS = 2_000_000
-#: Most values a range table of an axis may hold, and the largest value of an integer
-#: axis (a range to 10**12 would be built as a list before anything else is checked).
-MAX_AXIS_VALUES = 1_000
-MAX_AXIS_VALUE = 100_000_000
-#: Most replicas of a candidate (each is a simulated worker with its own KV cache).
-MAX_REPLICAS = 1_024
 #: The metrics that grow with the waiting queue; every SLO set bounds one (Rule 1).
 _QUEUE_AWARE = ("ttft", "e2e", "queue")
 _SLO_KEY = re.compile(r"^(?P<metric>[a-z0-9]+)_p(?P<pct>\d+(?:\.\d+)?)_ms$")
@@ -92,6 +101,8 @@ _SPEC_KEYS = (
     "search",
     "slo",
     "prices",
+    "disaggregation",
+    "gpu_budget",
 )
 
 
@@ -201,6 +212,10 @@ class PlanSpec:
     prices: Mapping[str, float]
     seed: int
     target_rate: float | None
+    #: the prefill/decode splits, after the aggregated replica counts (Rule 2)
+    disaggregation: tuple[Split, ...] = ()
+    #: the most GPUs a candidate may use (None: no bound)
+    gpu_budget: int | None = None
 
     @property
     def start_rate(self) -> float:
@@ -220,11 +235,12 @@ class Candidate:
     config: str  # the model config's path as the spec names it
     hardware: str
     tp: int
-    replicas: int
+    replicas: int  # a split's: both pools' (each replica of tp GPUs)
     knobs: tuple[tuple[str, Any], ...]  # scheduler settings the spec varies
     deployment: Deployment | None
     error: str | None
     price: float | None  # $/GPU-hour, None when the price table has no entry
+    split: Split | None = None  # None: aggregated
 
     @property
     def gpus(self) -> int:
@@ -235,9 +251,15 @@ class Candidate:
         return None if self.price is None else self.price * self.gpus
 
     @property
+    def layout(self) -> str:
+        """``aggregated`` or the split's ``xPyD``."""
+        return "aggregated" if self.split is None else self.split.name
+
+    @property
     def label(self) -> str:
         knobs = "".join(f" {k}={v}" for k, v in self.knobs)
-        return f"{self.model} {self.hardware} tp{self.tp} x{self.replicas}{knobs}"
+        shape = f"x{self.replicas}" if self.split is None else self.split.name
+        return f"{self.model} {self.hardware} tp{self.tp} {shape}{knobs}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -251,6 +273,7 @@ class _SpecFile:
     hardware: list[str] | None = None
     seed: int | None = attrs.field(default=None)
     target_rate: float | None = attrs.field(default=None, validator=_positive)
+    gpu_budget: int | None = attrs.field(default=None)
     search: SearchConfig = attrs.field(factory=SearchConfig)
     prices: dict[str, float] = attrs.field(factory=dict)
 
@@ -258,6 +281,11 @@ class _SpecFile:
     def _check_seed(self, attr: attrs.Attribute[Any], value: int | None) -> None:
         if value is not None and value < 0:
             raise FieldError(attr.name, f"must be >= 0, got {value!r}")
+
+    @gpu_budget.validator
+    def _check_budget(self, attr: attrs.Attribute[Any], value: int | None) -> None:
+        if value is not None and value < 1:
+            raise FieldError(attr.name, f"must be >= 1, got {value!r}")
 
 
 def load_prices(path: Path = PRICES_FILE) -> dict[str, float]:
@@ -278,93 +306,6 @@ def _prices(table: Any, file: Path, where: str) -> dict[str, float]:
             )
         out[name] = float(value)
     return out
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int_axis(raw: Any, file: Path, key: str, top: int = MAX_AXIS_VALUE) -> tuple[int, ...]:
-    """An axis of integers in ``1..top``: a value, a list, or a range table ``{start,
-    stop}`` with ``step`` (default 1) or ``factor`` (geometric); ``stop`` is included. A
-    range holds at most :data:`MAX_AXIS_VALUES` values."""
-    where = f"{file}: {key}"
-    if _is_int(raw):
-        values: list[Any] = [raw]
-    elif isinstance(raw, list):
-        values = raw
-    elif isinstance(raw, Mapping):
-        extra = set(raw) - {"start", "stop", "step", "factor"}
-        if extra:
-            raise ConfigError(
-                f"{where}.{sorted(extra)[0]}: unknown key (start, stop, step, factor)"
-            )
-        for name in ("start", "stop"):
-            if not _is_int(raw.get(name)):
-                raise ConfigError(f"{where}.{name}: must be an integer, got {raw.get(name)!r}")
-        start, stop = raw["start"], raw["stop"]
-        if "step" in raw and "factor" in raw:
-            raise ConfigError(f"{where}: give step or factor, not both")
-        values = []
-        if "factor" in raw:
-            factor = raw["factor"]
-            if not _is_int(factor) or factor < 2:
-                raise ConfigError(f"{where}.factor: must be an integer >= 2, got {factor!r}")
-            v = start
-            while v <= stop and len(values) <= MAX_AXIS_VALUES:
-                values.append(v)
-                v *= factor
-        else:
-            step = raw.get("step", 1)
-            if not _is_int(step) or step < 1:
-                raise ConfigError(f"{where}.step: must be an integer >= 1, got {step!r}")
-            span = range(start, stop + 1, step)
-            if len(span) > MAX_AXIS_VALUES:
-                raise ConfigError(
-                    f"{where}: the range holds {len(span):,} values, more than "
-                    f"{MAX_AXIS_VALUES:,}: raise step or use a factor"
-                )
-            values = list(span)
-    else:
-        raise ConfigError(
-            f"{where}: must be an integer, a list or a range table {{start, stop}}, got {raw!r}"
-        )
-    if not values:
-        raise ConfigError(f"{where}: must have at least one value")
-    for v in values:
-        if not _is_int(v) or v < 1:
-            raise ConfigError(f"{where}: every value must be an integer >= 1, got {v!r}")
-        if v > top:
-            raise ConfigError(f"{where}: every value must be at most {top:,}, got {v!r}")
-    return tuple(dict.fromkeys(values))
-
-
-_KNOB_FIELDS = tuple(a.name for a in attrs.fields(SchedulerConfig))
-
-
-def _scheduler_axes(raw: Any, file: Path) -> tuple[tuple[str, tuple[Any, ...]], ...]:
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"{file}: scheduler: must be a table, got {raw!r}")
-    out = []
-    for name, value in raw.items():
-        key = f"scheduler.{name}"
-        if name not in _KNOB_FIELDS:
-            raise ConfigError(
-                f"{file}: {key}: unknown key (a scheduler setting: {', '.join(_KNOB_FIELDS)})"
-            )
-        if isinstance(value, Mapping) or _is_int(value):
-            values: tuple[Any, ...] = _int_axis(value, file, key)
-        elif isinstance(value, list):
-            values = tuple(value)
-        else:
-            values = (value,)
-        if not values:
-            raise ConfigError(f"{file}: {key}: must have at least one value")
-        for v in values:  # the strict converter checks each value on a neutral base
-            base = {"max_num_batched_tokens": 8192, "max_num_seqs": 256, name: v}
-            structure_table(base, SchedulerConfig, file, "scheduler")
-        out.append((name, values))
-    return tuple(out)
 
 
 def _slo_sets(raw: Any, file: Path) -> tuple[SloSet, ...]:
@@ -419,8 +360,20 @@ def load_spec(path: str | Path, prices_file: Path = PRICES_FILE) -> PlanSpec:
             raise ConfigError(
                 f"{file}: {key}: unknown key (a plan spec holds {', '.join(_SPEC_KEYS)})"
             )
-    axes = {k: raw.pop(k) for k in ("tp", "replicas", "scheduler", "slo") if k in raw}
+    axis_keys = ("tp", "replicas", "scheduler", "slo", "disaggregation")
+    axes = {k: raw.pop(k) for k in axis_keys if k in raw}
     top = structure_table(raw, _SpecFile, file)
+    budget = top.gpu_budget
+    tp = int_axis(axes["tp"], file, "tp") if "tp" in axes else None
+    replicas = (
+        int_axis(axes["replicas"], file, "replicas", MAX_REPLICAS) if "replicas" in axes else None
+    )
+    for key, values in (("tp", tp), ("replicas", replicas)):
+        if values is not None:
+            check_budget(values, file, key, budget)
+    splits = split_axis(axes["disaggregation"], file, budget) if "disaggregation" in axes else ()
+    if splits and replicas is None:  # Rule 2: each split meets aggregated candidates of its GPUs
+        replicas = tuple(dict.fromkeys(s.replicas for s in splits))
     workload_path = _relative(file, top.workload)
     workload = load_workload(workload_path)
     configs = tuple(load_model_config(_relative(file, m)) for m in top.models)
@@ -432,18 +385,16 @@ def load_spec(path: str | Path, prices_file: Path = PRICES_FILE) -> PlanSpec:
         workload=workload,
         configs=configs,
         hardware=tuple(dict.fromkeys(top.hardware)) if top.hardware else None,
-        tp=_int_axis(axes["tp"], file, "tp") if "tp" in axes else None,
-        replicas=(
-            _int_axis(axes["replicas"], file, "replicas", MAX_REPLICAS)
-            if "replicas" in axes
-            else None
-        ),
-        scheduler=_scheduler_axes(axes.get("scheduler", {}), file),
+        tp=tp,
+        replicas=replicas,
+        scheduler=scheduler_axes(axes.get("scheduler", {}), file),
         slo_sets=_slo_sets(axes.get("slo"), file),
         search=top.search,
         prices=prices,
         seed=workload.seed if top.seed is None else top.seed,
         target_rate=top.target_rate,
+        disaggregation=splits,
+        gpu_budget=budget,
     )
 
 
@@ -462,20 +413,59 @@ def _hardware_names(spec: PlanSpec, config: ModelConfig) -> tuple[str, ...]:
     return spec.hardware if spec.hardware is not None else tuple(config.deployments)
 
 
+#: A layout of the space (Rule 2): an aggregated replica count, or a split.
+Layout = int | Split
+
+
+def _points(spec: PlanSpec, base: Deployment) -> Iterator[tuple[int, Layout]]:
+    """The (tp, layout) pairs of one model config x hardware, in order, within the budget
+    (Rule 2)."""
+    tps = spec.tp if spec.tp is not None else (base.hardware.tp,)
+    reps = spec.replicas if spec.replicas is not None else (base.hardware.replicas,)
+    layouts: tuple[Layout, ...] = (*reps, *spec.disaggregation)
+    budget = spec.gpu_budget
+    for tp in tps:
+        for layout in layouts:
+            replicas = layout if isinstance(layout, int) else layout.replicas
+            if budget is None or tp * replicas <= budget:
+                yield tp, layout
+
+
 def count_candidates(spec: PlanSpec) -> int:
     """How many candidates the spec's space holds (Rule 4), without building one.
     ConfigError, as :func:`iter_candidates` would raise it, for a hardware name with no
     entry and no profile (each model config x hardware name is checked: a few calls)."""
-    per_point = len(spec.tp or (1,)) * len(spec.replicas or (1,))
+    per_point = 1
     for _, values in spec.scheduler:
         per_point *= len(values)
     total = 0
     for config in spec.configs:
-        names = _hardware_names(spec, config)
-        for hw in names:
-            base_deployment(config, hw)
-        total += len(names) * per_point
+        for hw in _hardware_names(spec, config):
+            base = base_deployment(config, hw)
+            if spec.gpu_budget is None:  # the product, not a walk: a 10^6 space is counted at once
+                tps = len(spec.tp) if spec.tp is not None else 1
+                reps = len(spec.replicas) if spec.replicas is not None else 1
+                points = tps * (reps + len(spec.disaggregation))
+            else:
+                points = sum(1 for _ in _points(spec, base))
+            total += points * per_point
     return total
+
+
+def _variant(
+    spec: PlanSpec, base: Deployment, tp: int, layout: Layout, knobs: dict[str, Any]
+) -> Deployment:
+    """The deployment of one point: ``base`` with its tp, replicas and knobs; for a split,
+    ``base`` with its tp and knobs split as ``sim --pd`` splits a deployment (both pools
+    of the entry and tp; the link, routers and hand-off at their defaults), so the job is
+    the one ``sim --pd xPyD`` runs on that deployment. Raises ConfigError, one line."""
+    if isinstance(layout, int):
+        return vary_deployment(base, tp=tp, replicas=layout, scheduler=knobs, where=str(spec.path))
+    dep = vary_deployment(base, tp=tp, scheduler=knobs, where=str(spec.path))
+    split = DisaggregationConfig(
+        prefill=PoolConfig(replicas=layout.prefill), decode=PoolConfig(replicas=layout.decode)
+    )
+    return disaggregate(dep, split, {}, f"{spec.path}: disaggregation: {layout.name}")
 
 
 def iter_candidates(spec: PlanSpec) -> Iterator[Candidate]:
@@ -488,33 +478,29 @@ def iter_candidates(spec: PlanSpec) -> Iterator[Candidate]:
     for config in spec.configs:
         for hw in _hardware_names(spec, config):
             base = base_deployment(config, hw)
-            tps = spec.tp if spec.tp is not None else (base.hardware.tp,)
-            reps = spec.replicas if spec.replicas is not None else (base.hardware.replicas,)
-            for tp, replicas, combo in itertools.product(
-                tps, reps, itertools.product(*knob_values)
-            ):
-                knobs = tuple(zip(knob_names, combo, strict=True))
-                deployment: Deployment | None = None
-                error: str | None = None
-                try:
-                    deployment = vary_deployment(
-                        base, tp=tp, replicas=replicas, scheduler=dict(knobs), where=str(spec.path)
+            for tp, layout in _points(spec, base):  # a generator: Rule 4
+                for combo in itertools.product(*knob_values):
+                    knobs = tuple(zip(knob_names, combo, strict=True))
+                    deployment: Deployment | None = None
+                    error: str | None = None
+                    try:
+                        deployment = _variant(spec, base, tp, layout, dict(knobs))
+                    except ConfigError as exc:
+                        error = str(exc)
+                    yield Candidate(
+                        index=index,
+                        model=config.model.name,
+                        config=_written(spec, config),
+                        hardware=hw,
+                        tp=tp,
+                        replicas=layout if isinstance(layout, int) else layout.replicas,
+                        knobs=knobs,
+                        deployment=deployment,
+                        error=error,
+                        price=spec.prices.get(hw),
+                        split=None if isinstance(layout, int) else layout,
                     )
-                except ConfigError as exc:
-                    error = str(exc)
-                yield Candidate(
-                    index=index,
-                    model=config.model.name,
-                    config=_written(spec, config),
-                    hardware=hw,
-                    tp=tp,
-                    replicas=replicas,
-                    knobs=knobs,
-                    deployment=deployment,
-                    error=error,
-                    price=spec.prices.get(hw),
-                )
-                index += 1
+                    index += 1
 
 
 def expand_candidates(spec: PlanSpec) -> list[Candidate]:

@@ -413,6 +413,10 @@ class ModelPublisher:
 
     def _event(self, event: KVEvent) -> dict[str, Any]:
         if isinstance(event, BlockStored):
+            if event.medium != kv_wire.MEDIUM_GPU:
+                # a tier's store, as vLLM's offloading connector publishes it: no parent,
+                # no tokens, block size 0
+                return kv_wire.stored(event.block_hashes, None, [], 0, self._kind, event.medium)
             return kv_wire.stored(
                 event.block_hashes,
                 event.parent_block_hash,
@@ -421,7 +425,7 @@ class ModelPublisher:
                 self._kind,
             )
         if isinstance(event, BlockRemoved):
-            return kv_wire.removed(event.block_hashes)
+            return kv_wire.removed(event.block_hashes, event.medium)
         assert isinstance(event, AllBlocksCleared)
         return kv_wire.cleared()
 

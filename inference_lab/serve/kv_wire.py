@@ -12,7 +12,8 @@ Rule 1: a batch is ``[ts, [event, ...], data_parallel_rank]``: ``ts`` Unix secon
         float), the rank always present (vLLM's publisher fills in its own).
 Rule 2: ``BlockStored`` carries, in vLLM's order, ``block_hashes``,
         ``parent_block_hash`` (None at a chain's start), ``token_ids``, ``block_size``,
-        ``lora_id`` (None), ``medium`` ("GPU"), ``lora_name`` (None) -- declared without
+        ``lora_id`` (None), ``medium`` ("GPU"; "CPU" or "DISK" for a KV tier behind HBM:
+        docs/kv-tiers.md), ``lora_name`` (None) -- declared without
         a default, so always present -- then the defaulted fields vLLM sets for a plain
         text request on one KV-cache group: ``extra_keys`` (one None per block),
         ``group_idx`` (0), ``kv_cache_spec_kind`` ("mla_attention" for a model whose
@@ -70,8 +71,10 @@ def stored(
     token_ids: list[int],
     block_size: int,
     kind: str,
+    medium: str = MEDIUM_GPU,
 ) -> dict[str, Any]:
-    """A ``BlockStored`` event (Rules 2 and 4)."""
+    """A ``BlockStored`` event (Rules 2 and 4); ``medium`` where the blocks are (a KV tier
+    behind HBM: "CPU", "DISK")."""
     return {
         "type": "BlockStored",
         "block_hashes": list(block_hashes),
@@ -79,7 +82,7 @@ def stored(
         "token_ids": token_ids,
         "block_size": block_size,
         "lora_id": None,
-        "medium": MEDIUM_GPU,
+        "medium": medium,
         "lora_name": None,
         "extra_keys": [None] * len(block_hashes),
         "group_idx": _GROUP,
@@ -87,12 +90,12 @@ def stored(
     }
 
 
-def removed(block_hashes: Sequence[int]) -> dict[str, Any]:
-    """A ``BlockRemoved`` event (Rule 3)."""
+def removed(block_hashes: Sequence[int], medium: str = MEDIUM_GPU) -> dict[str, Any]:
+    """A ``BlockRemoved`` event (Rule 3) from ``medium``."""
     return {
         "type": "BlockRemoved",
         "block_hashes": list(block_hashes),
-        "medium": MEDIUM_GPU,
+        "medium": medium,
         "group_idx": _GROUP,
     }
 

@@ -354,6 +354,7 @@ class _Collector:
         )
         yield from engine_families([(name, m.engines) for name, m, _, _ in rows])
         yield from _prefix_cache_families(rows)
+        yield from _tier_families(rows)
         yield from _speculative_families(rows)
         rejected = CounterMetricFamily(
             "inference_lab:requests_rejected",
@@ -435,6 +436,69 @@ def _prefix_cache_families(
     yield queries
     yield hits
     yield info
+
+
+def _tier_families(
+    rows: list[tuple[str, ModelMetrics, RuntimeSnapshot, EngineStatistics | None]],
+) -> Iterator[Metric]:
+    """Rule 6: the KV tiers behind HBM (docs/kv-tiers.md), per replica, for the models
+    that have them: vLLM's external prefix-cache and offload counters, and the tiers' own
+    gauges."""
+    labels = [*_LABEL, "engine"]
+    tiered = [
+        (name, m) for name, m, _, _ in rows if m.runtime.deployment.scheduler.kv_offloading_size
+    ]
+    if not tiered:
+        return
+    queries = CounterMetricFamily(
+        "vllm:external_prefix_cache_queries",
+        "External prefix cache queries from KV connector cross-instance cache sharing, in "
+        "terms of number of queried tokens.",
+        labels=labels,
+    )
+    hits = CounterMetricFamily(
+        "vllm:external_prefix_cache_hits",
+        "External prefix cache hits from KV connector cross-instance cache sharing, in terms "
+        "of number of cached tokens.",
+        labels=labels,
+    )
+    moved = CounterMetricFamily(
+        "vllm:kv_offload_total_bytes",
+        "Bytes moved between HBM and the offloading tiers.",
+        labels=[*labels, "transfer_type"],
+    )
+    took = CounterMetricFamily(
+        "vllm:kv_offload_total_time",
+        "Seconds spent loading KV blocks from the offloading tiers.",
+        labels=[*labels, "transfer_type"],
+    )
+    held = GaugeMetricFamily(
+        "inference_lab:kv_tier_blocks",
+        "KV blocks held in a tier behind HBM.",
+        labels=[*labels, "tier"],
+    )
+    recomputed = CounterMetricFamily(
+        "inference_lab:kv_tier_recomputed_tokens",
+        "Prompt tokens found in a tier but computed, because computing them was cheaper.",
+        labels=labels,
+    )
+    for name, m in tiered:
+        dep = m.runtime.deployment
+        for engine, w in enumerate(m.runtime.engine.statistics().workers):
+            t = w.tiers
+            if t is None:
+                continue
+            key = [name, str(engine)]
+            queries.add_metric(key, w.prefix_cache_queries - w.prefix_cache_hits)
+            hits.add_metric(key, t.host_hit_tokens + t.disk_hit_tokens)
+            stored = (t.host_stores + t.disk_stores) * dep.block_bytes
+            moved.add_metric([*key, "GPU_to_CPU"], stored)
+            moved.add_metric([*key, "CPU_to_GPU"], t.fetch_bytes)
+            took.add_metric([*key, "CPU_to_GPU"], t.fetch_seconds)
+            held.add_metric([*key, "host"], t.host_blocks)
+            held.add_metric([*key, "disk"], t.disk_blocks)
+            recomputed.add_metric(key, t.recomputed_tokens)
+    yield from (queries, hits, moved, took, held, recomputed)
 
 
 def _speculative_families(

@@ -30,7 +30,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["MARGIN", "MIN_ARRIVALS", "CapacityVerdict", "assess_capacity"]
+__all__ = ["MARGIN", "MIN_ARRIVALS", "CapacityVerdict", "assess_capacity", "judge_capacity"]
 
 #: Served slower than offered by more than this fraction (Rule 2).
 MARGIN = 0.1
@@ -96,15 +96,41 @@ def assess_capacity(
     times = np.asarray(arrivals, dtype=np.float64)  # (the simulator's arrays as they are)
     first, last = float(times.min()), float(times.max())
     mid = (first + last) / 2
-    span = last - mid
     offered = int(np.count_nonzero((times > mid) & (times <= last)))
-    if span <= 0 or offered < MIN_ARRIVALS:
-        return None
     done = np.asarray(completions, dtype=np.float64)
     served = int(np.count_nonzero((done > mid) & (done <= last)))
-    refused = sum(1 for t in rejected if mid < t <= last)
+    return judge_capacity(
+        first,
+        last,
+        offered=offered,
+        served=served,
+        rejected=sum(1 for t in rejected if mid < t <= last),
+        waiting_at_mid=waiting_at_mid,
+        waiting_at_end=waiting_at_end,
+    )
+
+
+def judge_capacity(
+    first: float,
+    last: float,
+    *,
+    offered: int,
+    served: int,
+    rejected: int,
+    waiting_at_mid: int,
+    waiting_at_end: int,
+) -> CapacityVerdict | None:
+    """The verdict of Rules 1-3 from counts: the first and the last arrival time, and over
+    ``(mid, last]`` (``mid = (first + last) / 2``) the arrivals ``offered``, the
+    completions ``served`` and the arrivals ``rejected`` by ``max_waiting``. For
+    :func:`assess_capacity` and for a sharded run, whose shards count their own
+    arrivals and completions in the window."""
+    mid = (first + last) / 2
+    span = last - mid
+    if span <= 0 or offered < MIN_ARRIVALS:
+        return None
     slower = served < (1 - MARGIN) * offered
-    backlog = waiting_at_end > waiting_at_mid or refused > 0
+    backlog = waiting_at_end > waiting_at_mid or rejected > 0
     return CapacityVerdict(
         over=slower and backlog,
         window_start_s=mid,
@@ -113,5 +139,5 @@ def assess_capacity(
         served_rps=served / span,
         waiting_at_mid=waiting_at_mid,
         waiting_at_end=waiting_at_end,
-        rejected=refused,
+        rejected=rejected,
     )

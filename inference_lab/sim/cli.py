@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from inference_lab.cli_args import EXIT_OK, check_output, fail, integer, number, pd_split
 
 if TYPE_CHECKING:
-    from inference_lab.core.config import Workload
-    from inference_lab.sim.run import Progress
+    from inference_lab.core.config import Deployment, Workload
+    from inference_lab.sim.run import Progress, SimResult
     from inference_lab.traffic.traces import Trace
 
 __all__ = ["add_parser", "run"]
@@ -117,6 +117,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="waiting-queue bound (0 = unbounded; arrivals beyond it are refused); "
         "overrides [scheduler] max_waiting",
     )
+    _add_fleet_flags(parser)
     parser.add_argument(
         "-o", "--output", type=Path, metavar="PATH", help="write the summary as JSON"
     )
@@ -167,6 +168,47 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="no progress bar (it is also off when stderr is not a terminal)",
     )
     return parser
+
+
+def _add_fleet_flags(parser: argparse.ArgumentParser) -> None:
+    """``--replicas``, ``--ray`` and ``--shards`` (docs/sim.md#a-fleet-on-ray)."""
+    parser.add_argument(
+        "--replicas",
+        type=integer(ge=1),
+        metavar="N",
+        help="replicas of the deployment; overrides the hardware entry's replicas",
+    )
+    parser.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        metavar="ADDRESS",
+        help="shard the replicas across Ray workers and merge their summaries: 'local' "
+        "(the default: a private instance), 'auto' (this machine's cluster) or an address",
+    )
+    parser.add_argument(
+        "--shards",
+        type=integer(ge=1),
+        metavar="K",
+        help="--ray: jobs to split the replicas into (default: the cluster's CPUs, at most "
+        "one per replica)",
+    )
+
+
+def _fleet_flags_conflict(args: argparse.Namespace) -> str | None:
+    """Why the flags cannot go with ``--ray`` (or ``--shards`` without it), or None."""
+    if args.pd is not None and args.replicas is not None:
+        return "--replicas does not go with --pd: xPyD names each pool's replicas"
+    if args.ray is None:
+        return "--shards applies to --ray only" if args.shards is not None else None
+    for flag, value in (
+        ("--request-csv", args.request_csv),
+        ("--report", args.report),
+        ("--timeseries", args.timeseries),
+    ):
+        if value is not None:
+            return f"{flag} needs every request's record, which a sharded run does not keep"
+    return None
 
 
 def _window(text: str) -> tuple[float, float | None]:
@@ -241,6 +283,40 @@ def _read_trace(args: argparse.Namespace, model_tokenizer: str | None) -> Trace:
     )
 
 
+def _run_on_ray(
+    args: argparse.Namespace, deployment: Deployment, workload: Workload | Trace
+) -> SimResult:
+    """``--ray``: the run sharded across Ray workers (``inference_lab.sim.fleet``), with a
+    progress bar of shards unless quiet."""
+    import importlib.util
+
+    from inference_lab.errors import ConfigError
+    from inference_lab.sim.fleet import run_on_ray
+    from inference_lab.sim.sharding import check_shardable
+
+    check_shardable(deployment, workload)  # (before Ray is looked for)
+    if importlib.util.find_spec("ray") is None:  # looked up, not imported
+        raise ConfigError("--ray needs Ray: pip install 'inference-lab[ray]'")
+    bar: Any = None
+    if not (args.quiet or args.no_progress):
+        from tqdm import tqdm
+
+        bar = tqdm(unit="shard", desc="sim", file=sys.stderr, disable=None, dynamic_ncols=True)
+
+    def progress(done: int, total: int) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+    try:
+        return run_on_ray(
+            args.ray, deployment, workload, seed=args.seed, shards=args.shards, progress=progress
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``sim`` command; returns the exit code (Rule 2)."""
     from inference_lab.core.config import (
@@ -269,6 +345,9 @@ def run(args: argparse.Namespace) -> int:
         check_output("--write-sessions", args.write_sessions)
     except ValueError as exc:
         return fail(PROG, str(exc))
+    conflict = _fleet_flags_conflict(args)
+    if conflict is not None:
+        return fail(PROG, conflict, 2)
     wants_series = args.report is not None or args.timeseries is not None
     if args.series_interval is not None and not wants_series:
         return fail(PROG, "--series-interval applies to --report and --timeseries only", 2)
@@ -298,6 +377,10 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.pd is not None:
             deployment = split_pd(deployment, *args.pd)
+        if args.replicas is not None:
+            from inference_lab.sim.shard import shard_deployment
+
+            deployment = shard_deployment(deployment, args.replicas)
         workload: Workload | Trace
         if args.trace is not None:
             args.trace = str(resolve_shipped(args.trace, "trace", "--trace"))
@@ -320,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
             print(format_config(deployment, workload, source, seed), flush=True)
         progress: Callable[[Progress], None] | None = None
         close: Callable[[], None] = lambda: None  # noqa: E731
-        if not (args.quiet or args.no_progress):
+        if not (args.quiet or args.no_progress or args.ray is not None):
             total = (
                 len(workload.requests)
                 if isinstance(workload, Trace)
@@ -328,16 +411,19 @@ def run(args: argparse.Namespace) -> int:
             )
             progress, close = _progress_bar(total)
         try:
-            from inference_lab.sim.series import DEFAULT_INTERVAL
+            if args.ray is not None:
+                result = _run_on_ray(args, deployment, workload)
+            else:
+                from inference_lab.sim.series import DEFAULT_INTERVAL
 
-            interval = args.series_interval or DEFAULT_INTERVAL
-            result = run_simulation(
-                deployment,
-                workload,
-                seed=args.seed,
-                progress=progress,
-                series_interval=interval if wants_series else None,
-            )
+                interval = args.series_interval or DEFAULT_INTERVAL
+                result = run_simulation(
+                    deployment,
+                    workload,
+                    seed=args.seed,
+                    progress=progress,
+                    series_interval=interval if wants_series else None,
+                )
         finally:
             close()
         if not args.quiet:

@@ -112,6 +112,16 @@ class FinishedTable(Sequence[Finished]):
                 floats["transfer_end_time"].append(f.transfer_end_time)
                 floats["transfer_bytes"].append(f.transfer_bytes)
 
+    def clear(self) -> None:
+        """Forget every record (the columns are emptied in place, so the appends stay
+        bound); a sharded run's shard folds its records into sums and sketches, then
+        clears them. No column view may be alive."""
+        for floats in self._floats.values():
+            del floats[:]
+        for ints in self._ints.values():
+            del ints[:]
+        del self._length[:]
+
     def column(self, name: str) -> npt.NDArray[Any]:
         """One field of every record, in order: float64 for times, int64 for counts. A
         view of the column, not a copy: the table cannot grow while one is alive (the
@@ -213,6 +223,13 @@ class StepTotals:
 
     def __len__(self) -> int:
         return len(self.kv_usage)
+
+    def clear(self) -> None:
+        """Forget the per-step figures, in place (the preemptions and the speculative sums
+        are kept): a shard of a sharded run folds them into sums first. No column view
+        may be alive."""
+        for column in (self.kv_usage, self.flop_util, self.bw_util):
+            del column[:]
 
     def column(self, name: str) -> npt.NDArray[np.float64]:
         """``kv_usage``, ``flop_util`` or ``bw_util`` of every step, in order."""

@@ -66,6 +66,7 @@ from inference_lab.sim.observers import (
 )
 from inference_lab.sim.records import QUEUE_LIMIT, FinishedTable, Refused, StepTotals
 from inference_lab.sim.series import Series, SeriesRecorder
+from inference_lab.sim.sharding import FleetInfo
 from inference_lab.sim.summary import (
     PrefixCacheSummary,
     ReplicaSummary,
@@ -78,6 +79,7 @@ from inference_lab.sim.summary import (
     speculative_summary,
     summarize,
 )
+from inference_lab.sim.tiers import TierSummary, tier_summary
 from inference_lab.traffic.traces import Trace
 from inference_lab.workload import make_generator
 from inference_lab.workload.arrivals import Arrival, ArrivalGenerator
@@ -117,6 +119,10 @@ class SimResult:
     speculative: SpeculativeSummary | None = None
     #: a disaggregated deployment's pools, transfers and TTFT stages
     disaggregation: DisaggregationSummary | None = None
+    #: the KV tiers behind HBM, when the deployment has them
+    tiers: TierSummary | None = None
+    #: a sharded run's shards and what of it is not exact (`inference_lab.sim.fleet`)
+    fleet: FleetInfo | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The summary sections of `sim -o`'s JSON, plus the peak queue, the capacity
@@ -131,7 +137,11 @@ class SimResult:
             out["speculative"] = self.speculative.to_dict()
         if self.disaggregation is not None:
             out["disaggregation"] = self.disaggregation.to_dict()
+        if self.tiers is not None:
+            out["kv_tiers"] = self.tiers.to_dict()
         out["peak_waiting"] = self.peak_waiting
+        if self.fleet is not None:
+            out["fleet"] = self.fleet.to_dict()
         out["capacity"] = None if self.capacity is None else self.capacity.to_dict()
         out["time"] = {
             "simulated_s": self.sim_time_s,
@@ -218,6 +228,7 @@ def run_simulation(
             if deployment.disaggregation is not None
             else None
         ),
+        tiers=tier_summary(stats),
     )
 
 

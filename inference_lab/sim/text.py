@@ -264,6 +264,9 @@ def format_summary(result: SimResult) -> str:
         )
         for row in table
     ]
+    peak = f"{result.peak_waiting:,}"
+    if result.fleet is not None:  # (the shards' peaks summed)
+        peak = f"<= {peak} (the shards' peaks summed)"
     over = result.capacity.message() if result.capacity is not None else None
     if over is not None:
         lines.append(over)
@@ -272,31 +275,25 @@ def format_summary(result: SimResult) -> str:
         if result.wall_time_s > 0
         else ""
     )
-    refused_note = ""
-    if result.refused:
-        by_limit: dict[str, int] = {}
-        for r in result.refused:
-            by_limit[r.limit] = by_limit.get(r.limit, 0) + 1
-        never = sorted(limit for limit in by_limit if limit != QUEUE_LIMIT)
-        parts = []
-        if QUEUE_LIMIT in by_limit:
-            parts.append(f"{by_limit[QUEUE_LIMIT]:,} by max_waiting")
-        if never:
-            first = next(r for r in result.refused if r.limit != QUEUE_LIMIT)
-            parts.append(f"never fit: {', '.join(never)}; e.g. {first.reason}")
-        refused_note = f" ({'; '.join(parts)})"
     lines += [
         "",
         f"requests     {s.requests_completed:,} completed, {s.requests_refused:,} refused"
-        f"{refused_note}",
+        f"{_refused_note(result)}",
         f"throughput   {s.input_tokens_per_s:,.1f} input tok/s, {s.output_tokens_per_s:,.1f} "
         f"output tok/s, {s.requests_per_s:,.3f} req/s over {s.span_s:,.3f} s",
         f"utilisation  KV cache {s.kv_usage_mean:.1%} mean ({s.kv_usage_max:.1%} peak), "
         f"FLOP {s.flop_util_mean:.1%}, HBM bandwidth {s.bw_util_mean:.1%} "
         f"(means over {s.steps:,} steps)",
-        f"preemptions  {s.preemptions:,}; peak waiting queue {result.peak_waiting:,}",
+        f"preemptions  {s.preemptions:,}; peak waiting queue {peak}",
     ]
     lines += _cache_lines(result)
+    if result.fleet is not None:
+        fl = result.fleet
+        lines.append(
+            f"sharded      {fl.replicas:,} replicas in {fl.shards:,} shards, "
+            f"{fl.parallelism:,} at a time; percentiles from merged sketches (within "
+            f"{fl.relative_accuracy:.2%})"
+        )
     sp = result.speculative
     if sp is not None:
         lines.append(
@@ -306,6 +303,15 @@ def format_summary(result: SimResult) -> str:
             "(estimated: the same batches without speculation)"
         )
     lines += _disaggregation_lines(result)
+    tiers = result.tiers
+    if tiers is not None:
+        lines.append(
+            f"KV tiers     prompt tokens found in HBM {tiers.hbm_hit_rate:.1%}, host "
+            f"{tiers.host_hit_rate:.1%}, disk {tiers.disk_hit_rate:.1%}; {tiers.fetches:,} "
+            f"fetches of {tiers.fetch_bytes / 1e9:,.2f} GB ({tiers.fetch_seconds_mean * 1e3:,.3f} "
+            f"ms each on average); {tiers.recomputed_tokens:,} tokens recomputed where "
+            "fetching cost more"
+        )
     lines.append(
         f"time         {result.sim_time_s:,.3f} s simulated in {result.wall_time_s:,.3f} s real"
         f"{speedup}"
@@ -338,6 +344,25 @@ def _disaggregation_lines(result: SimResult) -> list[str]:
         "each on average",
         f"TTFT stages  (mean / p99 ms) {stages}",
     ]
+
+
+def _refused_note(result: SimResult) -> str:
+    """The requests line's note on the refusals: how many ``max_waiting`` refused, and the
+    limits of those that never fit with the first one's reason."""
+    by_limit: dict[str, int] = {}
+    for r in result.refused:
+        by_limit[r.limit] = by_limit.get(r.limit, 0) + 1
+    first = next((r.reason for r in result.refused if r.limit != QUEUE_LIMIT), "")
+    if result.fleet is not None:  # (a sharded run keeps no request)
+        by_limit = dict(result.fleet.refusals)
+        first = result.fleet.first_refusal
+    never = sorted(limit for limit in by_limit if limit != QUEUE_LIMIT)
+    parts = []
+    if QUEUE_LIMIT in by_limit:
+        parts.append(f"{by_limit[QUEUE_LIMIT]:,} by max_waiting")
+    if never:
+        parts.append(f"never fit: {', '.join(never)}; e.g. {first}")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _cache_lines(result: SimResult) -> list[str]:

@@ -13,7 +13,10 @@ Rule 3: each chunk draws its gaps, then its prompt lengths, then its output leng
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
+from typing import Any
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -29,7 +32,7 @@ from inference_lab.workload.arrivals import (
     check_bounded,
 )
 
-__all__ = ["OpenLoopGenerator", "chunk_times"]
+__all__ = ["ChunkMark", "OpenLoopGenerator", "chunk_times"]
 
 _BURST_PROBABILITY = 0.2
 _BURST_SHORT_GAP = (0.001, 0.010)  # seconds: a request inside a burst
@@ -52,6 +55,17 @@ def chunk_times(
     if schedule is not None:
         t = arrival_times(schedule, t)
     return t, next_t
+
+
+@attrs.frozen
+class ChunkMark:
+    """Where an open loop's stream stands before a chunk (:meth:`OpenLoopGenerator.
+    marked_chunks`): its generator's state, the arrivals drawn before, and the (unit
+    clock) time of the chunk's first arrival."""
+
+    state: Mapping[str, Any]
+    produced: int
+    next_t: float
 
 
 class OpenLoopGenerator(ArrivalGenerator):
@@ -91,18 +105,31 @@ class OpenLoopGenerator(ArrivalGenerator):
         """All arrivals as arrays, in arrival order (the interface's lazy feed)."""
         return self._draw()
 
-    def _draw(self) -> ArrivalArrays:
-        """Every arrival, drawn chunk by chunk (Rules 1-3)."""
+    def chunks(self) -> Iterator[ArrivalArrays]:
+        """Every arrival, in arrival order, one chunk of at most CHUNK at a time (Rules
+        1-3): the arrays :meth:`arrays` returns, cut where they were drawn. A sharded
+        simulation reads a long run's arrivals this way, without holding them all."""
+        return (arrays for _, arrays in self.marked_chunks())
+
+    def marked_chunks(
+        self, every: int = 0, start: ChunkMark | None = None
+    ) -> Iterator[tuple[ChunkMark | None, ArrivalArrays]]:
+        """:meth:`chunks`, each with the :class:`ChunkMark` of the stream before it when
+        it is the first after ``start`` (default: the stream's start) or a multiple of
+        ``every`` chunks after it (None otherwise: a mark copies the generator's state).
+        From ``start``, the stream goes on as it went on from that mark; the generator
+        must hold the mark's state (:meth:`resume` makes one that does)."""
         wl = self._workload
         limit = wl.num_requests if wl.num_requests is not None else math.inf
         duration = wl.duration_secs if wl.duration_secs is not None else math.inf
         lengths = Lengths(wl, self._rng)
-        times: list[npt.NDArray[np.float64]] = []
-        prompts: list[npt.NDArray[np.int64]] = []
-        outputs: list[npt.NDArray[np.int64]] = []
-        produced = 0
-        next_t = 0.0
+        produced, next_t = (0, 0.0) if start is None else (start.produced, start.next_t)
+        index = 0
         while produced < limit:
+            mark = None
+            if index == 0 or (every and index % every == 0):
+                mark = ChunkMark(self._rng.bit_generator.state, produced, next_t)
+            index += 1
             gaps = self.gaps(CHUNK)
             chunk_prompts, chunk_outputs = lengths.draw()
             t, next_t = chunk_times(wl, gaps, produced, next_t)
@@ -112,16 +139,27 @@ class OpenLoopGenerator(ArrivalGenerator):
                 past = np.flatnonzero((t[:keep] >= duration) | np.isinf(t[:keep]))
             if past.size:
                 keep = int(past[0])
-            times.append(t[:keep])
-            prompts.append(chunk_prompts[:keep])
-            outputs.append(chunk_outputs[:keep])
+            if keep:
+                yield mark, ArrivalArrays(t[:keep], chunk_prompts[:keep], chunk_outputs[:keep])
             produced += keep
             if keep < CHUNK:
                 break
+
+    @classmethod
+    def resume(cls, workload: Workload, mark: ChunkMark) -> OpenLoopGenerator:
+        """A generator of ``workload`` whose :meth:`marked_chunks` from ``mark`` draw what
+        followed the mark."""
+        rng = np.random.default_rng()
+        rng.bit_generator.state = mark.state
+        return cls(workload, rng)
+
+    def _draw(self) -> ArrivalArrays:
+        """Every arrival, drawn chunk by chunk (Rules 1-3)."""
+        parts = list(self.chunks())
         return ArrivalArrays(
-            np.concatenate(times) if times else np.zeros(0),
-            np.concatenate(prompts) if prompts else np.zeros(0, np.int64),
-            np.concatenate(outputs) if outputs else np.zeros(0, np.int64),
+            np.concatenate([c.times for c in parts]) if parts else np.zeros(0),
+            np.concatenate([c.prompt_tokens for c in parts]) if parts else np.zeros(0, np.int64),
+            np.concatenate([c.output_lens for c in parts]) if parts else np.zeros(0, np.int64),
         )
 
     def initial(self) -> list[Arrival]:

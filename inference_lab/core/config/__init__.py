@@ -70,7 +70,9 @@ from inference_lab.core.config.hardware import (
     Fabric,
     HardwareEntry,
     HardwareProfile,
+    HostLink,
     Link,
+    Overheads,
     TimeCorrection,
 )
 from inference_lab.core.config.loading import (
@@ -145,6 +147,7 @@ __all__ = [
     "EFFORTS",
     "Efficiency",
     "EfficiencyOverride",
+    "Overheads",
     "ExponentialTime",
     "FAULT_MODES",
     "Fabric",
@@ -153,6 +156,7 @@ __all__ = [
     "FixedTime",
     "HardwareEntry",
     "HardwareProfile",
+    "HostLink",
     "KV_LAYERS",
     "LINKS",
     "Layer",

@@ -23,6 +23,7 @@ from inference_lab.core.config.hardware import (
     HardwareEntry,
     HardwareProfile,
     Link,
+    Overheads,
 )
 from inference_lab.core.config.model import (
     BYTES_PER_VALUE,
@@ -94,11 +95,18 @@ class Deployment:
         return total
 
     @property
+    def overheads(self) -> Overheads:
+        """The entry's ``overheads`` table if it has one, else the profile's."""
+        return (
+            self.profile.overheads if self.hardware.overheads is None else self.hardware.overheads
+        )
+
+    @property
     def kv_bytes(self) -> float:
         """KV bytes of one worker (a replica, or one rank of it with ``dp_attention``):
         ``kv_cache_capacity`` when set, else the replica's memory pool
         (``floor(memory_capacity * tp * gpu_memory_utilization)``) less its resident
-        weights, shared evenly by its ranks."""
+        weights and the ``reserved_memory`` per GPU, shared evenly by its ranks."""
         if self.scheduler.kv_cache_capacity > 0:
             return self.scheduler.kv_cache_capacity
         pool = math.floor(
@@ -106,6 +114,9 @@ class Deployment:
         )
         dp = self.hardware.dp_attention
         free = pool - self.resident_weight_bytes
+        reserved = self.overheads.reserved_memory
+        if reserved:
+            free -= math.floor(reserved * self.hardware.tp)
         return free if dp == 1 else free / dp
 
     def kv_layers(self) -> list[AttentionLayer | MLALayer]:

@@ -23,12 +23,14 @@ from inference_lab.core.config.checks import (
 )
 
 __all__ = [
+    "Overheads",
     "ROUTERS",
     "Efficiency",
     "EfficiencyOverride",
     "Fabric",
     "HardwareEntry",
     "HardwareProfile",
+    "HostLink",
     "Link",
     "TimeCorrection",
 ]
@@ -75,6 +77,22 @@ class EfficiencyOverride:
 
 
 @attrs.frozen(kw_only=True)
+class Overheads:
+    """What the engine's host side adds (docs/fidelity.md): its per-request work each step
+    (preparing inputs, sampling, detokenising and streaming one token) costs
+    ``seq_overhead`` seconds per sequence in the step, its API process
+    ``frontend_latency`` seconds per request before the request reaches the engine (added
+    to the scheduler's ``frontend_latency`` of every entry on the profile, when the entry
+    is loaded), and ``reserved_memory`` bytes of each GPU's memory pool hold no KV cache
+    (the CUDA context, activation workspace, CUDA graphs, communication buffers). The
+    defaults, 0, are the roofline itself."""
+
+    seq_overhead: float = attrs.field(default=0.0, validator=[ge(0), le(0.01)])
+    frontend_latency: float = attrs.field(default=0.0, validator=[ge(0), le(10)])
+    reserved_memory: float = attrs.field(default=0.0, validator=ge(0))
+
+
+@attrs.frozen(kw_only=True)
 class HardwareEntry:
     #: The hardware profile's file name (``hardware_profiles/<profile>.toml``); None: the
     #: entry's own name. Lets one model have several entries on one GPU (tp variants,
@@ -99,6 +117,8 @@ class HardwareEntry:
     time_correction: TimeCorrection = attrs.field(factory=TimeCorrection)
     #: Replaces the profile's ``[efficiency]`` keys it sets, for this model only.
     efficiency: EfficiencyOverride | None = None
+    #: Replaces the profile's ``[overheads]`` table, for this model only.
+    overheads: Overheads | None = None
     #: A CSV of measured step times (docs/fidelity.md#measured-step-tables), relative to
     #: the config file; after loading, the resolved path.
     step_table: str | None = attrs.field(default=None, validator=optional_nonempty)
@@ -123,6 +143,17 @@ class Fabric:
 
 
 @attrs.frozen(kw_only=True)
+class HostLink:
+    """``[host]`` of a profile: the link between one GPU and host memory (PCIe, or
+    NVLink-C2C on Grace), per direction, and the host DRAM one GPU's share of a node has
+    (the bound on a host KV tier: ``docs/kv-tiers.md``)."""
+
+    bandwidth: float = attrs.field(validator=gt(0))
+    latency: float = attrs.field(validator=ge(0))
+    memory: float = attrs.field(validator=gt(0))
+
+
+@attrs.frozen(kw_only=True)
 class HardwareProfile:
     name: str
     flops_fp4: float | None = attrs.field(default=None, validator=gt(0))
@@ -132,7 +163,10 @@ class HardwareProfile:
     memory_bandwidth: float = attrs.field(validator=gt(0))
     memory_capacity: float = attrs.field(validator=gt(0))
     fabric: Fabric | None = None
+    #: the link to host memory, for KV offloading (None: the profile says nothing)
+    host: HostLink | None = None
     efficiency: Efficiency = attrs.field(factory=Efficiency)
+    overheads: Overheads = attrs.field(factory=Overheads)
     #: The profile this one was layered on (``base = "h100"``), for display; None for a
     #: datasheet profile.
     base: str | None = attrs.field(default=None, validator=optional_name)

@@ -205,10 +205,39 @@ def _validate_deployment(dep: Deployment, file: Path, profile_path: Path) -> Non
                 f"{where}: resident weights ({weights:,} B) do not fit in memory_capacity x tp x "
                 f"gpu_memory_utilization ({pool:,} B); raise tp or set kv_cache_capacity"
             )
+    _validate_tiers(dep, where, profile_path)
     if dep.total_blocks < 1:
         raise ConfigError(
             f"{where}: the KV cache ({dep.kv_bytes:,.0f} B) holds no block of "
             f"{dep.block_bytes:,.0f} B"
+        )
+
+
+def _validate_tiers(dep: Deployment, where: str, profile_path: Path) -> None:
+    """The KV tiers behind HBM (docs/kv-tiers.md): a host tier needs the profile's
+    ``[host]`` link and fits in its ``memory`` x tp (the host DRAM of the replica's GPUs);
+    a disk tier sits behind a host tier."""
+    sched = dep.scheduler
+    size = sched.kv_offloading_size
+    if sched.kv_offloading_disk_size and not size:
+        raise ConfigError(
+            f"{where}.scheduler.kv_offloading_disk_size: a disk tier sits behind a host "
+            "tier: set kv_offloading_size too"
+        )
+    if not size:
+        return
+    host = dep.profile.host
+    if host is None:
+        raise ConfigError(
+            f"{where}.scheduler.kv_offloading_size: the profile {profile_path} has no [host] "
+            "table (the link to host memory the tier is read over)"
+        )
+    bound = host.memory * dep.hardware.tp
+    if size * 2**30 > bound:
+        raise ConfigError(
+            f"{where}.scheduler.kv_offloading_size: {size:g} GiB is more than the host "
+            f"memory of the replica's {dep.hardware.tp} GPU(s) ({bound / 2**30:,.0f} GiB: "
+            f"[host] memory x tp in {profile_path})"
         )
 
 
@@ -258,6 +287,10 @@ def _load_entry(
         key = f"{prefix}.profile" if entry.profile is not None else prefix
         raise ConfigError(f"{file}: {key}: no hardware profile {profile_path}")
     profile = load_hardware_profile(profile_path)
+    overheads = profile.overheads if entry.overheads is None else entry.overheads
+    if overheads.frontend_latency:  # the API process's time, on top of the scheduler's
+        latency = merged.frontend_latency + overheads.frontend_latency
+        merged = attrs.evolve(merged, frontend_latency=latency)
     step_table = None
     if entry.step_table is not None:
         step_table = load_step_table(file, entry.step_table, f"{prefix}.step_table")

@@ -32,3 +32,12 @@ class SchedulerConfig:
     #: Seconds from a request's arrival to its entering the engine: a real server's API
     #: process (parsing, tokenising, handing over to the engine). Counted in TTFT and E2E.
     frontend_latency: float = attrs.field(default=0.0, validator=[ge(0), le(60)])
+    #: GiB of host DRAM for KV blocks evicted from HBM, per replica (vLLM's
+    #: ``kv_offloading_size``; 0: no host tier; bounded by the profile's ``[host] memory``
+    #: x tp, checked by the loader: docs/kv-tiers.md)
+    kv_offloading_size: float = attrs.field(default=0.0, validator=[ge(0), le(1 << 20)])
+    #: GiB of local NVMe or a shared store behind the host tier, per replica (0: none)
+    kv_offloading_disk_size: float = attrs.field(default=0.0, validator=[ge(0), le(1 << 30)])
+    #: the disk tier's read bandwidth (bytes/s) and latency (s)
+    kv_offloading_disk_bandwidth: float = attrs.field(default=6.0e9, validator=[gt(0), le(1e13)])
+    kv_offloading_disk_latency: float = attrs.field(default=1.0e-4, validator=[ge(0), le(10)])

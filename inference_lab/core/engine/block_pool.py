@@ -20,9 +20,15 @@ Rule 3: no clock, no I/O. Events (blocks stored, removed, all cleared) are recor
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from itertools import islice
+
 import attrs
 
 __all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_DISK",
+    "MEDIUM_GPU",
     "AllBlocksCleared",
     "BlockPool",
     "BlockRemoved",
@@ -39,22 +45,30 @@ NOT_CACHED = 1 << 62
 NO_HASHES: tuple[int, ...] = ()
 
 
+#: Where a block is (vLLM's ``medium``): HBM, a host-memory tier, a disk tier.
+MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK = "GPU", "CPU", "DISK"
+
+
 @attrs.frozen(kw_only=True)
 class BlockStored:
     """Blocks became cached on ``worker``: ``block_hashes`` in chain order, the first one's
-    parent being ``parent_block_hash`` (None for the chain's first block)."""
+    parent being ``parent_block_hash`` (None for the chain's first block, or not known:
+    a lower tier's store); ``medium`` where (HBM, or a KV tier behind it)."""
 
     worker: int
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
+    medium: str = MEDIUM_GPU
 
 
 @attrs.frozen(kw_only=True)
 class BlockRemoved:
-    """Cached blocks of ``worker`` were evicted (their hashes no longer hit there)."""
+    """Cached blocks of ``worker`` were evicted from ``medium`` (their hashes no longer
+    hit there)."""
 
     worker: int
     block_hashes: tuple[int, ...]
+    medium: str = MEDIUM_GPU
 
 
 @attrs.frozen(kw_only=True)
@@ -80,6 +94,7 @@ class BlockPool:
         "queries",
         "hits",
         "filling",
+        "spill",
     )
 
     def __init__(self, total: int, worker: int, events: list[KVEvent] | None) -> None:
@@ -97,6 +112,8 @@ class BlockPool:
         #: running requests that may still cache a block (0: a step end has nothing to
         #: look at, so a workload without hashes pays nothing per batch member)
         self.filling = 0
+        #: where evicted cached blocks go (the KV tiers behind HBM; None: nowhere)
+        self.spill: Callable[[list[int]], None] | None = None
 
     @property
     def cached_blocks(self) -> int:
@@ -121,14 +138,16 @@ class BlockPool:
         excess = len(evictable) - self.free
         if excess > 0:
             ref = self.ref
-            gone = []
-            for _ in range(excess):
-                h = next(iter(evictable))
+            # (one pass from the front: a dict's first key lies past the slots earlier
+            # pops left behind, so taking them one next(iter()) at a time rescans those)
+            gone = list(islice(evictable, excess))
+            for h in gone:
                 del evictable[h]
                 del ref[h]
-                gone.append(h)
             if self.events is not None:
                 self.events.append(BlockRemoved(worker=self.worker, block_hashes=tuple(gone)))
+            if self.spill is not None:
+                self.spill(gone)
 
     def hit_blocks(self, hashes: tuple[int, ...], limit: int) -> int:
         """How many leading hashes of ``hashes`` (at most ``limit``) are cached here."""

@@ -21,6 +21,7 @@ __all__ = [
     "StepEvents",
     "StepInfo",
     "StepLog",
+    "TierStatistics",
     "WorkerStatistics",
     "engine_statistics",
 ]
@@ -111,6 +112,35 @@ class StepEvents:
 
 
 @attrs.frozen(kw_only=True)
+class TierStatistics:
+    """The KV tiers of a worker (or their sums; ``core/engine/kv_tiers.py``): blocks held
+    in each and their capacities, the prompt tokens fetched from each at admissions,
+    fetches with their bytes and seconds, the tokens computed instead because computing
+    them was cheaper, and the blocks written to each."""
+
+    host_blocks: int = 0
+    disk_blocks: int = 0
+    host_capacity: int = 0
+    disk_capacity: int = 0
+    host_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
+    fetches: int = 0
+    fetch_bytes: float = 0.0
+    fetch_seconds: float = 0.0
+    recomputed_tokens: int = 0
+    host_stores: int = 0
+    disk_stores: int = 0
+
+    def __add__(self, other: TierStatistics) -> TierStatistics:
+        return TierStatistics(
+            **{
+                f.name: getattr(self, f.name) + getattr(other, f.name)
+                for f in attrs.fields(TierStatistics)
+            }
+        )
+
+
+@attrs.frozen(kw_only=True)
 class WorkerStatistics:
     """A snapshot of one worker (replica), from :meth:`Engine.statistics`.
 
@@ -129,6 +159,7 @@ class WorkerStatistics:
       held: finished requests whose blocks are kept for a remote decode.
       busy_seconds: simulated seconds it spent stepping (its steps' durations, summed;
         a lockstep step counts on each of its ranks).
+      tiers: its KV tiers behind HBM (None: none configured).
     """
 
     waiting: int
@@ -143,6 +174,7 @@ class WorkerStatistics:
     receiving: int = 0
     held: int = 0
     busy_seconds: float = 0.0
+    tiers: TierStatistics | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -184,6 +216,7 @@ class EngineStatistics:
       workers: one :class:`WorkerStatistics` per worker, in worker order.
       prefix_caching: whether the deployment caches prefixes.
       prefix_cache_queries, prefix_cache_hits, cached_blocks: sums over workers.
+      tiers: the workers' KV tiers, summed (None: none configured).
       transfers, transfer_bytes, transfer_seconds: KV transfers from a remote prefill
         started so far (disaggregation, or a decode server's), their bytes and seconds.
     """
@@ -209,6 +242,7 @@ class EngineStatistics:
     transfers: int = 0
     transfer_bytes: float = 0.0
     transfer_seconds: float = 0.0
+    tiers: TierStatistics | None = None
 
 
 # positional constructors of the records built every step / request (:mod:`builders`)
@@ -255,7 +289,18 @@ def engine_statistics(
         transfers=transfers[0],
         transfer_bytes=transfers[1],
         transfer_seconds=transfers[2],
+        tiers=_tier_sum(workers),
     )
+
+
+def _tier_sum(workers: tuple[WorkerStatistics, ...]) -> TierStatistics | None:
+    tiers = [ws.tiers for ws in workers if ws.tiers is not None]
+    if not tiers:
+        return None
+    total = tiers[0]
+    for t in tiers[1:]:
+        total = total + t
+    return total
 
 
 class StepLog(Protocol):

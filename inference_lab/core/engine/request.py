@@ -132,6 +132,8 @@ class Request:
         "lazy_base",
         "hold_kv",
         "remote_positions",
+        "tier_fetch",
+        "tier_checked",
     )
 
     def __init__(
@@ -180,6 +182,10 @@ class Request:
         self.hold_kv = spec.hold_kv
         #: positions still to be received from a remote prefill (0 once received)
         self.remote_positions = spec.remote_positions
+        #: the fetch from the KV tiers behind HBM it waits for: blocks from the host, from
+        #: the disk, seconds (None: none); whether this admission has looked at the tiers
+        self.tier_fetch: tuple[int, int, float] | None = None
+        self.tier_checked = False
 
     def report(self, finish_time: float, worker: int, frontend_latency: float) -> Finished:
         """The ``Finished`` record of this request, which ended at ``finish_time`` on

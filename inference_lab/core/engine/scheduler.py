@@ -42,6 +42,7 @@ from inference_lab.core.config import Deployment
 from inference_lab.core.engine.block_pool import BlockPool, KVEvent
 from inference_lab.core.engine.fast_path import FastBatch, FastPath
 from inference_lab.core.engine.kv_cache_manager import KVCacheManager
+from inference_lab.core.engine.kv_tiers import TierStack
 from inference_lab.core.engine.outputs import WorkerStatistics
 from inference_lab.core.engine.request import (
     DONE,
@@ -121,6 +122,12 @@ class Scheduler(FastPath):
         self.internal = False
         #: simulated seconds it has spent stepping (its steps' durations, summed)
         self.busy_seconds = 0.0
+        #: the KV tiers behind its HBM (None: none configured; kv_tiers Rule 1)
+        self.tiers = (
+            TierStack(dep, roofline, self.kv, index, events)
+            if sched.kv_offloading_size > 0
+            else None
+        )
         self.init_fast_path(roofline, allowed=self.spec is None)
 
     @property
@@ -180,17 +187,20 @@ class Scheduler(FastPath):
         ``budget`` tokens left, if the cap, the budget and the free blocks allow: it runs
         its first prefill chunk there, on top of the prefix its worker has cached (its
         ``num_computed`` on return). Returns (request, positions) or None."""
-        r = self.waiting.peek()
-        if r is None:
-            return None
-        if self.running_seqs + r.n > self.max_num_seqs and self.running_seqs:
-            return None
-        while r.remote_positions and not r.num_blocks:  # a remote prefill's KV (Rule 6)
-            if not self._receive(r, now):
-                return None  # its blocks are short: it waits at the head
+        tiers = self.tiers
+        while True:
             r = self.waiting.peek()
             if r is None:
                 return None
+            if self.running_seqs + r.n > self.max_num_seqs and self.running_seqs:
+                return None
+            if tiers is not None and not r.tier_checked and not r.num_blocks:
+                if not r.remote_positions and r.cacheable_blocks:
+                    tiers.plan(r)  # a fetch from the tiers waits as a received KV does
+            if not r.remote_positions or r.num_blocks:
+                break
+            if not self._receive(r, now):  # a remote prefill's KV or a fetch (Rule 6)
+                return None  # its blocks are short: it waits at the head
         if r.num_blocks:  # its KV arrived: only its next chunk's blocks to find
             return self._admit_resident(r, mark, budget)
         if r.n == 1 and not r.cacheable_blocks:  # first_chunk of a plain request, no prefix
@@ -246,10 +256,13 @@ class Scheduler(FastPath):
         self.receiving.remove(r)
         positions = r.remote_positions
         r.remote_positions = 0
+        r.tier_fetch = None
         if positions > r.num_computed:
             r.num_computed = positions
             if positions >= r.next_cache_position:
                 self.kv.cache_computed(r, positions)
+        if not r.preemptions:  # found computed, as vLLM counts external tokens as cached
+            r.cached_tokens = max(r.cached_tokens, positions)
         r.status = WAITING
         self.waiting.push_front(r)
 
@@ -360,6 +373,7 @@ class Scheduler(FastPath):
 
     def _preempt(self, r: Request) -> None:
         self.kv.free(r)
+        r.tier_checked = False
         r.num_computed = 0
         r.preemptions += 1
         r.status = WAITING
@@ -550,4 +564,5 @@ class Scheduler(FastPath):
             receiving=len(self.receiving),
             held=len(self.held),
             busy_seconds=self.busy_seconds,
+            tiers=None if self.tiers is None else self.tiers.statistics(),
         )

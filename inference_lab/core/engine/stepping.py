@@ -318,6 +318,11 @@ class EventLoop:
         """The receptions ``w``'s last pass started (scheduler Rule 6): each transfer's end
         filed, priced by the link (handoff Rule 3)."""
         for r in w.new_transfers:
+            if r.tier_fetch is not None:  # from the KV tiers behind HBM (kv_tiers Rule 3)
+                assert w.tiers is not None
+                _, seconds = w.tiers.fetched(r)
+                self._calendar.file_transfer(r, now + seconds)
+                continue
             if self._handoffs is not None:
                 sent, seconds = self._handoffs.transfer(r)
             else:

@@ -1,14 +1,15 @@
-"""Ray tasks as a planning backend (the ``ray`` extra): `RayExecutor`.
+"""Ray tasks as a backend of pure jobs (the ``ray`` extra): `RayExecutor`.
 
-Rule 1: each job is one Ray task running `jobs.run_job`; the job carries its resolved
-        deployment and workload (jobs.py Rule 1), so the spec's files travel inside the
+Rule 1: each job is one Ray task running the executor's function on it; a job carries
+        everything it reads (the planner's resolved deployment and workload, a shard's
+        deployment, workload and replicas), so the caller's files travel inside the
         task's arguments and a worker on another machine opens no file. The workers need
-        this package at the planner's version (``pip install inference-lab`` on each
-        node): the code version is in every job's key, not shipped.
+        this package at the caller's version (``pip install inference-lab`` on each
+        node): the function is shipped by name, not by value.
 Rule 2: a task whose worker process dies is retried by Ray itself (``max_retries``); one
         that still fails is a `JobFailure`, like a job that raises.
 Rule 3: `ray` is imported only when a `RayExecutor` is made; ``ray.init`` is called with
-        ``"local"`` (a private single-node instance for this plan, listening on 127.0.0.1
+        ``"local"`` (a private single-node instance for this run, listening on 127.0.0.1
         only), ``"auto"`` (the cluster this machine belongs to) or an address
         (``host:port`` or ``ray://...``), and ``ray.shutdown`` on `close` only when this
         executor connected.
@@ -26,12 +27,11 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic
 
-from inference_lab.plan.backends import ExecutorStatistics, JobFailure, Outcome
-from inference_lab.plan.jobs import Job, ProbeResult, run_job
+from inference_lab.executors.backends import ExecutorStatistics, J, JobFailure, R
 
 __all__ = ["RayExecutor", "local_cluster"]
 
@@ -117,10 +117,17 @@ def local_cluster(
                 os.environ[key] = value
 
 
-class RayExecutor:
-    """Jobs as Ray tasks (the module's Rules)."""
+class RayExecutor(Generic[J, R]):
+    """``run`` on each job as a Ray task (the module's Rules)."""
 
-    def __init__(self, address: str, *, max_retries: int = 3, num_cpus: int | None = None) -> None:
+    def __init__(
+        self,
+        run: Callable[[J], R],
+        address: str,
+        *,
+        max_retries: int = 3,
+        num_cpus: int | None = None,
+    ) -> None:
         if address == "local" and "ray" not in sys.modules:
             # a private instance listens on 127.0.0.1 only (read when ray is imported)
             for key, value in _LOOPBACK_ENV.items():
@@ -140,8 +147,8 @@ class RayExecutor:
                     num_cpus=num_cpus, include_dashboard=False, object_store_memory=256 * 2**20
                 )
             ray.init(**kwargs)
-        self._task = ray.remote(num_cpus=1, max_retries=max_retries)(run_job)
-        self._refs: dict[Any, Job] = {}
+        self._task = ray.remote(num_cpus=1, max_retries=max_retries)(run)
+        self._refs: dict[Any, J] = {}
         self._submitted = 0
         self._completed = 0
 
@@ -149,22 +156,19 @@ class RayExecutor:
     def parallelism(self) -> int:
         return max(1, int(self._ray.cluster_resources().get("CPU", 1)))
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: J) -> None:
         self._refs[self._task.remote(job)] = job
         self._submitted += 1
 
-    def results(self) -> Iterator[tuple[Job, Outcome]]:
+    def results(self) -> Iterator[tuple[J, R | JobFailure]]:
         ray = self._ray
         while self._refs:
             ready, _ = ray.wait(list(self._refs), num_returns=1)
             for ref in ready:
                 job = self._refs.pop(ref)
-                outcome: Outcome
+                outcome: R | JobFailure
                 try:
-                    result = ray.get(ref)
-                    outcome = (
-                        result if isinstance(result, ProbeResult) else JobFailure(repr(result))
-                    )
+                    outcome = ray.get(ref)
                 except Exception as exc:  # noqa: BLE001 - RayTaskError, WorkerCrashedError, ...
                     lines = str(exc).strip().splitlines()
                     outcome = JobFailure(f"{type(exc).__name__}: {lines[-1] if lines else ''}")

@@ -1,0 +1,483 @@
+"""One shard of a sharded simulation: some of a deployment's replicas, run on exactly the
+arrivals the deployment's round robin gives them, reported as figures that merge.
+
+Rule 1: a :class:`ShardJob` holds everything its run reads -- the whole deployment (all
+        its replicas), the open-loop workload, the seed, the replicas the shard owns --
+        and never a path: :func:`run_shard` is a pure function of it and of the code, so
+        a job gives the same :class:`ShardResult` on any worker, however often it is run
+        or retried (``ShardResult.timing`` says how and where it ran; nothing else
+        depends on that).
+Rule 2: the shard draws the workload's whole arrival stream, chunk by chunk, exactly as
+        an unsharded run draws it, and keeps the arrivals routed to its replicas: round
+        robin sends the ``k``-th arrival the deployment can run to worker ``k mod W``
+        (``W = replicas * dp_attention``; a request that can never run is refused at
+        submission and takes no turn). It runs them on a deployment of its own replicas
+        only, whose round robin gives them to the same replicas in the same order: its
+        workers are the owned ones, in index order, so each request's times and each
+        step's figures are the unsharded run's, bit for bit.
+Rule 3: its loop is the simulator's (``sim.run``: the arrivals fed lazily, the events
+        before the next feed handled as one ``Engine.run_until``), with records that are
+        folded every :data:`FOLD_REQUESTS` completions and :data:`FOLD_STEPS` steps into
+        counts, sums, maxima and the quantile sketches of TTFT, TPOT, E2E and queue time
+        (:mod:`inference_lab.sim.sketch`), then emptied. What a shard holds is its own
+        arrivals (three arrays and the feed's index: 32 bytes a request), the engine's
+        requests in flight, at most a fold's worth of records, one number per chunk of
+        the stream and a mark of the stream (the generator's state) every
+        :data:`MARK_EVERY` chunks.
+Rule 4: the figures that need the whole stream (the first arrival, the capacity
+        window, the requests that can never run) are computed by every shard from the
+        stream it draws; the refusals are counted by the job with ``counts_refusals``
+        only, so merged they count once.
+Rule 5: the capacity verdict's two queue readings are taken where the unsharded run
+        takes them: right after the last arrival (of the whole stream) at or before the
+        middle of the arrival window, and right after the last arrival -- after every
+        event before that arrival's time and every arrival at it. The shard finds those
+        times in its first pass (the middle's from the chunk it falls in, drawn again
+        from the mark before it), stops its run there and counts its replicas' waiting
+        requests; the shards' counts add up to the unsharded run's. Its peak waiting
+        queue is its own replicas' (merged, an upper bound of the run's).
+
+Who calls this: :mod:`inference_lab.sim.fleet` builds the jobs and merges the results;
+an executor (:mod:`inference_lab.executors`) runs :func:`run_shard` in this process, a
+process pool or a Ray task.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+from array import array
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from inference_lab.core.config import Deployment, Workload
+from inference_lab.core.engine import Engine, Finished
+from inference_lab.core.engine.limits import fits_total
+from inference_lab.errors import ConfigError
+from inference_lab.sim.intake import Intake, OpenLoopFeed
+from inference_lab.sim.records import FinishedTable, StepTotals
+from inference_lab.sim.sharding import ShardTiming
+from inference_lab.sim.sketch import QuantileSketch
+from inference_lab.workload import make_generator
+from inference_lab.workload.arrivals import ArrivalArrays, ArrivalGenerator
+from inference_lab.workload.open_loop import ChunkMark, OpenLoopGenerator
+
+__all__ = [
+    "FOLD_REQUESTS",
+    "FOLD_STEPS",
+    "LATENCIES",
+    "ShardJob",
+    "ShardResult",
+    "WorkerFigures",
+    "shard_deployment",
+    "run_shard",
+]
+
+#: Completions kept before they are folded into sums and sketches (Rule 3).
+FOLD_REQUESTS = 1 << 16
+#: Steps' figures kept before they are folded into sums (Rule 3).
+FOLD_STEPS = 1 << 18
+#: Every this many chunks of the stream, a shard keeps a mark to draw it again from
+#: (Rule 5).
+MARK_EVERY = 16
+#: The latencies a shard sketches, in the summary's order.
+LATENCIES = ("ttft", "tpot", "e2e", "queue")
+
+
+@attrs.frozen(kw_only=True)
+class ShardJob:
+    """One shard to run (Rule 1). ``replicas``: the deployment's replica indices it owns,
+    in increasing order; ``counts_refusals``: whether it counts the requests that can
+    never run (one shard of a run does)."""
+
+    deployment: Deployment
+    workload: Workload
+    seed: int
+    replicas: tuple[int, ...]
+    counts_refusals: bool
+    key: str
+
+
+@attrs.frozen(kw_only=True)
+class WorkerFigures:
+    """One worker (the deployment's index) of a shard: requests completed there and its
+    prefix-cache tokens."""
+
+    worker: int
+    requests: int
+    query_tokens: int
+    hit_tokens: int
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class ShardResult:
+    """What one shard reports (Rules 3-5): every figure a merge needs, none per request."""
+
+    key: str
+    replicas: tuple[int, ...]
+    #: the whole stream's (Rule 4): every arrival, the first and last of every arrival,
+    #: the first and last of those the deployment can run
+    stream_arrivals: int
+    first_arrival: float
+    last_arrival: float
+    first_offered: float
+    last_offered: float
+    #: the refusals by limit and the first one's reason (``counts_refusals`` only)
+    refusals: tuple[tuple[str, int], ...]
+    first_refusal: str
+    #: this shard's arrivals and completions
+    arrivals: int
+    completed: int
+    input_tokens: int
+    output_tokens: int
+    requests_hit: int
+    last_finish: float
+    latencies: dict[str, QuantileSketch]
+    #: the capacity window's arrivals and completions of this shard
+    offered_in_window: int
+    served_in_window: int
+    #: steps: count, sums and maximum of their figures, preemptions
+    steps: int
+    kv_usage_sum: float
+    kv_usage_max: float
+    flop_util_sum: float
+    bw_util_sum: float
+    preemptions: int
+    prefix_caching: bool
+    query_tokens: int
+    hit_tokens: int
+    workers: tuple[WorkerFigures, ...]
+    #: Rule 5
+    peak_waiting: int
+    waiting_at_mid: int
+    waiting_at_end: int
+    sim_time_s: float  # the shard's engine clock at its last event
+    timing: ShardTiming = ShardTiming()  # Rule 1: how long it took, and where
+
+
+def shard_deployment(deployment: Deployment, replicas: int) -> Deployment:
+    """``deployment`` with ``replicas`` replicas (the rest unchanged): a shard's own, and
+    ``sim --replicas``'s."""
+    return attrs.evolve(deployment, hardware=attrs.evolve(deployment.hardware, replicas=replicas))
+
+
+@attrs.define
+class _Stream:
+    """What the first pass over the arrival stream found (Rules 2 and 4)."""
+
+    own: ArrivalArrays
+    count: int = 0
+    first: float = math.inf
+    last: float = -math.inf
+    first_offered: float = math.inf
+    last_offered: float = -math.inf
+    refusals: dict[str, int] = attrs.Factory(dict)
+    first_refusal: str = ""
+    #: per chunk, the engine time of the last arrival that can run up to its end
+    #: (-inf: none yet)
+    chunk_last_stamp: array[float] = attrs.Factory(lambda: array("d"))
+    #: every MARK_EVERY-th chunk's mark, to draw that part of the stream again
+    marks: list[ChunkMark] = attrs.Factory(list)
+
+
+def _owned_workers(job: ShardJob) -> npt.NDArray[np.bool_]:
+    dp = job.deployment.hardware.dp_attention
+    owned = np.zeros(job.deployment.workers, dtype=np.bool_)
+    for r in job.replicas:
+        owned[r * dp : (r + 1) * dp] = True
+    return owned
+
+
+def _fits(
+    engine: Engine, stream: _Stream, chunk: ArrivalArrays, count: bool
+) -> npt.NDArray[np.bool_]:
+    """Which of ``chunk``'s arrivals the deployment can run (the engine's own check,
+    asked only past the total every check passes); with ``count``, the others are
+    counted as refusals."""
+    _, prompts, outputs = chunk
+    fit = (prompts + outputs) <= fits_total(engine.deployment, engine.roofline)
+    for i in np.flatnonzero(~fit).tolist():
+        refused = engine.check_fits(int(prompts[i]), int(outputs[i]))
+        if refused is None:
+            fit[i] = True
+        elif count:
+            stream.refusals[refused.limit] = stream.refusals.get(refused.limit, 0) + 1
+            stream.first_refusal = stream.first_refusal or refused.reason
+    return fit
+
+
+def _stamps(engine: Engine, times: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """The engine times of arrivals at ``times`` (engine Rule 7: plus the frontend
+    latency, as ``Engine.submit`` adds it)."""
+    frontend = engine.deployment.scheduler.frontend_latency
+    return times + frontend if frontend else times
+
+
+def _select(job: ShardJob, engine: Engine) -> _Stream:
+    """The first pass (Rules 2 and 4): the whole stream drawn chunk by chunk, the arrivals
+    routed to this shard's workers kept."""
+    generator = make_generator(job.workload, job.seed)
+    if not isinstance(generator, OpenLoopGenerator):  # (the fleet checked it)
+        raise ConfigError("workload: a shard runs an open-loop workload")
+    owned = _owned_workers(job)
+    stream = _Stream(ArrivalArrays(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)))
+    parts: list[ArrivalArrays] = []
+    routed = 0  # arrivals the deployment can run, so far: round robin's position
+    last_stamp = -math.inf
+    for mark, chunk in generator.marked_chunks(MARK_EVERY):
+        if mark is not None:
+            stream.marks.append(mark)
+        times = chunk.times
+        stream.count += len(times)
+        stream.first = min(stream.first, float(times.min()))
+        stream.last = max(stream.last, float(times.max()))
+        fit = _fits(engine, stream, chunk, job.counts_refusals)
+        position = routed + np.cumsum(fit) - 1
+        routed += int(np.count_nonzero(fit))
+        if fit.any():
+            stream.first_offered = min(stream.first_offered, float(times[fit].min()))
+            stream.last_offered = max(stream.last_offered, float(times[fit].max()))
+            last_stamp = float(_stamps(engine, times[fit]).max())
+        stream.chunk_last_stamp.append(last_stamp)
+        mine = fit & owned[position % len(owned)]
+        if mine.any():
+            parts.append(ArrivalArrays(*(column[mine] for column in chunk)))
+    if parts:
+        stream.own = ArrivalArrays(*(np.concatenate(c) for c in zip(*parts, strict=True)))
+    return stream
+
+
+def _last_stamp_until(job: ShardJob, engine: Engine, stream: _Stream, bound: float) -> float | None:
+    """The engine time of the last arrival that can run at or before ``bound``, or None
+    (Rule 5): read from the chunks' last times, or, when ``bound`` falls inside a chunk,
+    from that chunk drawn again from the mark before it."""
+    lasts = np.frombuffer(stream.chunk_last_stamp, dtype=np.float64)
+    chunk = int(np.searchsorted(lasts, bound, side="right"))  # the first past ``bound``
+    before = float(lasts[chunk - 1]) if chunk > 0 and lasts[chunk - 1] > -math.inf else None
+    if chunk == len(lasts):
+        return before
+    mark = stream.marks[chunk // MARK_EVERY]
+    drawn = OpenLoopGenerator.resume(job.workload, mark).marked_chunks(start=mark)
+    for _ in range(chunk % MARK_EVERY):
+        next(drawn)
+    _, arrays = next(drawn)
+    stamps = _stamps(engine, arrays.times)[_fits(engine, stream, arrays, False)]
+    inside = stamps[stamps <= bound]
+    return float(inside.max()) if inside.size else before
+
+
+class _OwnArrivals(ArrivalGenerator):
+    """A shard's arrivals as the loop takes an open loop's (arrays, fed lazily)."""
+
+    def __init__(self, arrays: ArrivalArrays) -> None:
+        self._arrays = arrays
+        self.total = len(arrays.times)
+
+    def arrays(self) -> ArrivalArrays:
+        return self._arrays
+
+
+class _Folder:
+    """The shard's records, folded into its figures whenever they grow past a fold
+    (Rule 3)."""
+
+    __slots__ = (
+        "finished", "steps", "sketches", "window", "completed", "input_tokens",
+        "output_tokens", "requests_hit", "last_finish", "served_in_window", "per_worker",
+        "step_count", "kv_sum", "kv_max", "flop_sum", "bw_sum",
+    )  # fmt: skip
+
+    def __init__(self, workers: int, window: tuple[float, float]) -> None:
+        self.finished = FinishedTable()
+        self.steps = StepTotals()
+        self.sketches = {name: QuantileSketch() for name in LATENCIES}
+        self.window = window  # (mid, last]: the capacity window
+        self.completed = self.input_tokens = self.output_tokens = self.requests_hit = 0
+        self.last_finish = -math.inf
+        self.served_in_window = 0
+        self.per_worker = np.zeros(workers, dtype=np.int64)
+        self.step_count = 0
+        self.kv_sum = self.flop_sum = self.bw_sum = 0.0
+        self.kv_max = 0.0
+
+    def maybe_fold(self) -> None:
+        """Fold when the records hold a fold's worth (after each run)."""
+        if len(self.finished) >= FOLD_REQUESTS or len(self.steps) >= FOLD_STEPS:
+            self.fold()
+
+    def fold(self) -> None:
+        """Fold what the records hold, then empty them."""
+        if len(self.finished):
+            self._fold_finished()
+            self.finished.clear()
+        if len(self.steps):
+            self._fold_steps()
+            self.steps.clear()
+
+    def _fold_finished(self) -> None:
+        """The summary's definitions (``summary.summarize``), on the records held."""
+        col = self.finished.column
+        arrival = col("arrival_time")
+        first_token = col("first_token_time")
+        finish = col("finish_time")
+        output = col("output_tokens").astype(np.float64)
+        multi = output > 1
+        tpot = (finish[multi] - first_token[multi]) / (output[multi] - 1)
+        for name, seconds in (
+            ("ttft", first_token - arrival),
+            ("tpot", tpot),
+            ("e2e", finish - arrival),
+            ("queue", col("first_scheduled_time") - arrival),
+        ):
+            self.sketches[name].add(seconds * 1e3)  # ms, as LatencyStats.from_seconds
+        self.completed += len(arrival)
+        self.input_tokens += int(col("prompt_tokens").sum())
+        self.output_tokens += int((col("output_tokens") * col("n")).sum())
+        self.requests_hit += int(np.count_nonzero(col("cached_tokens") > 0))
+        self.last_finish = max(self.last_finish, float(finish.max()))
+        mid, last = self.window
+        self.served_in_window += int(np.count_nonzero((finish > mid) & (finish <= last)))
+        self.per_worker += np.bincount(col("worker"), minlength=len(self.per_worker))
+
+    def _fold_steps(self) -> None:
+        col = self.steps.column
+        kv = col("kv_usage")
+        self.step_count += len(kv)
+        self.kv_sum += float(kv.sum())
+        self.kv_max = max(self.kv_max, float(kv.max()))
+        self.flop_sum += float(col("flop_util").sum())
+        self.bw_sum += float(col("bw_util").sum())
+
+
+def run_shard(job: ShardJob) -> ShardResult:
+    """Run ``job``'s shard (module rules). Raises ConfigError for a workload that is not
+    an open loop (:mod:`inference_lab.sim.fleet` checks that first)."""
+    start, cpu = time.perf_counter(), time.process_time()
+    engine = Engine(shard_deployment(job.deployment, len(job.replicas)))
+    stream = _select(job, engine)
+    select_cpu = time.process_time() - cpu
+    # the queue readings' times (Rule 5): the unsharded run's watch reads the queue after
+    # the last arrival at or before the middle of every arrival's time, and the last
+    middle = (stream.first + stream.last) / 2
+    readings = [
+        _last_stamp_until(job, engine, stream, middle),
+        _last_stamp_until(job, engine, stream, math.inf),
+    ]
+    mid = (stream.first_offered + stream.last_offered) / 2
+    folder = _Folder(len(engine.workers), (mid, stream.last_offered))
+    queue = _run(engine, stream.own, folder, readings)
+    folder.fold()
+    timing = ShardTiming(
+        wall_s=time.perf_counter() - start,
+        cpu_s=time.process_time() - cpu,
+        select_cpu_s=select_cpu,
+        host=f"{socket.gethostname()}:{os.getpid()}",
+    )
+    return _result(job, engine, stream, folder, queue, timing)
+
+
+@attrs.define
+class _Queue:
+    """The shard's queue figures (Rule 5)."""
+
+    peak: int = 0
+    at_mid: int = 0
+    at_end: int = 0
+
+
+def _run(
+    engine: Engine, own: ArrivalArrays, folder: _Folder, readings: list[float | None]
+) -> _Queue:
+    """The simulator's loop (``sim.run.drive`` with no observer but the folds): the own
+    arrivals fed lazily, the events before the next feed handled as runs, stopping at
+    each reading's time to read the queue as the unsharded run's watch does (right after
+    every arrival at that time, before anything else at it)."""
+    intake = Intake(engine, _OwnArrivals(own))
+    feed = OpenLoopFeed(engine, intake, own)
+    queue = _Queue()
+    stamps = _stamps(engine, own.times)
+    due = [(k, t) for k, t in enumerate(readings) if t is not None]
+    ended: list[Finished] = []
+    next_feed = feed.next_time
+    while True:
+        t_next = engine.next_event_time()
+        if next_feed != math.inf and (t_next is None or next_feed <= t_next):
+            next_feed = feed.feed()
+            continue
+        if due and (t_next is None or t_next >= due[0][1]):  # every event before it handled
+            k, at = due.pop(0)
+            waiting = engine.num_waiting() + int(np.count_nonzero(stamps == at))
+            if k == 0:
+                queue.at_mid = waiting
+            else:
+                queue.at_end = waiting
+            continue
+        if t_next is None:
+            return queue
+        before = min(next_feed, due[0][1]) if due else next_feed
+        report = engine.run_until(before, folder.steps, ended)
+        queue.peak = max(queue.peak, report.peak_waiting)
+        if ended:
+            folder.finished.extend(ended)
+            ended.clear()
+        folder.maybe_fold()
+
+
+def _result(
+    job: ShardJob, engine: Engine, stream: _Stream, folder: _Folder, queue: _Queue,
+    timing: ShardTiming,
+) -> ShardResult:  # fmt: skip
+    """The shard's figures once its run is over."""
+    stats = engine.statistics()
+    owned = np.flatnonzero(_owned_workers(job)).tolist()
+    workers: Sequence[WorkerFigures] = [
+        WorkerFigures(
+            worker=owned[i],
+            requests=int(folder.per_worker[i]),
+            query_tokens=w.prefix_cache_queries,
+            hit_tokens=w.prefix_cache_hits,
+        )
+        for i, w in enumerate(stats.workers)
+    ]
+    mid, last = folder.window
+    own_times = stream.own.times
+    return ShardResult(
+        key=job.key,
+        replicas=job.replicas,
+        stream_arrivals=stream.count,
+        first_arrival=stream.first,
+        last_arrival=stream.last,
+        first_offered=stream.first_offered,
+        last_offered=stream.last_offered,
+        refusals=tuple(sorted(stream.refusals.items())),
+        first_refusal=stream.first_refusal,
+        arrivals=len(own_times),
+        completed=folder.completed,
+        input_tokens=folder.input_tokens,
+        output_tokens=folder.output_tokens,
+        requests_hit=folder.requests_hit,
+        last_finish=folder.last_finish,
+        latencies=folder.sketches,
+        offered_in_window=int(np.count_nonzero((own_times > mid) & (own_times <= last))),
+        served_in_window=folder.served_in_window,
+        steps=folder.step_count,
+        kv_usage_sum=folder.kv_sum,
+        kv_usage_max=folder.kv_max,
+        flop_util_sum=folder.flop_sum,
+        bw_util_sum=folder.bw_sum,
+        preemptions=folder.steps.preempted,
+        prefix_caching=stats.prefix_caching,
+        query_tokens=stats.prefix_cache_queries,
+        hit_tokens=stats.prefix_cache_hits,
+        workers=tuple(workers),
+        peak_waiting=queue.peak,
+        waiting_at_mid=queue.at_mid,
+        waiting_at_end=queue.at_end,
+        sim_time_s=engine.now,
+        timing=timing,
+    )
