@@ -26,6 +26,12 @@ sends its requests back to back on one keep-alive connection. Then:
    takes as long), so their prefills queue behind each other in waves, where the served
    streams drift apart -- a different traffic, shown for what it is.
 
+Where the TTFT went is printed beside: the proxy's stages over the run (``/stats``: its
+front, the prefill's round trip, the hand-off, the decode answer's head) and the replay's
+(arrival to the prefill's end, the hand-off, the first decode step); the prefill server's
+own arrival-to-answer median (``/control/stats``) against the replay's; and each server's
+mean pacing lag over the run.
+
 The transfer is priced on the profile's NIC (``link = "scale_out"``), as a decode server
 prices a pull from another server.
 
@@ -201,6 +207,23 @@ async def proxy_stats(url: str) -> dict[str, Any]:
     return stats
 
 
+async def server_stats(url: str, finished: int) -> dict[str, Any]:
+    """A server's ``/control/stats`` for its one model, with the engine's own
+    arrival-to-finish median over its last ``finished`` completions."""
+    status, answer = await request_json(url, "GET", f"/control/stats?finished={finished}")
+    if status != 200:
+        raise RuntimeError(f"GET /control/stats: HTTP {status}")
+    model: dict[str, Any] = answer["models"][0]
+    return model
+
+
+def lag_mean(before: dict[str, Any], after: dict[str, Any]) -> float:
+    """The mean pacing lag (ms) of the engine events between two ``/control/stats``."""
+    b, a = before["pacing_lag_ms"], after["pacing_lag_ms"]
+    events = a["events"] - b["events"]
+    return (a["total"] - b["total"]) / events if events else 0.0
+
+
 def stage_mean(before: dict[str, Any], after: dict[str, Any], stage: str) -> float:
     """A stage's mean (s) over the requests between two ``/stats`` answers."""
     b, a = before["stages"][stage], after["stages"][stage]
@@ -230,7 +253,7 @@ def calibrate(args: argparse.Namespace, dep: Deployment, url: str) -> tuple[floa
     return added, front, max(0.0, added - front)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="Llama-3.3-70B-Instruct-FP8")
     parser.add_argument("--hardware", default="h200")
@@ -252,15 +275,32 @@ def main() -> int:
         parser.error("--requests must be more than --streams")
     if args.prompt < 3:
         parser.error("--prompt must be at least 3 (a unique prompt)")
-    try:
-        config = resolve_shipped(args.config, "config", "--config")
-        dep = load_deployment(config, args.hardware)
-        pd_deployment(dep, 0.0, 0.0)  # (a deployment that cannot be split says so now)
-    except ConfigError as exc:
-        print(f"bench_pd_serve: {exc}", file=sys.stderr)
-        return 1
+    return args
+
+
+@attrs.frozen
+class Run:
+    """The measured run: what the client saw, the proxy's ``/stats`` around it, the hop
+    calibrated before it, and the machine while it ran."""
+
+    sent: list[Sent]
+    stats_before: dict[str, Any]
+    stats_after: dict[str, Any]
+    added: float
+    front: float
+    handoff: float
+    wall: float
+    cpu: dict[str, float]
+    load: tuple[float, float]
+    steal: float
+    #: each server's ``/control/stats`` model entry before and after the run
+    engines: dict[str, tuple[dict[str, Any], dict[str, Any]]]
+
+
+def measure(args: argparse.Namespace, dep: Deployment, config: Path) -> Run:
+    """Start the three processes, calibrate the hop (steps 0-1), then run step 2."""
     common = ["--config", str(config), "--hardware", args.hardware, "--port", "0"]
-    load_before = os.getloadavg()
+    load_before = os.getloadavg()[0]
     steal_before = machine_steal()
     with (
         ServerProcess(["--role", "prefill", *common]) as prefill,
@@ -275,7 +315,12 @@ def main() -> int:
         servers = {"prefill": prefill, "decode": decode, "proxy": proxy}
         pids = {name: server.proc.pid for name, server in servers.items() if server.proc}
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        measured = args.requests - args.streams
+        backends = {"prefill": prefill.url, "decode": decode.url}
+        before = {name: trio.run(server_stats, url, measured) for name, url in backends.items()}
+        stats_before = trio.run(proxy_stats, proxy.url)
         run_start = time.perf_counter()
+        first = 2 * args.streams + args.calibration
         sent = trio.run(
             run_streams,
             proxy.url,
@@ -284,36 +329,79 @@ def main() -> int:
             args.requests,
             args.prompt,
             args.output,
-            2 * args.streams + args.calibration,
+            first,
         )
-        run_wall = time.perf_counter() - run_start
-        cpu = {name: (cpu_seconds(pid) - cpu_before[name]) / run_wall for name, pid in pids.items()}
-        stats = trio.run(proxy_stats, proxy.url)
-    load_after = os.getloadavg()
+        wall = time.perf_counter() - run_start
+        cpu = {name: (cpu_seconds(pid) - cpu_before[name]) / wall for name, pid in pids.items()}
+        stats_after = trio.run(proxy_stats, proxy.url)
+        engines = {
+            name: (before[name], trio.run(server_stats, url, measured))
+            for name, url in backends.items()
+        }
+    load = (load_before, os.getloadavg()[0])
     steal = steal_pct(steal_before, machine_steal())
-    failed = [s for s in sent if s.status != 200]
-    if failed:
-        print(
-            f"bench_pd_serve: {len(failed)} requests failed (HTTP {failed[0].status})",
-            file=sys.stderr,
-        )
-        return 1
-    pd = pd_deployment(dep, front, handoff)
+    return Run(
+        sent, stats_before, stats_after, added, front, handoff, wall, cpu, load, steal, engines
+    )
+
+
+def stages_line(run: Run, replay: Sequence[Finished]) -> str:
+    """Where the TTFT went, served (the proxy's stages over the run) and simulated (the
+    replay's stages), means in ms."""
+    served = {
+        stage: stage_mean(run.stats_before, run.stats_after, stage) * 1e3
+        for stage in ("front", "prefill", "handoff", "decode_head")
+    }
+    sim = {
+        "arrival -> prefill end": statistics.fmean(
+            f.prefill_end_time - f.arrival_time for f in replay
+        ),
+        "hand-off": statistics.fmean(f.transfer_end_time - f.prefill_end_time for f in replay),
+        "first decode step": statistics.fmean(
+            f.first_token_time - f.transfer_end_time for f in replay
+        ),
+    }
+    return (
+        "where TTFT goes (means over the run, ms): served "
+        + ", ".join(f"{k} {v:.2f}" for k, v in served.items())
+        + "; simulated "
+        + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sim.items())
+    )
+
+
+def _ttft(f: Finished) -> float:
+    return f.first_token_time - f.arrival_time
+
+
+def _e2e(f: Finished) -> float:
+    return f.finish_time - f.arrival_time
+
+
+def report(args: argparse.Namespace, dep: Deployment, run: Run) -> None:
+    """Simulate the run's traffic and print the comparison."""
+    pd = pd_deployment(dep, run.front, run.handoff)
     warm = args.streams
-    replay = simulate_arrivals(pd, [s.at for s in sent], args.prompt, args.output)[warm:]
+    replay = simulate_arrivals(pd, [s.at for s in run.sent], args.prompt, args.output)[warm:]
     loop = simulate_closed_loop(pd, args.streams, args.requests, args.prompt, args.output)
     loop = sorted(loop, key=lambda f: f.request_id)[warm:]
-    sent = sent[warm:]
+    sent = run.sent[warm:]
     print(
         f"{dep.model.name} on {dep.hardware_name}: 1P1D behind the proxy, {args.streams} "
         f"streams, {args.requests} requests of {args.prompt} -> {args.output} tokens "
         f"(the first {warm} left out)"
     )
-    stages = ", ".join(f"{k} {v['mean_ms']:.2f}" for k, v in stats["stages"].items())
     print(
-        f"hop (one stream, {args.calibration} requests): {added * 1e3:.2f} ms added per "
-        f"request: frontend {front * 1e3:.2f} ms, hand-off {handoff * 1e3:.2f} ms; the "
-        f"proxy's stages, means over all requests (ms): {stages}"
+        f"hop (one stream, {args.calibration} requests): {run.added * 1e3:.2f} ms added per "
+        f"request: frontend {run.front * 1e3:.2f} ms, hand-off {run.handoff * 1e3:.2f} ms"
+    )
+    print(stages_line(run, replay))
+    prefill_sim = statistics.median(f.prefill_end_time - f.arrival_time for f in replay)
+    prefill_served = run.engines["prefill"][1]["sim_e2e_ms"]["p50"]
+    lags = ", ".join(f"{name} {lag_mean(*pair):.2f}" for name, pair in run.engines.items())
+    print(
+        f"prefill server's own arrival -> answer p50 {prefill_served:.2f} ms (simulated "
+        f"arrival -> prefill end p50 {prefill_sim * 1e3:.2f} ms, frontend included); "
+        f"pacing lag mean (ms): {lags}"
     )
     print(
         f"{'ms':<10} {'client':>9} {'':>9} | {'sim (same arrivals)':^37} | "
@@ -324,15 +412,35 @@ def main() -> int:
         + " | ".join(f"{'mean':>9} {'p50':>9} {'err mean':>8} {'err p50':>8}" for _ in range(2))
     )
     for name, client, pick in (
-        ("TTFT", [s.ttft for s in sent], lambda f: f.first_token_time - f.arrival_time),
-        ("E2E", [s.e2e for s in sent], lambda f: f.finish_time - f.arrival_time),
+        ("TTFT", [s.ttft for s in sent], _ttft),
+        ("E2E", [s.e2e for s in sent], _e2e),
     ):
         print(_row(name, client, [[pick(f) for f in replay], [pick(f) for f in loop]]))
-    busy = ", ".join(f"{name} {share * 100:.0f} %" for name, share in cpu.items())
+    busy = ", ".join(f"{name} {share * 100:.0f} %" for name, share in run.cpu.items())
     print(
-        f"run {run_wall:.1f} s; CPU of a core: {busy}; load average {load_before[0]:.2f} "
-        f"before, {load_after[0]:.2f} after; steal {steal:.1f} %"
+        f"run {run.wall:.1f} s; CPU of a core: {busy}; load average {run.load[0]:.2f} "
+        f"before, {run.load[1]:.2f} after; steal {run.steal:.1f} %"
     )
+
+
+def main() -> int:
+    args = parse_args()
+    try:
+        config = resolve_shipped(args.config, "config", "--config")
+        dep = load_deployment(config, args.hardware)
+        pd_deployment(dep, 0.0, 0.0)  # (a deployment that cannot be split says so now)
+    except ConfigError as exc:
+        print(f"bench_pd_serve: {exc}", file=sys.stderr)
+        return 1
+    run = measure(args, dep, config)
+    failed = [s for s in run.sent if s.status != 200]
+    if failed:
+        print(
+            f"bench_pd_serve: {len(failed)} requests failed (HTTP {failed[0].status})",
+            file=sys.stderr,
+        )
+        return 1
+    report(args, dep, run)
     return 0
 
 
