@@ -29,7 +29,8 @@ sends its requests back to back on one keep-alive connection. Then:
 Where the TTFT went is printed beside: the proxy's stages over the run (``/stats``: its
 front, the prefill's round trip, the hand-off, the decode answer's head) and the replay's
 (arrival to the prefill's end, the hand-off, the first decode step); the prefill server's
-own arrival-to-answer median (``/control/stats``) against the replay's; and each server's
+own arrival-to-answer and the decode server's arrival-to-first-token means (their
+``/metrics``, engine time) against the replay's; and each server's
 mean pacing lag over the run.
 
 The transfer is priced on the profile's NIC (``link = "scale_out"``), as a decode server
@@ -52,6 +53,7 @@ import statistics
 import sys
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -207,14 +209,39 @@ async def proxy_stats(url: str) -> dict[str, Any]:
     return stats
 
 
-async def server_stats(url: str, finished: int) -> dict[str, Any]:
-    """A server's ``/control/stats`` for its one model, with the engine's own
-    arrival-to-finish median over its last ``finished`` completions."""
-    status, answer = await request_json(url, "GET", f"/control/stats?finished={finished}")
+async def server_stats(url: str) -> dict[str, Any]:
+    """A server's ``/control/stats`` entry for its one model."""
+    status, answer = await request_json(url, "GET", "/control/stats")
     if status != 200:
         raise RuntimeError(f"GET /control/stats: HTTP {status}")
     model: dict[str, Any] = answer["models"][0]
     return model
+
+
+#: The engines' own histograms read from ``/metrics`` (simulated engine time).
+ENGINE_SERIES = ("vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds")
+
+
+def engine_sums(url: str) -> dict[str, tuple[float, float]]:
+    """Each of :data:`ENGINE_SERIES`' sum and count over a server's ``/metrics``."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    out = {}
+    for name in ENGINE_SERIES:
+        sums = [0.0, 0.0]
+        for line in text.splitlines():
+            for i, suffix in enumerate(("_sum", "_count")):
+                if line.startswith(name + suffix):
+                    sums[i] += float(line.rsplit(" ", 1)[1])
+        out[name] = (sums[0], sums[1])
+    return out
+
+
+def engine_mean(run: Run, server: str, series: str) -> float:
+    """The mean (ms) of one of a server's :data:`ENGINE_SERIES` over the run."""
+    before, after = run.sums[server][0][series], run.sums[server][1][series]
+    count = after[1] - before[1]
+    return (after[0] - before[0]) / count * 1e3 if count else 0.0
 
 
 def lag_mean(before: dict[str, Any], after: dict[str, Any]) -> float:
@@ -295,6 +322,8 @@ class Run:
     steal: float
     #: each server's ``/control/stats`` model entry before and after the run
     engines: dict[str, tuple[dict[str, Any], dict[str, Any]]]
+    #: each server's :func:`engine_sums` before and after the run
+    sums: dict[str, tuple[dict[str, tuple[float, float]], dict[str, tuple[float, float]]]]
 
 
 def measure(args: argparse.Namespace, dep: Deployment, config: Path) -> Run:
@@ -315,9 +344,9 @@ def measure(args: argparse.Namespace, dep: Deployment, config: Path) -> Run:
         servers = {"prefill": prefill, "decode": decode, "proxy": proxy}
         pids = {name: server.proc.pid for name, server in servers.items() if server.proc}
         cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-        measured = args.requests - args.streams
         backends = {"prefill": prefill.url, "decode": decode.url}
-        before = {name: trio.run(server_stats, url, measured) for name, url in backends.items()}
+        before = {name: trio.run(server_stats, url) for name, url in backends.items()}
+        sums_before = {name: engine_sums(url) for name, url in backends.items()}
         stats_before = trio.run(proxy_stats, proxy.url)
         run_start = time.perf_counter()
         first = 2 * args.streams + args.calibration
@@ -335,13 +364,24 @@ def measure(args: argparse.Namespace, dep: Deployment, config: Path) -> Run:
         cpu = {name: (cpu_seconds(pid) - cpu_before[name]) / wall for name, pid in pids.items()}
         stats_after = trio.run(proxy_stats, proxy.url)
         engines = {
-            name: (before[name], trio.run(server_stats, url, measured))
-            for name, url in backends.items()
+            name: (before[name], trio.run(server_stats, url)) for name, url in backends.items()
         }
+        sums = {name: (sums_before[name], engine_sums(url)) for name, url in backends.items()}
     load = (load_before, os.getloadavg()[0])
     steal = steal_pct(steal_before, machine_steal())
     return Run(
-        sent, stats_before, stats_after, added, front, handoff, wall, cpu, load, steal, engines
+        sent,
+        stats_before,
+        stats_after,
+        added,
+        front,
+        handoff,
+        wall,
+        cpu,
+        load,
+        steal,
+        engines,
+        sums,
     )
 
 
@@ -366,6 +406,23 @@ def stages_line(run: Run, replay: Sequence[Finished]) -> str:
         + ", ".join(f"{k} {v:.2f}" for k, v in served.items())
         + "; simulated "
         + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sim.items())
+    )
+
+
+def engines_line(run: Run, replay: Sequence[Finished]) -> str:
+    """The engines' own times against the replay's (means over the run, ms): what the
+    servers' simulated engines took, the rest of the client's TTFT being the HTTP between
+    the processes and the lag."""
+    prefill = engine_mean(run, "prefill", "vllm:e2e_request_latency_seconds")
+    decode = engine_mean(run, "decode", "vllm:time_to_first_token_seconds")
+    lags = ", ".join(f"{name} {lag_mean(*pair):.2f}" for name, pair in run.engines.items())
+    sim_prefill = statistics.fmean(f.prefill_end_time - f.arrival_time for f in replay)
+    sim_decode = statistics.fmean(f.first_token_time - f.prefill_end_time for f in replay)
+    return (
+        f"engines' own time (ms): prefill server arrival -> answer {prefill:.2f}, decode "
+        f"server arrival -> first token {decode:.2f}; replay: arrival -> prefill end "
+        f"{sim_prefill * 1e3:.2f} (frontend included), prefill end -> first token "
+        f"{sim_decode * 1e3:.2f} (hand-off included); pacing lag mean: {lags}"
     )
 
 
@@ -395,14 +452,7 @@ def report(args: argparse.Namespace, dep: Deployment, run: Run) -> None:
         f"request: frontend {run.front * 1e3:.2f} ms, hand-off {run.handoff * 1e3:.2f} ms"
     )
     print(stages_line(run, replay))
-    prefill_sim = statistics.median(f.prefill_end_time - f.arrival_time for f in replay)
-    prefill_served = run.engines["prefill"][1]["sim_e2e_ms"]["p50"]
-    lags = ", ".join(f"{name} {lag_mean(*pair):.2f}" for name, pair in run.engines.items())
-    print(
-        f"prefill server's own arrival -> answer p50 {prefill_served:.2f} ms (simulated "
-        f"arrival -> prefill end p50 {prefill_sim * 1e3:.2f} ms, frontend included); "
-        f"pacing lag mean (ms): {lags}"
-    )
+    print(engines_line(run, replay))
     print(
         f"{'ms':<10} {'client':>9} {'':>9} | {'sim (same arrivals)':^37} | "
         f"{'sim (closed loop)':^37}"
