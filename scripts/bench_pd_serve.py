@@ -31,7 +31,8 @@ front, the prefill's round trip, the hand-off, the decode answer's head) and the
 (arrival to the prefill's end, the hand-off, the first decode step); the prefill server's
 own arrival-to-answer and the decode server's arrival-to-first-token means (their
 ``/metrics``, engine time) against the replay's; and each server's
-mean pacing lag over the run.
+mean pacing lag over the run; and the replay again with the proxy's front stage as the
+run measured it (the hop grows with the streams on a busy machine).
 
 The transfer is priced on the profile's NIC (``link = "scale_out"``), as a decode server
 prices a pull from another server.
@@ -426,6 +427,32 @@ def engines_line(run: Run, replay: Sequence[Finished]) -> str:
     )
 
 
+def loaded_front_line(args: argparse.Namespace, dep: Deployment, run: Run) -> str:
+    """The replay again with the proxy's front stage as the run measured it (at
+    ``--streams`` streams, not on one) as the frontend latency: how much of the TTFT's
+    difference the hop's growth under load accounts for."""
+    front = stage_mean(run.stats_before, run.stats_after, "front")
+    pd = pd_deployment(dep, front, run.handoff)
+    warm = args.streams
+    replay = simulate_arrivals(pd, [s.at for s in run.sent], args.prompt, args.output)[warm:]
+    sent = run.sent[warm:]
+    cells = []
+    for name, client, sim in (
+        ("TTFT", [s.ttft for s in sent], [_ttft(f) for f in replay]),
+        ("E2E", [s.e2e for s in sent], [_e2e(f) for f in replay]),
+    ):
+        c_mean, c_p50 = _ms(client)
+        s_mean, s_p50 = _ms(sim)
+        cells.append(
+            f"{name} mean {s_mean:.1f} ({(c_mean - s_mean) / s_mean * 100:+.1f}%), p50 "
+            f"{s_p50:.1f} ({(c_p50 - s_p50) / s_p50 * 100:+.1f}%)"
+        )
+    return (
+        f"replay with the run's own front stage ({front * 1e3:.2f} ms) as the frontend "
+        "latency: " + "; ".join(cells)
+    )
+
+
 def _ttft(f: Finished) -> float:
     return f.first_token_time - f.arrival_time
 
@@ -453,6 +480,7 @@ def report(args: argparse.Namespace, dep: Deployment, run: Run) -> None:
     )
     print(stages_line(run, replay))
     print(engines_line(run, replay))
+    print(loaded_front_line(args, dep, run))
     print(
         f"{'ms':<10} {'client':>9} {'':>9} | {'sim (same arrivals)':^37} | "
         f"{'sim (closed loop)':^37}"
