@@ -26,7 +26,8 @@ sends its requests back to back on one keep-alive connection. Then:
    takes as long), so their prefills queue behind each other in waves, where the served
    streams drift apart -- a different traffic, shown for what it is.
 
-Where the TTFT went is printed beside: the proxy's stages over the run (``/stats``: its
+Where the TTFT went is printed beside (means over every request of the run, its first
+streams' included, as the servers count them): the proxy's stages over the run (``/stats``: its
 front, the prefill's round trip, the hand-off, the decode answer's head) and the replay's
 (arrival to the prefill's end, the hand-off, the first decode step); the prefill server's
 own arrival-to-answer and the decode server's arrival-to-first-token means (their
@@ -388,7 +389,8 @@ def measure(args: argparse.Namespace, dep: Deployment, config: Path) -> Run:
 
 def stages_line(run: Run, replay: Sequence[Finished]) -> str:
     """Where the TTFT went, served (the proxy's stages over the run) and simulated (the
-    replay's stages), means in ms."""
+    replay's stages), means in ms over every request of the run (the first streams'
+    included, unlike the table)."""
     served = {
         stage: stage_mean(run.stats_before, run.stats_after, stage) * 1e3
         for stage in ("front", "prefill", "handoff", "decode_head")
@@ -465,7 +467,8 @@ def report(args: argparse.Namespace, dep: Deployment, run: Run) -> None:
     """Simulate the run's traffic and print the comparison."""
     pd = pd_deployment(dep, run.front, run.handoff)
     warm = args.streams
-    replay = simulate_arrivals(pd, [s.at for s in run.sent], args.prompt, args.output)[warm:]
+    whole = simulate_arrivals(pd, [s.at for s in run.sent], args.prompt, args.output)
+    replay = whole[warm:]
     loop = simulate_closed_loop(pd, args.streams, args.requests, args.prompt, args.output)
     loop = sorted(loop, key=lambda f: f.request_id)[warm:]
     sent = run.sent[warm:]
@@ -478,8 +481,9 @@ def report(args: argparse.Namespace, dep: Deployment, run: Run) -> None:
         f"hop (one stream, {args.calibration} requests): {run.added * 1e3:.2f} ms added per "
         f"request: frontend {run.front * 1e3:.2f} ms, hand-off {run.handoff * 1e3:.2f} ms"
     )
-    print(stages_line(run, replay))
-    print(engines_line(run, replay))
+    # (the servers' figures cover every request of the run: so do the replay's here)
+    print(stages_line(run, whole))
+    print(engines_line(run, whole))
     print(loaded_front_line(args, dep, run))
     print(
         f"{'ms':<10} {'client':>9} {'':>9} | {'sim (same arrivals)':^37} | "
