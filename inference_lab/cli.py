@@ -1,4 +1,5 @@
-"""The ``inference-lab`` command: ``sim``, ``serve``, ``load``, ``plan`` and ``calibrate``.
+"""The ``inference-lab`` command: ``sim``, ``serve``, ``load``, ``plan``, ``calibrate`` and
+``proxy``.
 
 Each subcommand is one module exposing ``add_parser(subparsers)`` (its flags) and
 ``run(args) -> int`` (the work); this module only picks the subcommand and dispatches.
@@ -61,6 +62,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "calibrate": (
         "inference_lab.calibrate.cli",
         "fit a deployment's efficiency terms to measurements of a real server",
+    ),
+    "proxy": (
+        "inference_lab.proxy.cli",
+        "a prefill/decode proxy in front of serve --role prefill and --role decode servers",
     ),
 }
 

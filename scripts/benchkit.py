@@ -124,18 +124,28 @@ class ServerProcess:
     ``url`` is the server's base URL once entered. The server's stderr goes to ``log``
     (a file) or to ours; its banner is echoed on our stderr. Blocking: enter and stop it
     outside ``trio.run``. ``stop`` is idempotent; callers that cannot use ``with`` call
-    ``__enter__`` and ``stop`` themselves.
+    ``__enter__`` and ``stop`` themselves. ``command`` names another subcommand that
+    serves HTTP the same way (``proxy``: ``--host``, ``--port``, the banner's URL,
+    ``GET /health``).
     """
 
-    def __init__(self, args: list[str], *, log: Path | None = None, cwd: Path | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        *,
+        log: Path | None = None,
+        cwd: Path | None = None,
+        command: str = "serve",
+    ):
         self.args = args
         self.log = log
         self.cwd = cwd
+        self.command = command
         self.url = ""
         self.proc: subprocess.Popen[str] | None = None
 
     def __enter__(self) -> ServerProcess:
-        cmd = [sys.executable, "-m", "inference_lab.cli", "serve", "--host", "127.0.0.1"]
+        cmd = [sys.executable, "-m", "inference_lab.cli", self.command, "--host", "127.0.0.1"]
         cmd += ["--port", "0", *self.args]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         log = open(self.log, "w") if self.log is not None else None  # noqa: SIM115

@@ -38,6 +38,7 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
             "test_the_raw_stream_clients_read_a_stream_and_a_refusal_to_their_end",
         }
     ),
+    "test_pd_proxy.py": frozenset({"test_three_processes_make_a_1p1d_deployment"}),
     "test_calibrate.py": frozenset(
         {
             "test_the_fit_recovers_efficiency_terms_from_levels_generated_with_them",

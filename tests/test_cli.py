@@ -95,7 +95,7 @@ def test_version_prints_the_installed_version(capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize(
     ("argv", "line"),
     [
-        (["bogus"], "inference-lab: error: argument {sim,serve,load,plan,calibrate}: invalid choice: 'bogus'"),
+        (["bogus"], "inference-lab: error: argument {sim,serve,load,plan,calibrate,proxy}: invalid choice: 'bogus'"),
         (["sim"], "inference-lab sim: error: the following arguments are required: --config"),
         (["load", "--url", "http://h", "--model", "m", "--requests", "1", "--rate", "nan"],
          "inference-lab load: error: argument --rate: must be a number > 0, got nan"),

@@ -12,8 +12,7 @@
   ``jsonschema``, its ``x-kubernetes-validations`` rules with a CEL interpreter);
 - every command line of the manifests and the Dockerfile parses with the project's own
   argparse parser, and the ports, probes, Services, the proxy's URLs and the pool's target
-  ports agree with those command lines, so the artifacts cannot drift from the CLI. Flags
-  another branch is adding are skipped with "flag not on this branch" until they exist.
+  ports agree with those command lines, so the artifacts cannot drift from the CLI.
 """
 
 from __future__ import annotations
@@ -48,11 +47,6 @@ CRD = Path(__file__).parent / "data" / "inferencepool-crd-v1.6.0.yaml"
 
 #: The Kubernetes release every manifest is validated for (docs/deploy.md states it).
 K8S_VERSION = "1.33.0"
-#: Subcommands and flags that branches being merged now add (``proxy``: pdserve;
-#: ``--role`` and ``--kv-peers``: pdserve; ``--data-parallel-size``: ranks). A command line
-#: using one is checked once it exists and skipped until then; any other unknown flag fails.
-PENDING_SUBCOMMANDS = frozenset({"proxy"})
-PENDING_FLAGS = frozenset({"--role", "--kv-peers", "--data-parallel-size"})
 #: The series the endpoint picker's default metrics mapping reads that do not need LoRA
 #: (llm-d-router, pkg/epp/framework/plugins/datalayer/extractor/metrics/factories.go).
 EPP_SERIES = (
@@ -161,24 +155,18 @@ def _command_lines() -> list[tuple[str, list[str]]]:
 
 def _parse(argv: list[str]) -> Any:
     """``argv`` (``inference-lab <sub> ...``) parsed by :func:`inference_lab.cli.build_parser`;
-    skips for a subcommand or flag that is not on this branch yet (PENDING_*), fails for
-    any other unknown one or a bad value, with argparse's own message."""
+    fails for an unknown subcommand or flag or a bad value, with argparse's own message."""
     assert argv[0] == "inference-lab", f"not the project's command: {argv[0]!r}"
     sub = argv[1]
     if sub not in SUBCOMMANDS:
-        if sub in PENDING_SUBCOMMANDS:
-            pytest.skip(f"flag not on this branch: `inference-lab {sub}`")
         pytest.fail(f"unknown subcommand {sub!r}")
     parser, chosen = build_parser(sub)
     assert chosen is not None
     known = set(chosen._option_string_actions)
     unknown = [w.split("=", 1)[0] for w in argv[2:] if w.startswith("--")]
     unknown = [flag for flag in unknown if flag not in known]
-    wrong = [flag for flag in unknown if flag not in PENDING_FLAGS]
-    if wrong:
-        pytest.fail(f"{sub} has no flag {' '.join(wrong)}")
     if unknown:
-        pytest.skip(f"flag not on this branch: {sub} {' '.join(unknown)}")
+        pytest.fail(f"{sub} has no flag {' '.join(unknown)}")
     try:
         return parser.parse_args(argv[1:])
     except SystemExit as exc:
@@ -201,12 +189,6 @@ def test_the_parse_check_fails_on_a_flag_that_does_not_exist() -> None:
         _parse(["inference-lab", "serve", "--port", "70000"])
     with pytest.raises(pytest.fail.Exception, match="unknown subcommand"):
         _parse(["inference-lab", "serv"])
-
-
-def test_the_parse_check_reports_a_misspelt_flag_beside_a_pending_one() -> None:
-    """A flag still pending does not hide a misspelt one: the check fails, not skips."""
-    with pytest.raises(pytest.fail.Exception, match="no flag --max-num-seq$"):
-        _parse(["inference-lab", "serve", "--role", "prefill", "--max-num-seq", "4"])
 
 
 def test_the_deploy_page_names_every_manifest_and_the_kubernetes_version() -> None:

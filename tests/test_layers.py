@@ -129,6 +129,28 @@ def test_client_depends_only_on_the_http_api() -> None:
                 assert dep.startswith(CLIENT_MAY_IMPORT), f"{mod} reaches {dep}"
 
 
+#: What the prefill/decode proxy may reach: the load client's HTTP stack (with what it
+#: may reach) and the server's transport interface (hypercorn's trio worker) with its own
+#: modules, and the command-line toolkit.
+PROXY_MAY_REACH = (
+    *CLIENT_MAY_IMPORT,
+    "inference_lab.proxy",
+    "inference_lab.serve.transport",
+)
+
+
+def test_the_proxy_depends_only_on_the_http_api() -> None:
+    """``inference-lab proxy`` talks to its backends over HTTP only: it reaches the load
+    client's HTTP stack and the transport that serves it, never the serve app, the
+    runtime or the engine."""
+    own = [m for m in GRAPH if m.startswith("inference_lab.proxy")]
+    assert len(own) >= 4
+    for mod in own:
+        for dep in reachable(GRAPH, mod):
+            if dep.startswith("inference_lab"):
+                assert dep.startswith(PROXY_MAY_REACH), f"{mod} reaches {dep}"
+
+
 GENERATE = "inference_lab.generate"
 
 
@@ -199,6 +221,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         {"workload", "api", "runtime"},
         {"sim"},
         {"calibrate", "plan", "serve", "client"},
+        {"proxy"},
         {"cli"},
         {"__main__"},
     )

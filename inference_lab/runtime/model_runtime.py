@@ -38,6 +38,11 @@ Rule 9: a step's tokens are handed over in the reverse of the engine's order, wh
         brings (its prefill just ended: the latest admitted of the step's emitters) is
         written before the step's mid-stream tokens, whose writes would otherwise delay
         it (a few tens of microseconds each on a socket).
+Rule 10: prefill/decode hand-offs (``serve --role``): a request admitted with
+        ``hold_kv`` keeps its blocks once finished until :meth:`ModelRuntime.release_kv`,
+        which the engine task carries out in order with the arrivals; a request admitted
+        with ``remote_positions`` has its handle's ``on_kv_arrived`` called by the engine
+        task in the wake-up whose step received its KV.
 """
 
 from __future__ import annotations
@@ -232,6 +237,9 @@ class RequestHandle:
     request_id: int | None = None
     holds_slot: bool = True
     state: Literal["queued", "submitted", "finished", "aborted", "failed"] = "queued"
+    #: Called (synchronously, from the engine task) when its remote prefill's KV has
+    #: arrived (``remote_positions``: Rule 10); None: nobody is told.
+    on_kv_arrived: Callable[[], None] | None = None
 
     def close(self) -> None:
         self.runtime._close(self)
@@ -278,6 +286,13 @@ class _Arrival:
 
 
 @attrs.frozen
+class _Release:
+    """From the HTTP side: give back the blocks a finished request held (Rule 10)."""
+
+    request_id: int
+
+
+@attrs.frozen
 class _Tick:
     """From the pacer: the deadline it was given has come."""
 
@@ -313,7 +328,9 @@ class ModelRuntime:
         self._admission = Admission(self.engine, deployment.scheduler.max_waiting)
         self._live: dict[RequestHandle, None] = {}  # admitted, not done (insertion order)
         self._by_id: dict[int, RequestHandle] = {}  # submitted to the engine, not done
-        self._inbox_send, self._inbox_recv = trio.open_memory_channel[_Arrival | _Tick](math.inf)
+        self._inbox_send, self._inbox_recv = trio.open_memory_channel[_Arrival | _Release | _Tick](
+            math.inf
+        )
         self._deadline_send, self._deadline_recv = trio.open_memory_channel[float | None](math.inf)
         self._sent_deadline: object = _UNSENT
         self._sleep_scope: trio.CancelScope | None = None
@@ -442,6 +459,8 @@ class ModelRuntime:
         drawn: bool = True,
         min_length: int = 0,
         model: str | None = None,
+        hold_kv: bool = False,
+        remote_positions: int = 0,
     ) -> RequestHandle:
         """The single entry into the engine. Synchronous, no checkpoint.
 
@@ -458,6 +477,9 @@ class ModelRuntime:
         A drawn length is at least ``min_length`` (vLLM's ``min_tokens``), within the cap.
         ``model``, the name the request gave, runs it with that LoRA adapter when it is not
         this model's own name (the caller checked the engine serves it).
+        ``hold_kv`` and ``remote_positions`` are a prefill server's and a decode server's
+        parts of a hand-off (Rule 10; ``remote_positions`` needs ``n`` 1 and fewer
+        positions than the prompt).
         """
         if not self._alive:
             if self.observer is not None:
@@ -468,7 +490,11 @@ class ModelRuntime:
                 self.observer.on_refused("engine_sleeping")
             raise EngineSleeping(self.name)
         asked = RequestSpec(
-            prompt_tokens=prompt_tokens, max_tokens=max_tokens, n=n, block_hashes=block_hashes
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            n=n,
+            block_hashes=block_hashes,
+            remote_positions=remote_positions,
         )
         handle = RequestHandle(runtime=self, spec=asked, sink=sink)
         claim = self._admission.admit(handle, asked)
@@ -495,6 +521,8 @@ class ModelRuntime:
             worker=claim.worker,
             block_hashes=block_hashes,
             lora=None if model is None or model == self.name else model,
+            hold_kv=hold_kv,
+            remote_positions=remote_positions,
         )
         try:
             self._inbox_send.send_nowait(_Arrival(handle))
@@ -555,6 +583,18 @@ class ModelRuntime:
             if handle.holds_slot:
                 counts[handle.spec.worker or 0] += 1
         return counts
+
+    def release_kv(self, request_id: int) -> bool:
+        """Give back the blocks the finished request ``request_id`` (an engine id) held
+        for a remote decode (Rule 10): the engine task does it next, in order with the
+        arrivals. Synchronous; False when the engine is not running (nothing is held)."""
+        if not self._alive:
+            return False
+        try:
+            self._inbox_send.send_nowait(_Release(request_id))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block (vLLM's ``reset_prefix_cache``): only when no running
@@ -703,10 +743,13 @@ class ModelRuntime:
         except Exception as exc:  # noqa: BLE001 - an engine failure stops this model only
             self._fail(exc)
 
-    def _handle(self, message: _Arrival | _Tick) -> None:
+    def _handle(self, message: _Arrival | _Release | _Tick) -> None:
         if isinstance(message, _Tick):
             self._sent_deadline = _UNSENT  # the pacer dropped its deadline: send anew
             self._ticked = True
+            return
+        if isinstance(message, _Release):
+            self._release_kv(message.request_id)
             return
         handle = message.handle
         if handle.done:
@@ -726,6 +769,17 @@ class ModelRuntime:
         handle.request_id = rid
         handle.state = "submitted"
         self._by_id[rid] = handle
+
+    def _release_kv(self, request_id: int) -> None:
+        """Rule 10: the held blocks go back now; an engine with nothing scheduled (idle,
+        or stalled waiting for blocks) first moves its clock up to now, so a worker the
+        release wakes starts its step now, not in the past."""
+        engine = self.engine
+        t = trio.current_time() - self.epoch
+        if engine.next_event_time() is None and t > engine.now:
+            engine.advance_to(t)
+        if engine.release_kv(request_id):
+            self._admission.changed()
 
     def _run_due(self) -> None:
         """Step every event whose time has come (at most MAX_EVENTS_PER_WAKE)."""
@@ -764,6 +818,10 @@ class ModelRuntime:
         if latest >= 0.0:
             lag_meter.latest = latest
         lag_meter.tick(now)
+        for rid in engine.take_kv_arrived():  # Rule 10
+            arrived = self._by_id.get(rid)
+            if arrived is not None and arrived.on_kv_arrived is not None:
+                arrived.on_kv_arrived()
         if self.kv_events is not None:
             kv = engine.take_kv_events()
             if kv:

@@ -58,6 +58,7 @@ from inference_lab.serve.error_replies import (
 )
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.generation import INLINE_BODY, plan_off_loop
+from inference_lab.serve.kv_transfer import KVRequest
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.streaming import CollectSink, StreamSink, write_stream
 
@@ -237,9 +238,12 @@ async def serve_chat_agent(
     parsed: ParsedRequest,
     plan: AnswerPlan,
     keys: tuple[str, ...] = REASONING_KEYS,
+    *,
+    kv: KVRequest | None = None,
 ) -> None:
     """Serve a chat completion whose answer is ``plan`` (the module rules); reasoning goes
-    under ``keys`` (:func:`reasoning_keys`)."""
+    under ``keys`` (:func:`reasoning_keys`); ``kv`` is its part in a prefill/decode
+    hand-off (:mod:`inference_lab.serve.kv_transfer`)."""
     request_id = exchange.request_id or new_request_id("chat")
     created = int(time.time())
     ids = [[call_id() for _ in plan.calls] for _ in range(parsed.n)]
@@ -272,6 +276,7 @@ async def serve_chat_agent(
         body=body,
         chat=True,
         block_hashes=prompt_chain(parsed, plan, runtime.deployment.scheduler.block_size),
+        kv=kv,
     )
 
 
@@ -304,14 +309,16 @@ async def serve_answer(
     finished: Callable[[], None] | None = None,
     translate: Callable[[Reply], Reply] | None = None,
     block_hashes: tuple[int, ...] = (),
+    kv: KVRequest | None = None,
 ) -> None:
     """Admit ``parsed`` (Rules 1-2) and answer it: ``encoder``'s stream, or
     ``body(finished)`` once it ended. ``finished`` is called after a stream ended with
     its closing events written (the Responses store); ``translate`` puts the refusals
     sent here into another API's envelope (the Messages API's); ``block_hashes`` (Rule
-    5) go with the request to the router and the prefix cache. Raises
-    :class:`ApiError`, ``QueueFull`` or ``EngineUnavailable`` only before anything is
-    sent."""
+    5) go with the request to the router and the prefix cache; ``kv`` (a prefill/decode
+    hand-off, :mod:`inference_lab.serve.kv_transfer`) claims its KV before admission and
+    decorates its answer. Raises :class:`ApiError`, ``QueueFull`` or
+    ``EngineUnavailable`` only before anything is sent."""
     exchange.note_pacing_lag(runtime.pacing_lag())  # (once: a chat's route noted it first)
     engine_prompt = max(1, parsed.prompt_tokens)
     refused = runtime.check_fits(engine_prompt, parsed.max_tokens, parsed.n)
@@ -322,8 +329,53 @@ async def serve_answer(
         refusal = shutting_down_reply()
         await send_reply(send, translate(refusal) if translate else refusal, exchange.headers)
         return
+    try:
+        await _answer(
+            state,
+            runtime,
+            exchange,
+            receive,
+            send,
+            parsed,
+            plan,
+            encoder,
+            body,
+            chat,
+            finished,
+            translate,
+            block_hashes,
+            kv,
+        )
+    finally:
+        if kv is not None:
+            kv.close()
+
+
+async def _answer(
+    state: ServeState,
+    runtime: ModelRuntime,
+    exchange: Exchange,
+    receive: Receive,
+    send: Send,
+    parsed: ParsedRequest,
+    plan: AnswerPlan,
+    encoder: FrameEncoder,
+    body: Callable[[Finished], bytes],
+    chat: bool,
+    finished: Callable[[], None] | None,
+    translate: Callable[[Reply], Reply] | None,
+    block_hashes: tuple[int, ...],
+    kv: KVRequest | None,
+) -> None:
+    """:func:`serve_answer` once its checks passed: the claim, the admission, the answer."""
+    engine_prompt = max(1, parsed.prompt_tokens)
+    if kv is not None:
+        await kv.begin(runtime, engine_prompt, exchange.scope)
     sink: StreamSink | CollectSink
-    sink = AnswerSink(encoder, state, chat=chat) if parsed.stream else CollectSink()
+    if parsed.stream:
+        sink = AnswerSink(encoder, state, chat=chat)
+    else:
+        sink = CollectSink() if kv is None else kv.sink(runtime, exchange.request_id)
     limit, drawn = plan.limit(parsed)
     handle = runtime.admit_nowait(
         prompt_tokens=engine_prompt,
@@ -337,7 +389,10 @@ async def serve_answer(
         min_length=parsed.min_tokens,
         block_hashes=block_hashes,
         model=parsed.model,
+        **(kv.admission() if kv is not None else {}),
     )
+    if kv is not None:
+        kv.bind(handle)
     if block_hashes and parsed.hashed_tokens is not None:
         state.remember_tokens(parsed)  # the KV-events publisher names blocks' tokens
     try:
@@ -348,7 +403,7 @@ async def serve_answer(
             send,
             receive,
             lambda: _gone(handle, sink),
-            lambda: _respond(state, exchange, send, handle, sink, body, finished, translate),
+            lambda: _respond(state, exchange, send, handle, sink, body, finished, translate, kv),
         )
     finally:
         handle.close()
@@ -363,6 +418,7 @@ async def _respond(
     body: Callable[[Finished], bytes],
     finished: Callable[[], None] | None,
     translate: Callable[[Reply], Reply] | None,
+    kv: KVRequest | None = None,
 ) -> None:
     if isinstance(sink, StreamSink):
         if not handle.alone:
@@ -381,7 +437,7 @@ async def _respond(
     handle.close()
     result = sink.finished
     reply = (
-        Reply(200, body(result))
+        Reply(200, body(result) if kv is None else kv.body(body(result)))
         if result is not None
         else sink.unfinished_reply(state.shutdown_message)
     )
@@ -391,3 +447,5 @@ async def _respond(
         reply = translate(reply)
     with trio.CancelScope(shield=True):
         await send_reply(send, reply, exchange.headers)
+    if kv is not None:
+        kv.delivered = reply.status == 200 and not sink.gone

@@ -32,6 +32,8 @@ from inference_lab.serve.agent_routes import register_response_routes
 from inference_lab.serve.asgi import STATE_KEY, InferenceLabApp
 from inference_lab.serve.dashboard import Sampler, register_dashboard_routes
 from inference_lab.serve.harness.control import register_harness_routes
+from inference_lab.serve.health import HEALTH_PATH
+from inference_lab.serve.kv_routes import admission_target, register_kv_routes
 from inference_lab.serve.launch import fail_launch
 from inference_lab.serve.ops import register_ops_routes
 from inference_lab.serve.routes import register_routes
@@ -127,6 +129,10 @@ def create_app(
             raise
         fail_launch(str(exc))
     app.extensions[STATE_KEY] = state
+    # the connection answers GET /health and each model's admission probe itself
+    app.quick_paths = frozenset(
+        {HEALTH_PATH.encode(), *(admission_target(name).encode() for name in state.runtimes)}
+    )
     # The live dashboard's sampler (serve/dashboard.py), one per app; off: no routes.
     sampler = Sampler(state) if settings.dashboard else None
     app.extensions[SAMPLER_KEY] = sampler
@@ -153,4 +159,5 @@ def create_app(
     register_response_routes(app, state)  # GET / DELETE /v1/responses/{id}
     register_ops_routes(app, state)  # /ping, /load, /reset_prefix_cache, sleep mode
     register_harness_routes(app, state)  # POST /control/engine, harness on only
+    register_kv_routes(app, state)  # /kv_transfer/*: prefill/decode hand-offs
     return app

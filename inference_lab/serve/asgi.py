@@ -18,9 +18,10 @@ Rule 3: the final ``http.response.body`` of a Quart route is shielded from cance
         unarmed). The completion routes shield their own final sends.
 Rule 4: a request Werkzeug refuses before Quart's error handlers exist (a ``Host`` it
         cannot bind) is answered with its error envelope too, never a bare 500.
-Rule 6: ``GET /health`` is answered by the connection's own task where it is read
-        (``transport.quick``, ``serve/health.py``), before the queue of work; the route
-        answers it where that path does not apply.
+Rule 6: ``GET /health`` and each served model's admission probe
+        (``serve/kv_routes.py``) are answered by the connection's own task where they are
+        read (``transport.quick``), before the queue of work; their routes answer them
+        where that path does not apply.
 Rule 5: the app has no WebSocket endpoint: a WebSocket upgrade on any path is refused
         with a 404 in the OpenAI error envelope (the ASGI ``websocket.http.response``
         extension, which hypercorn offers), or closed where the server cannot answer
@@ -49,6 +50,7 @@ from inference_lab.serve.error_replies import (
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.health import HEALTH_PATH
 from inference_lab.serve.health import quick_answer as health_quick_answer
+from inference_lab.serve.kv_routes import KV_ROUTES, quick_admission
 from inference_lab.serve.messages_route import MESSAGES_ROUTES, anthropic_reply, is_messages_path
 from inference_lab.serve.ops import INVOCATIONS, invocations
 from inference_lab.serve.pooling_routes import POOLING_ROUTES
@@ -58,7 +60,13 @@ from inference_lab.serve.transport import QuickReply, received_at
 __all__ = ["InferenceLabApp", "LabHTTPConnection", "RAW_ROUTES", "STATE_KEY", "get_state"]
 
 #: Path -> the raw ASGI route serving ``POST`` on it, besides the completion routes.
-RAW_ROUTES = {**AGENT_ROUTES, **MESSAGES_ROUTES, **POOLING_ROUTES, INVOCATIONS: invocations}
+RAW_ROUTES = {
+    **AGENT_ROUTES,
+    **MESSAGES_ROUTES,
+    **POOLING_ROUTES,
+    **KV_ROUTES,
+    INVOCATIONS: invocations,
+}
 
 #: Where an app keeps its :class:`ServeState` (``app.extensions[STATE_KEY]``).
 STATE_KEY = "inference_lab"
@@ -153,7 +161,8 @@ class InferenceLabApp(QuartTrio):
 
     asgi_http_class = LabHTTPConnection
     asgi_websocket_class = NoWebSockets  # type: ignore[assignment]
-    #: The request targets the connection may answer itself (``transport.quick``).
+    #: The request targets the connection may answer itself (``transport.quick``);
+    #: ``create_app`` adds each served model's admission probe (``serve/kv_routes.py``).
     quick_paths = frozenset({HEALTH_PATH.encode()})
 
     def quick_answer(
@@ -167,4 +176,7 @@ class InferenceLabApp(QuartTrio):
         app has no state yet (not started)."""
         if STATE_KEY not in self.extensions:
             return None
-        return health_quick_answer(get_state(self), method, path, headers, client)
+        state = get_state(self)
+        if path == HEALTH_PATH:
+            return health_quick_answer(state, method, path, headers, client)
+        return quick_admission(state, method, path, headers, client)

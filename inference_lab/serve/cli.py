@@ -41,8 +41,10 @@ from inference_lab.serve.server import (
 )
 from inference_lab.serve.settings import (
     DEFAULT_BODY_TIMEOUT,
+    DEFAULT_KV_HOLD_TIMEOUT,
     DEFAULT_TOOL_CALL_PROBABILITY,
     ENV_LABELS,
+    ROLES,
     startup_warnings,
 )
 
@@ -168,6 +170,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_hardening_flags(parser)
     add_lora_flags(parser)
     _add_rank_flags(parser)
+    _add_pd_flags(parser)
     return parser
 
 
@@ -190,6 +193,42 @@ def _add_rank_flags(parser: argparse.ArgumentParser) -> None:
         metavar="R",
         help="serve only rank R of --data-parallel-size on --port (as vLLM's external load "
         "balancing): engine labels, KV-event ports and seeds offset by R",
+    )
+
+
+def _add_pd_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of prefill/decode disaggregation (``docs/disaggregation.md``)."""
+    from inference_lab.cli_args import number
+
+    pd = parser.add_argument_group(
+        "prefill/decode disaggregation (vLLM's kv_transfer_params; docs/disaggregation.md)"
+    )
+    pd.add_argument(
+        "--role",
+        choices=ROLES,
+        default="both",
+        help="both: kv_transfer_params are ignored (default); prefill: a do_remote_decode "
+        "request's KV is held for a decode server; decode: a do_remote_prefill request's KV "
+        "is pulled from its prefill server, its transfer priced and paced",
+    )
+    pd.add_argument(
+        "--kv-hold-timeout",
+        type=number(gt=0),
+        default=DEFAULT_KV_HOLD_TIMEOUT,
+        metavar="SECONDS",
+        help="a prefill server gives back held KV no decode server pulled after this long "
+        f"(vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT; default: {DEFAULT_KV_HOLD_TIMEOUT:g})",
+    )
+    pd.add_argument(
+        "--kv-engine-id",
+        metavar="ID",
+        help="the remote_engine_id a prefill server's answers carry (default: a random one)",
+    )
+    pd.add_argument(
+        "--kv-peers",
+        metavar="HOSTS",
+        help="comma-separated hosts (or *) a decode server may pull KV from besides "
+        "loopback ones (default: loopback only)",
     )
 
 
@@ -345,6 +384,17 @@ def _banner(settings: ServeSettings, url: str, kv_lines: list[str] | None = None
         lines.append("  response lengths: max_tokens (--run-to-max-tokens)")
     if settings.pooling_models:
         lines.append(f"  pooling models: {', '.join(sorted(settings.pooling_models))}")
+    if settings.role == "prefill":
+        lines.append(
+            f"  role prefill: do_remote_decode KV held up to {settings.kv_hold_timeout:g} s "
+            "for a decode server"
+        )
+    elif settings.role == "decode":
+        peers = ", ".join(settings.kv_peers) if settings.kv_peers else "none"
+        lines.append(
+            f"  role decode: do_remote_prefill KV pulled from loopback prefill servers "
+            f"(other peers: {peers})"
+        )
     lines.extend(kv_lines or ())
     if settings.data_parallel_size > 1:
         rank, size = settings.data_parallel_rank, settings.data_parallel_size
@@ -417,6 +467,10 @@ def run(args: argparse.Namespace) -> int:
             reasoning_content=not getattr(args, "no_reasoning_content", False),
             pooling_models=getattr(args, "pooling_models", None),
             lora=lora_flags(args),
+            role=getattr(args, "role", "both"),
+            kv_hold_timeout=getattr(args, "kv_hold_timeout", DEFAULT_KV_HOLD_TIMEOUT),
+            kv_engine_id=getattr(args, "kv_engine_id", None),
+            kv_peers=getattr(args, "kv_peers", None),
             on_skip=skip,
             labels=labels,
         )

@@ -6,10 +6,11 @@ connection (:mod:`inference_lab.serve.asgi`) calls :func:`complete` with the raw
 ``receive`` and ``send``. Every other endpoint is an ordinary Quart route.
 
 Rule 1: checks run in the order body (413/408/400) -> validation (400) -> model (404) -> fit
-        (400) -> engine alive (503) -> depth (529); the last two are one synchronous call,
-        ``ModelRuntime.admit_nowait``, and every refusal is a whole :class:`Reply` sent
-        before any response starts. Between model and fit the test harness may take
-        the request over (:mod:`inference_lab.serve.harness`).
+        (400) -> a decode server's claim on its prefill's KV (400/404/503:
+        :mod:`inference_lab.serve.kv_transfer`) -> engine alive (503) -> depth (529); the
+        last two are one synchronous call, ``ModelRuntime.admit_nowait``, and every refusal
+        is a whole :class:`Reply` sent before any response starts. Between model and fit
+        the test harness may take the request over (:mod:`inference_lab.serve.harness`).
 Rule 2: a request's arrival is the exchange's (``Exchange.arrival``: when the server
         received it, :func:`inference_lab.serve.transport.received_at`), before its body
         was read and parsed, as a real engine's API server stamps it.
@@ -87,6 +88,7 @@ from inference_lab.serve.error_replies import (
     stream_shutdown_frames,
 )
 from inference_lab.serve.exchange import Exchange, Receive, Send
+from inference_lab.serve.kv_transfer import KVRequest
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.streaming import CollectSink, StreamSink, write_stream
 
@@ -247,6 +249,7 @@ async def complete(
     """Serve one completion request (see the module rules). Called by the app's ASGI
     connection for ``POST`` on a path of :data:`COMPLETION_ROUTES`."""
     handle: RequestHandle | None = None
+    kv: KVRequest | None = None
     try:
         timeout = state.settings.body_timeout
         try:
@@ -281,6 +284,7 @@ async def complete(
                     raw, default_max_tokens, tokenizer=tokenizer, hashing=hashing
                 )
                 parsed = batch[0]
+            kv = state.kv.request(raw, batch)  # kv_transfer_params, by --role
             runtime = state.runtime_for(parsed.model)  # a model, or a LoRA adapter's
             if runtime is None:
                 raise state.model_not_found(parsed.model)
@@ -304,7 +308,9 @@ async def complete(
                 refuse_structured(raw)
             if plan is not None:
                 keys = reasoning_keys(state, raw)
-                await serve_chat_agent(state, runtime, exchange, receive, send, parsed, plan, keys)
+                await serve_chat_agent(
+                    state, runtime, exchange, receive, send, parsed, plan, keys, kv=kv
+                )
                 return
             engine_prompt = max(1, parsed.prompt_tokens)
             refused = runtime.check_fits(engine_prompt, parsed.engine_max_tokens, parsed.n)
@@ -314,6 +320,8 @@ async def complete(
             if state.draining:  # the shutdown began while this body was read
                 await send_reply(send, shutting_down_reply(), exchange.headers)
                 return
+            if kv is not None:  # a decode server's claim on its prefill's KV (Rule 1)
+                await kv.begin(runtime, engine_prompt, exchange.scope)
             request_id = exchange.request_id or new_request_id(parsed.kind)
             created = int(time.time())
             sink: StreamSink | CollectSink
@@ -328,7 +336,7 @@ async def complete(
                 )
                 sink = ServedStreamSink(encoder, state)
             else:
-                sink = CollectSink()
+                sink = CollectSink() if kv is None else kv.sink(runtime, request_id)
             handle = runtime.admit_nowait(
                 prompt_tokens=engine_prompt,
                 max_tokens=parsed.engine_max_tokens,
@@ -341,7 +349,10 @@ async def complete(
                 drawn=not (parsed.ignore_eos or scoring),
                 min_length=parsed.min_tokens,
                 model=parsed.model,
+                **(kv.admission() if kv is not None else {}),
             )
+            if kv is not None:
+                kv.bind(handle)
             if parsed.hashed_tokens is not None:  # the KV-events publisher names blocks' tokens
                 state.remember_tokens(parsed)
             if isinstance(sink, StreamSink):
@@ -356,12 +367,14 @@ async def complete(
             receive,
             lambda: _gone(admitted, collector),  # Rule 4
             lambda: _respond(
-                state, exchange, send, admitted, collector, parsed, request_id, created
+                state, exchange, send, admitted, collector, parsed, request_id, created, kv
             ),
         )
     finally:
         if handle is not None:
             handle.close()
+        if kv is not None:
+            kv.close()
 
 
 #: Token entries (:func:`body_work`) above which a non-streaming body is sent in pieces
@@ -391,8 +404,10 @@ async def _respond(
     parsed: ParsedRequest,
     request_id: str,
     created: int,
+    kv: KVRequest | None = None,
 ) -> None:
-    """Answer an admitted request: write its stream, or its whole reply once it ended."""
+    """Answer an admitted request: write its stream, or its whole reply once it ended (a
+    prefill server's with its ``kv_transfer_params``: ``kv``)."""
     if isinstance(sink, StreamSink):
         if not handle.alone:  # (an idle engine: when it takes this one moves none of its steps)
             await handle.wait_taken()  # the engine first, then the response's start
@@ -412,31 +427,28 @@ async def _respond(
         if finished is not None and parsed.max_tokens == 0:  # scored: no answer token
             finished = attrs.evolve(finished, output_tokens=0)
         if finished is not None and body_work(parsed, finished.output_tokens) > LARGE_BODY:
-            await _send_in_pieces(
-                send,
-                exchange,
-                body_pieces(
-                    parsed,
-                    request_id=request_id,
-                    created=created,
-                    completion_tokens=finished.output_tokens,
-                    finish_reason=finished.finish_reason,
-                    cached_tokens=finished.cached_tokens,
-                ),
+            pieces = body_pieces(
+                parsed,
+                request_id=request_id,
+                created=created,
+                completion_tokens=finished.output_tokens,
+                finish_reason=finished.finish_reason,
+                cached_tokens=finished.cached_tokens,
             )
+            await _send_in_pieces(send, exchange, pieces if kv is None else kv.pieces(pieces))
+            if kv is not None:
+                kv.delivered = not sink.gone
             return
         if finished is not None:
-            reply = Reply(
-                200,
-                completion_body(
-                    parsed,
-                    request_id=request_id,
-                    created=created,
-                    completion_tokens=finished.output_tokens,
-                    finish_reason=finished.finish_reason,
-                    cached_tokens=finished.cached_tokens,
-                ),
+            body = completion_body(
+                parsed,
+                request_id=request_id,
+                created=created,
+                completion_tokens=finished.output_tokens,
+                finish_reason=finished.finish_reason,
+                cached_tokens=finished.cached_tokens,
             )
+            reply = Reply(200, body if kv is None else kv.body(body))
         else:
             unfinished = sink.unfinished_reply(state.shutdown_message)
             if unfinished is None:
@@ -444,6 +456,8 @@ async def _respond(
             reply = unfinished
         with trio.CancelScope(shield=True):
             await send_reply(send, reply, exchange.headers)
+        if kv is not None:
+            kv.delivered = reply.status == 200 and not sink.gone
 
 
 def _batch_work(requests: Sequence[ParsedRequest]) -> None:

@@ -43,13 +43,17 @@ Rule 8: a server that is data-parallel rank ``r`` (``serve --data-parallel-size`
         ``serve/ranks.py``) numbers its engines as vLLM's rank ``r`` does: every
         ``engine`` label is offset by ``r`` x the model's workers (rank ``r`` of a
         one-replica model: ``engine="r"``), at encoding time.
+Rule 9: prefill/decode hand-offs (``serve --role``) are exported under
+        ``inference_lab:kv_*`` by servers of role ``prefill`` (held KV, claims) and
+        ``decode`` (claims and releases, the transfers its engine received):
+        ``serve/kv_metrics.py``, through :attr:`ServeMetrics.extra`.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Literal
 
 import trio
@@ -388,6 +392,8 @@ class _Collector:
             "How late the engine task handled each engine event, in wall-clock seconds.",
             ((name, m.lag) for name, m, _, _ in rows),
         )
+        for extra in self.metrics.extra:
+            yield from extra()
 
 
 def _prefix_cache_families(
@@ -574,6 +580,9 @@ class ServeMetrics:
             metrics = ModelMetrics(runtime, fine_buckets=fine_buckets)
             runtime.observer = metrics
             self.models[name] = metrics
+        #: More metric families, built at each scrape (the app's prefill/decode part:
+        #: ``serve/kv_metrics.py``).
+        self.extra: list[Callable[[], Iterable[Metric]]] = []
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 

@@ -44,8 +44,10 @@ from inference_lab.serve.lora import LoraFlags, apply_lora, runtime_updating
 __all__ = [
     "DEFAULT_BODY_TIMEOUT",
     "DEFAULT_HARDWARE",
+    "DEFAULT_KV_HOLD_TIMEOUT",
     "DEFAULT_MAX_TOKENS",
     "ENV_LABELS",
+    "ROLES",
     "ServeSettings",
     "load_settings",
     "parse_int_setting",
@@ -80,6 +82,10 @@ ENV_LABELS: Mapping[str, str] = MappingProxyType(
             "tool_call_probability",
             "embedding_dim",
             "pooling_models",
+            "role",
+            "kv_hold_timeout",
+            "kv_engine_id",
+            "kv_peers",
         )
     }
 )
@@ -90,6 +96,12 @@ DEFAULT_BODY_TIMEOUT = 10.0
 #: calls a tool; after a tool result and when no tool fits it is lower
 #: (``api/tool_choice.py``).
 DEFAULT_TOOL_CALL_PROBABILITY = 0.9
+#: ``--role``: what a server does with vLLM's ``kv_transfer_params``
+#: (``docs/disaggregation.md``, "In serve").
+ROLES = ("both", "prefill", "decode")
+#: Seconds a prefill server holds a finished request's KV for a decode server that never
+#: pulls it (vLLM's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s by default).
+DEFAULT_KV_HOLD_TIMEOUT = 480.0
 
 
 @attrs.frozen(kw_only=True)
@@ -151,6 +163,18 @@ class ServeSettings:
     #: given ones + rank. 0 of 1: a single server.
     data_parallel_rank: int = 0
     data_parallel_size: int = 1
+    #: Prefill/decode disaggregation (``serve/kv_transfer.py``): ``both`` ignores
+    #: ``kv_transfer_params`` (a server without a KV connector); ``prefill`` holds the KV
+    #: of a ``do_remote_decode`` request for a decode server; ``decode`` pulls the KV a
+    #: ``do_remote_prefill`` request names from its prefill server.
+    role: str = "both"
+    #: Seconds a prefill server holds a finished request's KV before it gives it back
+    #: unpulled (vLLM's ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``).
+    kv_hold_timeout: float = DEFAULT_KV_HOLD_TIMEOUT
+    #: The ``remote_engine_id`` a prefill server's answers carry (None: a random one).
+    kv_engine_id: str | None = None
+    #: Hosts a decode server pulls KV from besides loopback ones (``*``: any).
+    kv_peers: tuple[str, ...] = ()
 
     def embedding_size(self, deployment: Deployment) -> int:
         """The full length of ``deployment``'s embedding vectors."""
@@ -187,6 +211,10 @@ def load_settings(
     reasoning_content: bool = True,
     pooling_models: str | None = None,
     lora: LoraFlags | None = None,
+    role: str = "both",
+    kv_hold_timeout: float = DEFAULT_KV_HOLD_TIMEOUT,
+    kv_engine_id: str | None = None,
+    kv_peers: str | None = None,
     on_skip: Callable[[str], None] | None = None,
     labels: Mapping[str, str] | None = None,
 ) -> ServeSettings:
@@ -205,7 +233,10 @@ def load_settings(
     text of ``--allowed-origins`` (see :func:`parse_origins`). ``tool_call_probability``
     is in 0..1, ``embedding_dim`` (if not None) >= 1. ``pooling_models`` is a
     comma-separated list of served model names, or ``all``. ``lora``: the LoRA flags
-    (:func:`~inference_lab.serve.lora.apply_lora`). ``labels`` maps a setting's
+    (:func:`~inference_lab.serve.lora.apply_lora`). ``role`` is one of
+    :data:`ROLES`; ``kv_hold_timeout`` a finite number of seconds > 0; ``kv_engine_id``
+    (if not None) 1-256 printable ASCII characters; ``kv_peers`` comma-separated host
+    names or addresses, or ``*``. ``labels`` maps a setting's
     name to how errors call it (Rule 3): the flag or the variable it came from.
     """
 
@@ -253,6 +284,7 @@ def load_settings(
         )
     if embedding_dim is not None and embedding_dim < 1:
         raise ConfigError(f"{label('embedding_dim')}: must be >= 1, got {embedding_dim}")
+    peers = _check_kv(role, kv_hold_timeout, kv_engine_id, kv_peers, label)
     if config is None:
         path = shipped_dir("configs")
     else:
@@ -339,7 +371,46 @@ def load_settings(
         reasoning_content=reasoning_content,
         pooling_models=pooling,
         lora_updating=runtime_updating(),
+        role=role,
+        kv_hold_timeout=kv_hold_timeout,
+        kv_engine_id=kv_engine_id,
+        kv_peers=peers,
     )
+
+
+def _check_kv(
+    role: str,
+    timeout: float,
+    engine_id: str | None,
+    peers: str | None,
+    label: Callable[[str], str],
+) -> tuple[str, ...]:
+    """The prefill/decode settings checked; the peer hosts of ``kv_peers``."""
+    if role not in ROLES:
+        raise ConfigError(f"{label('role')}: must be one of {', '.join(ROLES)}, got {role!r}")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ConfigError(
+            f"{label('kv_hold_timeout')}: must be a number of seconds > 0, got {timeout}"
+        )
+    if engine_id is not None and not (
+        0 < len(engine_id) <= 256 and all(33 <= ord(c) <= 126 for c in engine_id)
+    ):
+        raise ConfigError(
+            f"{label('kv_engine_id')}: must be 1-256 printable ASCII characters, no spaces"
+        )
+    if peers is None:
+        return ()
+    hosts = tuple(dict.fromkeys(h.strip().lower() for h in peers.split(",") if h.strip()))
+    if not hosts:
+        raise ConfigError(f"{label('kv_peers')}: no host given")
+    for host in hosts:
+        if host != "*" and not _HOST.fullmatch(host):
+            raise ConfigError(f"{label('kv_peers')}: {host!r} is not a host name or address")
+    return hosts
+
+
+#: A host name, an IPv4 address or an IPv6 address (bracketed or not).
+_HOST = re.compile(r"[a-z0-9._-]{1,253}|\[?[0-9a-f:.]{2,45}\]?")
 
 
 def _pooling_models(text: str | None, served: list[str], name: str) -> frozenset[str]:
@@ -518,7 +589,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
     ``_NO_SHOULD_RETRY_HEADER``, ``_NO_DASHBOARD``, ``_FINE_LATENCY_BUCKETS``,
     ``_KV_EVENTS_ENDPOINT``, ``_KV_EVENTS_REPLAY_ENDPOINT``, ``_KV_EVENTS_TOPIC``,
     ``_KV_EVENTS_NO_TOKEN_IDS``, ``_TOOL_CALL_PROBABILITY``, ``_EMBEDDING_DIM``,
-    ``_RUN_TO_MAX_TOKENS``, ``_NO_REASONING_CONTENT``, ``_POOLING_MODELS``."""
+    ``_RUN_TO_MAX_TOKENS``, ``_NO_REASONING_CONTENT``, ``_POOLING_MODELS``, ``_ROLE``,
+    ``_KV_HOLD_TIMEOUT``, ``_KV_ENGINE_ID``, ``_KV_PEERS``."""
     env = os.environ if environ is None else environ
     enable_test_harness = _env_flag(env, "INFERENCE_LAB_ENABLE_TEST_HARNESS")
     default_max_tokens = _env_int(env, "INFERENCE_LAB_DEFAULT_MAX_TOKENS", 1)
@@ -548,6 +620,11 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> ServeSettings
         run_to_max_tokens=_env_flag(env, "INFERENCE_LAB_RUN_TO_MAX_TOKENS"),
         reasoning_content=not _env_flag(env, "INFERENCE_LAB_NO_REASONING_CONTENT"),
         pooling_models=env.get("INFERENCE_LAB_POOLING_MODELS") or None,
+        role=env.get("INFERENCE_LAB_ROLE", "").strip() or "both",
+        kv_hold_timeout=_env_seconds(env, "INFERENCE_LAB_KV_HOLD_TIMEOUT")
+        or DEFAULT_KV_HOLD_TIMEOUT,
+        kv_engine_id=env.get("INFERENCE_LAB_KV_ENGINE_ID") or None,
+        kv_peers=env.get("INFERENCE_LAB_KV_PEERS") or None,
         on_skip=lambda line: print(f"inference-lab: {line}", file=sys.stderr),
         labels=ENV_LABELS,
     )

@@ -23,6 +23,9 @@ Rule 6: each model's runtime draws prose answer lengths from one generator of it
         data-parallel rank (``serve/ranks.py``: ranks are not clones): the workload's
         ``output_len_dist``, else the default length model, none with
         ``run_to_max_tokens``.
+Rule 7: the app's prefill/decode part (``--role``: :class:`KVConnector`) is built with the
+        state and its background task (a prefill server's expiry of held KV, a decode
+        server's releases) runs from :meth:`ServeState.start` to :meth:`ServeState.stop`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from inference_lab.runtime.model_runtime import ModelRuntime
 from inference_lab.serve.error_replies import SHUTDOWN_MESSAGE
 from inference_lab.serve.harness.intercept import Harness
 from inference_lab.serve.kv_events import KVEventsHub
+from inference_lab.serve.kv_metrics import kv_families
+from inference_lab.serve.kv_transfer import KVConnector
 from inference_lab.serve.metrics import ServeMetrics
 from inference_lab.serve.response_store import ResponseStore
 from inference_lab.serve.settings import ServeSettings
@@ -85,6 +90,18 @@ class ServeState:
     hashing: dict[str, PromptHashing] = attrs.field(factory=dict)
     #: The KV-event publishers (``--kv-events-endpoint``; Rule 5), or None.
     kv_events: KVEventsHub | None = None
+    #: Prefill/decode hand-offs by ``--role`` (``serve/kv_transfer.py``; Rule 7).
+    kv: KVConnector = attrs.field(
+        default=attrs.Factory(
+            lambda self: KVConnector(self.settings, self.runtimes), takes_self=True
+        )
+    )
+    #: The cancel scope of the hand-offs' background task (set by :meth:`start`).
+    _kv_scope: trio.CancelScope | None = attrs.field(default=None, init=False)
+
+    def __attrs_post_init__(self) -> None:
+        kv, runtimes = self.kv, self.runtimes
+        self.metrics.extra.append(lambda: kv_families(kv, runtimes))
 
     @classmethod
     def build(cls, settings: ServeSettings) -> ServeState:
@@ -189,8 +206,14 @@ class ServeState:
         await nursery.start(self.delivery.run)
         if self.kv_events is not None:
             self.kv_events.start()
+        await nursery.start(self._run_kv)
         for runtime in self.runtimes.values():
             await nursery.start(runtime.run)
+
+    async def _run_kv(self, *, task_status: trio.TaskStatus[None]) -> None:
+        with trio.CancelScope() as scope:
+            self._kv_scope = scope
+            await self.kv.run(task_status=task_status)
 
     async def restart_runtime(self, name: str) -> ModelRuntime:
         """Replace model ``name``'s runtime by a fresh one (a new engine: capacity and
@@ -219,6 +242,8 @@ class ServeState:
         """Stop every runtime (live requests are told the engine stopped) and the
         delivery task; return once the runtimes' tasks have ended."""
         self.delivery.stop()
+        if self._kv_scope is not None:
+            self._kv_scope.cancel()
         for runtime in self.runtimes.values():
             runtime.stop()
         for runtime in self.runtimes.values():

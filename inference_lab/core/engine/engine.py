@@ -242,6 +242,19 @@ class Engine(EventLoop):
                 return True
         return False
 
+    def take_kv_arrived(self) -> tuple[int, ...]:
+        """The ids of the requests whose remote prefill's KV arrived (``remote_positions``
+        received, the request back in its queue) since the last call, in the order they
+        arrived, and forget them. For a decode server, which tells the prefill server the
+        KV was pulled; always empty with ``[disaggregation]`` (its hand-offs release the
+        prefill's blocks themselves)."""
+        arrived = self._kv_arrived
+        if not arrived:
+            return ()
+        out = tuple(arrived)
+        arrived.clear()
+        return out
+
     # ------------------------------------------------------------------ time
     def next_event_time(self) -> float | None:
         return self._calendar.next_time()

@@ -149,6 +149,9 @@ class EventLoop(RunLoop):
         self._scratch: list[tuple[int, int]] = []
         #: the requests a decode run ended, with their finish times
         self._ended: list[tuple[Request, float, float]] = []
+        #: the requests whose remote prefill's KV arrived since the caller last took them
+        #: (:meth:`Engine.take_kv_arrived`: a decode server's, without ``[disaggregation]``)
+        self._kv_arrived: list[int] = []
 
     def step(self) -> StepEvents:
         """Handle the earliest event and return what became visible at its time."""
@@ -336,6 +339,8 @@ class EventLoop(RunLoop):
             held = self._handoffs.transfer_done(r, now)
             if held is not None:
                 self._release(held, now)
+        else:
+            self._kv_arrived.append(r.id)
         if not w.scheduled:
             w.scheduled = True
             self._calendar.file_boundary(w, now, BOUNDARY)

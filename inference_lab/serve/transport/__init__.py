@@ -23,6 +23,9 @@ request:
   warm-up, tests and benchmarks).
 - :class:`QuickReply` -- what an app's ``quick_answer`` returns for a request the
   connection answers itself, before the queue of work (``quick.py``: ``GET /health``).
+- :class:`SideChannel` -- the server's own JSON POSTs to a peer server
+  (``side_channel.py``: a decode server's claims on a prefill server's KV), with
+  :class:`PeerAnswer` and :class:`PeerUnavailable`.
 
 Rule 1: no module of the server outside this package imports hypercorn or h11, nor this
         package's modules (``tests/test_layers.py`` walks the imports).
@@ -52,12 +55,16 @@ from inference_lab.serve.transport.connection import (
 )
 from inference_lab.serve.transport.launch import serve
 from inference_lab.serve.transport.quick import QuickReply
+from inference_lab.serve.transport.side_channel import PeerAnswer, PeerUnavailable, SideChannel
 
 __all__ = [
     "ChunkWriter",
     "CloseWatch",
     "OneWrite",
+    "PeerAnswer",
+    "PeerUnavailable",
     "QuickReply",
+    "SideChannel",
     "chunk_writer",
     "close_watch",
     "connection_socket",

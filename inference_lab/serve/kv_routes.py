@@ -1,0 +1,177 @@
+"""The side-channel routes of prefill/decode hand-offs (``docs/disaggregation.md``, "In
+serve").
+
+- ``POST /kv_transfer/claim`` and ``POST /kv_transfer/release``, on a prefill server: a
+  decode server checks the KV a request's params name before it admits the request, and
+  says when it has pulled it (``serve/kv_holds.py``: this simulator's stand-in for
+  NIXL's side channel and notification). Raw ASGI routes (``KV_ROUTES``), as the
+  completion routes: they are on a request's critical path.
+- ``GET /kv_transfer/admission?model=NAME``, on any server: whether a request for the
+  model would be admitted now, answered as an admission refuses (200, 529 with
+  ``Retry-After``, 503), so a proxy can ask a decode server before a prefill is spent on
+  a request it would refuse. The connection answers it where it reads it, before the
+  queue of work (``transport.quick``, as ``GET /health``), for each served model's
+  target (:func:`admission_target`); the Quart route answers it everywhere else.
+
+Rule 1: the routes pass the gate like the API (the API key when the server has one);
+        bodies are read by the strict converter, unknown keys refused (400).
+Rule 2: on a server that is not of role ``prefill`` the claim and release routes answer 404
+        ``kv_not_found``: it holds no KV.
+Rule 3: the admission answer is the snapshot's verdict: a model whose engine is not running
+        or sleeps is a 503, one whose waiting places are all taken (``max_waiting`` > 0
+        and the places held reach it) a 529; it holds nothing and counts no refusal. With
+        one replica it is what an arrival at that instant would get; with several it
+        looks at the model's total, not the replica the router would pick.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import quote
+
+import trio
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from inference_lab.api.kv_transfer import ClaimBody, ReleaseBody
+from inference_lab.api.schema import parse_json_object, structure
+from inference_lab.errors import ApiError, EngineSleeping, EngineUnavailable, QueueFull
+from inference_lab.serve import gate
+from inference_lab.serve.agent_routes import request_body
+from inference_lab.serve.error_replies import (
+    Reply,
+    error_reply,
+    json_reply,
+    send_reply,
+    shutting_down_reply,
+)
+from inference_lab.serve.exchange import Exchange, Receive, Send
+from inference_lab.serve.kv_holds import KVHolds
+from inference_lab.serve.routes import to_response
+from inference_lab.serve.state import ServeState
+from inference_lab.serve.transport import QuickReply
+
+__all__ = [
+    "ADMISSION_PATH",
+    "KV_ROUTES",
+    "admission_reply",
+    "admission_target",
+    "quick_admission",
+    "register_kv_routes",
+]
+
+#: The admission probe's path (Rule 3).
+ADMISSION_PATH = "/kv_transfer/admission"
+
+
+def admission_target(model: str) -> str:
+    """The request target a proxy asks for ``model`` (its name percent-encoded, every
+    reserved character included): the one the connection answers itself."""
+    return f"{ADMISSION_PATH}?model={quote(model, safe='')}"
+
+
+def _holds(state: ServeState) -> KVHolds:
+    held = state.kv.holds
+    if held is None:
+        raise ApiError(
+            404,
+            "kv_not_found",
+            f"this server's role is {state.kv.role}: it holds no KV for decode servers "
+            "(inference-lab serve --role prefill does)",
+            "kv_transfer_params",
+        )
+    return held
+
+
+def _raw_route(
+    answer: Callable[[KVHolds, dict[str, Any]], dict[str, Any]],
+) -> Callable[[ServeState, Exchange, Receive, Send], Awaitable[None]]:
+    async def route(state: ServeState, exchange: Exchange, receive: Receive, send: Send) -> None:
+        body = await request_body(state, exchange, receive, send)
+        if body is None:
+            return
+        try:
+            reply = json_reply(answer(_holds(state), parse_json_object(body)))
+        except ApiError as exc:
+            reply = error_reply(exc)
+        with trio.CancelScope(shield=True):
+            await send_reply(send, reply, exchange.headers)
+
+    return route
+
+
+#: The raw ASGI routes (``POST``) of the side channel (``serve/asgi.py`` dispatches them).
+KV_ROUTES = {
+    "/kv_transfer/claim": _raw_route(
+        lambda holds, raw: holds.claim(structure(raw, ClaimBody, strict=True))
+    ),
+    "/kv_transfer/release": _raw_route(
+        lambda holds, raw: holds.release(structure(raw, ReleaseBody, strict=True))
+    ),
+}
+
+
+def admission_reply(state: ServeState, name: str | None) -> Reply:
+    """Rule 3: the answer to the admission probe for model ``name``."""
+    try:
+        if name is None:
+            raise ApiError(400, "invalid_value", "model is required", "model")
+        runtime = state.runtimes.get(name)
+        if runtime is None:
+            raise state.model_not_found(name)
+        snap = runtime.snapshot()
+        if not snap.alive:
+            raise EngineUnavailable(name)
+        if runtime.sleep_level:
+            raise EngineSleeping(name)
+        if snap.max_waiting and snap.depth >= snap.max_waiting:
+            raise QueueFull(name, snap.depth, snap.max_waiting, runtime.retry_after())
+    except (ApiError, EngineUnavailable, QueueFull) as exc:
+        return error_reply(exc, should_retry_header=state.settings.should_retry_header)
+    return json_reply(
+        {
+            "model": name,
+            "admits": True,
+            "waiting_places": snap.depth,
+            "max_waiting": snap.max_waiting,
+        }
+    )
+
+
+def quick_admission(
+    state: ServeState,
+    method: str,
+    target: str,
+    headers: list[tuple[bytes, bytes]],
+    client: tuple[str, int] | None,
+) -> QuickReply | None:
+    """The whole answer to an admission probe the connection offers (``GET`` of a served
+    model's :func:`admission_target`), gated as every request is; None for any other."""
+    path, _, query = target.partition("?")
+    if method != "GET" or path != ADMISSION_PATH:
+        return None
+    name = next((m for m in state.runtimes if admission_target(m) == target), None)
+    if name is None:
+        return None
+    scope: dict[str, Any] = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "query_string": query.encode("latin-1"),
+        "headers": headers,
+        "client": client,
+    }
+    exchange = Exchange(scope, trio.current_time())
+    gate.prepare(state, exchange)
+    refusal = shutting_down_reply() if state.draining else gate.check(state, exchange)
+    reply = refusal if refusal is not None else admission_reply(state, name)
+    return QuickReply(reply.status, reply.header_list(exchange.headers), reply.body)
+
+
+def register_kv_routes(app: QuartTrio, state: ServeState) -> None:
+    """The admission probe's Quart route (where the connection does not answer it)."""
+
+    @app.get(ADMISSION_PATH)
+    async def kv_admission() -> Response:
+        return to_response(admission_reply(state, request.args.get("model")))
