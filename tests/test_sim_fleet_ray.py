@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,10 @@ def _figures(r: ShardResult) -> dict[str, Any]:
 
 
 def test_shards_on_two_ray_nodes_merge_to_the_in_process_answer(ray_cluster: str) -> None:
-    """Four shards as Ray tasks over both nodes: each shard's result is the in-process
-    one (jobs are pure), at least two workers ran them, and the merge is identical."""
+    """Four shards as Ray tasks on the two-node cluster (both nodes' CPUs counted): each
+    shard's result is the in-process one (jobs are pure), run in a Ray worker process,
+    and the merge is identical. Which workers Ray picks is its own choice: shards of
+    50 ms may all land on the first worker free, so that is not asserted."""
     from inference_lab.executors.ray_backend import RayExecutor
 
     executor = RayExecutor(run_shard, ray_cluster)
@@ -81,7 +84,7 @@ def test_shards_on_two_ray_nodes_merge_to_the_in_process_answer(ray_cluster: str
         hosts.add(remote.timing.host)
         here = run_shard(jobs[key])
         assert _figures(remote) == _figures(here)
-    assert len(results) == 4 and len(hosts) >= 2
+    assert len(results) == 4 and os.getpid() not in {int(h.rsplit(":", 1)[1]) for h in hosts}
     inline = run_fleet(DEPLOYMENT, MIX, InlineExecutor(run_shard), shards=4)
     assert _answer(on_ray.to_dict()) == _answer(inline.to_dict())
     assert on_ray.summary.requests_completed == MIX.num_requests
