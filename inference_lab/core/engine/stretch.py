@@ -85,10 +85,12 @@ def decode_stretch(
     rows = vec.decoding
     g = vec.g
     sums = vec.decode_step_sums()
-    #: per class, what one more count adds to its sum (a window's: its unsaturated rows)
-    incs = [rows if w <= 0 else vec.unsat[j] for j, w in enumerate(windows)]
+    #: per class, what one more count adds to its sum (a window's: its unsaturated rows),
+    #: and the window classes; made at the first pure boundary (most stretches of a
+    #: heavily loaded worker are one step long)
+    incs: list[int] = []
+    windowed: list[tuple[int, dict[int, int], int]] = []
     classes = range(len(windows))
-    windowed = [(j, vec.sat_cal[j], w) for j, w in enumerate(windows) if w > 0]
     pool = worker.pool
     total = worker.total_blocks
     usage = (total - pool.free) / total
@@ -112,6 +114,9 @@ def decode_stretch(
         if now >= limit or g + 1 in finish_cal:
             break
         boundary = now  # a pure decode step's end: a token each, nothing finishes
+        if not boundaries:
+            incs = [rows if w <= 0 else vec.unsat[j] for j, w in enumerate(windows)]
+            windowed = [(j, vec.sat_cal[j], w) for j, w in enumerate(windows) if w > 0]
         boundaries += 1
         g += 1
         for j in classes:
