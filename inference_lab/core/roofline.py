@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import array
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -51,12 +51,10 @@ from inference_lab.core.config import (
     MLALayer,
     WeightStream,
 )
+from inference_lab.core.decode_pricing import DecodeConstants, DecodePricer, decode_price_function
 from inference_lab.core.step_table import StepTable
 
 IntArray = np.ndarray[Any, np.dtype[np.int64]]
-#: :meth:`Roofline.decode_pricer`'s function: per-class sums -> (seconds, roofline,
-#: compute, memory)
-DecodePricer = Callable[[Sequence[int]], tuple[float, float, float, float]]
 
 
 @attrs.frozen
@@ -553,8 +551,10 @@ class Roofline:
         ``BatchTerms(rows, rows, [[t, t] for t in sums])``, to the bit -- its constants
         taken once, for a run of such steps (the engine's decode runs). None where the
         price is not :meth:`_plain_price`'s (a step table, MLA classes, data-parallel
-        attention) or for no rows."""
-        if not self._plain or rows <= 0:
+        attention), where the price has a per-sequence overhead (``[overheads]
+        seq_overhead``: those steps are priced one by one, by :meth:`_plain_price`) or for
+        no rows."""
+        if not self._plain or rows <= 0 or self._seq_overhead:
             return None
         fixed = self._plain_by_tokens.get(rows)
         if fixed is None:
@@ -565,31 +565,25 @@ class Roofline:
             compute0 += tc
             memory0 += tm
             roof0 += tc if tc > tm else tm
-        tail = collective + self._overhead
-        state = self._state_bytes * rows
-        coefs = list(self._coefs)
-        attn_rate, bw = self._attn_rate, self.bandwidth
-        alpha, beta, eta_f, eta_b = self.alpha, self.beta, self._eta_flops, self._eta_bw
-
-        def decode_price(sums: Sequence[int]) -> tuple[float, float, float, float]:
-            fa, ma = fa0, ma0
-            for (attn_coef, kv_coef), total in zip(coefs, sums, strict=True):
-                fa += attn_coef * float(total)
-                ma += kv_coef * float(total)
-            ma += state
-            tc = fa / attn_rate
-            tm = ma / bw
-            compute = compute0 + tc
-            memory = memory0 + tm
-            roof = roof0 + (tc if tc > tm else tm)
-            for tc, tm in after:
-                compute += tc
-                memory += tm
-                roof += tc if tc > tm else tm
-            roof += tail
-            return alpha * roof + beta, roof, compute * eta_f, memory * eta_b
-
-        return decode_price
+        return decode_price_function(
+            DecodeConstants(
+                fa0=fa0,
+                ma0=ma0,
+                coefs=tuple(self._coefs),
+                state=self._state_bytes * rows,
+                attn_rate=self._attn_rate,
+                bandwidth=self.bandwidth,
+                compute0=compute0,
+                memory0=memory0,
+                roof0=roof0,
+                after=tuple(after),
+                tail=collective + self._overhead,
+                alpha=self.alpha,
+                beta=self.beta,
+                eta_flops=self._eta_flops,
+                eta_bw=self._eta_bw,
+            )
+        )
 
     def _plain_terms(
         self, tokens: int

@@ -40,14 +40,16 @@ from typing import Any
 import attrs
 
 from inference_lab.core.builders import frozen_builder
+from inference_lab.core.decode_pricing import DecodePricer
 from inference_lab.core.engine.block_pool import BlockPool
 from inference_lab.core.engine.kv_cache_manager import KVCacheManager
 from inference_lab.core.engine.outputs import StepLog
 from inference_lab.core.engine.request import Request, complete_members
 from inference_lab.core.engine.running_rows import PlainRequest, RunningRows
 from inference_lab.core.engine.scheduler_output import Batch, SchedulerOutput, scheduler_output
+from inference_lab.core.engine.stretch import decode_stretch
 from inference_lab.core.engine.wait_queue import WaitQueue
-from inference_lab.core.roofline import BatchTerms, DecodePricer, Roofline, StepCost
+from inference_lab.core.roofline import BatchTerms, Roofline, StepCost
 
 __all__ = ["FAST_PATH_MIN", "DecodeRun", "FastBatch", "FastPath"]
 
@@ -146,7 +148,7 @@ class FastPath:
             self.devectorise()
         return None
 
-    def _grow_due(
+    def grow_due(
         self, vec: RunningRows, g: int
     ) -> tuple[list[tuple[PlainRequest, int]] | None, list[int] | None, int]:
         """The decoding rows whose next position needs a block when the decode counter is
@@ -184,7 +186,7 @@ class FastPath:
             vec = self.vec = RunningRows(running, rf.room_for, windows=rf.window_classes())
         decoding = vec.decoding
         budget = self.budget
-        due, wants, need = self._grow_due(vec, vec.g)
+        due, wants, need = self.grow_due(vec, vec.g)
         # the rows that do not decode: their positions and contexts, then admissions'
         rest_rows = running[decoding:k]
         rest_n: list[int] = []
@@ -217,7 +219,7 @@ class FastPath:
         for (r, _), w in zip(grown, wanted, strict=True):
             kv.grow_to(r, w)
         if due is not None:
-            self._grow_decoding(vec, due, wants)
+            self.grow_decoding(vec, due, wants)
         vec.rest_n = rest_n
         vec.step_decoding = decoding
         self.step_gamma = 0
@@ -225,7 +227,7 @@ class FastPath:
         mark = self.step_id
         return self._admit_into_whole(now, mark, budget - total, vec, rest_c)
 
-    def _grow_decoding(
+    def grow_decoding(
         self, vec: RunningRows, due: list[tuple[PlainRequest, int]], wants: list[int] | None
     ) -> None:
         """The decoding rows ``due`` take the blocks their next position needs (``wants``
@@ -390,7 +392,6 @@ class FastPath:
         least = FAST_PATH_MIN // 2
         #: the sliding-window classes' saturation calendars, by class index
         windowed = [(j, cal) for j, cal in enumerate(vec.sat_cal) if vec.windows[j] > 0]
-        classes = list(enumerate(vec.windows))
         boundaries = started = 0
         start = self.step_start  # (of the step in flight: the first boundary ends it)
         boundary = now
@@ -418,31 +419,27 @@ class FastPath:
                 return self._settle(vec, boundaries, started, start, now, boundary, True)
             g = vec.g
             if g in grow_cal:
-                due, wants, need = self._grow_due(vec, g)
+                due, wants, need = self.grow_due(vec, g)
                 if need > pool.free:
                     return self._settle(vec, boundaries, started, start, now, boundary, True)
                 assert due is not None
-                self._grow_decoding(vec, due, wants)
+                self.grow_decoding(vec, due, wants)
             if rows != priced_rows:
                 pricer = None if mla else self._decode_pricer(rows)
                 priced_rows = rows
                 vec.step_decoding = rows
-            if pricer is not None:  # (RunningRows.decode_step_sums, inline)
-                sums = [
-                    vec.base_sum + rows * g + rows
-                    if window <= 0
-                    else vec.sat[j] * (window - 1) + vec.unsat_sum[j] + vec.unsat[j] * g + rows
-                    for j, window in classes
-                ]
-                seconds, roof, compute, memory = pricer(sums)
-            else:
-                cost = price(self._decode_terms(vec, mla))
-                seconds, roof, compute, memory = (
-                    cost.seconds,
-                    cost.roofline,
-                    cost.compute,
-                    cost.memory,
-                )
+            if pricer is not None:  # this step and the pure ones after it, in one loop
+                run = decode_stretch(self, vec, pricer, now, limit, factor, log)
+                started += run.started
+                boundaries += run.boundaries
+                start, now = run.start, run.end
+                if run.boundaries:
+                    boundary = run.boundary
+                if run.short:
+                    return self._settle(vec, boundaries, started, start, now, boundary, True)
+                continue
+            cost = price(self._decode_terms(vec, mla))  # (MLA: a step at a time)
+            seconds, roof, compute, memory = cost.seconds, cost.roofline, cost.compute, cost.memory
             start = now
             duration = seconds * factor
             now = now + duration

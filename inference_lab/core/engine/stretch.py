@@ -1,0 +1,142 @@
+"""A stretch of pure decode steps: the inner loop of a decode run (fast path Rule 4).
+
+Between two boundaries that change a worker's batch -- a request finishing, an arrival
+(the run's limit), a KV block the pool cannot give -- every step is a pure decode step of
+the same rows: each adds one position to every row, so each window class's attention
+sum grows by a known integer per step. :func:`decode_stretch` starts those steps one
+after another with nothing but the sums, the price and the calendar lookups between them.
+
+Rule 1: the stretch starts the same steps, in the same order, with the same figures, as
+        the decode run's loop one boundary at a time (``FastPath.decode_run``; compared to
+        the bit by ``tests/test_engine_runs.py`` and ``tests/test_engine_stretch.py``): the
+        sums move on by integers (a full-attention class by the row count, a sliding
+        window class by its unsaturated rows before the saturations at the new count),
+        which are exact, and each step's price, duration, end time and busy time come
+        from the same floating-point operations in the same order.
+Rule 2: a boundary inside a stretch ends a pure decode step (no row finishes there) and
+        changes nothing but the decode counter, the window saturations and the KV blocks
+        the rows grow into; so the run's conditions checked at its first step (nothing
+        waiting, the rows all decoding, the budget) hold throughout. The stretch stops
+        after a step that ends at or past ``limit``, after one whose end finishes a row,
+        and at a boundary whose new blocks the pool cannot give (``short``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+from inference_lab.core.decode_pricing import DecodePricer
+from inference_lab.core.engine.block_pool import BlockPool
+from inference_lab.core.engine.outputs import StepLog
+from inference_lab.core.engine.running_rows import PlainRequest, RunningRows
+
+__all__ = ["DecodingWorker", "Stretch", "decode_stretch"]
+
+
+class DecodingWorker(Protocol):
+    """What a stretch uses of its worker (the scheduler's fast path half, ``FastPath``):
+    its block pool and total, its busy time, and the growth of the decoding rows."""
+
+    pool: BlockPool
+    total_blocks: int
+    busy_seconds: float
+
+    def grow_due(
+        self, vec: RunningRows, g: int
+    ) -> tuple[list[tuple[PlainRequest, int]] | None, list[int] | None, int]: ...
+
+    def grow_decoding(
+        self, vec: RunningRows, due: list[tuple[PlainRequest, int]], wants: list[int] | None
+    ) -> None: ...
+
+
+class Stretch(NamedTuple):
+    """What :func:`decode_stretch` did: the steps it started, the boundaries it handled
+    after the first step (each ended a step of the stretch), the start and end time of
+    its last step, the time of its last boundary (``boundary``, the caller's when it
+    handled none) and whether it stopped at a boundary whose blocks were short."""
+
+    started: int
+    boundaries: int
+    start: float
+    end: float
+    boundary: float
+    short: bool
+
+
+def decode_stretch(
+    worker: DecodingWorker,
+    vec: RunningRows,
+    pricer: DecodePricer,
+    now: float,
+    limit: float,
+    factor: float,
+    log: StepLog,
+) -> Stretch:
+    """Start the pure decode step of ``vec``'s rows due at ``now`` (its blocks taken
+    already) and those after it while each one's start is earlier than ``limit`` and
+    the boundary before it is pure (Rule 2), their figures appended to ``log`` and
+    their durations (``pricer``'s seconds x ``factor``) added to the worker's busy time.
+    Called by ``FastPath.decode_run`` only; leaves ``vec.g`` at the count of the step in
+    flight (or of the short boundary)."""
+    finish_cal = vec.finish_cal
+    grow_cal = vec.grow_cal
+    windows = vec.windows
+    rows = vec.decoding
+    g = vec.g
+    sums = vec.decode_step_sums()
+    #: per class, what one more count adds to its sum (a window's: its unsaturated rows),
+    #: and the window classes; made at the first pure boundary (most stretches of a
+    #: heavily loaded worker are one step long)
+    incs: list[int] = []
+    windowed: list[tuple[int, dict[int, int], int]] = []
+    classes = range(len(windows))
+    pool = worker.pool
+    total = worker.total_blocks
+    usage = (total - pool.free) / total
+    kv_log, flop_log, bw_log = log.kv_usage.append, log.flop_util.append, log.bw_util.append
+    busy = worker.busy_seconds
+    started = boundaries = 0
+    boundary = start = now
+    short = False
+    while True:
+        seconds, roof, compute, memory = pricer(sums)
+        start = now
+        duration = seconds * factor
+        now = now + duration
+        busy += duration
+        if roof <= 0:
+            roof = 1.0
+        kv_log(usage)
+        flop_log(compute / roof)
+        bw_log(memory / roof)
+        started += 1
+        if now >= limit or g + 1 in finish_cal:
+            break
+        boundary = now  # a pure decode step's end: a token each, nothing finishes
+        if not boundaries:
+            incs = [rows if w <= 0 else vec.unsat[j] for j, w in enumerate(windows)]
+            windowed = [(j, vec.sat_cal[j], w) for j, w in enumerate(windows) if w > 0]
+        boundaries += 1
+        g += 1
+        for j in classes:
+            sums[j] += incs[j]
+        for j, cal, w in windowed:
+            count = cal.pop(g, 0) if cal else 0
+            if count:
+                vec.sat[j] += count
+                vec.unsat[j] -= count
+                vec.unsat_sum[j] -= count * (w - 1 - g)
+                incs[j] -= count
+        if g in grow_cal:
+            vec.g = g
+            due, wants, need = worker.grow_due(vec, g)
+            if need > pool.free:
+                short = True
+                break
+            assert due is not None
+            worker.grow_decoding(vec, due, wants)
+            usage = (total - pool.free) / total
+    vec.g = g
+    worker.busy_seconds = busy
+    return Stretch(started, boundaries, start, now, boundary, short)
