@@ -65,6 +65,8 @@ def _reference(k: DecodeConstants, sums: list[int]) -> tuple[float, float, float
         memory += m
         roof += c if c > m else m
     roof += k.tail
+    if k.seq:
+        roof += k.seq
     return k.alpha * roof + k.beta, roof, compute * k.eta_flops, memory * k.eta_bw
 
 
@@ -88,6 +90,7 @@ def test_every_form_of_the_pricer_keeps_the_order(classes: int, streams: int) ->
             roof0=rnd.choice([0.0, u(0, 1e-3)]),
             after=tuple((u(0, 1e-3), u(0, 1e-3)) for _ in range(streams)),
             tail=u(0, 1e-4),
+            seq=rnd.choice([0.0, u(0, 1e-2)]),
             alpha=u(0.5, 1.5),
             beta=u(0, 1e-4),
             eta_flops=u(0.5, 1.0),
@@ -163,14 +166,20 @@ def test_a_stretch_takes_most_steps_at_60_per_second(monkeypatch: pytest.MonkeyP
 
 def test_a_per_sequence_overhead_is_priced_in_decode_runs_too() -> None:
     """A calibrated entry with ``[overheads] seq_overhead`` (gpt-oss-20b on ``h100-vllm``):
-    no decode pricer (its closed form has no per-sequence term), so a run's steps are
-    priced one by one with it, and ``run_until`` gives what ``step()`` gives. Each step
-    costs ``seq_overhead`` per sequence more than the same entry without it."""
+    the decode pricer adds it per row as ``Roofline.price`` does, to the bit, and
+    ``run_until`` gives what ``step()`` gives. Each step costs ``seq_overhead`` per
+    sequence more than the same entry without it."""
     dep = load_deployment(ROOT / "configs" / "gpt-oss-20b.toml", "h100-vllm")
     seq = dep.overheads.seq_overhead
     assert seq > 0
     rf = Roofline(dep)
-    assert rf.decode_pricer(8) is None
+    rnd = random.Random(5)
+    for rows in (1, 8, 64):
+        pricer = rf.decode_pricer(rows)
+        assert pricer is not None
+        sums = [rnd.randint(rows, rows * 20_000) for _ in rf.window_classes()]
+        cost = rf.price(BatchTerms(rows, rows, [[t, t] for t in sums], []))
+        assert pricer(sums) == (cost.seconds, cost.roofline, cost.compute, cost.memory)
     specs = _specs(300, 5, rate=20.0, prompt_mu=6.9, output_mu=5.3)
     _same(_drive(dep, specs, 5, runs=False), _drive(dep, specs, 5, runs=True))
     plain = Roofline(attrs.evolve(dep, hardware=attrs.evolve(dep.hardware, overheads=Overheads())))

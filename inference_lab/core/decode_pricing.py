@@ -34,7 +34,9 @@ class DecodeConstants:
     unit of its sum (``coefs``), the recurrent state's bytes, attention's rate and the
     bandwidth, the streams before attention's summed (``compute0``, ``memory0``,
     ``roof0``), each stream after it (compute and memory seconds), the collectives and
-    overhead (``tail``), the time correction (``alpha``, ``beta``) and the efficiencies."""
+    overhead (``tail``), the rows' per-sequence overhead (``seq``: ``[overheads]
+    seq_overhead`` x rows, added last as ``_plain_price`` adds it), the time correction
+    (``alpha``, ``beta``) and the efficiencies."""
 
     fa0: float
     ma0: float
@@ -47,6 +49,7 @@ class DecodeConstants:
     roof0: float
     after: tuple[tuple[float, float], ...]
     tail: float
+    seq: float
     alpha: float
     beta: float
     eta_flops: float
@@ -72,7 +75,8 @@ def _general(k: DecodeConstants) -> DecodePricer:
         k.roof0,
     )
     after = [(tc, tm, tc if tc > tm else tm) for tc, tm in k.after]
-    tail, alpha, beta, eta_f, eta_b = k.tail, k.alpha, k.beta, k.eta_flops, k.eta_bw
+    tail, seq, alpha, beta = k.tail, k.seq, k.alpha, k.beta
+    eta_f, eta_b = k.eta_flops, k.eta_bw
 
     def decode_price(sums: Sequence[int]) -> tuple[float, float, float, float]:
         fa, ma = fa0, ma0
@@ -90,6 +94,8 @@ def _general(k: DecodeConstants) -> DecodePricer:
             memory += tm
             roof += most
         roof += tail
+        if seq:
+            roof += seq
         return alpha * roof + beta, roof, compute * eta_f, memory * eta_b
 
     return decode_price
@@ -108,14 +114,15 @@ def _unrolled(k: DecodeConstants) -> DecodePricer:
     )
     ((c_after, m_after),) = k.after or ((0.0, 0.0),)
     most_after = c_after if c_after > m_after else m_after
-    tail, alpha, beta, eta_f, eta_b = k.tail, k.alpha, k.beta, k.eta_flops, k.eta_bw
+    tail, seq, alpha, beta = k.tail, k.seq, k.alpha, k.beta
+    eta_f, eta_b = k.eta_flops, k.eta_bw
     (a0, k0) = k.coefs[0]
 
     def price_one(sums: Sequence[int]) -> tuple[float, float, float, float]:
         s0 = float(sums[0])
         tc = (fa0 + a0 * s0) / attn_rate
         tm = (ma0 + k0 * s0 + state) / bw
-        roof = roof0 + (tc if tc > tm else tm) + most_after + tail
+        roof = roof0 + (tc if tc > tm else tm) + most_after + tail + seq
         return (
             alpha * roof + beta,
             roof,
@@ -132,7 +139,7 @@ def _unrolled(k: DecodeConstants) -> DecodePricer:
         s1 = float(sums[1])
         tc = (fa0 + a0 * s0 + a1 * s1) / attn_rate
         tm = (ma0 + k0 * s0 + k1 * s1 + state) / bw
-        roof = roof0 + (tc if tc > tm else tm) + most_after + tail
+        roof = roof0 + (tc if tc > tm else tm) + most_after + tail + seq
         return (
             alpha * roof + beta,
             roof,

@@ -551,10 +551,8 @@ class Roofline:
         ``BatchTerms(rows, rows, [[t, t] for t in sums])``, to the bit -- its constants
         taken once, for a run of such steps (the engine's decode runs). None where the
         price is not :meth:`_plain_price`'s (a step table, MLA classes, data-parallel
-        attention), where the price has a per-sequence overhead (``[overheads]
-        seq_overhead``: those steps are priced one by one, by :meth:`_plain_price`) or for
-        no rows."""
-        if not self._plain or rows <= 0 or self._seq_overhead:
+        attention) or for no rows."""
+        if not self._plain or rows <= 0:
             return None
         fixed = self._plain_by_tokens.get(rows)
         if fixed is None:
@@ -578,6 +576,7 @@ class Roofline:
                 roof0=roof0,
                 after=tuple(after),
                 tail=collective + self._overhead,
+                seq=self._seq_overhead * rows,
                 alpha=self.alpha,
                 beta=self.beta,
                 eta_flops=self._eta_flops,
