@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -36,6 +36,7 @@ __all__ = [
     "parse_chat_agent",
     "parse_effort",
     "parse_function_tool",
+    "parse_tool_array",
     "parse_tool_choice",
 ]
 
@@ -138,6 +139,31 @@ def parse_function_tool(
     return FunctionTool(
         name=name, parameters=parameters, param=params_param, words=frozenset(words)
     )
+
+
+def parse_tool_array(
+    value: Any, one: Callable[[dict[str, Any], str], tuple[FunctionTool, dict[str, Any]]]
+) -> tuple[tuple[FunctionTool, ...], list[dict[str, Any]]]:
+    """A Responses or Messages body's ``tools`` (None: none): an array of objects, each
+    parsed by ``one(tool, "tools[i]")`` into a function tool and its ``function`` object
+    for the chat template; two tools may not share a name."""
+    if value is None:
+        return (), []
+    if type(value) is not list:
+        raise invalid_value("tools", "tools must be an array of tools")
+    check_depth(value, "tools")
+    tools: list[FunctionTool] = []
+    chat: list[dict[str, Any]] = []
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        if type(tool) is not dict:
+            raise invalid_value(where, f"{where} must be a tool object")
+        parsed, function = one(tool, where)
+        if any(t.name == parsed.name for t in tools):
+            raise invalid_value(f"{where}.name", f"two tools are named {parsed.name!r}")
+        tools.append(parsed)
+        chat.append({"type": "function", "function": function})
+    return tuple(tools), chat
 
 
 def _chat_tools(raw: Mapping[str, Any]) -> tuple[FunctionTool, ...]:

@@ -37,6 +37,7 @@ from inference_lab.api.agent_request import (
     FunctionTool,
     ToolChoice,
     parse_function_tool,
+    parse_tool_array,
 )
 from inference_lab.api.hashing import PromptHashing, hash_chat
 from inference_lab.api.requests import BYTE_TOKENIZER, ParsedRequest
@@ -236,44 +237,33 @@ def _conversation(raw: Mapping[str, Any]) -> list[ChatMessage]:
 
 def _tools(value: Any) -> tuple[tuple[FunctionTool, ...], list[dict[str, Any]]]:
     """Custom tools as function tools, and the same in chat form for the chat template."""
-    if value is None:
-        return (), []
-    if type(value) is not list:
-        raise invalid_value("tools", "tools must be an array of tools")
-    check_depth(value, "tools")
-    tools: list[FunctionTool] = []
-    chat: list[dict[str, Any]] = []
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        if type(tool) is not dict:
-            raise invalid_value(where, f"{where} must be a tool object")
-        kind = tool.get("type", "custom")
-        if kind != "custom":
-            raise _unsupported(
-                f"{where}.type",
-                f"{where}.type: only custom tools are supported (name, description, "
-                f"input_schema), got {_short(kind)}",
-            )
-        if type(tool.get("input_schema")) is not dict:
-            raise invalid_value(
-                f"{where}.input_schema", f"{where}.input_schema must be a JSON Schema object"
-            )
-        parsed = parse_function_tool(
-            tool.get("name"),
-            tool.get("input_schema"),
-            where,
-            name_param=f"{where}.name",
-            params_param=f"{where}.input_schema",
-            description=tool.get("description"),
+    return parse_tool_array(value, _custom_tool)
+
+
+def _custom_tool(tool: dict[str, Any], where: str) -> tuple[FunctionTool, dict[str, Any]]:
+    kind = tool.get("type", "custom")
+    if kind != "custom":
+        raise _unsupported(
+            f"{where}.type",
+            f"{where}.type: only custom tools are supported (name, description, "
+            f"input_schema), got {_short(kind)}",
         )
-        if any(t.name == parsed.name for t in tools):
-            raise invalid_value(f"{where}.name", f"two tools are named {parsed.name!r}")
-        tools.append(parsed)
-        function = {"name": parsed.name, "parameters": tool["input_schema"]}
-        if type(tool.get("description")) is str:
-            function["description"] = tool["description"]
-        chat.append({"type": "function", "function": function})
-    return tuple(tools), chat
+    if type(tool.get("input_schema")) is not dict:
+        raise invalid_value(
+            f"{where}.input_schema", f"{where}.input_schema must be a JSON Schema object"
+        )
+    parsed = parse_function_tool(
+        tool.get("name"),
+        tool.get("input_schema"),
+        where,
+        name_param=f"{where}.name",
+        params_param=f"{where}.input_schema",
+        description=tool.get("description"),
+    )
+    function = {"name": parsed.name, "parameters": tool["input_schema"]}
+    if type(tool.get("description")) is str:
+        function["description"] = tool["description"]
+    return parsed, function
 
 
 def _tool_choice(value: Any, tools: Sequence[FunctionTool]) -> tuple[ToolChoice, str | None, bool]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 
+from inference_lab.api.agent_request import parse_tool_array
 from inference_lab.api.agents import (
     AgentRequest,
     FunctionTool,
@@ -135,38 +136,26 @@ def _input_messages(value: Any) -> list[ChatMessage]:
 
 def _tools(value: Any) -> tuple[tuple[FunctionTool, ...], list[dict[str, Any]]]:
     """The function tools, and the same in chat form for the chat template."""
-    if value is None:
-        return (), []
-    if type(value) is not list:
-        raise invalid_value("tools", "tools must be an array of tools")
-    check_depth(value, "tools")
-    tools: list[FunctionTool] = []
-    chat: list[dict[str, Any]] = []
-    for i, tool in enumerate(value):
-        where = f"tools[{i}]"
-        if type(tool) is not dict:
-            raise invalid_value(where, f"{where} must be a tool object")
-        if tool.get("type") != "function":
-            raise ApiError(
-                400,
-                "unsupported_value",
-                f"{where}.type: only function tools are supported, got {_short(tool.get('type'))}",
-                f"{where}.type",
-            )
-        parsed = parse_function_tool(
-            tool.get("name"),
-            tool.get("parameters"),
-            where,
-            name_param=f"{where}.name",
-            params_param=f"{where}.parameters",
-            description=tool.get("description"),
+    return parse_tool_array(value, _function_tool)
+
+
+def _function_tool(tool: dict[str, Any], where: str) -> tuple[FunctionTool, dict[str, Any]]:
+    if tool.get("type") != "function":
+        raise ApiError(
+            400,
+            "unsupported_value",
+            f"{where}.type: only function tools are supported, got {_short(tool.get('type'))}",
+            f"{where}.type",
         )
-        if any(t.name == parsed.name for t in tools):
-            raise invalid_value(f"{where}.name", f"two tools are named {parsed.name!r}")
-        tools.append(parsed)
-        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-        chat.append({"type": "function", "function": function})
-    return tuple(tools), chat
+    parsed = parse_function_tool(
+        tool.get("name"),
+        tool.get("parameters"),
+        where,
+        name_param=f"{where}.name",
+        params_param=f"{where}.parameters",
+        description=tool.get("description"),
+    )
+    return parsed, {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
 
 
 def _text_format(value: Any) -> tuple[StructuredOutput | None, dict[str, Any]]:
