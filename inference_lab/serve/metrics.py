@@ -71,6 +71,12 @@ from prometheus_client.utils import floatToGoString
 from inference_lab.core.engine import EngineStatistics, Finished, StepEvents
 from inference_lab.runtime.model_runtime import ModelRuntime, RuntimeSnapshot
 from inference_lab.serve.engine_series import SLEEP_STATES, EngineSeries, engine_families
+from inference_lab.serve.feature_metrics import (
+    MODEL_LABEL,
+    prefix_cache_families,
+    speculative_families,
+    tier_families,
+)
 from inference_lab.serve.lora import lora_info_family
 
 __all__ = [
@@ -135,7 +141,7 @@ LAG_BUCKETS = (
 
 Reason = Literal["queue_saturated", "engine_unavailable", "engine_sleeping"]
 REJECT_REASONS: tuple[Reason, ...] = ("queue_saturated", "engine_unavailable", "engine_sleeping")
-_LABEL = ["model_name"]
+_LABEL = MODEL_LABEL
 #: Finished requests kept for the dashboard's latency window (``serve/dashboard.py``).
 RECENT_FINISHED = 8192
 
@@ -358,9 +364,9 @@ class _Collector:
             [snap.depth for _, _, snap, _ in rows],
         )
         yield from engine_families([(name, m.engines) for name, m, _, _ in rows])
-        yield from _prefix_cache_families(rows)
-        yield from _tier_families(rows)
-        yield from _speculative_families(rows)
+        yield from prefix_cache_families(rows)
+        yield from tier_families(rows)
+        yield from speculative_families(rows)
         yield from lora_info_family(m.runtime for _, m, _, _ in rows)
         rejected = CounterMetricFamily(
             "inference_lab:requests_rejected",
@@ -394,151 +400,6 @@ class _Collector:
         )
         for extra in self.metrics.extra:
             yield from extra()
-
-
-def _prefix_cache_families(
-    rows: list[tuple[str, ModelMetrics, RuntimeSnapshot, EngineStatistics | None]],
-) -> Iterator[Metric]:
-    """Rule 6: the prefix-cache counters and the cache's configuration, per replica."""
-    labels = [*_LABEL, "engine"]
-    queries = CounterMetricFamily(
-        "vllm:prefix_cache_queries",
-        "Prefix cache queries, in terms of number of queried tokens.",
-        labels=labels,
-    )
-    hits = CounterMetricFamily(
-        "vllm:prefix_cache_hits",
-        "Prefix cache hits, in terms of number of cached tokens.",
-        labels=labels,
-    )
-    info_labels = [
-        *labels,
-        "block_size",
-        "num_gpu_blocks",
-        "enable_prefix_caching",
-        "gpu_memory_utilization",
-    ]
-    info = GaugeMetricFamily(
-        "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=info_labels
-    )
-    for name, m, _, _ in rows:
-        # the engine's counters, alive or not (Rule 4: counters keep their values)
-        stats = m.runtime.engine.statistics()
-        sched = m.runtime.deployment.scheduler
-        for engine, w in enumerate(stats.workers):
-            queries.add_metric([name, str(engine)], w.prefix_cache_queries)
-            hits.add_metric([name, str(engine)], w.prefix_cache_hits)
-            info.add_metric(
-                [
-                    name,
-                    str(engine),
-                    str(sched.block_size),
-                    str(w.kv_total_blocks),
-                    str(sched.enable_prefix_caching),
-                    str(sched.gpu_memory_utilization),
-                ],
-                1.0,
-            )
-    yield queries
-    yield hits
-    yield info
-
-
-def _tier_families(
-    rows: list[tuple[str, ModelMetrics, RuntimeSnapshot, EngineStatistics | None]],
-) -> Iterator[Metric]:
-    """Rule 6: the KV tiers behind HBM (docs/kv-tiers.md), per replica, for the models
-    that have them: vLLM's external prefix-cache and offload counters, and the tiers' own
-    gauges."""
-    labels = [*_LABEL, "engine"]
-    tiered = [
-        (name, m) for name, m, _, _ in rows if m.runtime.deployment.scheduler.kv_offloading_size
-    ]
-    if not tiered:
-        return
-    queries = CounterMetricFamily(
-        "vllm:external_prefix_cache_queries",
-        "External prefix cache queries from KV connector cross-instance cache sharing, in "
-        "terms of number of queried tokens.",
-        labels=labels,
-    )
-    hits = CounterMetricFamily(
-        "vllm:external_prefix_cache_hits",
-        "External prefix cache hits from KV connector cross-instance cache sharing, in terms "
-        "of number of cached tokens.",
-        labels=labels,
-    )
-    moved = CounterMetricFamily(
-        "vllm:kv_offload_total_bytes",
-        "Bytes moved between HBM and the offloading tiers.",
-        labels=[*labels, "transfer_type"],
-    )
-    took = CounterMetricFamily(
-        "vllm:kv_offload_total_time",
-        "Seconds spent loading KV blocks from the offloading tiers.",
-        labels=[*labels, "transfer_type"],
-    )
-    held = GaugeMetricFamily(
-        "inference_lab:kv_tier_blocks",
-        "KV blocks held in a tier behind HBM.",
-        labels=[*labels, "tier"],
-    )
-    recomputed = CounterMetricFamily(
-        "inference_lab:kv_tier_recomputed_tokens",
-        "Prompt tokens found in a tier but computed, because computing them was cheaper.",
-        labels=labels,
-    )
-    for name, m in tiered:
-        dep = m.runtime.deployment
-        for engine, w in enumerate(m.runtime.engine.statistics().workers):
-            t = w.tiers
-            if t is None:
-                continue
-            key = [name, str(engine)]
-            queries.add_metric(key, w.prefix_cache_queries - w.prefix_cache_hits)
-            hits.add_metric(key, t.host_hit_tokens + t.disk_hit_tokens)
-            stored = (t.host_stores + t.disk_stores) * dep.block_bytes
-            moved.add_metric([*key, "GPU_to_CPU"], stored)
-            moved.add_metric([*key, "CPU_to_GPU"], t.fetch_bytes)
-            took.add_metric([*key, "CPU_to_GPU"], t.fetch_seconds)
-            held.add_metric([*key, "host"], t.host_blocks)
-            held.add_metric([*key, "disk"], t.disk_blocks)
-            recomputed.add_metric(key, t.recomputed_tokens)
-    yield from (queries, hits, moved, took, held, recomputed)
-
-
-def _speculative_families(
-    rows: list[tuple[str, ModelMetrics, RuntimeSnapshot, EngineStatistics | None]],
-) -> Iterator[Metric]:
-    """Rule 7: vLLM's speculative-decoding counters, for the models that speculate."""
-    spec = [(name, m, m.spec) for name, m, _, _ in rows if m.spec is not None]
-    if not spec:
-        return
-    labels = [*_LABEL, "engine"]
-    families = [
-        CounterMetricFamily(
-            "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", labels=labels
-        ),
-        CounterMetricFamily(
-            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", labels=labels
-        ),
-        CounterMetricFamily(
-            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels=labels
-        ),
-    ]
-    per_pos = CounterMetricFamily(
-        "vllm:spec_decode_num_accepted_tokens_per_pos",
-        "Accepted tokens per draft position.",
-        labels=[*labels, "position"],
-    )
-    for name, m, counts in spec:
-        for engine, row in counts.items():
-            for i, family in enumerate(families):
-                family.add_metric([name, str(engine)], row[i])
-            for j in range(m.spec_positions):
-                per_pos.add_metric([name, str(engine), str(j)], row[3 + j])
-    yield from families
-    yield per_pos
 
 
 def _offset_engines(family: Metric, offsets: Mapping[str, int]) -> None:
