@@ -19,7 +19,7 @@ import trio.testing
 
 from inference_lab.serve.app import SAMPLER_KEY
 from inference_lab.serve.dashboard import LATENCY_WINDOW, RING_SAMPLES, SAMPLE_INTERVAL, Sampler
-from inference_lab.serve.settings import settings_from_env
+from inference_lab.serve.settings_env import settings_from_env
 from tests.conftest import GPT, LLAMA, Served, ServeFactory, Stream, chat_body, make_settings
 
 TOKEN = "s3cret-token"

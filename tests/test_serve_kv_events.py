@@ -29,7 +29,7 @@ from inference_lab.serve.kv_events import (
     offset_endpoint,
 )
 from inference_lab.serve.kv_wire import VLLM_COMMIT, VLLM_RELEASE
-from inference_lab.serve.settings import settings_from_env
+from inference_lab.serve.settings_env import settings_from_env
 from inference_lab.traffic.hashing import ROOT, block_hash
 
 from .conftest import CONFIG_FILES, GPT, Served, ServeFactory, make_settings

@@ -22,7 +22,8 @@ from inference_lab.api.pooling import MAX_ITEMS, NUM_CLASSES, relevance
 from inference_lab.api.requests import count_text_tokens
 from inference_lab.core.config import load_deployment
 from inference_lab.errors import ConfigError
-from inference_lab.serve.settings import load_settings, settings_from_env
+from inference_lab.serve.settings import load_settings
+from inference_lab.serve.settings_env import settings_from_env
 from tests.conftest import CONFIGS, GPT, ServeFactory, chat_body, make_settings
 from tests.serve_util import running_server
 

@@ -29,9 +29,8 @@ from inference_lab.serve.settings import (
     DEFAULT_MAX_TOKENS,
     ServeSettings,
     load_settings,
-    parse_int_setting,
-    settings_from_env,
 )
+from inference_lab.serve.settings_env import parse_int_setting, settings_from_env
 from inference_lab.serve.state import ServeState
 
 __all__ = [

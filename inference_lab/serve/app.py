@@ -37,7 +37,8 @@ from inference_lab.serve.kv_routes import admission_target, register_kv_routes
 from inference_lab.serve.launch import fail_launch
 from inference_lab.serve.ops import register_ops_routes
 from inference_lab.serve.routes import register_routes
-from inference_lab.serve.settings import ServeSettings, settings_from_env, startup_warnings
+from inference_lab.serve.settings import ServeSettings, startup_warnings
+from inference_lab.serve.settings_env import settings_from_env
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.transport import install_connection_hook
 from inference_lab.serve.warmup import warm_up
