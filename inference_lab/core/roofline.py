@@ -33,65 +33,41 @@ Rule 7: a speculative step costs its verify batch (each decoding sequence at its
 
 from __future__ import annotations
 
-import array
-import math
 from collections.abc import Sequence
-from typing import Any
 
-import attrs
-import numpy as np
-
-from inference_lab.core.builders import frozen_builder
 from inference_lab.core.config import (
     BYTES_PER_VALUE,
-    AttentionLayer,
     Deployment,
     Layer,
-    LinearLayer,
-    MLALayer,
+    SpeculativeConfig,
     WeightStream,
 )
 from inference_lab.core.decode_pricing import DecodeConstants, DecodePricer, decode_price_function
+from inference_lab.core.roofline_terms import (
+    SMALL_BATCH,
+    BatchSums,
+    BatchTerms,
+    IntArray,
+    KvBlocks,
+    StepCost,
+    _step_cost,
+    all_to_all_time,
+    collective_terms,
+    layer_classes,
+    mla_flop_coefficients,
+)
 from inference_lab.core.step_table import StepTable
 
-IntArray = np.ndarray[Any, np.dtype[np.int64]]
-
-
-@attrs.frozen
-class StepCost:
-    """The price of one step: ``seconds`` after time_correction; ``roofline``, the step's
-    time before it (efficiency and overhead included; a step table's time); and
-    ``compute`` and ``memory``, the FLOP and byte times at datasheet peaks, so that
-    ``compute / roofline`` is the share of peak FLOP/s the step reached (utilisation)."""
-
-    seconds: float
-    roofline: float
-    compute: float
-    memory: float
-
-
-#: :class:`StepCost` from its fields in order, as its ``__init__`` (:mod:`.builders`)
-_step_cost = frozen_builder(StepCost)
-
-#: Batches of at most this many sequences are priced in Python integers (``batch_terms``).
-SMALL_BATCH = 32
-
-
-@attrs.define(slots=True)
-class BatchTerms:
-    """What a step's price depends on: its token count, its sequence count and, per
-    attention window class of the model (ascending windows, full attention first as 0),
-    the sums over its sequences of ``n * att`` and of ``att`` (``att`` = the positions a
-    sequence attends at its chunk's midpoint, capped by the window). Per MLA class
-    (``mla``, in the same order), the same two sums and two more over its prefill chunks
-    only (``n`` above the decode width): ``n * att`` and the context ``min(c, window)``
-    they up-project. All integers, so adding a sequence (:meth:`Roofline.add_sequence`)
-    gives exactly the terms of the batch with it."""
-
-    tokens: int
-    seqs: int
-    sums: list[list[int]]
-    mla: list[list[int]] = attrs.field(factory=list)
+__all__ = [
+    "SMALL_BATCH",
+    "BatchTerms",
+    "IntArray",
+    "Roofline",
+    "StepCost",
+    "all_to_all_time",
+    "expert_read_fraction",
+    "mla_flop_coefficients",
+]
 
 
 def expert_read_fraction(num_experts: int, k: int, tokens: int) -> float:
@@ -99,49 +75,11 @@ def expert_read_fraction(num_experts: int, k: int, tokens: int) -> float:
     return float(num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** (k * tokens)))
 
 
-def mla_flop_coefficients(layer: MLALayer) -> tuple[float, float, float]:
-    """FLOPs of one MLA layer class (``count`` layers): per (query, key) pair in the
-    absorbed form (decode: multi-query attention over the latent, ``2 N (2 Lkv + R)``), per
-    pair in the expanded form (prefill: ``2 N (P + R + V)``), and per cached context
-    position a prefill chunk up-projects to keys and values (``2 Lkv N (P + V)``).
-    DeepSeek-V2 (arXiv:2405.04434) and vLLM's ``v1/attention/backends/mla/common.py``."""
-    n, lkv, r = layer.heads, layer.kv_latent_dim, layer.rope_dim
-    p, v = layer.qk_nope_dim, layer.v_head_dim
-    count = layer.count
-    return (
-        count * 2.0 * n * (2 * lkv + r),
-        count * 2.0 * n * (p + r + v),
-        count * 2.0 * lkv * n * (p + v),
-    )
-
-
-def all_to_all_time(dep: Deployment, tokens: int, k: int) -> float:
-    """One all-to-all (an MoE layer's dispatch, or its combine) of ``tokens`` tokens over
-    ``ep`` GPUs: each GPU sends its ``tokens / ep`` tokens' hidden vectors to the other GPUs
-    holding one of their ``k`` experts (``ep - 1`` GPUs, each with probability ``q = 1 -
-    (1 - 1/ep)^k``), over NVLink within a node and the NIC across nodes, both at once:
-    ``latency + bytes / bandwidth`` of the slower path. 0 without tokens or with ep 1."""
-    ep = dep.hardware.ep
-    fabric = dep.profile.fabric
-    if ep <= 1 or tokens == 0 or fabric is None:
-        return 0.0
-    model = dep.model
-    q = 1.0 - (1.0 - 1.0 / ep) ** k
-    per_peer = tokens / ep * q * model.hidden_dim * model.activation_bytes
-    up = fabric.scale_up
-    node = fabric.gpus_per_node
-    if ep <= node:
-        return up.latency + (ep - 1) * per_peer / up.bandwidth
-    out = fabric.scale_out
-    assert out is not None  # validation: ep <= tp and tp > gpus_per_node needs scale_out
-    nvlink = up.latency + (node - 1) * per_peer / up.bandwidth
-    nic = out.latency + (ep - node) * per_peer / out.bandwidth
-    return max(nvlink, nic)
-
-
-class Roofline:
+class Roofline(BatchSums, KvBlocks):
     """Prices engine steps for one deployment. Built once per engine; ``price`` is the
-    hot path called once per engine step.
+    hot path called once per engine step. The batch's terms (``batch_terms``,
+    ``add_sequence``, ...) and its KV blocks (``blocks_for``, ``room_for``, ...) come
+    from :mod:`.roofline_terms`.
 
     ``weights`` and ``layers`` replace the model's (a drafter is priced so, ``drafting``:
     no per-step overhead, no step table, no drafter of its own, one attention rank)."""
@@ -176,7 +114,29 @@ class Roofline:
         self.block_size = dep.scheduler.block_size
         self.block_bytes = dep.block_bytes
         self.total_blocks = dep.total_blocks
-        attention_precision = model.attention_precision
+        self._set_rates(weights, g)
+        self._set_weights(weights)
+        # attention / KV / state, grouped by window so the batch is touched once per group
+        classes = layer_classes(dep, layers)
+        self._windows = classes.windows
+        self._mla = classes.mla
+        self._state_bytes = classes.state_bytes
+        self._windowed_kv = classes.windowed_kv
+        self._private_table = self._private_block_table()
+        spec = None if drafting else dep.speculative
+        self.decode_width = 1 if spec is None else 1 + spec.num_speculative_tokens
+        self._collective, self._a2a_calls = collective_terms(dep, weights, layers, g)
+        self._message_per_token = model.hidden_dim * model.activation_bytes
+        self._set_caches()
+        self._set_drafter(spec)
+
+    def _set_rates(self, weights: tuple[WeightStream, ...], g: int) -> None:
+        """The precision classes (the weights' and attention's, sorted) and their
+        achievable FLOP/s: of one attention rank (``g`` GPUs) and, for the experts under
+        data-parallel attention, of the whole replica."""
+        dep = self.deployment
+        profile, eff, tp = dep.profile, dep.efficiency, dep.hardware.tp
+        attention_precision = dep.model.attention_precision
         precisions = sorted({w.precision for w in weights} | {attention_precision})
         self._index = {p: i for i, p in enumerate(precisions)}
         rates = []
@@ -189,8 +149,13 @@ class Roofline:
             peaks.append(rate * tp * eff.flops)
         self._rates = rates
         self._attn_idx = self._index[attention_precision]
-        # weight streams: (precision index, active, routing terms or None); with DP
-        # attention the routed experts are priced apart (``_experts``), over every GPU
+        self._expert_rates = peaks
+        self._expert_bandwidth = profile.memory_bandwidth * tp * eff.memory_bandwidth
+
+    def _set_weights(self, weights: tuple[WeightStream, ...]) -> None:
+        """The weight streams: (precision index, active, bytes per value, routing terms or
+        None); with DP attention the routed experts are priced apart (``_experts``), over
+        every GPU. ``_moe_k``: the most experts a token picks."""
         self._weights: list[tuple[int, float, float, tuple[float, float, int, int] | None]] = []
         self._experts: list[tuple[int, float, float, int, int]] = []
         moe_k = 0
@@ -205,80 +170,19 @@ class Roofline:
             if w.routing is not None:
                 moe_k = max(moe_k, w.routing.experts_per_tok)
             idx = self._index[w.precision]
-            if dp > 1 and routed is not None:
+            if self.dp > 1 and routed is not None:
                 shared, per_expert, e, k = routed
                 self._weights.append((idx, shared, b, None))
                 self._experts.append((idx, k * per_expert, b * per_expert, e, k))
             else:
                 self._weights.append((idx, w.active_params, b, routed))
-        self._expert_rates = peaks
-        self._expert_bandwidth = profile.memory_bandwidth * tp * eff.memory_bandwidth
-        # attention / KV / state, grouped by window so the batch is touched once per group
-        attn_flops: dict[int, float] = {}  # window -> Σ count·4·heads·head_dim
-        kv_bytes: dict[int, float] = {}  # window -> Σ count·kvpp
-        mla: dict[int, list[float]] = {}  # window -> [absorbed, expanded, context, kv bytes]
-        state = 0.0
-        for layer in layers:
-            if isinstance(layer, AttentionLayer):
-                attn_flops[layer.window] = attn_flops.get(layer.window, 0.0) + (
-                    layer.count * 4 * layer.heads * layer.head_dim
-                )
-                kv_bytes[layer.window] = kv_bytes.get(layer.window, 0.0) + (
-                    layer.count * layer.kv_bytes_per_position
-                )
-            elif isinstance(layer, MLALayer):
-                coef = mla.setdefault(layer.window, [0.0, 0.0, 0.0, 0.0])
-                for i, value in enumerate(mla_flop_coefficients(layer)):
-                    coef[i] += value
-                coef[3] += layer.count * dep.kv_bytes_per_position(layer)
-            elif isinstance(layer, LinearLayer):
-                state += layer.count * layer.state_bytes
-        self._windows = [(w, attn_flops[w], kv_bytes[w]) for w in sorted(attn_flops)]
-        self._mla: list[tuple[int, float, float, float, float]] = [
-            (window, mla[window][0], mla[window][1], mla[window][2], mla[window][3])
-            for window in sorted(mla)
-        ]
-        self._state_bytes = state
-        windowed = dict(kv_bytes)
-        for window, coef in mla.items():
-            windowed[window] = windowed.get(window, 0.0) + coef[3]
-        self._windowed_kv = [(w, windowed[w]) for w in sorted(windowed) if w > 0]
-        # private blocks by resident positions, up to the widest window (constant beyond)
-        widest = max((w for w, _ in self._windowed_kv), default=0)
-        self._private_table = [self._private_blocks(t) for t in range(widest + 1)]
-        #: the width up to which an MLA sequence decodes (absorbed form): its verify width
-        spec = None if drafting else dep.speculative
-        self.decode_width = 1 if spec is None else 1 + spec.num_speculative_tokens
-        # collectives: all-reduces within an attention rank (the attention layers, and the
-        # MLP layers whose tokens no all-to-all moves), all-to-alls over the experts' GPUs
-        self._collective: tuple[float, float] | None = None  # (fixed, per byte) per step
-        self._message_per_token = model.hidden_dim * model.activation_bytes
-        moe_layers = 0
-        if hw.ep > 1:
-            moe_layers = max((w.routing.moe_layers for w in weights if w.routing), default=0)
-        num_layers = sum(layer.count for layer in layers)
-        if g > 1 and profile.fabric is not None:
-            fab = profile.fabric
-            up = fab.scale_up
-            k = fab.gpus_per_node
-            calls = 2 * num_layers - moe_layers
-            if g <= k:
-                f = 1.0 if up.in_network_reduction else 2 * (g - 1) / g
-                fixed, per_byte = up.latency, f / up.bandwidth
-            else:
-                out = fab.scale_out
-                if out is None:  # validation guarantees this cannot happen
-                    raise ValueError("tp wider than a node needs fabric.scale_out")
-                n = math.ceil(g / k)
-                f_out = 1.0 if out.in_network_reduction else 2 * (n - 1) / n
-                fixed = 2 * up.latency + out.latency
-                per_byte = 2 * (k - 1) / k / up.bandwidth + f_out / k / out.bandwidth
-            self._collective = (calls * fixed, calls * per_byte)
-        self._a2a_calls = 2 * moe_layers
         self._moe_k = moe_k
+
+    def _set_caches(self) -> None:
+        """The per-token-count caches and the constants of :meth:`_plain_price`."""
         self._by_tokens: dict[int, tuple[tuple[float, ...], tuple[float, ...], float]] = {}
         #: :meth:`price`'s common case: no step table, no MLA class, no DP attention
-        self._plain = self._table is None and not self._mla and dp == 1
+        self._plain = self._table is None and not self._mla and self.dp == 1
         self._plain_by_tokens: dict[
             int, tuple[float, float, float, list[tuple[float, float]], list[tuple[float, float]]]
         ] = {}
@@ -287,7 +191,10 @@ class Roofline:
         self._coef_pair = (self._coefs[0], self._coefs[1]) if len(self._coefs) == 2 else None
         self._attn_rate = self._rates[self._attn_idx]
         self._experts_by_tokens: dict[int, tuple[float, float, float]] = {}
-        # the drafter of a speculative deployment
+
+    def _set_drafter(self, spec: SpeculativeConfig | None) -> None:
+        """The drafter of a speculative deployment: a fraction of the target's pass, or a
+        roofline of its own (a draft model or MTP head)."""
         self.speculative = spec
         self._fraction = 0.0
         self._draft: Roofline | None = None
@@ -298,7 +205,7 @@ class Roofline:
                 self._fraction = drafter.fraction
             else:
                 self._draft = Roofline(
-                    dep, weights=drafter.weights, layers=drafter.layers, drafting=True
+                    self.deployment, weights=drafter.weights, layers=drafter.layers, drafting=True
                 )
 
     # ----------------------------------------------------------------------------------
@@ -360,131 +267,6 @@ class Roofline:
     def step_cost(self, n: IntArray, c: IntArray) -> StepCost:
         """Price a batch: request i computes ``n[i]`` new positions on top of ``c[i]``."""
         return self.price(self._array_terms(n, c))
-
-    def _array_terms(self, n: IntArray, c: IntArray) -> BatchTerms:
-        add = np.add.reduce  # (``.sum()`` goes through a Python wrapper: twice the cost)
-        sums: list[list[int]] = []
-        mla: list[list[int]] = []
-        tokens = int(add(n))
-        if len(n):
-            if tokens == len(n):  # every n is 1 (a decode batch): n . att = sum(att)
-                m = c + 1
-                for window, _, _ in self._windows:
-                    total = int(add(np.minimum(m, window) if window > 0 else m))
-                    sums.append([total, total])
-            else:
-                m = c + (n + 1) // 2
-                for window, _, _ in self._windows:
-                    att = np.minimum(m, window) if window > 0 else m
-                    sums.append([int(np.dot(n, att)), int(add(att))])
-            if self._mla:
-                pre = n > self.decode_width
-                n_pre = np.where(pre, n, 0)
-                for window, _a, _e, _c, _k in self._mla:
-                    att = np.minimum(m, window) if window > 0 else m
-                    ctx = np.minimum(c, window) if window > 0 else c
-                    mla.append(
-                        [
-                            int(np.dot(n, att)),
-                            int(add(att)),
-                            int(np.dot(n_pre, att)),
-                            int(add(np.where(pre, ctx, 0))),
-                        ]
-                    )
-        else:
-            sums = [[0, 0] for _ in self._windows]
-            mla = [[0, 0, 0, 0] for _ in self._mla]
-        return BatchTerms(tokens, len(n), sums, mla)
-
-    def batch_terms(self, ns: list[int] | IntArray, cs: list[int] | IntArray) -> BatchTerms:
-        """What a batch given as lists (the engine's) is priced from (:class:`BatchTerms`).
-        A batch of up to :data:`SMALL_BATCH` sequences is summed in Python integers,
-        which for so few is several times cheaper than building arrays; the sums are the
-        same integers either way, so the price is identical. int64 arrays (the engine's
-        vectorised mode) are summed as arrays."""
-        if isinstance(ns, np.ndarray) and isinstance(cs, np.ndarray):
-            return self._array_terms(ns, cs)
-        if len(ns) > SMALL_BATCH:  # (via array.array: half the cost of np.array on a list)
-            return self._array_terms(
-                np.frombuffer(array.array("q", ns), dtype=np.int64),
-                np.frombuffer(array.array("q", cs), dtype=np.int64),
-            )
-        sums: list[list[int]] = []
-        mids = [c + (n + 1) // 2 for n, c in zip(ns, cs, strict=True)]
-        for window, _, _ in self._windows:
-            att = [m if m < window else window for m in mids] if window > 0 else mids
-            sums.append([sum([n * a for n, a in zip(ns, att, strict=True)]), sum(att)])
-        terms = BatchTerms(sum(ns), len(ns), sums)
-        if self._mla:
-            width = self.decode_width
-            for window, _a, _e, _c, _k in self._mla:
-                row = [0, 0, 0, 0]
-                for n, c, m in zip(ns, cs, mids, strict=True):
-                    a = m if window <= 0 or m < window else window
-                    row[0] += n * a
-                    row[1] += a
-                    if n > width:
-                        row[2] += n * a
-                        row[3] += c if window <= 0 or c < window else window
-                terms.mla.append(row)
-        return terms
-
-    def window_classes(self) -> tuple[int, ...]:
-        """The attention window of each class the terms sum over, in their order (0: full
-        attention)."""
-        return tuple(window for window, _, _ in self._windows)
-
-    def decode_terms_of(
-        self, k: int, sums: Sequence[int], ns: Sequence[int], cs: Sequence[int]
-    ) -> BatchTerms:
-        """The terms of a batch of ``k`` decoding sequences (one position each) followed by
-        the sequences ``ns`` / ``cs``: the same integers :meth:`batch_terms` sums over all
-        of them, given, per window class (:meth:`window_classes`), the sum over the
-        decoding ones of ``min(c, window - 1)`` (of ``c`` for full attention), which the
-        engine keeps as the sequences advance (``sum(min(c + 1, window)) =
-        sum(min(c, window - 1)) + k``; ``n . att`` of a decoding sequence is ``att``)."""
-        if self._mla:
-            terms = BatchTerms(
-                k, k, [[s + k, s + k] for s in sums], [[0, 0, 0, 0] for _ in self._mla]
-            )
-            for n, ci in zip(ns, cs, strict=True):
-                self.add_sequence(terms, n, ci)
-            return terms
-        if not ns:
-            pairs = []
-            for s in sums:
-                pairs.append([s + k, s + k])
-            return BatchTerms(k, k, pairs, [])
-        # add_sequence's sums, inline: integers, so in any order the same
-        out = []
-        for window, s in zip(self._window_sizes, sums, strict=True):
-            dot = total = s + k
-            for n, c in zip(ns, cs, strict=True):
-                m = c + (n + 1) // 2
-                att = m if window <= 0 or m < window else window
-                dot += n * att
-                total += att
-            out.append([dot, total])
-        return BatchTerms(k + sum(ns), k + len(ns), out, [])
-
-    def add_sequence(self, terms: BatchTerms, n: int, c: int) -> None:
-        """Add to ``terms`` one sequence computing ``n`` new positions on top of ``c``:
-        the terms are sums over the sequences, so they become exactly those of the batch
-        with it (a late arrival joining the step in flight is priced in O(1))."""
-        terms.tokens += n
-        terms.seqs += 1
-        m = c + (n + 1) // 2
-        for (window, _, _), sums in zip(self._windows, terms.sums, strict=True):
-            att = m if window <= 0 or m < window else window
-            sums[0] += n * att
-            sums[1] += att
-        for (window, _a, _e, _c, _k), row in zip(self._mla, terms.mla, strict=True):
-            att = m if window <= 0 or m < window else window
-            row[0] += n * att
-            row[1] += att
-            if n > self.decode_width:
-                row[2] += n * att
-                row[3] += c if window <= 0 or c < window else window
 
     def price(self, terms: BatchTerms) -> StepCost:
         """The cost of the batch ``terms`` sums up (with data-parallel attention, a step in
@@ -787,54 +569,3 @@ class Roofline:
             return cost
         roof = cost.roofline + draft
         return StepCost(self.alpha * roof + self.beta, roof, cost.compute, cost.memory)
-
-    # ----------------------------------------------------------------------------------
-    def _private_blocks(self, positions: int) -> int:
-        private = self._state_bytes + sum(
-            kvpp * min(positions, window) for window, kvpp in self._windowed_kv
-        )
-        return math.ceil(private / self.block_bytes)
-
-    def blocks_for(self, positions: int) -> int:
-        """KV blocks a request holding ``positions`` resident positions needs: content
-        blocks plus private blocks (windowed KV and recurrent state; a table, since the
-        engine asks once per running request per step and windows saturate)."""
-        content = -(-positions // self.block_size)
-        table = self._private_table
-        return content + table[positions if positions < len(table) else -1]
-
-    def flat_blocks(self) -> tuple[int, int]:
-        """``(p0, tail)``: from ``p0`` positions on, ``blocks_for(p) = ceil(p /
-        block_size) + tail`` (the private blocks stay ``tail``), and ``room_for(b) = (b -
-        tail) * block_size`` whenever that is at least ``p0``."""
-        table = self._private_table
-        return len(table) - 1, table[-1]
-
-    def room_for(self, blocks: int) -> int:
-        """The most resident positions ``blocks`` KV blocks hold: the largest ``p`` with
-        ``blocks_for(p) <= blocks`` (0 when not even one position fits). ``blocks_for`` is
-        non-decreasing, so a request holding ``blocks`` needs no new block while its
-        positions stay within this; the engine asks once per block a request grows by."""
-        bs = self.block_size
-        table = self._private_table
-        last = len(table) - 1
-        p = (blocks - table[last]) * bs  # past the table, private blocks no longer grow
-        if p >= last:
-            return p
-        if table[0] > blocks:  # blocks_for(0): not even the private blocks fit
-            return 0
-        lo, hi = 0, last  # blocks_for(hi) > blocks; find the largest p < hi that fits
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.blocks_for(mid) <= blocks:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
-    def has_mla(self) -> bool:
-        """Whether the model has MLA layers (their terms need each sequence's ``n``)."""
-        return bool(self._mla)
-
-    def has_private_blocks(self) -> bool:
-        return bool(self._windowed_kv) or self._state_bytes > 0
