@@ -36,8 +36,11 @@ from inference_lab.cli_args import (
 )
 
 if TYPE_CHECKING:
+    from inference_lab.traffic.sessions import SessionRecord
+    from inference_lab.traffic.traces import Trace
+
     from .load import LoadConfig, LoadResult, RequestRecord, Sample
-    from .replay import ReplayConfig
+    from .replay import ReplayConfig, ReplayError, ReplayResult
 
 __all__ = ["add_parser", "run"]
 
@@ -64,6 +67,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         required=True,
         help="model id sent in every request; checked against GET /v1/models before the run",
     )
+    _add_loop_arguments(p)
+    _add_request_arguments(p)
+    _add_output_arguments(p)
+    _add_adaptive_arguments(p)
+    _add_replay_arguments(p)
+    _add_bounds_arguments(p)
+    return p
+
+
+def _add_loop_arguments(p: argparse.ArgumentParser) -> None:
+    """The loop (closed, open) and its bound (duration, requests, warm-up)."""
     shape = p.add_mutually_exclusive_group()
     shape.add_argument(
         "--concurrency",
@@ -92,6 +106,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="S",
         help="leave requests started in the first S seconds out of the statistics",
     )
+
+
+def _add_request_arguments(p: argparse.ArgumentParser) -> None:
+    """What each request asks for and how the client treats its answer."""
     p.add_argument(
         "--prompt-tokens",
         type=_positive_int,
@@ -125,9 +143,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="send requests without asking GET /v1/models first whether --model is served",
     )
+
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the run's summary, rows and plot go."""
     p.add_argument("-o", "--output", type=Path, metavar="FILE", help="write the summary as JSON")
     p.add_argument("--csv", type=Path, metavar="FILE", help="write one row per request")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or log lines")
+
+
+def _add_adaptive_arguments(p: argparse.ArgumentParser) -> None:
+    """``--adaptive aimd`` and its controller's dials; ``--plot``."""
     a = p.add_argument_group("adaptive concurrency")
     a.add_argument(
         "--adaptive",
@@ -153,9 +179,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="N",
         help="retries of a 529'd request before giving up (default 10)",
     )
+    # the limit's plot: an option of every run (not of the group), listed after the dials
     p.add_argument(
         "--plot", type=Path, metavar="PNG", help="draw limit, latency and 529 rate over time"
     )
+
+
+def _add_replay_arguments(p: argparse.ArgumentParser) -> None:
+    """``--sessions`` / ``--trace`` replays and their dials."""
     r = p.add_argument_group("replaying traffic (instead of --rate / --duration / --requests)")
     src = r.add_mutually_exclusive_group()
     src.add_argument(
@@ -186,6 +217,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="START:END",
         help="replay only the trace's requests from START to END seconds (END may be empty)",
     )
+
+
+def _add_bounds_arguments(p: argparse.ArgumentParser) -> None:
+    """Time-outs, sampling and the seed."""
     x = p.add_argument_group("bounds and sampling")
     x.add_argument(
         "--request-timeout",
@@ -211,7 +246,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     x.add_argument(
         "--seed", type=_nonnegative_int, metavar="N", help="seed for open-loop arrival times"
     )
-    return p
 
 
 def _window(text: str) -> tuple[float, float | None]:
@@ -430,28 +464,43 @@ def _run_replay(args: argparse.Namespace) -> int:
         check_output("--csv", args.csv)
     except ValueError as exc:
         return fail(PROG, str(exc))
-    import json
-    import signal
-
-    import trio
-
     from inference_lab.errors import ConfigError
 
-    from .replay import (
-        ReplayError,
-        format_replay,
-        load_traffic,
-        run_replay,
-        summarize_replay,
-        write_replay_csv,
-    )
+    from .replay import ReplayError, format_replay, load_traffic, summarize_replay
 
     try:
         traffic = load_traffic(config)
     except (ConfigError, ValueError) as exc:
         return fail(PROG, str(exc))
+    result = _replay_until_interrupted(config, traffic)
+    if isinstance(result, ReplayError):
+        return fail(PROG, str(result))
+    summary = summarize_replay(result)
+    print(format_replay(result, summary), flush=True)
+    try:
+        _write_replay_outputs(args, summary, result)
+    except OSError as exc:
+        return fail(PROG, f"cannot write result: {exc}")
+    if result.interrupted:
+        return EXIT_INTERRUPTED
+    if not summary["outcomes"].get("ok"):
+        why = f" (first: {summary['first_error']})" if summary["first_error"] else ""
+        return fail(PROG, f"all {summary['requests']} requests failed{why}", EXIT_ERROR)
+    return EXIT_OK
 
-    async def drive() -> Any:
+
+def _replay_until_interrupted(
+    config: ReplayConfig, traffic: tuple[SessionRecord, ...] | Trace
+) -> ReplayResult | ReplayError:
+    """Run the replay under trio, a SIGINT (on the main thread) stopping it gracefully:
+    the replay's result, or the ``ReplayError`` it raised. ``_run_replay`` calls it."""
+    import signal
+
+    import trio
+
+    from .replay import ReplayError, run_replay
+
+    async def drive() -> ReplayResult | ReplayError:
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
             if threading.current_thread() is threading.main_thread():
@@ -465,32 +514,30 @@ def _run_replay(args: argparse.Namespace) -> int:
 
                 await nursery.start(sigint)
             try:
-                result: Any = await run_replay(config, traffic, stop=stop)
+                result: ReplayResult | ReplayError = await run_replay(config, traffic, stop=stop)
             except ReplayError as exc:
                 result = exc
             nursery.cancel_scope.cancel()
         return result
 
-    result = trio.run(drive)
-    if isinstance(result, ReplayError):
-        return fail(PROG, str(result))
-    summary = summarize_replay(result)
-    print(format_replay(result, summary), flush=True)
-    try:
-        if args.output is not None:
-            with open(args.output, "w", encoding="utf-8") as fh:
-                json.dump(summary, fh, indent=2)
-                fh.write("\n")
-        if args.csv is not None:
-            write_replay_csv(args.csv, result)
-    except OSError as exc:
-        return fail(PROG, f"cannot write result: {exc}")
-    if result.interrupted:
-        return EXIT_INTERRUPTED
-    if not summary["outcomes"].get("ok"):
-        why = f" (first: {summary['first_error']})" if summary["first_error"] else ""
-        return fail(PROG, f"all {summary['requests']} requests failed{why}", EXIT_ERROR)
-    return EXIT_OK
+    return trio.run(drive)
+
+
+def _write_replay_outputs(
+    args: argparse.Namespace, summary: dict[str, Any], result: ReplayResult
+) -> None:
+    """``-o`` (the summary as JSON) and ``--csv`` (one row per request) of a replay;
+    ``OSError`` is the caller's one-line failure."""
+    import json
+
+    from .replay import write_replay_csv
+
+    if args.output is not None:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=2)
+            fh.write("\n")
+    if args.csv is not None:
+        write_replay_csv(args.csv, result)
 
 
 def run(args: argparse.Namespace) -> int:

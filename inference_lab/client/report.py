@@ -195,61 +195,8 @@ def summarize(result: LoadResult) -> Summary:
     prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     completions = [_completion_tokens(r) for r in ok]
 
-    adaptive = None
-    if result.controller is not None:
-        stats = result.controller
-        overloaded = sum(1 for r in records if r.outcome == "overloaded")
-        last_attempt: dict[int, RequestRecord] = {}
-        for r in records:
-            last_attempt[r.request] = r
-        adaptive = AdaptiveSummary(
-            settled_limit=settled_limit(result.limit_changes, result.dispatch_end),
-            final_limit=stats.limit,
-            min_limit=stats.min_limit_seen,
-            max_limit=stats.max_limit_seen,
-            increases=stats.increases,
-            decreases=stats.decreases,
-            overloaded=overloaded,
-            overload_rate=overloaded / len(records) if records else 0.0,
-            retries=sum(1 for r in records if r.attempt > 0),
-            given_up=sum(1 for r in last_attempt.values() if r.outcome == "overloaded"),
-        )
-
     def rate(x: float) -> float | None:
         return x / window if window > 0 else None
-
-    failed = (
-        r
-        for r in records
-        if r.outcome != "ok" and not (result.controller is not None and r.outcome == "overloaded")
-    )
-    first = next(failed, None)
-    first_error = (
-        None
-        if first is None
-        else FirstError(
-            index=first.index,
-            start=first.start,
-            outcome=first.outcome,
-            status=first.status,
-            error_type=first.error_type,
-            error_code=first.error_code,
-            message=first.error_message,
-        )
-    )
-    retry_after = None
-    if cfg.retry_after:
-        waits = [r.retry_wait for r in records if r.retry_after is not None]
-        refusals = [r for r in records if r.status in (429, 503, 529)]
-        retry_after = RetryAfterSummary(
-            waits=len(waits),
-            total=sum(waits),
-            longest=max(waits, default=0.0),
-            capped=sum(
-                1 for r in records if r.retry_after is not None and r.retry_after > RETRY_AFTER_CAP
-            ),
-            without_header=sum(1 for r in refusals if r.retry_after is None),
-        )
 
     lags = [r.pacing_lag for r in measured if r.pacing_lag is not None]
     return Summary(
@@ -271,12 +218,75 @@ def summarize(result: LoadResult) -> Summary:
         e2e=distribution(r.e2e for r in ok),
         prompt_tokens_mean=sum(prompts) / len(prompts) if prompts else None,
         completion_tokens_mean=sum(completions) / len(completions) if completions else None,
-        adaptive=adaptive,
+        adaptive=_adaptive_summary(result),
         interrupted=result.interrupted,
-        first_error=first_error,
+        first_error=_first_error(result),
         all_failed=bool(records) and not any(r.outcome == "ok" for r in records),
-        retry_after=retry_after,
+        retry_after=_retry_after_summary(records) if cfg.retry_after else None,
         pacing_lag=distribution(lags) if lags else None,
+    )
+
+
+def _adaptive_summary(result: LoadResult) -> AdaptiveSummary | None:
+    """Adaptive mode's figures (the controller's limits, 529s, retries, requests given
+    up); None for another mode. ``summarize`` calls it."""
+    if result.controller is None:
+        return None
+    records = result.records
+    stats = result.controller
+    overloaded = sum(1 for r in records if r.outcome == "overloaded")
+    last_attempt: dict[int, RequestRecord] = {}
+    for r in records:
+        last_attempt[r.request] = r
+    return AdaptiveSummary(
+        settled_limit=settled_limit(result.limit_changes, result.dispatch_end),
+        final_limit=stats.limit,
+        min_limit=stats.min_limit_seen,
+        max_limit=stats.max_limit_seen,
+        increases=stats.increases,
+        decreases=stats.decreases,
+        overloaded=overloaded,
+        overload_rate=overloaded / len(records) if records else 0.0,
+        retries=sum(1 for r in records if r.attempt > 0),
+        given_up=sum(1 for r in last_attempt.values() if r.outcome == "overloaded"),
+    )
+
+
+def _first_error(result: LoadResult) -> FirstError | None:
+    """The first attempt, in start order, that did not succeed (in adaptive mode a 529 is
+    the controller's signal, not an error); None if there is none."""
+    failed = (
+        r
+        for r in result.records
+        if r.outcome != "ok" and not (result.controller is not None and r.outcome == "overloaded")
+    )
+    first = next(failed, None)
+    if first is None:
+        return None
+    return FirstError(
+        index=first.index,
+        start=first.start,
+        outcome=first.outcome,
+        status=first.status,
+        error_type=first.error_type,
+        error_code=first.error_code,
+        message=first.error_message,
+    )
+
+
+def _retry_after_summary(records: Sequence[RequestRecord]) -> RetryAfterSummary:
+    """With ``--retry-after``: the waits ``Retry-After`` asked for, capped ones, and the
+    refusals that carried none."""
+    waits = [r.retry_wait for r in records if r.retry_after is not None]
+    refusals = [r for r in records if r.status in (429, 503, 529)]
+    return RetryAfterSummary(
+        waits=len(waits),
+        total=sum(waits),
+        longest=max(waits, default=0.0),
+        capped=sum(
+            1 for r in records if r.retry_after is not None and r.retry_after > RETRY_AFTER_CAP
+        ),
+        without_header=sum(1 for r in refusals if r.retry_after is None),
     )
 
 
