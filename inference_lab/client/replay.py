@@ -45,7 +45,14 @@ import trio
 from inference_lab.traffic.sessions import SessionRecord, read_sessions
 from inference_lab.traffic.traces import MOONCAKE_BLOCK, Trace, TraceRequest, read_trace
 
-from .http import Connect, ConnectionFailed, ConnectionPool, connect_tcp, parse_base_url
+from .http import (
+    Connect,
+    Connection,
+    ConnectionFailed,
+    ConnectionPool,
+    connect_tcp,
+    parse_base_url,
+)
 from .sse import SSEParser
 from .wire import Endpoint, endpoint_path, models_path, parse_error_body, parse_model_ids
 
@@ -220,16 +227,7 @@ class _Replay:
     async def _exchange(self, path: str, payload: bytes, answer: _Answer) -> None:
         conn = None
         try:
-            while True:
-                conn = await self.pool.acquire()
-                try:
-                    await conn.send_request("POST", path, self.headers, payload)
-                    answer.sent = conn.sent_at - self.t0
-                    break
-                except ConnectionFailed:
-                    conn.close()
-                    if not conn.reused:
-                        raise
+            conn = await self._send(path, payload, answer)
             response = await conn.receive_response()
             answer.status = response.status_code
             if response.status_code != 200:
@@ -237,22 +235,7 @@ class _Replay:
                 answer.outcome = "http_error"
                 answer.error = f"{response.status_code} {code or etype or ''}: {message or ''}"
             else:
-                parser = SSEParser()
-                while True:
-                    data, ended = await conn.receive_body_chunk()
-                    if data:
-                        now = conn.received_at - conn.sent_at  # Rule 4
-                        for event in parser.feed(data):
-                            answer.feed(event.data, now)
-                    if ended:
-                        break
-                if answer.error is not None:
-                    answer.outcome = "stream_error"
-                elif not answer.done:
-                    answer.outcome = "stream_error"
-                    answer.error = "stream ended without [DONE]"
-                else:
-                    answer.outcome = "ok"
+                await self._read_stream(conn, answer)
             self.pool.release(conn)
             conn = None
         except ConnectionFailed as exc:
@@ -261,6 +244,40 @@ class _Replay:
         finally:
             if conn is not None:
                 conn.close()
+
+    async def _send(self, path: str, payload: bytes, answer: _Answer) -> Connection:
+        """POST ``payload`` on a pooled connection, on a fresh one if a reused one turns
+        out closed; ``ConnectionFailed`` when a fresh one fails."""
+        while True:
+            conn = await self.pool.acquire()
+            try:
+                await conn.send_request("POST", path, self.headers, payload)
+                answer.sent = conn.sent_at - self.t0
+                return conn
+            except ConnectionFailed:
+                conn.close()
+                if not conn.reused:
+                    raise
+
+    async def _read_stream(self, conn: Connection, answer: _Answer) -> None:
+        """Read a 200's event stream into ``answer``, each event stamped when its chunk
+        arrived (Rule 4), and set its outcome."""
+        parser = SSEParser()
+        while True:
+            data, ended = await conn.receive_body_chunk()
+            if data:
+                now = conn.received_at - conn.sent_at  # Rule 4
+                for event in parser.feed(data):
+                    answer.feed(event.data, now)
+            if ended:
+                break
+        if answer.error is not None:
+            answer.outcome = "stream_error"
+        elif not answer.done:
+            answer.outcome = "stream_error"
+            answer.error = "stream ended without [DONE]"
+        else:
+            answer.outcome = "ok"
 
     def _body(self, endpoint: Endpoint, content: Any, max_tokens: int) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.cfg.model}

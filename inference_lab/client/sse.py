@@ -57,29 +57,9 @@ class SSEParser:
 
     def feed(self, chunk: bytes) -> list[ServerSentEvent]:
         """Consume ``chunk`` and return the events it completed, in order."""
-        if not chunk:
+        lines = self._complete_lines(chunk)
+        if lines is None:
             return []
-        if self._pending_cr:
-            # The previous chunk ended with "\r": a leading "\n" here completes that "\r\n".
-            self._pending_cr = False
-            if chunk[0] == 0x0A:
-                chunk = chunk[1:]
-                if not chunk:
-                    return []
-        if b"\r" in chunk:
-            self._pending_cr = chunk[-1] == 0x0D
-            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-        if b"\n" not in chunk:
-            self._buffer += chunk
-            return []
-        if self._buffer:
-            chunk = self._buffer + chunk
-        lines = chunk.split(b"\n")
-        self._buffer = lines.pop()
-        if not self._started:
-            self._started = True
-            if lines[0].startswith(_BOM):
-                lines[0] = lines[0][3:]
         events: list[ServerSentEvent] = []
         data = self._data
         for line in lines:
@@ -94,6 +74,34 @@ class SSEParser:
             elif line[0] != 0x3A:  # not a ":" comment
                 self._field(line)
         return events
+
+    def _complete_lines(self, chunk: bytes) -> list[bytes] | None:
+        """The lines ``chunk`` completes, line endings normalised to ``\\n`` and a leading
+        BOM dropped; the incomplete tail stays buffered. None when it completes none."""
+        if not chunk:
+            return None
+        if self._pending_cr:
+            # The previous chunk ended with "\r": a leading "\n" here completes that "\r\n".
+            self._pending_cr = False
+            if chunk[0] == 0x0A:
+                chunk = chunk[1:]
+                if not chunk:
+                    return None
+        if b"\r" in chunk:
+            self._pending_cr = chunk[-1] == 0x0D
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if b"\n" not in chunk:
+            self._buffer += chunk
+            return None
+        if self._buffer:
+            chunk = self._buffer + chunk
+        lines = chunk.split(b"\n")
+        self._buffer = lines.pop()
+        if not self._started:
+            self._started = True
+            if lines[0].startswith(_BOM):
+                lines[0] = lines[0][3:]
+        return lines
 
     def _field(self, line: bytes) -> None:
         name, _, value = line.partition(b":")

@@ -259,29 +259,37 @@ class StreamAccumulator:
             return 0
         err = obj.get("error")
         if err is not None:
-            if isinstance(err, dict):
-                self.error_type = _opt_str(err.get("type")) or "stream_error"
-                self.error_code = _opt_str(err.get("code"))
-                self.error_message = _opt_str(err.get("message"))
-            else:
-                self.error_type = "stream_error"
-                self.error_message = str(err)
+            self._error(err)
         if isinstance(obj.get("usage"), dict):
             self.prompt_tokens, self.completion_tokens = _usage(obj["usage"])
-        tokens = 0
         choices = obj.get("choices")
-        if isinstance(choices, list):
-            for choice in choices:
-                if not isinstance(choice, dict):
-                    continue
-                delta = choice.get("delta")
-                if isinstance(delta, dict):
-                    if delta.get("content") or delta.get("reasoning_content"):
-                        tokens += 1
-                elif choice.get("text"):
+        return self._choices(choices) if isinstance(choices, list) else 0
+
+    def _error(self, err: object) -> None:
+        """An error frame: its type, code and message (a bare value is the message)."""
+        if isinstance(err, dict):
+            self.error_type = _opt_str(err.get("type")) or "stream_error"
+            self.error_code = _opt_str(err.get("code"))
+            self.error_message = _opt_str(err.get("message"))
+        else:
+            self.error_type = "stream_error"
+            self.error_message = str(err)
+
+    def _choices(self, choices: list[object]) -> int:
+        """The tokens a frame's choices carry (one per choice with content, reasoning or
+        text), noting a finish reason."""
+        tokens = 0
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                if delta.get("content") or delta.get("reasoning_content"):
                     tokens += 1
-                if choice.get("finish_reason"):
-                    self.finish_reason = _opt_str(choice["finish_reason"])
+            elif choice.get("text"):
+                tokens += 1
+            if choice.get("finish_reason"):
+                self.finish_reason = _opt_str(choice["finish_reason"])
         return tokens
 
 
