@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Run a workload through the simulated engine as fast as the CPU allows and "
         "report TTFT / TPOT / E2E / queue-time percentiles, throughput and utilisation.",
     )
+    _add_deployment_flags(parser)
+    _add_source_flags(parser)
+    _add_scheduler_flags(parser)
+    _add_fleet_flags(parser)
+    _add_output_flags(parser)
+    _add_run_flags(parser)
+    return parser
+
+
+def _add_deployment_flags(parser: argparse.ArgumentParser) -> None:
+    """What is simulated: the model config, its hardware entry, a prefill/decode split."""
     parser.add_argument(
         "--config",
         required=True,
@@ -59,6 +71,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="prefill/decode disaggregation: x prefill and y decode replicas of the entry "
         "(docs/disaggregation.md); a config's [disaggregation] table does the same",
     )
+
+
+def _add_source_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the requests come from: a workload, or a trace and how it is read."""
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--workload",
@@ -104,6 +120,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="N",
         help="openai_batch: output tokens of a body without max_tokens",
     )
+
+
+def _add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
+    """The scheduler's limits that override the config's ``[scheduler]``."""
     parser.add_argument(
         "--max-num-seqs",
         type=integer(ge=1),
@@ -117,7 +137,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="waiting-queue bound (0 = unbounded; arrivals beyond it are refused); "
         "overrides [scheduler] max_waiting",
     )
-    _add_fleet_flags(parser)
+
+
+def _add_output_flags(parser: argparse.ArgumentParser) -> None:
+    """The files a run writes: summary, rows, report, time series, sessions."""
     parser.add_argument(
         "-o", "--output", type=Path, metavar="PATH", help="write the summary as JSON"
     )
@@ -150,6 +173,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="a session workload: write its sessions (starts, turns, think times) as JSONL "
         "for `inference-lab load --sessions`",
     )
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """The seed, where the hardware profiles are, and what the run prints as it goes."""
     parser.add_argument(
         "--seed", type=integer(ge=0), metavar="N", help="override the workload's seed"
     )
@@ -167,7 +194,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="no progress bar (it is also off when stderr is not a terminal)",
     )
-    return parser
 
 
 def _add_fleet_flags(parser: argparse.ArgumentParser) -> None:
@@ -317,26 +343,44 @@ def _run_on_ray(
             bar.close()
 
 
+@dataclass(frozen=True)
+class _Source:
+    """The run's requests as loaded: the workload or trace, the file it came from (as the
+    configuration print names it) and the seed the print reports."""
+
+    workload: Workload | Trace
+    name: str
+    seed: int
+
+
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``sim`` command; returns the exit code (Rule 2)."""
-    from inference_lab.core.config import (
-        load_model_config,
-        load_workload,
-        override_scheduler,
-        select_deployment,
-        split_pd,
-    )
     from inference_lab.errors import InferenceLabError
-    from inference_lab.resources import default_hardware, resolve_shipped
-    from inference_lab.sim.run import run_simulation
-    from inference_lab.sim.text import (
-        config_dict,
-        format_config,
-        format_summary,
-        write_request_csv,
-    )
-    from inference_lab.traffic.traces import Trace
+    from inference_lab.sim.text import format_config, format_summary
 
+    code = _check_flags(args)
+    if code is not None:
+        return code
+    try:
+        deployment = _deployment(args)
+        source = _load_source(args, deployment)
+        if not args.quiet:
+            print(format_config(deployment, source.workload, source.name, source.seed), flush=True)
+        result = _simulate(args, deployment, source.workload)
+        if not args.quiet:
+            print()
+        print(format_summary(result))
+        _write_outputs(args, result, deployment, source)
+    except InferenceLabError as exc:
+        return fail(PROG, str(exc))
+    except OSError as exc:
+        return fail(PROG, _os_error_message(exc))
+    return EXIT_OK
+
+
+def _check_flags(args: argparse.Namespace) -> int | None:
+    """Rule 3 and the flag combinations argparse cannot express: the exit code after the
+    one-line error, or None when the flags may run."""
     try:
         check_output("-o", args.output)
         check_output("--request-csv", args.request_csv)
@@ -366,95 +410,125 @@ def run(args: argparse.Namespace) -> int:
             return fail(PROG, "--speedup applies to --trace only", 2)
     elif args.seed is not None:
         return fail(PROG, "--seed applies to --workload only (a trace draws nothing)", 2)
-    try:
-        config_path = resolve_shipped(args.config, "config", "--config")
-        model_config = load_model_config(config_path, args.profiles_dir)
-        hardware = args.hardware or default_hardware(model_config.deployments)
-        deployment = override_scheduler(
-            select_deployment(model_config, hardware),
-            max_num_seqs=args.max_num_seqs,
-            max_waiting=args.max_waiting,
+    return None
+
+
+def _deployment(args: argparse.Namespace) -> Deployment:
+    """``--config`` and ``--hardware``'s deployment with the flags' scheduler limits, its
+    ``--pd`` split and ``--replicas``."""
+    from inference_lab.core.config import (
+        load_model_config,
+        override_scheduler,
+        select_deployment,
+        split_pd,
+    )
+    from inference_lab.resources import default_hardware, resolve_shipped
+
+    config_path = resolve_shipped(args.config, "config", "--config")
+    model_config = load_model_config(config_path, args.profiles_dir)
+    hardware = args.hardware or default_hardware(model_config.deployments)
+    deployment = override_scheduler(
+        select_deployment(model_config, hardware),
+        max_num_seqs=args.max_num_seqs,
+        max_waiting=args.max_waiting,
+    )
+    if args.pd is not None:
+        deployment = split_pd(deployment, *args.pd)
+    if args.replicas is not None:
+        from inference_lab.sim.shard import shard_deployment
+
+        deployment = shard_deployment(deployment, args.replicas)
+    return deployment
+
+
+def _load_source(args: argparse.Namespace, deployment: Deployment) -> _Source:
+    """The trace or the workload; a session workload's sessions written for
+    ``--write-sessions`` (a workload without ``[sessions]``: ``ConfigError``)."""
+    from inference_lab.core.config import load_workload
+    from inference_lab.errors import ConfigError
+    from inference_lab.resources import resolve_shipped
+
+    if args.trace is not None:
+        args.trace = str(resolve_shipped(args.trace, "trace", "--trace"))
+        return _Source(_read_trace(args, deployment.model.tokenizer), args.trace, 0)
+    workload_path = resolve_shipped(args.workload, "workload", "--workload")
+    workload = load_workload(workload_path)
+    source = str(workload_path)
+    seed = workload.seed if args.seed is None else args.seed
+    if args.write_sessions is not None:
+        if workload.sessions is None:
+            raise ConfigError(f"--write-sessions: {source} has no [sessions] table")
+        from inference_lab.traffic.sessions import write_sessions
+        from inference_lab.workload import session_records
+
+        write_sessions(args.write_sessions, session_records(workload, args.seed))
+    return _Source(workload, source, seed)
+
+
+def _simulate(
+    args: argparse.Namespace, deployment: Deployment, workload: Workload | Trace
+) -> SimResult:
+    """The run: on Ray with ``--ray``, else here, with a progress bar unless quiet and a
+    time series for ``--report`` / ``--timeseries``."""
+    from inference_lab.sim.run import run_simulation
+    from inference_lab.traffic.traces import Trace
+
+    progress: Callable[[Progress], None] | None = None
+    close: Callable[[], None] = lambda: None  # noqa: E731
+    if not (args.quiet or args.no_progress or args.ray is not None):
+        total = (
+            len(workload.requests)
+            if isinstance(workload, Trace)
+            else (workload.num_requests if workload.sessions is None else None)
         )
-        if args.pd is not None:
-            deployment = split_pd(deployment, *args.pd)
-        if args.replicas is not None:
-            from inference_lab.sim.shard import shard_deployment
+        progress, close = _progress_bar(total)
+    try:
+        if args.ray is not None:
+            return _run_on_ray(args, deployment, workload)
+        from inference_lab.sim.series import DEFAULT_INTERVAL
 
-            deployment = shard_deployment(deployment, args.replicas)
-        workload: Workload | Trace
-        if args.trace is not None:
-            args.trace = str(resolve_shipped(args.trace, "trace", "--trace"))
-            workload = _read_trace(args, deployment.model.tokenizer)
-            source = args.trace
-            seed = 0
-        else:
-            workload_path = resolve_shipped(args.workload, "workload", "--workload")
-            workload = load_workload(workload_path)
-            source = str(workload_path)
-            seed = workload.seed if args.seed is None else args.seed
-            if args.write_sessions is not None:
-                if workload.sessions is None:
-                    return fail(PROG, f"--write-sessions: {source} has no [sessions] table")
-                from inference_lab.traffic.sessions import write_sessions
-                from inference_lab.workload import session_records
+        wants_series = args.report is not None or args.timeseries is not None
+        interval = args.series_interval or DEFAULT_INTERVAL
+        return run_simulation(
+            deployment,
+            workload,
+            seed=args.seed,
+            progress=progress,
+            series_interval=interval if wants_series else None,
+        )
+    finally:
+        close()
 
-                write_sessions(args.write_sessions, session_records(workload, args.seed))
-        if not args.quiet:
-            print(format_config(deployment, workload, source, seed), flush=True)
-        progress: Callable[[Progress], None] | None = None
-        close: Callable[[], None] = lambda: None  # noqa: E731
-        if not (args.quiet or args.no_progress or args.ray is not None):
-            total = (
-                len(workload.requests)
-                if isinstance(workload, Trace)
-                else (workload.num_requests if workload.sessions is None else None)
+
+def _write_outputs(
+    args: argparse.Namespace, result: SimResult, deployment: Deployment, source: _Source
+) -> None:
+    """Rule 3's second half: ``-o``, ``--request-csv``, ``--timeseries`` and ``--report``
+    after the run."""
+    from inference_lab.sim.text import config_dict, format_config, write_request_csv
+
+    workload, name, seed = source.workload, source.name, source.seed
+    if args.output is not None:
+        doc = {
+            "config": config_dict(deployment, workload, name, seed),
+            **result.to_dict(),
+        }
+        with open(args.output, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=2)
+            fh.write("\n")
+    if args.request_csv is not None:
+        with open(args.request_csv, "w", encoding="utf-8", newline="") as fh:
+            write_request_csv(result, fh)
+    if args.timeseries is not None and result.series is not None:
+        with open(args.timeseries, "w", encoding="utf-8", newline="") as fh:
+            result.series.write_csv(fh)
+    if args.report is not None:
+        from inference_lab.sim.report import write_report
+
+        with open(args.report, "w", encoding="utf-8") as fh:
+            write_report(
+                result,
+                config_dict(deployment, workload, name, seed),
+                format_config(deployment, workload, name, seed),
+                fh,
             )
-            progress, close = _progress_bar(total)
-        try:
-            if args.ray is not None:
-                result = _run_on_ray(args, deployment, workload)
-            else:
-                from inference_lab.sim.series import DEFAULT_INTERVAL
-
-                interval = args.series_interval or DEFAULT_INTERVAL
-                result = run_simulation(
-                    deployment,
-                    workload,
-                    seed=args.seed,
-                    progress=progress,
-                    series_interval=interval if wants_series else None,
-                )
-        finally:
-            close()
-        if not args.quiet:
-            print()
-        print(format_summary(result))
-        if args.output is not None:
-            doc = {
-                "config": config_dict(deployment, workload, source, seed),
-                **result.to_dict(),
-            }
-            with open(args.output, "w", encoding="utf-8") as fh:
-                json.dump(doc, fh, indent=2)
-                fh.write("\n")
-        if args.request_csv is not None:
-            with open(args.request_csv, "w", encoding="utf-8", newline="") as fh:
-                write_request_csv(result, fh)
-        if args.timeseries is not None and result.series is not None:
-            with open(args.timeseries, "w", encoding="utf-8", newline="") as fh:
-                result.series.write_csv(fh)
-        if args.report is not None:
-            from inference_lab.sim.report import write_report
-
-            with open(args.report, "w", encoding="utf-8") as fh:
-                write_report(
-                    result,
-                    config_dict(deployment, workload, source, seed),
-                    format_config(deployment, workload, source, seed),
-                    fh,
-                )
-    except InferenceLabError as exc:
-        return fail(PROG, str(exc))
-    except OSError as exc:
-        return fail(PROG, _os_error_message(exc))
-    return EXIT_OK
