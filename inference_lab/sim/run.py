@@ -52,7 +52,7 @@ import attrs
 import numpy as np
 
 from inference_lab.core.config import Deployment, Workload
-from inference_lab.core.engine import Engine, EngineStatistics, Finished, StepEvents
+from inference_lab.core.engine import Engine, EngineStatistics, Finished, RunReport, StepEvents
 from inference_lab.errors import ConfigError, SimError
 from inference_lab.sim.capacity import CapacityVerdict
 from inference_lab.sim.disaggregation import DisaggregationSummary, disaggregation_summary
@@ -201,15 +201,7 @@ def run_simulation(
     finished = FinishedTable(disaggregated=deployment.disaggregation is not None)
     steps = StepTotals(speculative=deployment.speculative is not None)
     recorder = SeriesRecorder(series_interval, engine) if series_interval is not None else None
-    limiter = None
-    if sched.max_waiting and deployment.disaggregation is not None:
-        raise ConfigError(
-            f"{deployment.config_path}: max_waiting with [disaggregation] is not simulated "
-            "(serve applies it per role: docs/disaggregation.md)"
-        )
-    if sched.max_waiting:  # Rule 4 (0: unbounded)
-        on_refused = recorder.refused if recorder is not None else None
-        limiter = WaitingBound(engine, sched.max_waiting, intake, on_refused)
+    limiter = _waiting_bound(deployment, engine, intake, recorder)
     total = generator.total
     meter = ProgressMeter(progress, engine, (steps, finished), intake, total) if progress else None
     observers = [o for o in (limiter, watch, recorder, meter) if o is not None]
@@ -250,6 +242,23 @@ def run_simulation(
     )
 
 
+def _waiting_bound(
+    deployment: Deployment, engine: Engine, intake: Intake, recorder: SeriesRecorder | None
+) -> WaitingBound | None:
+    """Rule 4: the ``max_waiting`` bound's observer (None: unbounded). ConfigError with
+    ``[disaggregation]``, where serve applies the bound per role."""
+    max_waiting = deployment.scheduler.max_waiting
+    if max_waiting and deployment.disaggregation is not None:
+        raise ConfigError(
+            f"{deployment.config_path}: max_waiting with [disaggregation] is not simulated "
+            "(serve applies it per role: docs/disaggregation.md)"
+        )
+    if not max_waiting:  # 0: unbounded
+        return None
+    on_refused = recorder.refused if recorder is not None else None
+    return WaitingBound(engine, max_waiting, intake, on_refused)
+
+
 def _drive(
     engine: Engine,
     intake: Intake,
@@ -267,16 +276,13 @@ def _drive(
     inf = math.inf
     next_event_time = engine.next_event_time
     step = engine.step
-    steps = records[0]
-    add_step = steps.add
+    add_step = records[0].add
     add_finished = records[1].extend
     on_finished = intake.on_finished if generator.reactive else None
     hooks = [o.on_step for o in observers] + ([on_events] if on_events is not None else [])
     run_hooks = [o.on_run for o in observers]
     due = min((o.due for o in observers), default=inf)
-    run_until = (
-        engine.run_until if on_events is None and all(o.takes_runs for o in observers) else None
-    )
+    takes_runs = on_events is None and all(o.takes_runs for o in observers)
     mid_arrival = watch.mid_arrival
     ended: list[Finished] = []
     next_feed = feed.next_time if feed is not None else inf
@@ -288,23 +294,11 @@ def _drive(
             continue
         if t_next is None:
             break
-        if run_until is not None:  # Rule 7
-            report = run_until(
-                next_feed, steps, ended, mid=mid_arrival, stop_on_finish=on_finished is not None
-            )
-            if ended:
-                add_finished(ended)
-                if on_finished is not None:
-                    on_finished(ended, engine.now)
-                ended.clear()
-            for run_hook in run_hooks:
-                run_hook(report)
+        if takes_runs:  # Rule 7
+            _take_run(engine, next_feed, records, ended, mid_arrival, on_finished, run_hooks)
             continue
         if t_next >= due:
-            for o in observers:
-                if t_next >= o.due:
-                    o.before_step(t_next)
-            due = min(o.due for o in observers)
+            due = _before_step(observers, t_next)
         ev = step()
         info = ev.step
         if info is not None:
@@ -315,6 +309,40 @@ def _drive(
                 on_finished(ev.finished, ev.time)
         for hook in hooks:
             hook(ev)
+
+
+def _take_run(
+    engine: Engine,
+    until: float,
+    records: tuple[StepTotals, FinishedTable],
+    ended: list[Finished],
+    mid_arrival: float,
+    on_finished: Callable[[Sequence[Finished], float], None] | None,
+    run_hooks: Sequence[Callable[[RunReport], None]],
+) -> None:
+    """Rule 7: the events before ``until`` as one run (the steps' figures written to the
+    step totals); its completions recorded and, for a reactive workload, followed up at
+    the run's end; then the observers told. ``_drive`` calls it; ``ended`` is its
+    scratch list, left empty."""
+    report = engine.run_until(
+        until, records[0], ended, mid=mid_arrival, stop_on_finish=on_finished is not None
+    )
+    if ended:
+        records[1].extend(ended)
+        if on_finished is not None:
+            on_finished(ended, engine.now)
+        ended.clear()
+    for run_hook in run_hooks:
+        run_hook(report)
+
+
+def _before_step(observers: Sequence[RunObserver], t_next: float) -> float:
+    """The observers whose ``due`` time the next event (at ``t_next``) reaches are told
+    before it; returns the next ``due`` time. ``_drive`` calls it."""
+    for o in observers:
+        if t_next >= o.due:
+            o.before_step(t_next)
+    return min(o.due for o in observers)
 
 
 def _capacity(
