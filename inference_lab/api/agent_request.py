@@ -272,6 +272,21 @@ def _response_format(raw: Mapping[str, Any]) -> StructuredOutput | None:
 def _guided(raw: Mapping[str, Any]) -> StructuredOutput | None:
     """vLLM's spellings: ``guided_json`` / ``guided_choice`` / ``guided_regex``, and
     ``structured_outputs: {json | json_object | choice | regex}``."""
+    found = _guided_params(raw)
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(f for f, _, _ in found)
+        raise invalid_value(
+            found[1][0], f"only one structured output may be asked for, got {names}"
+        )
+    param, kind, value = found[0]
+    return _guided_output(param, kind, value)
+
+
+def _guided_params(raw: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
+    """Every structured output ``raw`` asks for, as (parameter, kind, value), in the order
+    ``_guided`` names them in its error."""
     found: list[tuple[str, str, Any]] = []
     for key, kind in (
         ("guided_json", "json"),
@@ -288,14 +303,11 @@ def _guided(raw: Mapping[str, Any]) -> StructuredOutput | None:
                 found.append((f"structured_outputs.{key}", key, spec[key]))
     if raw.get("guided_grammar") is not None:
         found.append(("guided_grammar", "grammar", raw["guided_grammar"]))
-    if not found:
-        return None
-    if len(found) > 1:
-        names = ", ".join(f for f, _, _ in found)
-        raise invalid_value(
-            found[1][0], f"only one structured output may be asked for, got {names}"
-        )
-    param, kind, value = found[0]
+    return found
+
+
+def _guided_output(param: str, kind: str, value: Any) -> StructuredOutput:
+    """The one structured output asked for as ``param`` (its ``kind``), checked."""
     if kind == "json":
         return StructuredOutput(kind="json_schema", param=param, schema=_schema_value(value, param))
     if kind == "json_object":

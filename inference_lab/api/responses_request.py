@@ -90,48 +90,52 @@ def _input_messages(value: Any) -> list[ChatMessage]:
         raise invalid_value("input", "input must be a string or an array of input items")
     out: list[ChatMessage] = []
     for i, item in enumerate(value):
-        where = f"input[{i}]"
-        if type(item) is not dict:
-            raise invalid_value(where, f"{where} must be an object")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in _ROLES:
-                raise invalid_value(
-                    f"{where}.role", f"{where}.role must be one of {', '.join(_ROLES)}"
-                )
-            out.append(ChatMessage(str(role), _text_of(item.get("content"), f"{where}.content")))
-        elif kind == "function_call":
-            name, arguments, cid = item.get("name"), item.get("arguments"), item.get("call_id")
-            if type(name) is not str or type(arguments) is not str or type(cid) is not str:
-                raise invalid_value(
-                    where, f"{where}: a function_call needs name, arguments and call_id strings"
-                )
-            call = {
-                "id": cid,
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }
-            out.append(ChatMessage("assistant", "", [call]))
-        elif kind == "function_call_output":
-            cid = item.get("call_id")
-            if type(cid) is not str:
-                raise invalid_value(f"{where}.call_id", f"{where}.call_id must be a string")
-            text = _text_of(item.get("output"), f"{where}.output")
-            out.append(ChatMessage("tool", text, None, None, cid))
-        elif kind == "reasoning":
-            continue  # a previous answer's reasoning is not part of the prompt
-        else:
-            raise ApiError(
-                400,
-                "unsupported_value",
-                f"{where}.type: input items of type {_short(kind)} are not supported "
-                "(message, function_call, function_call_output, reasoning)",
-                f"{where}.type",
-            )
+        message = _input_item(item, f"input[{i}]")
+        if message is not None:
+            out.append(message)
     if not out:
         raise invalid_value("input", "input must hold at least one message")
     return out
+
+
+def _input_item(item: Any, where: str) -> ChatMessage | None:
+    """One input item as the chat message it stands for (None: a reasoning item, which is
+    not part of the prompt)."""
+    if type(item) is not dict:
+        raise invalid_value(where, f"{where} must be an object")
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in _ROLES:
+            raise invalid_value(f"{where}.role", f"{where}.role must be one of {', '.join(_ROLES)}")
+        return ChatMessage(str(role), _text_of(item.get("content"), f"{where}.content"))
+    if kind == "function_call":
+        name, arguments, cid = item.get("name"), item.get("arguments"), item.get("call_id")
+        if type(name) is not str or type(arguments) is not str or type(cid) is not str:
+            raise invalid_value(
+                where, f"{where}: a function_call needs name, arguments and call_id strings"
+            )
+        call = {
+            "id": cid,
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        return ChatMessage("assistant", "", [call])
+    if kind == "function_call_output":
+        cid = item.get("call_id")
+        if type(cid) is not str:
+            raise invalid_value(f"{where}.call_id", f"{where}.call_id must be a string")
+        text = _text_of(item.get("output"), f"{where}.output")
+        return ChatMessage("tool", text, None, None, cid)
+    if kind == "reasoning":
+        return None  # a previous answer's reasoning is not part of the prompt
+    raise ApiError(
+        400,
+        "unsupported_value",
+        f"{where}.type: input items of type {_short(kind)} are not supported "
+        "(message, function_call, function_call_output, reasoning)",
+        f"{where}.type",
+    )
 
 
 def _tools(value: Any) -> tuple[tuple[FunctionTool, ...], list[dict[str, Any]]]:
