@@ -15,7 +15,6 @@ Rule 3: every error is a :class:`ConfigError` of one line naming the file and th
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +25,7 @@ import attrs
 from inference_lab.core.config.convert import read_text, read_toml, structure_table
 from inference_lab.core.config.deployment import Deployment, Disaggregation, ModelConfig, with_lora
 from inference_lab.core.config.disaggregation import DECODE_ROUTERS, DisaggregationConfig
+from inference_lab.core.config.entry_checks import check_deployment
 from inference_lab.core.config.fault import FaultConfig
 from inference_lab.core.config.hardware import ROUTERS, HardwareEntry, HardwareProfile
 from inference_lab.core.config.lora import LoraConfig
@@ -161,86 +161,6 @@ def default_profiles_dir(config_path: Path) -> Path:
     return shipped_dir("hardware_profiles")
 
 
-def _validate_deployment(dep: Deployment, file: Path, profile_path: Path) -> None:
-    where = f"{file}: hardware.{dep.hardware_name}"
-    hw, profile, model = dep.hardware, dep.profile, dep.model
-    if hw.tp % hw.ep != 0:
-        raise ConfigError(f"{where}.ep: must divide tp (tp = {hw.tp}, ep = {hw.ep})")
-    if hw.tp % hw.dp_attention != 0:
-        raise ConfigError(
-            f"{where}.dp_attention: must divide tp (tp = {hw.tp}, dp_attention = {hw.dp_attention})"
-        )
-    if hw.dp_attention > 1 and hw.ep == 1:
-        raise ConfigError(
-            f"{where}.dp_attention: data-parallel attention needs expert parallelism "
-            "(ep > 1): its ranks exchange tokens with the experts by all-to-all"
-        )
-    if hw.dp_attention > 1 and hw.step_table is not None:
-        raise ConfigError(
-            f"{where}.step_table: a measured step table cannot price data-parallel attention"
-        )
-    if hw.tp > 1:
-        if profile.fabric is None:
-            raise ConfigError(f"{where}.tp: tp = {hw.tp} needs a [fabric] table in {profile_path}")
-        if hw.tp > profile.fabric.gpus_per_node and profile.fabric.scale_out is None:
-            raise ConfigError(
-                f"{where}.tp: tp = {hw.tp} spans more than gpus_per_node = "
-                f"{profile.fabric.gpus_per_node} and needs fabric.scale_out in {profile_path}"
-            )
-    used = [(f"model.weights[{i}].precision", w.precision) for i, w in enumerate(model.weights)]
-    used.append(("model.attention_precision", model.attention_precision))
-    for key, precision in used:
-        if profile.flops(precision) is None:
-            rate = "flops_fp16" if precision == "fp32" else f"flops_{precision}"
-            raise ConfigError(
-                f"{file}: {key}: precision {precision} has no FLOP rate ({rate}) in "
-                f"hardware profile {profile_path} used by hardware.{dep.hardware_name}"
-            )
-    sched = dep.scheduler
-    if sched.kv_cache_capacity == 0:
-        pool = math.floor(profile.memory_capacity * hw.tp * sched.gpu_memory_utilization)
-        weights = dep.resident_weight_bytes
-        if weights >= pool:
-            raise ConfigError(
-                f"{where}: resident weights ({weights:,} B) do not fit in memory_capacity x tp x "
-                f"gpu_memory_utilization ({pool:,} B); raise tp or set kv_cache_capacity"
-            )
-    _validate_tiers(dep, where, profile_path)
-    if dep.total_blocks < 1:
-        raise ConfigError(
-            f"{where}: the KV cache ({dep.kv_bytes:,.0f} B) holds no block of "
-            f"{dep.block_bytes:,.0f} B"
-        )
-
-
-def _validate_tiers(dep: Deployment, where: str, profile_path: Path) -> None:
-    """The KV tiers behind HBM (docs/kv-tiers.md): a host tier needs the profile's
-    ``[host]`` link and fits in its ``memory`` x tp (the host DRAM of the replica's GPUs);
-    a disk tier sits behind a host tier."""
-    sched = dep.scheduler
-    size = sched.kv_offloading_size
-    if sched.kv_offloading_disk_size and not size:
-        raise ConfigError(
-            f"{where}.scheduler.kv_offloading_disk_size: a disk tier sits behind a host "
-            "tier: set kv_offloading_size too"
-        )
-    if not size:
-        return
-    host = dep.profile.host
-    if host is None:
-        raise ConfigError(
-            f"{where}.scheduler.kv_offloading_size: the profile {profile_path} has no [host] "
-            "table (the link to host memory the tier is read over)"
-        )
-    bound = host.memory * dep.hardware.tp
-    if size * 2**30 > bound:
-        raise ConfigError(
-            f"{where}.scheduler.kv_offloading_size: {size:g} GiB is more than the host "
-            f"memory of the replica's {dep.hardware.tp} GPU(s) ({bound / 2**30:,.0f} GiB: "
-            f"[host] memory x tp in {profile_path})"
-        )
-
-
 def _load_speculative(table: Any, file: Path) -> tuple[SpeculativeConfig, tuple[float, ...]]:
     """A model config's ``[speculative]`` table and its per-position acceptance rates (an
     ``acceptance_file``'s read here, its path resolved against the config file's
@@ -306,7 +226,7 @@ def _load_entry(
         speculative=speculative,
         acceptance_rates=rates,
     )
-    _validate_deployment(dep, file, profile_path)
+    check_deployment(dep, file, profile_path)
     return dep
 
 
@@ -320,13 +240,7 @@ def load_model_config(
     """
     file = Path(path)
     raw = read_toml(file)
-    for key in raw:
-        if key not in _TABLES:
-            raise ConfigError(
-                f"{file}: {key}: unknown key (a model config holds the tables [model], "
-                "[scheduler], [hardware.<name>] and optionally [fault], [speculative], "
-                "[disaggregation] and [lora])"
-            )
+    _check_unknown_tables(raw, file)
     fault = structure_table(raw["fault"], FaultConfig, file, "fault") if "fault" in raw else None
     speculative: SpeculativeConfig | None = None
     rates: tuple[float, ...] = ()
@@ -352,13 +266,7 @@ def load_model_config(
     lora = structure_table(raw["lora"], LoraConfig, file, "lora") if "lora" in raw else None
     for name, dep in deployments.items():
         deployments[name] = with_lora(dep, lora, f"{file}: lora")
-    split = None
-    if "disaggregation" in raw:
-        if lora is not None:
-            raise ConfigError(f"{file}: lora: not modelled with [disaggregation]")
-        split = structure_table(raw["disaggregation"], DisaggregationConfig, file, "disaggregation")
-        for dep in deployments.values():  # Rule 1: checked now, for every entry
-            disaggregate(dep, split, deployments, f"{file}: disaggregation")
+    split = _load_split(raw, file, deployments, lora)
     return ModelConfig(
         path=file,
         model=model,
@@ -370,6 +278,35 @@ def load_model_config(
         disaggregation=split,
         lora=lora,
     )
+
+
+def _check_unknown_tables(raw: Mapping[str, Any], file: Path) -> None:
+    """ConfigError for a top-level key that is not one of a model config's tables."""
+    for key in raw:
+        if key not in _TABLES:
+            raise ConfigError(
+                f"{file}: {key}: unknown key (a model config holds the tables [model], "
+                "[scheduler], [hardware.<name>] and optionally [fault], [speculative], "
+                "[disaggregation] and [lora])"
+            )
+
+
+def _load_split(
+    raw: Mapping[str, Any],
+    file: Path,
+    deployments: Mapping[str, Deployment],
+    lora: LoraConfig | None,
+) -> DisaggregationConfig | None:
+    """The ``[disaggregation]`` table (None without one), checked now against every entry
+    (Rule 1); not with ``[lora]``."""
+    if "disaggregation" not in raw:
+        return None
+    if lora is not None:
+        raise ConfigError(f"{file}: lora: not modelled with [disaggregation]")
+    split = structure_table(raw["disaggregation"], DisaggregationConfig, file, "disaggregation")
+    for dep in deployments.values():  # Rule 1: checked now, for every entry
+        disaggregate(dep, split, deployments, f"{file}: disaggregation")
+    return split
 
 
 def select_deployment(config: ModelConfig, hardware: str | None) -> Deployment:
@@ -481,7 +418,7 @@ def vary_deployment(
         )
     out = attrs.evolve(dep, hardware=hardware, scheduler=sched)
     profiles = default_profiles_dir(dep.config_path)
-    _validate_deployment(out, dep.config_path, profiles / f"{dep.hardware_name}.toml")
+    check_deployment(out, dep.config_path, profiles / f"{dep.hardware_name}.toml")
     return out
 
 
