@@ -62,37 +62,7 @@ def int_axis(raw: Any, file: Path, key: str, top: int = MAX_AXIS_VALUE) -> tuple
     elif isinstance(raw, list):
         values = raw
     elif isinstance(raw, Mapping):
-        extra = set(raw) - {"start", "stop", "step", "factor"}
-        if extra:
-            raise ConfigError(
-                f"{where}.{sorted(extra)[0]}: unknown key (start, stop, step, factor)"
-            )
-        for name in ("start", "stop"):
-            if not is_int(raw.get(name)):
-                raise ConfigError(f"{where}.{name}: must be an integer, got {raw.get(name)!r}")
-        start, stop = raw["start"], raw["stop"]
-        if "step" in raw and "factor" in raw:
-            raise ConfigError(f"{where}: give step or factor, not both")
-        values = []
-        if "factor" in raw:
-            factor = raw["factor"]
-            if not is_int(factor) or factor < 2:
-                raise ConfigError(f"{where}.factor: must be an integer >= 2, got {factor!r}")
-            v = start
-            while v <= stop and len(values) <= MAX_AXIS_VALUES:
-                values.append(v)
-                v *= factor
-        else:
-            step = raw.get("step", 1)
-            if not is_int(step) or step < 1:
-                raise ConfigError(f"{where}.step: must be an integer >= 1, got {step!r}")
-            span = range(start, stop + 1, step)
-            if len(span) > MAX_AXIS_VALUES:
-                raise ConfigError(
-                    f"{where}: the range holds {len(span):,} values, more than "
-                    f"{MAX_AXIS_VALUES:,}: raise step or use a factor"
-                )
-            values = list(span)
+        values = _range_values(raw, where)
     else:
         raise ConfigError(
             f"{where}: must be an integer, a list or a range table {{start, stop}}, got {raw!r}"
@@ -105,6 +75,42 @@ def int_axis(raw: Any, file: Path, key: str, top: int = MAX_AXIS_VALUE) -> tuple
         if v > top:
             raise ConfigError(f"{where}: every value must be at most {top:,}, got {v!r}")
     return tuple(dict.fromkeys(values))
+
+
+def _range_values(raw: Mapping[str, Any], where: str) -> list[Any]:
+    """A range table's values (``int_axis``): ``start`` to ``stop`` included, by ``step``
+    or geometric by ``factor``. A stepped range of more than :data:`MAX_AXIS_VALUES`
+    values is an error; a geometric one stops after that many."""
+    extra = set(raw) - {"start", "stop", "step", "factor"}
+    if extra:
+        raise ConfigError(f"{where}.{sorted(extra)[0]}: unknown key (start, stop, step, factor)")
+    for name in ("start", "stop"):
+        if not is_int(raw.get(name)):
+            raise ConfigError(f"{where}.{name}: must be an integer, got {raw.get(name)!r}")
+    start, stop = raw["start"], raw["stop"]
+    if "step" in raw and "factor" in raw:
+        raise ConfigError(f"{where}: give step or factor, not both")
+    values: list[Any] = []
+    if "factor" in raw:
+        factor = raw["factor"]
+        if not is_int(factor) or factor < 2:
+            raise ConfigError(f"{where}.factor: must be an integer >= 2, got {factor!r}")
+        v = start
+        while v <= stop and len(values) <= MAX_AXIS_VALUES:
+            values.append(v)
+            v *= factor
+    else:
+        step = raw.get("step", 1)
+        if not is_int(step) or step < 1:
+            raise ConfigError(f"{where}.step: must be an integer >= 1, got {step!r}")
+        span = range(start, stop + 1, step)
+        if len(span) > MAX_AXIS_VALUES:
+            raise ConfigError(
+                f"{where}: the range holds {len(span):,} values, more than "
+                f"{MAX_AXIS_VALUES:,}: raise step or use a factor"
+            )
+        values = list(span)
+    return values
 
 
 _KNOB_FIELDS = tuple(a.name for a in attrs.fields(SchedulerConfig))

@@ -404,6 +404,27 @@ def read_trace(
         raise ConfigError(f"{file}: speedup must be a number > 0, got {speedup!r}")
     if start < 0 or (end is not None and not end > start):
         raise ConfigError(f"{file}: the window must have 0 <= start < end, got {start}..{end}")
+    parsed, count, skipped = _parse_rows(file, fmt, tokenize, default_max_tokens)
+    kept, outside = _window(parsed, file, fmt, speedup, start, end)
+    return Trace(
+        path=file,
+        format=fmt,
+        requests=tuple(kept),
+        rows=count,
+        skipped_failed=skipped,
+        outside_window=outside,
+        speedup=speedup,
+        start=start,
+        end=end,
+    )
+
+
+def _parse_rows(
+    file: Path, fmt: str, tokenize: Tokenize | None, default_max_tokens: int | None
+) -> tuple[list[tuple[float, TraceRequest]], int, int]:
+    """``read_trace``'s rows of ``file`` in format ``fmt``: the requests parsed (trace
+    time, request), the rows read and the rows skipped as failed requests. A bad row or
+    an unreadable file is one ConfigError line (Rule 1)."""
     rows: Iterator[tuple[int, Mapping[str, Any]]]
     if fmt == "azure":
         rows = _csv_rows(file, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
@@ -417,14 +438,7 @@ def read_trace(
         for number, row in rows:
             count += 1
             try:
-                if fmt == "mooncake":
-                    item = _mooncake(number, row, tokenize)
-                elif fmt == "azure":
-                    item = _azure(number, row, tokenize)
-                elif fmt == "burstgpt":
-                    item = _burstgpt(number, row, tokenize)
-                else:
-                    item = _batch(number, row, tokenize, default_max_tokens)
+                item = _parse_row(fmt, number, row, tokenize, default_max_tokens)
             except _RowError as exc:
                 raise ConfigError(f"{file}:{number}: {exc.field}: {exc}") from None
             if item is None:
@@ -439,15 +453,21 @@ def read_trace(
         raise ConfigError(f"{file}: invalid CSV: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{file}: cannot read: {exc.strerror}") from None
-    kept, outside = _window(parsed, file, fmt, speedup, start, end)
-    return Trace(
-        path=file,
-        format=fmt,
-        requests=tuple(kept),
-        rows=count,
-        skipped_failed=skipped,
-        outside_window=outside,
-        speedup=speedup,
-        start=start,
-        end=end,
-    )
+    return parsed, count, skipped
+
+
+def _parse_row(
+    fmt: str,
+    number: int,
+    row: Mapping[str, Any],
+    tokenize: Tokenize | None,
+    default_max_tokens: int | None,
+) -> Parsed:
+    """One row in format ``fmt`` (``_RowError`` naming the field for a bad one)."""
+    if fmt == "mooncake":
+        return _mooncake(number, row, tokenize)
+    if fmt == "azure":
+        return _azure(number, row, tokenize)
+    if fmt == "burstgpt":
+        return _burstgpt(number, row, tokenize)
+    return _batch(number, row, tokenize, default_max_tokens)
