@@ -25,6 +25,23 @@ __all__ = ["NameChooser"]
 _WORDS = VOCABULARY
 
 
+def _cap(
+    names: list[str], hi: int, required: list[str], dependents: dict[str, list[str]], path: str
+) -> list[str]:
+    """``names`` cut to ``maxProperties`` ``hi``, the required ones and their dependents
+    first (Unsatisfiable when those alone are more)."""
+    keep = set(required)
+    for name in required:
+        keep.update(dependents.get(name, ()))
+    names = [n for n in names if n in keep] + [n for n in names if n not in keep]
+    names = names[: max(hi, len(keep))]
+    if len(names) > hi:
+        raise Unsatisfiable(
+            path, f"maxProperties {hi} is below the {len(keep)} required properties"
+        )
+    return names
+
+
 class NameChooser:
     """Chooses an object's property names (Rules 1-2)."""
 
@@ -58,35 +75,40 @@ class NameChooser:
                     chosen.add(name)
         self._close_dependents(chosen, dependents, conj, path)
         if len(chosen) < lo:
-            for name in declared:
-                if len(chosen) >= lo:
-                    break
-                if name not in chosen and self.name_allowed(conj, name, path):
-                    chosen.add(name)
-                    self._close_dependents(chosen, dependents, conj, path)
-            for name in self._extra_names(conj, path, set(chosen.order)):
-                if len(chosen) >= lo:
-                    break
-                chosen.add(name)
+            self._fill(chosen, lo, conj, path, declared, dependents)
         if len(chosen) < lo:
             raise Unsatisfiable(path, f"minProperties {lo}: not enough properties are allowed")
         names = chosen.order
         if hi is not None and len(names) > hi:
-            keep = set(required)
-            for name in required:
-                keep.update(dependents.get(name, ()))
-            names = [n for n in names if n in keep] + [n for n in names if n not in keep]
-            names = names[: max(hi, len(keep))]
-            if len(names) > hi:
-                raise Unsatisfiable(
-                    path, f"maxProperties {hi} is below the {len(keep)} required properties"
-                )
+            names = _cap(names, hi, required, dependents, path)
         picked, known = set(names), set(declared)
         ordered = [n for n in declared if n in picked] + [n for n in names if n not in known]
         must = set(required)
         for name in ordered:
             must.update(dependents.get(name, ()))
         return ordered, must
+
+    def _fill(
+        self,
+        chosen: _Names,
+        lo: int,
+        conj: list[dict[str, Any]],
+        path: str,
+        declared: list[str],
+        dependents: dict[str, list[str]],
+    ) -> None:
+        """Up to ``lo`` names in ``chosen`` (``minProperties``): declared ones first, each
+        with its dependents, then names the object's schemas allow beyond them."""
+        for name in declared:
+            if len(chosen) >= lo:
+                break
+            if name not in chosen and self.name_allowed(conj, name, path):
+                chosen.add(name)
+                self._close_dependents(chosen, dependents, conj, path)
+        for name in self._extra_names(conj, path, set(chosen.order)):
+            if len(chosen) >= lo:
+                break
+            chosen.add(name)
 
     def _close_dependents(
         self,

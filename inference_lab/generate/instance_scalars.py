@@ -17,6 +17,8 @@ import uuid
 from fractions import Fraction
 from typing import Any
 
+import attrs
+
 from inference_lab.generate.validator import (
     Unsatisfiable,
     _is_multiple,
@@ -138,14 +140,42 @@ def formatted(fmt: str, rng: random.Random) -> str | None:
     hour, minute, second = rng.randint(0, 23), rng.randint(0, 59), rng.randint(0, 59)
     word = rng.choice(VOCABULARY)
     other = rng.choice(VOCABULARY)
+    if fmt in _DATED:
+        when = _When(year, month, day, hour, minute, second)
+        return _dated(fmt, when, rng)
+    return _named(fmt, word, other, rng)
+
+
+#: the formats of a date, a time or a duration (``_dated``)
+_DATED = ("date-time", "date", "time", "duration")
+
+
+@attrs.frozen
+class _When:
+    """The date and time ``formatted`` drew (every format draws them, in one order)."""
+
+    year: int
+    month: int
+    day: int
+    hour: int
+    minute: int
+    second: int
+
+
+def _dated(fmt: str, w: _When, rng: random.Random) -> str:
+    """A date, time, date-time or duration string (``formatted``)."""
     if fmt == "date-time":
-        return f"{year:04d}-{month:02d}-{day:02d}T{hour:02d}:{minute:02d}:{second:02d}Z"
+        return f"{w.year:04d}-{w.month:02d}-{w.day:02d}T{w.hour:02d}:{w.minute:02d}:{w.second:02d}Z"
     if fmt == "date":
-        return f"{year:04d}-{month:02d}-{day:02d}"
+        return f"{w.year:04d}-{w.month:02d}-{w.day:02d}"
     if fmt == "time":
-        return f"{hour:02d}:{minute:02d}:{second:02d}Z"
-    if fmt == "duration":
-        return f"P{rng.randint(1, 30)}DT{rng.randint(1, 23)}H"
+        return f"{w.hour:02d}:{w.minute:02d}:{w.second:02d}Z"
+    return f"P{rng.randint(1, 30)}DT{rng.randint(1, 23)}H"
+
+
+def _named(fmt: str, word: str, other: str, rng: random.Random) -> str | None:
+    """An address, identifier or pattern string from two drawn words (``formatted``);
+    None for a format without a generator here."""
     if fmt in ("email", "idn-email"):
         return f"{word}.{other}@example.com"
     if fmt in ("hostname", "idn-hostname"):

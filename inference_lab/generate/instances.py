@@ -477,14 +477,7 @@ class _Generator:
         keys: set[Any] = set()
         for i in range(length):
             where = f"{path}/{i}"
-            schemas: list[dict[str, Any]] = []
-            for prefix, rest, _key in shapes:
-                sub = prefix[i] if i < len(prefix) else rest
-                if sub is not None:
-                    schemas.extend(self.expand(sub, where, depth + 1))
-            if i < need:
-                for c in contains:
-                    schemas.extend(self.expand(c, f"{path}/contains", depth + 1))
+            schemas = self._item_schemas(shapes, contains if i < need else [], i, path, depth)
             for _attempt in range(8):
                 mark = self.budget.bytes_spent
                 item = self.value(schemas, where, depth + 1)
@@ -501,6 +494,26 @@ class _Generator:
             self.budget.spend_bytes(1)
             items.append(item)
         return items
+
+    def _item_schemas(
+        self,
+        shapes: list[tuple[list[Any], Any, str]],
+        contains: list[Any],
+        i: int,
+        path: str,
+        depth: int,
+    ) -> list[dict[str, Any]]:
+        """The schemas item ``i`` of an array must satisfy: each conjunct's prefix item or
+        its rest, then ``contains`` (given for the items that must match it), expanded."""
+        where = f"{path}/{i}"
+        schemas: list[dict[str, Any]] = []
+        for prefix, rest, _key in shapes:
+            sub = prefix[i] if i < len(prefix) else rest
+            if sub is not None:
+                schemas.extend(self.expand(sub, where, depth + 1))
+        for c in contains:
+            schemas.extend(self.expand(c, f"{path}/contains", depth + 1))
+        return schemas
 
     # -- objects -------------------------------------------------------------------------
     def _object(self, conj: list[dict[str, Any]], path: str, depth: int) -> dict[str, Any]:

@@ -100,27 +100,13 @@ class _Builder:
     def seq(self, items: Any) -> str:
         return "".join(self.node(op, arg) for op, arg in items)
 
-    def node(self, op: Any, arg: Any) -> str:  # noqa: C901 - one case per construct
+    def node(self, op: Any, arg: Any) -> str:
+        """A string for one parsed construct: a character (``_char``) or a structure of
+        others (one case each)."""
         rng = self.rng
         self.budget.spend()
-        if op is sre_c.LITERAL:
-            return self.emit(chr(arg))
-        if op is sre_c.NOT_LITERAL:
-            return self.emit(rng.choice([c for c in PRINTABLE if ord(c) != arg]))
-        if op is sre_c.ANY:
-            return self.emit(rng.choice(string.ascii_letters + string.digits))
-        if op is sre_c.IN:
-            self.budget.spend(len(arg))
-            chars, negate = _class_chars(arg)
-            if negate:
-                pool = [c for c in PRINTABLE if c not in chars]
-                if self.ignore_case:
-                    pool = [c for c in pool if c.swapcase() not in chars]
-            else:
-                pool = list(chars)
-            if not pool:
-                raise PatternError("a character class matches no printable character")
-            return self.emit(rng.choice(pool))
+        if op in _CHAR_OPS:
+            return self._char(op, arg)
         if op is sre_c.BRANCH:
             return self.seq(rng.choice(arg[1]))
         if op is sre_c.SUBPATTERN:
@@ -142,9 +128,35 @@ class _Builder:
         if op is sre_c.GROUPREF_EXISTS:
             _group, yes, no = arg
             return self.seq(yes) if no is None or rng.random() < 0.5 else self.seq(no)
-        if op is sre_c.CATEGORY:  # (only inside a class in practice)
-            return self.emit(rng.choice(_CATEGORIES.get(arg, _WORD)))
         raise PatternError(f"unsupported regular expression construct {op}")
+
+    def _char(self, op: Any, arg: Any) -> str:
+        """One character of a literal, a negated literal, ``.``, a class or a category."""
+        rng = self.rng
+        if op is sre_c.LITERAL:
+            return self.emit(chr(arg))
+        if op is sre_c.NOT_LITERAL:
+            return self.emit(rng.choice([c for c in PRINTABLE if ord(c) != arg]))
+        if op is sre_c.ANY:
+            return self.emit(rng.choice(string.ascii_letters + string.digits))
+        if op is sre_c.IN:
+            self.budget.spend(len(arg))
+            chars, negate = _class_chars(arg)
+            if negate:
+                pool = [c for c in PRINTABLE if c not in chars]
+                if self.ignore_case:
+                    pool = [c for c in pool if c.swapcase() not in chars]
+            else:
+                pool = list(chars)
+            if not pool:
+                raise PatternError("a character class matches no printable character")
+            return self.emit(rng.choice(pool))
+        # a category (only inside a class in practice)
+        return self.emit(rng.choice(_CATEGORIES.get(arg, _WORD)))
+
+
+#: the constructs that stand for one character (``_Builder._char``)
+_CHAR_OPS = (sre_c.LITERAL, sre_c.NOT_LITERAL, sre_c.ANY, sre_c.IN, sre_c.CATEGORY)
 
 
 def compile_pattern(pattern: str, budget: Budget | None = None) -> Regex:

@@ -81,6 +81,8 @@ _AT = {
     sre_c.AT_BOUNDARY: _BOUND,
     sre_c.AT_NON_BOUNDARY: _NOT_BOUND,
 }
+#: the constructs that stand for one character (``char``)
+_CHAR_OPS = (sre_c.LITERAL, sre_c.NOT_LITERAL, sre_c.ANY, sre_c.IN, sre_c.CATEGORY)
 _REPEATS = (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT, sre_c.POSSESSIVE_REPEAT)
 
 
@@ -120,28 +122,15 @@ class _Compiler:
         for op, arg in items:
             self.node(op, arg, flags)
 
-    def node(self, op: Any, arg: Any, flags: int) -> None:  # noqa: C901 - one case per op
-        if op is sre_c.LITERAL:
-            self.emit(CHAR, same_char(flags, arg))
-        elif op is sre_c.NOT_LITERAL:
-            self.emit(NOT_CHAR, same_char(flags, arg))
-        elif op is sre_c.ANY:
-            self.emit(ANY, bool(flags & DOTALL))
-        elif op is sre_c.IN:
-            self.emit(SET, CharSet(arg, flags))
-        elif op is sre_c.CATEGORY:
-            self.emit(SET, CharSet([(sre_c.CATEGORY, arg)], flags))
+    def node(self, op: Any, arg: Any, flags: int) -> None:
+        """Emit one parsed construct: a character (``char``) or a structure (one case
+        each)."""
+        if op in _CHAR_OPS:
+            self.char(op, arg, flags)
         elif op is sre_c.BRANCH:
             self.branch(arg[1], flags)
         elif op is sre_c.SUBPATTERN:
-            group, add, remove, items = arg
-            inner = (flags | add) & ~remove
-            if self.captures and group is not None:
-                self.emit(SAVE, 2 * group)
-                self.seq(items, inner)
-                self.emit(SAVE, 2 * group + 1)
-            else:
-                self.seq(items, inner)
+            self.group(arg, flags)
         elif op in _REPEATS:
             lo, hi, items = arg
             if op is sre_c.POSSESSIVE_REPEAT:
@@ -157,16 +146,44 @@ class _Compiler:
         elif op is sre_c.GROUPREF:
             self.emit(BACKREF, arg, bool(flags & IGNORECASE))
         elif op is sre_c.GROUPREF_EXISTS:
-            group, yes, no = arg
-            test = self.emit(COND, group)
-            self.seq(yes, flags)
-            skip = self.emit(JMP)
-            self.patch(test, b=len(self.program))
-            if no is not None:
-                self.seq(no, flags)
-            self.patch(skip, a=len(self.program))
+            self.conditional(arg, flags)
         else:
             raise PatternError(f"unsupported regular expression construct {op}")
+
+    def char(self, op: Any, arg: Any, flags: int) -> None:
+        """One character: a literal, a negated literal, ``.``, a class or a category."""
+        if op is sre_c.LITERAL:
+            self.emit(CHAR, same_char(flags, arg))
+        elif op is sre_c.NOT_LITERAL:
+            self.emit(NOT_CHAR, same_char(flags, arg))
+        elif op is sre_c.ANY:
+            self.emit(ANY, bool(flags & DOTALL))
+        elif op is sre_c.IN:
+            self.emit(SET, CharSet(arg, flags))
+        else:  # a category
+            self.emit(SET, CharSet([(sre_c.CATEGORY, arg)], flags))
+
+    def group(self, arg: Any, flags: int) -> None:
+        """A group, with its inline flags; saving its bounds when it captures."""
+        group, add, remove, items = arg
+        inner = (flags | add) & ~remove
+        if self.captures and group is not None:
+            self.emit(SAVE, 2 * group)
+            self.seq(items, inner)
+            self.emit(SAVE, 2 * group + 1)
+        else:
+            self.seq(items, inner)
+
+    def conditional(self, arg: Any, flags: int) -> None:
+        """``(?(group)yes|no)``: a test of the group, then either branch."""
+        group, yes, no = arg
+        test = self.emit(COND, group)
+        self.seq(yes, flags)
+        skip = self.emit(JMP)
+        self.patch(test, b=len(self.program))
+        if no is not None:
+            self.seq(no, flags)
+        self.patch(skip, a=len(self.program))
 
     def branch(self, alternatives: list[Any], flags: int) -> None:
         jumps = []
@@ -351,7 +368,11 @@ class _Matcher:
         self.stride = len(text) + 1
         self.subs: dict[Any, tuple[int, _Caps] | None] = {}
 
-    def run(self, pc: int, pos: int, caps: _Caps, *, top: bool = True) -> tuple[int, _Caps] | None:
+    # The interpreter's inner loop, every hot case inline: splitting it (the memo's test,
+    # an instruction's case) would add a Python call per state explored.
+    def run(  # noqa: C901, PLR0912, PLR0915
+        self, pc: int, pos: int, caps: _Caps, *, top: bool = True
+    ) -> tuple[int, _Caps] | None:
         """The first match from ``pc`` at ``pos`` reaching a MATCH, or None. The top run
         keeps its states in a bit array when they fit :data:`_BITMAP_STATES`; a
         sub-run (one per look-around position) in a set of integers, which costs what

@@ -275,7 +275,7 @@ class Validator:
         except OutOfWork as exc:
             raise exc.at(path) from None
 
-    def _valid(self, schema: Any, value: Any, path: str, depth: int) -> bool:  # noqa: C901
+    def _valid(self, schema: Any, value: Any, path: str, depth: int) -> bool:
         self.budget.spend(VALID_UNITS)
         if schema is True:
             return True
@@ -286,6 +286,23 @@ class Validator:
         if depth > 4 * MAX_DEPTH:
             raise InvalidSchema(path, "$ref cycles without consuming the instance")
         s = schema
+        if not self._applicators(s, value, path, depth):
+            return False
+        if not self._type_and_values(s, value, path):
+            return False
+        if _is_number(value):
+            return self._number(s, value, path)
+        if isinstance(value, str):
+            return self._string(s, value, path)
+        if isinstance(value, list):
+            return self._array(s, value, path, depth)
+        if isinstance(value, dict):
+            return self._object(s, value, path, depth)
+        return True
+
+    def _applicators(self, s: dict[str, Any], value: Any, path: str, depth: int) -> bool:
+        """Whether ``value`` passes the schema's applicators, in order: ``$ref``,
+        ``allOf``, ``anyOf``, ``oneOf``, ``not``, ``if`` / ``then`` / ``else``."""
         if "$ref" in s:
             target = self.schemas.resolve(s["$ref"], path)
             if not self.valid(target, value, f"{path}/$ref", depth + 1):
@@ -312,6 +329,11 @@ class Validator:
                     return False
             elif "else" in s and not self.valid(s["else"], value, f"{path}/else", depth + 1):
                 return False
+        return True
+
+    def _type_and_values(self, s: dict[str, Any], value: Any, path: str) -> bool:
+        """Whether ``value`` is of the schema's ``type`` and is its ``const`` and one of
+        its ``enum``, when given."""
         types = _types(s, path)
         if types is not None and not any(_type_of(value, t) for t in types):
             return False
@@ -321,14 +343,6 @@ class Validator:
             keys = self.enum_keys(_list(s, "enum", f"{path}"))
             if value_key(value, self.budget) not in keys:
                 return False
-        if _is_number(value):
-            return self._number(s, value, path)
-        if isinstance(value, str):
-            return self._string(s, value, path)
-        if isinstance(value, list):
-            return self._array(s, value, path, depth)
-        if isinstance(value, dict):
-            return self._object(s, value, path, depth)
         return True
 
     def _number(self, s: dict[str, Any], value: Any, path: str) -> bool:
@@ -399,20 +413,37 @@ class Validator:
                 s["propertyNames"], name, f"{path}/propertyNames", depth + 1
             ):
                 return False
-            matched = False
-            if name in properties:
+            if not self._property(s, name, item, properties, patterns, path, depth):
+                return False
+        return True
+
+    def _property(
+        self,
+        s: dict[str, Any],
+        name: str,
+        item: Any,
+        properties: Mapping[str, Any],
+        patterns: list[tuple[Regex, Any]],
+        path: str,
+        depth: int,
+    ) -> bool:
+        """Whether the property ``name`` holding ``item`` passes its schema in
+        ``properties``, each of the ``patternProperties`` its name matches, and, when none
+        applied, ``additionalProperties``."""
+        matched = False
+        if name in properties:
+            matched = True
+            if not self.valid(properties[name], item, f"{path}/properties", depth + 1):
+                return False
+        for regex, sub in patterns:
+            if self.search(regex, name, f"{path}/patternProperties"):
                 matched = True
-                if not self.valid(properties[name], item, f"{path}/properties", depth + 1):
+                if not self.valid(sub, item, f"{path}/patternProperties", depth + 1):
                     return False
-            for regex, sub in patterns:
-                if self.search(regex, name, f"{path}/patternProperties"):
-                    matched = True
-                    if not self.valid(sub, item, f"{path}/patternProperties", depth + 1):
-                        return False
-            if not matched and "additionalProperties" in s:
-                extra = s["additionalProperties"]
-                if not self.valid(extra, item, f"{path}/additionalProperties", depth + 1):
-                    return False
+        if not matched and "additionalProperties" in s:
+            extra = s["additionalProperties"]
+            if not self.valid(extra, item, f"{path}/additionalProperties", depth + 1):
+                return False
         return True
 
     def search(self, regex: Regex, text: str, path: str) -> bool:
