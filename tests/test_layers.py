@@ -3,7 +3,9 @@
 Dependencies point one way: ``core`` (pure) <- ``sim`` / ``runtime`` / ``api`` <- ``serve``
 <- the CLI; the load client talks to a server only over HTTP; hypercorn and h11 are
 touched only by ``serve/transport``, which the rest of the server reaches through its
-interface (the package's ``__init__``).
+interface (the package's ``__init__``). The order is checked twice: by layers (``LAYERS``:
+every import points to a lower layer) and unit by unit (``MAY_IMPORT``: which packages
+each package may import).
 """
 
 from __future__ import annotations
@@ -282,6 +284,107 @@ def test_the_layer_check_can_fail() -> None:
         ("extra", "?"),
         ("inference_lab.api.text", "inference_lab.runtime.lag"),
         ("inference_lab.core.engine", "inference_lab.sim.run"),
+    ]
+
+
+#: Which other units of the package each unit may import, beyond the shared modules of
+#: layer 0 (which import only each other): ``docs/internals.md``'s picture (``X ──► Y``: Y
+#: imports X) and the notes under it, as the code has them. Finer than ``LAYERS``: a unit
+#: may not import every lower layer, only these (the load client: ``traffic`` alone).
+#: ``cli`` loads each subcommand's module by name (``importlib``), which the walk does not
+#: see.
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    unit: frozenset(allowed)
+    for unit, allowed in {
+        **{shared: () for shared in LAYERS[0]},
+        "traffic": (),
+        "generate": (),
+        "web": (),
+        "executors": (),
+        "core": ("traffic",),
+        "workload": ("core", "traffic"),
+        "api": ("core", "generate"),
+        "runtime": ("core",),
+        "sim": ("core", "workload", "traffic", "api", "web", "executors"),
+        "calibrate": ("core", "sim"),
+        "plan": ("core", "sim", "executors"),
+        "serve": ("core", "api", "runtime", "generate", "web"),
+        "client": ("traffic",),
+        "proxy": ("client", "serve"),
+        "cli": (),
+        "__main__": ("cli",),
+    }.items()
+}
+
+
+def _unit_imports(graph_: dict[str, set[str]]) -> dict[str, dict[str, str]]:
+    """For each unit, the other non-shared units it imports, each with the first module
+    (in name order) that does so."""
+    out: dict[str, dict[str, str]] = {}
+    for mod, deps in sorted(graph_.items()):
+        unit = _unit(mod)
+        for dep in sorted(deps):
+            if not dep.startswith(PACKAGE_NAME + "."):
+                continue
+            other = _unit(dep)
+            if other != unit and other not in LAYERS[0]:
+                out.setdefault(unit, {}).setdefault(other, mod)
+    return out
+
+
+def _undeclared_imports(
+    graph_: dict[str, set[str]], table: dict[str, frozenset[str]]
+) -> list[tuple[str, str]]:
+    """(module, unit) for every unit a module imports that ``table`` does not allow its
+    own unit (a unit missing from the table is allowed nothing)."""
+    return sorted(
+        (mod, other)
+        for unit, imported in _unit_imports(graph_).items()
+        if unit != PACKAGE_NAME
+        for other, mod in imported.items()
+        if other not in table.get(unit, frozenset())
+    )
+
+
+def test_each_package_imports_only_the_packages_the_table_allows() -> None:
+    """The order between packages, unit by unit: ``core`` only the traffic shapes; the
+    workload generators, the wire format and the runtime the core (the wire format also
+    ``generate``); the simulator what it runs; the server the wire format, the runtime
+    and the core; the load client only the traffic shapes (it talks to a server over
+    HTTP); every unit is in the table."""
+    assert _undeclared_imports(GRAPH, MAY_IMPORT) == []
+    units = {_unit(m) for m in modules()} - {PACKAGE_NAME}
+    assert units == set(MAY_IMPORT)
+
+
+def test_the_table_points_down_the_layers() -> None:
+    """Every import the table allows goes to a lower layer: the table refines the layers,
+    never contradicts them."""
+    rank = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+    upward = sorted(
+        (unit, other)
+        for unit, allowed in MAY_IMPORT.items()
+        for other in allowed
+        if rank[other] >= rank[unit]
+    )
+    assert upward == []
+
+
+def test_the_table_check_can_fail() -> None:
+    """Imports the table does not allow, made by hand, are reported: the load client
+    importing the core (downwards, so the layers allow it), the core importing the
+    workload generators (upwards), a unit the table does not name; a shared module, an
+    import within a package and an allowed one are not."""
+    fake = {
+        "inference_lab.client.load": {"inference_lab.core.roofline", "inference_lab.errors"},
+        "inference_lab.core.engine": {"inference_lab.workload.arrivals", "inference_lab.core.x"},
+        "inference_lab.sim.run": {"inference_lab.core.engine", "inference_lab.workload.arrivals"},
+        "inference_lab.extra.mod": {"inference_lab.core.engine"},
+    }
+    assert _undeclared_imports(fake, MAY_IMPORT) == [
+        ("inference_lab.client.load", "core"),
+        ("inference_lab.core.engine", "workload"),
+        ("inference_lab.extra.mod", "core"),
     ]
 
 
