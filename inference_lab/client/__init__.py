@@ -8,6 +8,7 @@ package (a test walks the imports).
 - ``http``: minimal HTTP/1.1 client (h11 over an injectable transport, keep-alive reuse)
 - ``wire``: OpenAI request bodies, prompt sizing, stream-frame classification
 - ``load``: the load generator (closed loop, open loop, adaptive)
+- ``load_records``: its values: the run's ``LoadConfig``, each attempt's record, the result
 - ``report``: summary, percentiles, text, JSON, CSV
 - ``plot``: the ``--plot`` figure (matplotlib, Agg; the ``plot`` extra)
 - ``cli``: the ``load`` subcommand (``add_parser`` / ``run``)
