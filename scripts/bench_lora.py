@@ -135,10 +135,11 @@ async def open_loop(url: str, rate: float, requests: int, base: str | None = Non
 
     async def one(at: float, adapter: str | None, prompt: list[int]) -> None:
         assert adapter is not None
+        request = request_bytes(port, adapter, prompt)  # (encoding it is not timed)
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         async with stream:
             start = time.perf_counter()
-            res = await _one_stream(stream, request_bytes(port, adapter, prompt), start)
+            res = await _one_stream(stream, request, start)
             out.append(Sent(start - t0, adapter, res.ttft, res.e2e, res.status))
 
     async with trio.open_nursery() as nursery:

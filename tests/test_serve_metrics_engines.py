@@ -53,7 +53,7 @@ class Recorder:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def on_step(self, events: Any, lag: float) -> None:
+    def on_step(self, events: Any, lag: float | None) -> None:
         self.finished.extend(events.finished)
         self.inner.on_step(events, lag)
 

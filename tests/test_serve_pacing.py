@@ -535,8 +535,10 @@ async def test_the_early_wake_is_learned_from_the_timers_wake_ups_only(
     assert rt.statistics().calibration == calibration
     snap = rt.snapshot()
     assert snap.lag_max == TIMER_LATE
-    # and the arrival and its first step, both due when the arrival reached the engine
-    assert snap.lag_mean * snap.events == pytest.approx(TIMER_LATE + 2 * BACKDATED)
+    # only the first token was late: the back-dated arrival and its first step's start,
+    # due before the engine could know of them, release nothing (runtime Rule 2)
+    assert snap.lag_mean * snap.events == pytest.approx(TIMER_LATE)
+    assert snap.events == 20  # one per step that released a token
 
 
 async def test_a_runtime_that_adopts_a_calibration_is_on_time_from_its_first_token(
@@ -544,13 +546,48 @@ async def test_a_runtime_that_adopts_a_calibration_is_on_time_from_its_first_tok
 ) -> None:
     """Started from what another runtime learned on the same machine (the server's
     warm-up), the pacer wakes early enough from its first wake-up: every step's tokens
-    are released on time (lag 0, but for the back-dated arrival and its first step)."""
+    are released on time, so the pacing lag is 0: the request's way in (stamped
+    BACKDATED before the engine took it) is inside its first step, which starts at the
+    stamp, and is not lateness (runtime Rule 2)."""
     learned = PacingCalibration(TIMER_LATE, 8)
     rt, wakes = await _lone_request(monkeypatch, adopt=learned)
     assert rt.calibration() == PacingCalibration(TIMER_LATE, 8 + wakes)
     snap = rt.snapshot()
-    assert snap.lag_max == pytest.approx(BACKDATED)  # the arrival and its first step
-    assert snap.lag_mean * snap.events == pytest.approx(2 * BACKDATED)
+    assert snap.lag_max == 0.0 and snap.lag_mean == 0.0
+    assert snap.events == 20
+
+
+async def test_a_way_in_longer_than_the_first_step_makes_its_tokens_late(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A request stamped a whole second before the engine takes it: its first step
+    (starting at the stamp) ended long before, so its first token leaves late by the
+    second less the modelled TTFT, and that is pacing lag (a client sees it)."""
+    _LateTimer.made.clear()
+    monkeypatch.setattr(runtime_module, "Timer", _LateTimer)
+    rt = ModelRuntime(make_settings().deployments[0])
+    rt.adopt_calibration(PacingCalibration(TIMER_LATE, 8))
+    seen: list[Any] = []
+
+    class _Keep(_Finish):
+        def on_finished(self, finished: Any) -> None:
+            seen.append(finished)
+            super().on_finished(finished)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(rt.run)
+        await trio.sleep(1.0)
+        sink = _Keep()
+        rt.admit_nowait(
+            prompt_tokens=P, max_tokens=20, priority=0, sink=sink,
+            arrival=trio.current_time() - 1.0,
+        )  # fmt: skip
+        await sink.ended.wait()
+        rt.stop()
+    (finished,) = seen
+    ttft = finished.first_token_time - finished.arrival_time
+    assert 0.0 < ttft < 0.1
+    assert rt.snapshot().lag_max == pytest.approx(1.0 - ttft, abs=1e-9)
 
 
 #: How long the engine's every step takes to compute in the test below (exact in binary).

@@ -12,8 +12,11 @@ Rule 2: the engine does not run ahead of wall-clock: it steps an event once its 
         (:mod:`inference_lab.runtime.calibration`), which is learned from when the
         ``step()`` of a timer's wake-up returned, so that it covers the step's own
         computation too. A step's tokens are released when the ``step()`` handling its
-        end returns them; how late the engine task took up the event is the pacing lag
-        (:mod:`inference_lab.runtime.lag`).
+        end returns them; how late the engine task took up an event that released tokens
+        or ended requests is the pacing lag (:mod:`inference_lab.runtime.lag`). An event
+        that releases neither (an arrival, a step's start, a KV transfer's end) is seen
+        by no client, and a back-dated arrival's (Rule 3) is due before the engine could
+        know of it: counting those would report a request's way in as lateness.
 Rule 3: an arrival is stamped with wall-clock time, and an idle engine's clock is moved up
         to it first, so a request into a long-idle server is paced like one under load.
         An arrival stamped before a boundary still joins the step in flight (engine
@@ -131,7 +134,7 @@ class RuntimeObserver(Protocol):
     an aborted request. All are synchronous, must not block or raise, and must stay O(1)
     per engine event: they run inside the pacing loop."""
 
-    def on_step(self, events: StepEvents, lag: float) -> None: ...
+    def on_step(self, events: StepEvents, lag: float | None) -> None: ...
 
     def on_refused(
         self, reason: Literal["queue_saturated", "engine_unavailable", "engine_sleeping"]
@@ -177,7 +180,8 @@ class RuntimeSnapshot:
     #: Admitted requests ended before they finished (their client left, or a fault
     #: ended them) since the runtime was built.
     aborted: int
-    #: Engine events handled (each one's pacing lag is recorded).
+    #: Engine events handled that released tokens or ended requests (each one's pacing
+    #: lag is recorded, Rule 2).
     events: int
     #: The largest pacing lag so far (seconds).
     lag_max: float
@@ -808,10 +812,12 @@ class ModelRuntime:
                 # hand-over to this task and the step's own computation
                 wake.learn(trio.current_time() - (epoch + t))
                 first = False
-            lag = signed if signed > 0.0 else 0.0
-            lag_meter.record(lag)
-            if latest < 0.0:
-                latest = lag
+            lag: float | None = None
+            if events.tokens or events.finished:  # Rule 2: what a client sees
+                lag = signed if signed > 0.0 else 0.0
+                lag_meter.record(lag)
+                if latest < 0.0:
+                    latest = lag
             self._deliver(events)
             if observer is not None:
                 observer.on_step(events, lag)

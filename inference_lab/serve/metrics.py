@@ -233,11 +233,12 @@ class ModelMetrics:
             }
 
     # -- the engine task (RuntimeObserver) ---------------------------------------------
-    def on_step(self, events: StepEvents, lag: float) -> None:
-        self.lag.observe(lag)
-        self.lag_events += 1
-        if lag > self.lag_peak:
-            self.lag_peak = lag
+    def on_step(self, events: StepEvents, lag: float | None) -> None:
+        if lag is not None:  # (None: an event no client sees, runtime Rule 2)
+            self.lag.observe(lag)
+            self.lag_events += 1
+            if lag > self.lag_peak:
+                self.lag_peak = lag
         step = events.step
         if self.spec is None:
             # a request emits at most one token per sequence per step: one entry each
