@@ -97,6 +97,7 @@ class Intake:
                 n=arrival.n,
                 block_hashes=arrival.block_hashes,
                 lora=None if self.adapters is None else self.adapters.pick(arrival),
+                session=_session_key(arrival),
             )
             try:
                 request_id = self._engine.submit(spec)
@@ -128,6 +129,14 @@ class Intake:
             again, self._parked = self._parked, []
             for arrival in again:
                 self.submit(generator.follow_up(arrival, time, True))
+
+
+def _session_key(arrival: Arrival) -> int | None:
+    """What the ``session_affinity`` router keys ``arrival`` by: its session, else its
+    closed-loop user, else nothing."""
+    if arrival.session >= 0:
+        return arrival.session
+    return arrival.user if arrival.user >= 0 else None
 
 
 class OpenLoopFeed:
