@@ -6,19 +6,21 @@ cannot be sharded is refused in one line."""
 
 from __future__ import annotations
 
+import socket
 import sys
 from typing import Any
 
 import attrs
 import numpy as np
 import pytest
+import trio
 
 from inference_lab import cli
 from inference_lab.core.config import Deployment, Workload, load_deployment, load_workload, split_pd
 from inference_lab.errors import ConfigError, SimError
 from inference_lab.executors.backends import InlineExecutor
 from inference_lab.sim import shard as shard_module
-from inference_lab.sim.fleet import run_fleet, run_on_ray, shard_jobs
+from inference_lab.sim.fleet import probe_address, run_fleet, run_on_ray, shard_jobs
 from inference_lab.sim.run import SimResult, run_simulation
 from inference_lab.sim.shard import ShardJob, ShardResult, run_shard, shard_deployment
 from inference_lab.sim.sketch import RELATIVE_ACCURACY
@@ -284,5 +286,51 @@ def test_a_cluster_that_cannot_be_reached_is_one_line(monkeypatch: pytest.Monkey
     monkeypatch.setattr(ray_backend, "RayExecutor", Unreachable)
     dep, wl, _ = SCENARIOS["poisson"]
     with pytest.raises(SimError) as info:
-        run_on_ray("10.0.0.1:6379", dep, wl)
-    assert str(info.value) == "--ray 10.0.0.1:6379: Could not find any running Ray instance."
+        run_on_ray("auto", dep, wl)  # (no probe: Rule 5 of sim.fleet)
+    assert str(info.value) == "--ray auto: Could not find any running Ray instance."
+
+
+def test_an_address_where_nothing_listens_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--ray 127.0.0.1:PORT`` with no cluster there (a port just freed): a SimError naming
+    the address, one line, within a bound (the run is in a thread abandoned past 30 s),
+    before Ray is imported."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    dep, wl, _ = SCENARIOS["poisson"]
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+
+    def attempt() -> str:
+        with pytest.raises(SimError) as info:
+            run_on_ray(address, dep, wl)
+        return str(info.value)
+
+    async def bounded() -> str:
+        with trio.fail_after(30):
+            return await trio.to_thread.run_sync(attempt, abandon_on_cancel=True)
+
+    message = trio.run(bounded)
+    assert message == f"--ray {address}: no Ray cluster answers there (Connection refused)"
+    assert "ray" not in sys.modules
+
+
+def test_an_address_that_does_not_answer_in_time_is_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection that times out (a host that drops the packets) is the same one line,
+    saying how long the probe waited; ``local``, ``auto`` and an address without a port
+    are left to Ray."""
+
+    def silent(address: tuple[str, int], timeout: float) -> socket.socket:
+        assert address == ("10.1.2.3", 6379) and timeout == 0.25
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", silent)
+    with pytest.raises(SimError) as info:
+        probe_address("ray://10.1.2.3:6379", timeout=0.25)
+    assert str(info.value) == (
+        "--ray ray://10.1.2.3:6379: no Ray cluster answers there (no connection within 0.25 s)"
+    )
+    for address in ("local", "auto", "headnode"):
+        probe_address(address)  # (create_connection not called)

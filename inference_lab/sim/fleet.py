@@ -18,6 +18,10 @@ Rule 3: the merge is exact for every count and integer sum (requests, tokens, st
         run's (:mod:`inference_lab.sim.sketch`).
 Rule 4: the peak waiting queue is the sum of the shards' peaks: an upper bound of the
         run's, as the replicas need not peak together (``FleetInfo`` says so).
+Rule 5: ``sim --ray HOST:PORT`` first connects to that port (the head's GCS, or a Ray
+        client server for ``ray://``) with a timeout of :data:`PROBE_TIMEOUT_S`: where
+        nothing listens it fails in one line within that time, before ``ray.init`` (which
+        would keep retrying the GCS for a minute or more).
 
 Who calls this: ``sim/cli.py`` (``--ray``), tests (with the in-process executor) and
 ``scripts/bench_fleet.py``.
@@ -26,6 +30,7 @@ Who calls this: ``sim/cli.py`` (``--ray``), tests (with the in-process executor)
 from __future__ import annotations
 
 import math
+import socket
 import time
 from collections.abc import Callable, Sequence
 
@@ -41,7 +46,17 @@ from inference_lab.sim.sketch import RELATIVE_ACCURACY, QuantileSketch
 from inference_lab.sim.summary import PrefixCacheSummary, ReplicaSummary, SimSummary
 from inference_lab.traffic.traces import Trace
 
-__all__ = ["merge_shards", "run_fleet", "run_on_ray", "shard_jobs"]
+__all__ = [
+    "PROBE_TIMEOUT_S",
+    "merge_shards",
+    "probe_address",
+    "run_fleet",
+    "run_on_ray",
+    "shard_jobs",
+]
+
+#: How long ``sim --ray HOST:PORT`` waits for the cluster's port to accept (Rule 5).
+PROBE_TIMEOUT_S = 5.0
 
 
 def shard_jobs(
@@ -113,6 +128,7 @@ def run_on_ray(
     address; the executors' ``ray_backend`` Rule 3): refused before Ray starts when it
     cannot be sharded; the executor is closed however the run ends."""
     check_shardable(deployment, workload)
+    probe_address(address)
     from inference_lab.executors.ray_backend import RayExecutor
 
     try:
@@ -126,6 +142,26 @@ def run_on_ray(
         )
     finally:
         executor.close()
+
+
+def probe_address(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Raise SimError, one line naming ``address``, unless something accepts a TCP
+    connection at its ``host:port`` within ``timeout`` seconds (Rule 5). ``local``,
+    ``auto`` and an address without a port are left to ``ray.init``."""
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if address in ("local", "auto") or not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except TimeoutError:
+        raise SimError(
+            f"--ray {address}: no Ray cluster answers there (no connection within {timeout:g} s)"
+        ) from None
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise SimError(f"--ray {address}: no Ray cluster answers there ({reason})") from None
 
 
 def _latency_sketches(results: Sequence[ShardResult]) -> dict[str, QuantileSketch]:
