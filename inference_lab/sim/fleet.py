@@ -60,7 +60,7 @@ PROBE_TIMEOUT_S = 5.0
 
 
 def shard_jobs(
-    deployment: Deployment, workload: Workload, seed: int, shards: int
+    deployment: Deployment, workload: Workload | Trace, seed: int, shards: int
 ) -> list[ShardJob]:
     """The jobs of a run in ``shards`` shards (Rule 2; at most one per replica)."""
     n = deployment.hardware.replicas
@@ -93,8 +93,9 @@ def run_fleet(
     be sharded, SimError when a shard fails (its executor's reason)."""
     start = time.perf_counter()
     check_shardable(deployment, workload)
-    assert isinstance(workload, Workload)  # (a trace was refused)
-    run_seed = workload.seed if seed is None else seed
+    run_seed = 0  # (a trace's, as its generator says)
+    if isinstance(workload, Workload):
+        run_seed = workload.seed if seed is None else seed
     jobs = shard_jobs(deployment, workload, run_seed, shards or executor.parallelism)
     for job in jobs:
         executor.submit(job)

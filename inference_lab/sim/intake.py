@@ -29,6 +29,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+import numpy.typing as npt
+
 from inference_lab.core.builders import frozen_builder
 from inference_lab.core.engine import Engine, Finished, RequestSpec
 from inference_lab.errors import RequestRefused, SimError
@@ -143,8 +146,17 @@ class OpenLoopFeed:
     """An open loop's arrivals, fed to the engine from arrays (Rule 2): the loop calls
     :meth:`feed` before the engine handles an event past :attr:`next_time`."""
 
-    def __init__(self, engine: Engine, intake: Intake, arrays: ArrivalArrays) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        intake: Intake,
+        arrays: ArrivalArrays,
+        workers: npt.NDArray[np.int32] | None = None,
+    ) -> None:
         self._engine = engine
+        #: each arrival's worker, routed by the caller (a shard: ``sim.shard``); None:
+        #: the engine's router places them
+        self._workers = workers
         self._intake = intake
         times, prompts, outputs = arrays
         self.times = times
@@ -174,6 +186,7 @@ class OpenLoopFeed:
         adapters = intake.adapters
         # an adapter per arrival, in arrival order, from its own stream (adapters Rule 2)
         loras = None if adapters is None else adapters.draws(end - fed)
+        hints = None if self._workers is None else self._workers[fed:end].tolist()
         for i, t, p, o in zip(
             range(fed, end),
             self.times[fed:end].tolist(),
@@ -181,7 +194,11 @@ class OpenLoopFeed:
             self._outputs[fed:end].tolist(),
             strict=True,
         ):
-            if loras is None:
+            if hints is not None:  # (a shard: no adapters)
+                spec = new_spec(
+                    prompt_tokens=p, max_tokens=o, arrival_time=t, worker=hints[i - fed]
+                )
+            elif loras is None:
                 spec = new_spec(prompt_tokens=p, max_tokens=o, arrival_time=t)
             else:
                 spec = new_spec(prompt_tokens=p, max_tokens=o, arrival_time=t, lora=loras[i - fed])

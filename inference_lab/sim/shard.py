@@ -56,15 +56,16 @@ import numpy as np
 import numpy.typing as npt
 
 from inference_lab.core.config import Deployment, Workload
-from inference_lab.core.engine import Engine, Finished
+from inference_lab.core.engine import Engine, Finished, RequestSpec
 from inference_lab.core.engine.limits import fits_total
 from inference_lab.errors import ConfigError
 from inference_lab.sim.intake import Intake, OpenLoopFeed
 from inference_lab.sim.records import FinishedTable, StepTotals
-from inference_lab.sim.sharding import ShardTiming
+from inference_lab.sim.sharding import ShardTiming, route
 from inference_lab.sim.sketch import QuantileSketch
-from inference_lab.workload import make_generator
-from inference_lab.workload.arrivals import ArrivalArrays, ArrivalGenerator
+from inference_lab.traffic.traces import Trace
+from inference_lab.workload import TraceGenerator, make_generator
+from inference_lab.workload.arrivals import Arrival, ArrivalArrays, ArrivalGenerator
 from inference_lab.workload.open_loop import ChunkMark, OpenLoopGenerator
 
 __all__ = [
@@ -96,7 +97,7 @@ class ShardJob:
     never run (one shard of a run does)."""
 
     deployment: Deployment
-    workload: Workload
+    workload: Workload | Trace
     seed: int
     replicas: tuple[int, ...]
     counts_refusals: bool
@@ -171,6 +172,10 @@ class _Stream:
     """What the first pass over the arrival stream found (Rules 2 and 4)."""
 
     own: ArrivalArrays
+    #: each own arrival's worker in the shard's deployment (the router's, shifted)
+    hints: npt.NDArray[np.int32] = attrs.Factory(lambda: np.zeros(0, np.int32))
+    #: a trace's own arrivals, in the trace's order (an open loop's are ``own``)
+    trace_own: list[Arrival] | None = None
     count: int = 0
     first: float = math.inf
     last: float = -math.inf
@@ -191,6 +196,11 @@ def _owned_workers(job: ShardJob) -> npt.NDArray[np.bool_]:
     for r in job.replicas:
         owned[r * dp : (r + 1) * dp] = True
     return owned
+
+
+def _first_worker(job: ShardJob) -> int:
+    """The deployment's index of the shard's first worker (its workers are contiguous)."""
+    return job.replicas[0] * job.deployment.hardware.dp_attention
 
 
 def _fits(
@@ -223,10 +233,12 @@ def _select(job: ShardJob, engine: Engine) -> _Stream:
     routed to this shard's workers kept."""
     generator = make_generator(job.workload, job.seed)
     if not isinstance(generator, OpenLoopGenerator):  # (the fleet checked it)
-        raise ConfigError("workload: a shard runs an open-loop workload")
+        raise ConfigError("workload: a shard runs an open-loop workload or a trace")
     owned = _owned_workers(job)
+    first = _first_worker(job)
     stream = _Stream(ArrivalArrays(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)))
     parts: list[ArrivalArrays] = []
+    hints: list[npt.NDArray[np.int32]] = []
     routed = 0  # arrivals the deployment can run, so far: round robin's position
     last_stamp = -math.inf
     for mark, chunk in generator.marked_chunks(MARK_EVERY):
@@ -244,11 +256,62 @@ def _select(job: ShardJob, engine: Engine) -> _Stream:
             stream.last_offered = max(stream.last_offered, float(times[fit].max()))
             last_stamp = float(_stamps(engine, times[fit]).max())
         stream.chunk_last_stamp.append(last_stamp)
-        mine = fit & owned[position % len(owned)]
+        workers = route(job.deployment, position)
+        mine: npt.NDArray[np.bool_] = fit & owned[workers]
         if mine.any():
-            parts.append(ArrivalArrays(*(column[mine] for column in chunk)))
+            parts.append(
+                ArrivalArrays(chunk.times[mine], chunk.prompt_tokens[mine], chunk.output_lens[mine])
+            )
+            hints.append((workers[mine] - first).astype(np.int32))
     if parts:
         stream.own = ArrivalArrays(*(np.concatenate(c) for c in zip(*parts, strict=True)))
+        stream.hints = np.concatenate(hints)
+    return stream
+
+
+def _select_trace(job: ShardJob, engine: Engine, trace: Trace) -> _Stream:
+    """A trace's first pass (Rules 2 and 4): every request checked as the engine checks
+    it, those the deployment can run placed in the order the engine handles their
+    arrivals (by engine time, then the trace's order: all are submitted before the first
+    step), the ones routed to this shard's workers kept in the trace's order."""
+    sched = job.deployment.scheduler
+    block_size = sched.block_size if sched.enable_prefix_caching else None
+    arrivals = TraceGenerator(trace, block_size).initial()
+    stream = _Stream(ArrivalArrays(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)))
+    if not arrivals:
+        return stream
+    times = np.array([a.time for a in arrivals], np.float64)
+    fit = np.ones(len(arrivals), np.bool_)
+    total = fits_total(engine.deployment, engine.roofline)
+    for i, a in enumerate(arrivals):
+        if a.n != 1 or a.prompt_tokens + a.output_len > total:
+            refused = engine.check_fits(a.prompt_tokens, a.output_len, a.n)
+            if refused is not None:
+                fit[i] = False
+                if job.counts_refusals:
+                    stream.refusals[refused.limit] = stream.refusals.get(refused.limit, 0) + 1
+                    stream.first_refusal = stream.first_refusal or refused.reason
+    stream.count = len(arrivals)
+    stream.first, stream.last = float(times.min()), float(times.max())
+    fits = np.flatnonzero(fit)
+    stamps = np.maximum(_stamps(engine, times[fits]), 0.0)  # (submitted at time 0)
+    position = np.empty(len(fits), np.int64)
+    position[np.argsort(stamps, kind="stable")] = np.arange(len(fits))
+    workers = route(job.deployment, position)
+    mine = _owned_workers(job)[workers]
+    own = fits[mine]
+    stream.trace_own = [arrivals[i] for i in own.tolist()]
+    stream.hints = (workers[mine] - _first_worker(job)).astype(np.int32)
+    stream.own = ArrivalArrays(
+        times[own],
+        np.array([a.prompt_tokens for a in stream.trace_own], np.int64),
+        np.array([a.output_len for a in stream.trace_own], np.int64),
+    )
+    if len(fits):
+        stream.first_offered = float(times[fits].min())
+        stream.last_offered = float(times[fits].max())
+        ordered = np.sort(stamps)
+        stream.chunk_last_stamp = array("d", ordered.tolist())
     return stream
 
 
@@ -262,6 +325,7 @@ def _last_stamp_until(job: ShardJob, engine: Engine, stream: _Stream, bound: flo
     if chunk == len(lasts):
         return before
     mark = stream.marks[chunk // MARK_EVERY]
+    assert isinstance(job.workload, Workload)  # (a trace's stamps are all at hand)
     drawn = OpenLoopGenerator.resume(job.workload, mark).marked_chunks(start=mark)
     for _ in range(chunk % MARK_EVERY):
         next(drawn)
@@ -269,6 +333,13 @@ def _last_stamp_until(job: ShardJob, engine: Engine, stream: _Stream, bound: flo
     stamps = _stamps(engine, arrays.times)[_fits(engine, stream, arrays, False)]
     inside = stamps[stamps <= bound]
     return float(inside.max()) if inside.size else before
+
+
+def _trace_stamp_until(stream: _Stream, bound: float) -> float | None:
+    """A trace's :func:`_last_stamp_until`: its stamps are all at hand, in order."""
+    stamps = np.frombuffer(stream.chunk_last_stamp, dtype=np.float64)
+    before = int(np.searchsorted(stamps, bound, side="right"))
+    return float(stamps[before - 1]) if before else None
 
 
 class _OwnArrivals(ArrivalGenerator):
@@ -359,18 +430,22 @@ def run_shard(job: ShardJob) -> ShardResult:
     an open loop (:mod:`inference_lab.sim.fleet` checks that first)."""
     start, cpu = time.perf_counter(), time.process_time()
     engine = Engine(shard_deployment(job.deployment, len(job.replicas)))
-    stream = _select(job, engine)
+    trace = job.workload if isinstance(job.workload, Trace) else None
+    stream = _select(job, engine) if trace is None else _select_trace(job, engine, trace)
     select_cpu = time.process_time() - cpu
     # the queue readings' times (Rule 5): the unsharded run's watch reads the queue after
     # the last arrival at or before the middle of every arrival's time, and the last
     middle = (stream.first + stream.last) / 2
-    readings = [
-        _last_stamp_until(job, engine, stream, middle),
-        _last_stamp_until(job, engine, stream, math.inf),
-    ]
+    if trace is None:
+        readings = [
+            _last_stamp_until(job, engine, stream, middle),
+            _last_stamp_until(job, engine, stream, math.inf),
+        ]
+    else:
+        readings = [_trace_stamp_until(stream, middle), _trace_stamp_until(stream, math.inf)]
     mid = (stream.first_offered + stream.last_offered) / 2
     folder = _Folder(len(engine.workers), (mid, stream.last_offered))
-    queue = _run(engine, stream.own, folder, readings)
+    queue = _run(engine, stream, folder, readings)
     folder.fold()
     timing = ShardTiming(
         wall_s=time.perf_counter() - start,
@@ -390,23 +465,43 @@ class _Queue:
     at_end: int = 0
 
 
-def _run(
-    engine: Engine, own: ArrivalArrays, folder: _Folder, readings: list[float | None]
-) -> _Queue:
+def _submit_trace(engine: Engine, arrivals: Sequence[Arrival], hints: Sequence[int]) -> None:
+    """A trace's own arrivals, submitted up front in the trace's order as the unsharded
+    run submits them (``Intake.submit``: each can run), each to its worker."""
+    for a, worker in zip(arrivals, hints, strict=True):
+        engine.submit(
+            RequestSpec(
+                prompt_tokens=a.prompt_tokens,
+                max_tokens=a.output_len,
+                arrival_time=a.time,
+                n=a.n,
+                block_hashes=a.block_hashes,
+                worker=worker,
+            )
+        )
+
+
+def _run(engine: Engine, stream: _Stream, folder: _Folder, readings: list[float | None]) -> _Queue:
     """The simulator's loop (``sim.run.drive`` with no observer but the folds): the own
-    arrivals fed lazily, the events before the next feed handled as runs, stopping at
-    each reading's time to read the queue as the unsharded run's watch does (right after
-    every arrival at that time, before anything else at it)."""
-    intake = Intake(engine, _OwnArrivals(own))
-    feed = OpenLoopFeed(engine, intake, own)
+    arrivals fed lazily (a trace's submitted up front), each to its worker, the events
+    before the next feed handled as runs, stopping at each reading's time to read the
+    queue as the unsharded run's watch does (right after every arrival at that time,
+    before anything else at it)."""
+    own = stream.own
+    feed: OpenLoopFeed | None = None
+    if stream.trace_own is None:
+        feed = OpenLoopFeed(engine, Intake(engine, _OwnArrivals(own)), own, stream.hints)
+        stamps = _stamps(engine, own.times)
+    else:
+        _submit_trace(engine, stream.trace_own, stream.hints.tolist())
+        stamps = np.maximum(_stamps(engine, own.times), 0.0)
     queue = _Queue()
-    stamps = _stamps(engine, own.times)
     due = [(k, t) for k, t in enumerate(readings) if t is not None]
     ended: list[Finished] = []
-    next_feed = feed.next_time
+    next_feed = feed.next_time if feed is not None else math.inf
     while True:
         t_next = engine.next_event_time()
-        if next_feed != math.inf and (t_next is None or next_feed <= t_next):
+        if feed is not None and next_feed != math.inf and (t_next is None or next_feed <= t_next):
             next_feed = feed.feed()
             continue
         if due and (t_next is None or t_next >= due[0][1]):  # every event before it handled
