@@ -2,7 +2,8 @@
 shards, each run as a job on an executor, their figures merged into one summary.
 
 Rule 1: a deployment is sharded only when its replicas can be simulated apart
-        (:mod:`inference_lab.sim.sharding`: round robin, an open loop, no ``max_waiting``,
+        (:mod:`inference_lab.sim.sharding`: a router that reads no replica -- round
+        robin, random, session affinity --, an open loop or a trace, no ``max_waiting``,
         no speculation); anything else is one line, before any job runs.
 Rule 2: shard ``j`` of ``K`` owns replicas ``[j * N // K, (j + 1) * N // K)``; shard 0
         counts the requests that can never run (:mod:`inference_lab.sim.shard`, Rule 4).

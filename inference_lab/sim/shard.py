@@ -8,19 +8,22 @@ Rule 1: a :class:`ShardJob` holds everything its run reads -- the whole deployme
         or retried (``ShardResult.timing`` says how and where it ran; nothing else
         depends on that).
 Rule 2: the shard draws the workload's whole arrival stream, chunk by chunk, exactly as
-        an unsharded run draws it, and keeps the arrivals routed to its replicas: round
-        robin sends the ``k``-th arrival the deployment can run to worker ``k mod W``
-        (``W = replicas * dp_attention``; a request that can never run is refused at
-        submission and takes no turn). It runs them on a deployment of its own replicas
-        only, whose round robin gives them to the same replicas in the same order: its
-        workers are the owned ones, in index order, so each request's times and each
-        step's figures are the unsharded run's, bit for bit.
+        an unsharded run draws it (a trace: reads it whole), and keeps the arrivals
+        routed to its replicas: the ``k``-th arrival the deployment can run (in the
+        order the engine handles arrivals; a request that can never run is refused at
+        submission and takes no turn) goes where the router sends it
+        (:func:`~inference_lab.sim.sharding.route`: ``k mod W``, or a SplitMix64 draw of
+        ``k``). It runs them on a deployment of its own replicas only (its workers are
+        the owned ones, in index order), handing each its worker (``RequestSpec.worker``)
+        in the unsharded run's submission order, so each request's times and each step's
+        figures are the unsharded run's, bit for bit.
 Rule 3: its loop is the simulator's (``sim.run``: the arrivals fed lazily, the events
         before the next feed handled as one ``Engine.run_until``), with records that are
         folded every :data:`FOLD_REQUESTS` completions and :data:`FOLD_STEPS` steps into
         counts, sums, maxima and the quantile sketches of TTFT, TPOT, E2E and queue time
         (:mod:`inference_lab.sim.sketch`), then emptied. What a shard holds is its own
-        arrivals (three arrays and the feed's index: 32 bytes a request), the engine's
+        arrivals (three arrays, their workers and the feed's index: 36 bytes a request),
+        the engine's
         requests in flight, at most a fold's worth of records, one number per chunk of
         the stream and a mark of the stream (the generator's state) every
         :data:`MARK_EVERY` chunks.
