@@ -249,7 +249,14 @@ def test_what_else_cannot_be_sharded_is_refused() -> None:
     dep = _gpt_oss(4)
     sessions = load_workload(WORKLOADS / "chat-sessions-200.toml")
     closed = load_workload(WORKLOADS / "chat-closed-64.toml")
-    assert "a session workload cannot be sharded" in _refusal(dep, sessions)
+    for router in ("round_robin", "random"):
+        message = _refusal(_routed(dep, router), sessions)
+        assert f"a session workload under {router} cannot be sharded" in message
+    closed_sessions = attrs.evolve(
+        sessions, arrival_pattern="closed_loop", num_concurrent_users=8, arrival_rate=None
+    )
+    message = _refusal(_routed(dep, "session_affinity"), closed_sessions)
+    assert "closed-loop sessions cannot be sharded: each user's next session" in message
     for router in ("round_robin", "random", "session_affinity"):
         message = _refusal(_routed(dep, router), closed)
         assert "a closed-loop workload cannot be sharded: each request's lengths" in message
@@ -447,3 +454,65 @@ def test_the_vector_draws_are_the_routers() -> None:
     dep = _routed(_gpt_oss(5), "random", 9)
     assert route(dep, keys).tolist() == [draw(9, int(k)) % 5 for k in keys.tolist()]
     assert route(_gpt_oss(5), keys).tolist() == [int(k) % 5 for k in keys.tolist()]
+
+
+# ---------------------------------------------------------------------------------------
+# sessions under session_affinity
+
+
+def _sessions(sessions: int, turns_cap: int | None) -> Workload:
+    """chat-sessions-200's sessions (8 turns, a shared 2,048-token system prompt, think
+    times of 5 s), ``sessions`` of them starting at 6 a second."""
+    wl = load_workload(WORKLOADS / "chat-sessions-200.toml")
+    assert wl.sessions is not None
+    return attrs.evolve(
+        wl,
+        arrival_rate=6.0,
+        num_requests=turns_cap,
+        sessions=attrs.evolve(wl.sessions, num_sessions=sessions),
+    )
+
+
+@pytest.mark.parametrize(
+    ("context", "shards"), [(None, 2), (4_000, 3)], ids=["all turns", "late turns refused"]
+)
+def test_sharded_sessions_are_the_unsharded_run(context: int | None, shards: int) -> None:
+    """Sessions routed by session_affinity: every turn follows its own session's answer
+    on its own replica, so sharded, every figure is the unsharded run's -- the session
+    table per turn (TTFT percentiles within the sketch's bound), prefix hits per replica,
+    the refusals of turns past the context (summed over the shards) -- but the capacity
+    verdict, which a sharded session run does not give."""
+    dep = _routed(_gpt_oss(5), "session_affinity", 5)  # (5: no power of two nests)
+    if context is not None:
+        dep = attrs.evolve(dep, model=attrs.evolve(dep.model, max_seq_len=context))
+    wl = _sessions(60, 480)
+    want = run_simulation(dep, wl).to_dict()
+    result = _inline(dep, wl, shards)
+    got = result.to_dict()
+    assert result.fleet is not None and result.capacity is None
+    got.pop("fleet"), got.pop("capacity")
+    assert want.pop("capacity") is not None
+    for key in ("wall_s", "speedup"):
+        want["time"].pop(key), got["time"].pop(key)
+    assert got.pop("peak_waiting") >= want.pop("peak_waiting")
+    _approx_equal("result", want, got)
+    assert want["sessions"]["sessions"] == 60 and want["prefix_cache"]["hit_tokens"] > 0
+    assert len({r["requests"] for r in want["replicas"]}) > 1
+    if context is None:
+        assert want["requests"]["refused"] == 0 and want["sessions"]["turns"] == 480
+    else:
+        refused = want["requests"]["refused"]
+        assert refused > 0 and want["sessions"]["turns"] + refused < 480  # (sessions ended)
+        assert result.fleet.refusals == (("max_seq_len", refused),)
+
+
+def test_a_turn_cap_that_binds_is_refused_by_the_shards() -> None:
+    """num_requests below the turns the sessions plan caps them in the deployment's order
+    of turns, which no shard sees: the shard says so and the run fails in one line."""
+    dep = _routed(_gpt_oss(2), "session_affinity")
+    with pytest.raises(SimError) as info:
+        _inline(dep, _sessions(10, 79), 2)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("shard 1 of 2 (1 replicas) failed: ")
+    assert "--ray: num_requests (79) caps the turns of all sessions together" in message
+    assert "the sessions plan 80" in message

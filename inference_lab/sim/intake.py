@@ -27,7 +27,7 @@ parks through the intake.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -55,13 +55,20 @@ class Intake:
 
     __slots__ = (
         "_engine", "_generator", "_reactive", "refused", "held", "arrivals",
-        "first_arrival", "streak", "_parked", "adapters",
+        "first_arrival", "streak", "_parked", "adapters", "_route",
     )  # fmt: skip
 
     def __init__(
-        self, engine: Engine, generator: ArrivalGenerator, adapters: AdapterPicker | None = None
+        self,
+        engine: Engine,
+        generator: ArrivalGenerator,
+        adapters: AdapterPicker | None = None,
+        route: Callable[[Arrival], int] | None = None,
     ) -> None:
         self._engine = engine
+        #: each arrival's worker, routed by the caller (a session shard:
+        #: ``sim.shard_sessions``); None: the engine's router places it
+        self._route = route
         #: the LoRA adapter of each request (None: every request is the base model's)
         self.adapters = adapters
         self._generator = generator
@@ -101,6 +108,7 @@ class Intake:
                 block_hashes=arrival.block_hashes,
                 lora=None if self.adapters is None else self.adapters.pick(arrival),
                 session=_session_key(arrival),
+                worker=None if self._route is None else self._route(arrival),
             )
             try:
                 request_id = self._engine.submit(spec)

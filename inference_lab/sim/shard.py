@@ -64,7 +64,7 @@ from inference_lab.core.engine.limits import fits_total
 from inference_lab.errors import ConfigError
 from inference_lab.sim.intake import Intake, OpenLoopFeed
 from inference_lab.sim.records import FinishedTable, StepTotals
-from inference_lab.sim.sharding import ShardTiming, route
+from inference_lab.sim.sharding import SessionFigures, ShardTiming, route
 from inference_lab.sim.sketch import QuantileSketch
 from inference_lab.traffic.traces import Trace
 from inference_lab.workload import TraceGenerator, make_generator
@@ -73,6 +73,12 @@ from inference_lab.workload.open_loop import ChunkMark, OpenLoopGenerator
 
 __all__ = [
     "FOLD_REQUESTS",
+    "Folder",
+    "Queue",
+    "Stream",
+    "first_worker",
+    "owned_workers",
+    "shard_result",
     "FOLD_STEPS",
     "LATENCIES",
     "ShardJob",
@@ -162,6 +168,8 @@ class ShardResult:
     waiting_at_end: int
     sim_time_s: float  # the shard's engine clock at its last event
     timing: ShardTiming = ShardTiming()  # Rule 1: how long it took, and where
+    #: a session workload's table and refusals (``sim.shard_sessions``); None otherwise
+    sessions: SessionFigures | None = None
 
 
 def shard_deployment(deployment: Deployment, replicas: int) -> Deployment:
@@ -171,7 +179,7 @@ def shard_deployment(deployment: Deployment, replicas: int) -> Deployment:
 
 
 @attrs.define
-class _Stream:
+class Stream:
     """What the first pass over the arrival stream found (Rules 2 and 4)."""
 
     own: ArrivalArrays
@@ -193,7 +201,7 @@ class _Stream:
     marks: list[ChunkMark] = attrs.Factory(list)
 
 
-def _owned_workers(job: ShardJob) -> npt.NDArray[np.bool_]:
+def owned_workers(job: ShardJob) -> npt.NDArray[np.bool_]:
     dp = job.deployment.hardware.dp_attention
     owned = np.zeros(job.deployment.workers, dtype=np.bool_)
     for r in job.replicas:
@@ -201,13 +209,13 @@ def _owned_workers(job: ShardJob) -> npt.NDArray[np.bool_]:
     return owned
 
 
-def _first_worker(job: ShardJob) -> int:
+def first_worker(job: ShardJob) -> int:
     """The deployment's index of the shard's first worker (its workers are contiguous)."""
     return job.replicas[0] * job.deployment.hardware.dp_attention
 
 
 def _fits(
-    engine: Engine, stream: _Stream, chunk: ArrivalArrays, count: bool
+    engine: Engine, stream: Stream, chunk: ArrivalArrays, count: bool
 ) -> npt.NDArray[np.bool_]:
     """Which of ``chunk``'s arrivals the deployment can run (the engine's own check,
     asked only past the total every check passes); with ``count``, the others are
@@ -231,15 +239,15 @@ def _stamps(engine: Engine, times: npt.NDArray[np.float64]) -> npt.NDArray[np.fl
     return times + frontend if frontend else times
 
 
-def _select(job: ShardJob, engine: Engine) -> _Stream:
+def _select(job: ShardJob, engine: Engine) -> Stream:
     """The first pass (Rules 2 and 4): the whole stream drawn chunk by chunk, the arrivals
     routed to this shard's workers kept."""
     generator = make_generator(job.workload, job.seed)
     if not isinstance(generator, OpenLoopGenerator):  # (the fleet checked it)
         raise ConfigError("workload: a shard runs an open-loop workload or a trace")
-    owned = _owned_workers(job)
-    first = _first_worker(job)
-    stream = _Stream(ArrivalArrays(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)))
+    owned = owned_workers(job)
+    first = first_worker(job)
+    stream = Stream(ArrivalArrays(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)))
     parts: list[ArrivalArrays] = []
     hints: list[npt.NDArray[np.int32]] = []
     routed = 0  # arrivals the deployment can run, so far: round robin's position
@@ -272,7 +280,7 @@ def _select(job: ShardJob, engine: Engine) -> _Stream:
     return stream
 
 
-def _select_trace(job: ShardJob, engine: Engine, trace: Trace) -> _Stream:
+def _select_trace(job: ShardJob, engine: Engine, trace: Trace) -> Stream:
     """A trace's first pass (Rules 2 and 4): every request checked as the engine checks
     it, those the deployment can run placed in the order the engine handles their
     arrivals (by engine time, then the trace's order: all are submitted before the first
@@ -280,7 +288,7 @@ def _select_trace(job: ShardJob, engine: Engine, trace: Trace) -> _Stream:
     sched = job.deployment.scheduler
     block_size = sched.block_size if sched.enable_prefix_caching else None
     arrivals = TraceGenerator(trace, block_size).initial()
-    stream = _Stream(ArrivalArrays(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)))
+    stream = Stream(ArrivalArrays(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)))
     if not arrivals:
         return stream
     times = np.array([a.time for a in arrivals], np.float64)
@@ -301,10 +309,10 @@ def _select_trace(job: ShardJob, engine: Engine, trace: Trace) -> _Stream:
     position = np.empty(len(fits), np.int64)
     position[np.argsort(stamps, kind="stable")] = np.arange(len(fits))
     workers = route(job.deployment, position)
-    mine = _owned_workers(job)[workers]
+    mine = owned_workers(job)[workers]
     own = fits[mine]
     stream.trace_own = [arrivals[i] for i in own.tolist()]
-    stream.hints = (workers[mine] - _first_worker(job)).astype(np.int32)
+    stream.hints = (workers[mine] - first_worker(job)).astype(np.int32)
     stream.own = ArrivalArrays(
         times[own],
         np.array([a.prompt_tokens for a in stream.trace_own], np.int64),
@@ -318,7 +326,7 @@ def _select_trace(job: ShardJob, engine: Engine, trace: Trace) -> _Stream:
     return stream
 
 
-def _last_stamp_until(job: ShardJob, engine: Engine, stream: _Stream, bound: float) -> float | None:
+def _last_stamp_until(job: ShardJob, engine: Engine, stream: Stream, bound: float) -> float | None:
     """The engine time of the last arrival that can run at or before ``bound``, or None
     (Rule 5): read from the chunks' last times, or, when ``bound`` falls inside a chunk,
     from that chunk drawn again from the mark before it."""
@@ -338,7 +346,7 @@ def _last_stamp_until(job: ShardJob, engine: Engine, stream: _Stream, bound: flo
     return float(inside.max()) if inside.size else before
 
 
-def _trace_stamp_until(stream: _Stream, bound: float) -> float | None:
+def _trace_stamp_until(stream: Stream, bound: float) -> float | None:
     """A trace's :func:`_last_stamp_until`: its stamps are all at hand, in order."""
     stamps = np.frombuffer(stream.chunk_last_stamp, dtype=np.float64)
     before = int(np.searchsorted(stamps, bound, side="right"))
@@ -356,7 +364,7 @@ class _OwnArrivals(ArrivalGenerator):
         return self._arrays
 
 
-class _Folder:
+class Folder:
     """The shard's records, folded into its figures whenever they grow past a fold
     (Rule 3)."""
 
@@ -429,8 +437,13 @@ class _Folder:
 
 
 def run_shard(job: ShardJob) -> ShardResult:
-    """Run ``job``'s shard (module rules). Raises ConfigError for a workload that is not
-    an open loop (:mod:`inference_lab.sim.fleet` checks that first)."""
+    """Run ``job``'s shard (module rules; a session workload's:
+    :mod:`inference_lab.sim.shard_sessions`). Raises ConfigError for a workload the fleet
+    refuses (:mod:`inference_lab.sim.fleet` checks that first)."""
+    if isinstance(job.workload, Workload) and job.workload.sessions is not None:
+        from inference_lab.sim.shard_sessions import run_session_shard
+
+        return run_session_shard(job)
     start, cpu = time.perf_counter(), time.process_time()
     engine = Engine(shard_deployment(job.deployment, len(job.replicas)))
     trace = job.workload if isinstance(job.workload, Trace) else None
@@ -447,7 +460,7 @@ def run_shard(job: ShardJob) -> ShardResult:
     else:
         readings = [_trace_stamp_until(stream, middle), _trace_stamp_until(stream, math.inf)]
     mid = (stream.first_offered + stream.last_offered) / 2
-    folder = _Folder(len(engine.workers), (mid, stream.last_offered))
+    folder = Folder(len(engine.workers), (mid, stream.last_offered))
     queue = _run(engine, stream, folder, readings)
     folder.fold()
     timing = ShardTiming(
@@ -456,11 +469,11 @@ def run_shard(job: ShardJob) -> ShardResult:
         select_cpu_s=select_cpu,
         host=f"{socket.gethostname()}:{os.getpid()}",
     )
-    return _result(job, engine, stream, folder, queue, timing)
+    return shard_result(job, engine, stream, folder, queue, timing)
 
 
 @attrs.define
-class _Queue:
+class Queue:
     """The shard's queue figures (Rule 5)."""
 
     peak: int = 0
@@ -484,7 +497,7 @@ def _submit_trace(engine: Engine, arrivals: Sequence[Arrival], hints: Sequence[i
         )
 
 
-def _run(engine: Engine, stream: _Stream, folder: _Folder, readings: list[float | None]) -> _Queue:
+def _run(engine: Engine, stream: Stream, folder: Folder, readings: list[float | None]) -> Queue:
     """The simulator's loop (``sim.run.drive`` with no observer but the folds): the own
     arrivals fed lazily (a trace's submitted up front), each to its worker, the events
     before the next feed handled as runs, stopping at each reading's time to read the
@@ -498,7 +511,7 @@ def _run(engine: Engine, stream: _Stream, folder: _Folder, readings: list[float 
     else:
         _submit_trace(engine, stream.trace_own, stream.hints.tolist())
         stamps = np.maximum(_stamps(engine, own.times), 0.0)
-    queue = _Queue()
+    queue = Queue()
     due = [(k, t) for k, t in enumerate(readings) if t is not None]
     ended: list[Finished] = []
     next_feed = feed.next_time if feed is not None else math.inf
@@ -526,13 +539,13 @@ def _run(engine: Engine, stream: _Stream, folder: _Folder, readings: list[float 
         folder.maybe_fold()
 
 
-def _result(
-    job: ShardJob, engine: Engine, stream: _Stream, folder: _Folder, queue: _Queue,
+def shard_result(
+    job: ShardJob, engine: Engine, stream: Stream, folder: Folder, queue: Queue,
     timing: ShardTiming,
 ) -> ShardResult:  # fmt: skip
     """The shard's figures once its run is over."""
     stats = engine.statistics()
-    owned = np.flatnonzero(_owned_workers(job)).tolist()
+    owned = np.flatnonzero(owned_workers(job)).tolist()
     workers: Sequence[WorkerFigures] = [
         WorkerFigures(
             worker=owned[i],

@@ -8,7 +8,8 @@ Rule 1: a deployment is sharded only when its replicas can be simulated apart: i
         turns to ``draw(router_seed, session) mod W``, a request without a session as
         ``random``: :func:`route`), the workload's arrivals must not depend on
         completions on other replicas (an open loop: poisson, uniform, burst, batched;
-        a trace), ``max_waiting`` must be 0 (it bounds the waiting places of all
+        a trace; under ``session_affinity``, sessions started by an open loop: a turn
+        follows its own session's answer, on its own replica), ``max_waiting`` must be 0 (it bounds the waiting places of all
         replicas together, as serve's admission counts them, and a shard sees only its
         own) and it must not speculate (its acceptance draws come from one generator
         shared by every replica, in the deployment's event order).
@@ -29,9 +30,19 @@ import numpy.typing as npt
 
 from inference_lab.core.config import Deployment, Workload
 from inference_lab.errors import ConfigError
+from inference_lab.sim.sketch import QuantileSketch
 from inference_lab.traffic.traces import Trace
 
-__all__ = ["STATE_BLIND", "FleetInfo", "ShardTiming", "check_shardable", "draws", "route"]
+__all__ = [
+    "STATE_BLIND",
+    "FleetInfo",
+    "SessionFigures",
+    "ShardTiming",
+    "TurnFigures",
+    "check_shardable",
+    "draws",
+    "route",
+]
 
 #: The routers whose answer reads no replica (router Rule 3): what a shard can follow.
 STATE_BLIND = ("round_robin", "random", "session_affinity")
@@ -80,6 +91,28 @@ class ShardTiming:
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class TurnFigures:
+    """A shard's completed turns of one index: count, TTFT sketch (ms), token sums."""
+
+    turn: int
+    requests: int
+    ttft: QuantileSketch
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class SessionFigures:
+    """A session shard's table (``sim.shard_sessions`` Rule 3): its sessions with a
+    completed turn, its turns by index, the arrival time of its first refusal (inf:
+    none)."""
+
+    sessions: int
+    by_turn: tuple[TurnFigures, ...]
+    first_refusal_time: float
 
 
 @attrs.frozen(kw_only=True)
@@ -146,11 +179,18 @@ def check_shardable(deployment: Deployment, workload: Workload | Trace) -> None:
 
 def _check_workload(router: str, workload: Workload) -> None:
     """The workloads whose arrivals depend on other replicas' progress (Rule 1)."""
-    if workload.sessions is not None:
+    if workload.sessions is not None and workload.arrival_pattern == "closed_loop":
         raise ConfigError(
-            "--ray: a session workload cannot be sharded: a turn is sent when its previous "
-            "answer ends, so its place among the deployment's arrivals depends on every "
+            "--ray: closed-loop sessions cannot be sharded: each user's next session is "
+            "drawn in the order sessions start across the deployment, which follows every "
             "replica's progress"
+        )
+    if workload.sessions is not None and router != "session_affinity":
+        raise ConfigError(
+            f"--ray: a session workload under {router} cannot be sharded: a turn is sent "
+            "when its previous answer ends, so its place among the deployment's arrivals "
+            "depends on every replica's progress (session_affinity keeps a session's "
+            "turns on one replica, and can)"
         )
     if workload.arrival_pattern == "closed_loop":
         raise ConfigError(
