@@ -427,7 +427,7 @@ def test_a_sharded_trace_is_the_unsharded_one(router: str, shards: int, tmp_path
     assert want["requests"]["refused"] > 0 and want["prefix_cache"]["hit_tokens"] > 0
     assert result.fleet is not None
     assert result.fleet.refusals == (("max_seq_len", want["requests"]["refused"]),)
-    assert want["capacity"] is not None and result.seed == 0
+    assert want["capacity"] is not None and result.seed == 0 and result.has_content
 
 
 def test_a_sharded_trace_with_a_frontend_latency_and_dp_ranks(tmp_path: Path) -> None:
@@ -497,6 +497,7 @@ def test_sharded_sessions_are_the_unsharded_run(context: int | None, shards: int
     assert got.pop("peak_waiting") >= want.pop("peak_waiting")
     _approx_equal("result", want, got)
     assert want["sessions"]["sessions"] == 60 and want["prefix_cache"]["hit_tokens"] > 0
+    assert result.has_content is run_simulation(dep, _sessions(2, None)).has_content is True
     assert len({r["requests"] for r in want["replicas"]}) > 1
     if context is None:
         assert want["requests"]["refused"] == 0 and want["sessions"]["turns"] == 480

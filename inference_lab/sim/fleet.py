@@ -41,6 +41,8 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 
+import attrs
+
 from inference_lab.core.config import Deployment, Workload
 from inference_lab.errors import SimError
 from inference_lab.executors.backends import Executor, JobFailure
@@ -120,13 +122,16 @@ def run_fleet(
         if progress is not None:
             progress(len(results), len(jobs))
     ordered = [results[job.key] for job in jobs]
-    return merge_shards(
+    merged = merge_shards(
         ordered,
         deployment=deployment,
         seed=run_seed,
         wall_s=time.perf_counter() - start,
         parallelism=executor.parallelism,
     )
+    # whether the requests said anything about their content, as the generator says
+    content = workload.has_content if isinstance(workload, Trace) else workload.sessions is not None
+    return attrs.evolve(merged, has_content=content)
 
 
 def run_on_ray(
