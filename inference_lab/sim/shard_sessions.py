@@ -174,7 +174,8 @@ def run_session_shard(job: ShardJob) -> ShardResult:
     )
     result = shard_result(job, engine, stream, folder, Queue(peak=peak), timing)
     refused = [(r.arrival.time, r.reason) for r in intake.refused]
-    return attrs.evolve(result, sessions=turns.figures(refused))
+    submitted = len(intake.held) + len(intake.refused)  # (the turns it sent)
+    return attrs.evolve(result, arrivals=submitted, sessions=turns.figures(refused))
 
 
 def _loop(engine: Engine, intake: Intake, folder: Folder, turns: _Turns) -> int:
