@@ -22,7 +22,7 @@ from inference_lab.core.config import Deployment, Workload, load_deployment, loa
 from inference_lab.core.engine.router import draw
 from inference_lab.errors import ConfigError, SimError
 from inference_lab.executors.backends import InlineExecutor
-from inference_lab.sim import shard as shard_module
+from inference_lab.sim import shard_figures as shard_module
 from inference_lab.sim.fleet import probe_address, run_fleet, run_on_ray, shard_jobs
 from inference_lab.sim.run import SimResult, run_simulation
 from inference_lab.sim.shard import ShardJob, ShardResult, run_shard, shard_deployment

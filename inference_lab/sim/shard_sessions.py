@@ -39,7 +39,7 @@ from inference_lab.core.config import Workload
 from inference_lab.core.engine import Engine, Finished
 from inference_lab.errors import ConfigError
 from inference_lab.sim.intake import Intake
-from inference_lab.sim.shard import (
+from inference_lab.sim.shard_figures import (
     Folder,
     Queue,
     ShardJob,
