@@ -23,10 +23,17 @@ simulated seconds: 64 x 60 x 86,400 = 331,776,000 requests.
    (the W = 64 case: one replica's 5,184,000 requests, its first pass over all
    331,776,000 arrivals): its wall and CPU seconds and peak RSS.
 
+5. ``--sessions``: instead, sessions under ``session_affinity`` (``chat-sessions-200``'s
+   8-turn sessions, starting at ``--session-rate`` (1) a second per replica for
+   ``--window`` seconds) on ``--replicas`` replicas, unsharded in this process, then in
+   2 and 4 shards on the cluster: wall and CPU seconds; every figure but the capacity
+   verdict must agree (the percentiles within the sketches' bound).
+
 On a machine shared with other work the wall times move with its load; it prints how
 many cores two busy processes get, before and after (2.00 on an idle 2-core machine).
 
     python scripts/bench_fleet.py [--replicas N] [--window S] [--workers 1,2,4] [--day-shard]
+    python scripts/bench_fleet.py --sessions [--replicas N] [--window S] [--session-rate R]
 """
 
 from __future__ import annotations
@@ -45,8 +52,9 @@ from inference_lab.cli_args import CliParser, integer, number
 from inference_lab.core.config import Deployment, Workload, load_deployment, load_workload
 from inference_lab.resources import shipped_dir
 from inference_lab.sim.fleet import run_fleet
-from inference_lab.sim.run import SimResult
+from inference_lab.sim.run import SimResult, run_simulation
 from inference_lab.sim.shard import run_shard, shard_deployment
+from inference_lab.sim.sketch import RELATIVE_ACCURACY
 
 RATE = 60.0  # requests/s offered to each replica
 DAY_S = 86_400.0
@@ -196,6 +204,68 @@ def day_shard() -> None:
     )
 
 
+def session_fleet(replicas: int, window: float, rate: float) -> tuple[Deployment, Workload]:
+    """``replicas`` gpt-oss-20b / b200 replicas behind session_affinity, and
+    chat-sessions-200's sessions starting at ``rate`` a second per replica for ``window``
+    seconds."""
+    deployment, _ = fleet(replicas, window)
+    hw = attrs.evolve(deployment.hardware, router="session_affinity")
+    chat = load_workload(shipped_dir("configs") / "workloads" / "chat-sessions-200.toml")
+    assert chat.sessions is not None
+    workload = attrs.evolve(
+        chat,
+        arrival_rate=rate * replicas,
+        num_requests=None,
+        duration_secs=window,
+        sessions=attrs.evolve(chat.sessions, num_sessions=None),
+    )
+    return attrs.evolve(deployment, hardware=hw), workload
+
+
+def _agree(one: SimResult, other: SimResult) -> None:
+    """Part 5's check: the same counts, steps, tokens and span; p99s within the bound."""
+    a, b = one.summary, other.summary
+    exact = ("requests_completed", "requests_refused", "steps", "output_tokens", "span_s")
+    assert all(getattr(a, k) == getattr(b, k) for k in exact), "the runs disagree"
+    assert one.sessions is not None and other.sessions is not None
+    assert one.sessions.turns == other.sessions.turns
+    for x, y in ((a.ttft.p99, b.ttft.p99), (a.e2e.p99, b.e2e.p99)):
+        assert x is not None and y is not None
+        assert abs(x - y) <= RELATIVE_ACCURACY * abs(x) * (1 + 1e-9), (x, y)
+
+
+def sessions(args: Any) -> None:
+    """Part 5."""
+    from inference_lab.executors.ray_backend import RayExecutor, local_cluster
+
+    deployment, workload = session_fleet(args.replicas, args.window, args.session_rate)
+    cpu = time.process_time()
+    alone = run_simulation(deployment, workload)
+    alone_cpu = time.process_time() - cpu
+    assert alone.sessions is not None
+    print(
+        f"sessions: {args.replicas} replicas, {alone.sessions.sessions:,} sessions, "
+        f"{alone.summary.requests_completed:,} turns, {alone.summary.steps:,} steps, "
+        f"{alone.sim_time_s:,.0f} s simulated"
+    )
+    print(f"{'run':>12} {'wall s':>8} {'CPU s':>18}")
+    print(f"{'unsharded':>12} {alone.wall_time_s:>8.1f} {alone_cpu:>18.1f}")
+    with local_cluster(nodes=2, cpus_per_node=2) as address:
+        executor = RayExecutor(run_shard, address)
+        try:
+            warm = attrs.evolve(workload, duration_secs=2.0)
+            run_fleet(deployment, warm, executor, shards=4)  # starts the four workers
+            for shards in (2, 4):
+                result = run_fleet(deployment, workload, executor, shards=shards)
+                _agree(alone, result)
+                assert result.fleet is not None
+                cpus = " / ".join(f"{t.cpu_s:.1f}" for t in result.fleet.timings)
+                print(f"{f'{shards} shards':>12} {result.wall_time_s:>8.1f} {cpus:>18}")
+        finally:
+            executor.close()
+    print("every run: the same completions, steps, tokens and span; p99s within the bound")
+
+
 def _counts(text: str) -> list[int]:
     """``--workers``: integers >= 1, comma-separated."""
     try:
@@ -222,11 +292,23 @@ def main() -> int:
     parser.add_argument(
         "--day-shard", action="store_true", help="also run one shard of the full day"
     )
+    parser.add_argument(
+        "--sessions", action="store_true", help="instead: sessions, unsharded and sharded"
+    )
+    parser.add_argument(
+        "--session-rate",
+        type=number(gt=0),
+        default=1.0,
+        help="--sessions: sessions started a second per replica (default 1)",
+    )
     args = parser.parse_args()
     print(f"machine: two busy processes get {machine_parallelism():.2f} cores (before)")
-    c_sim, c_draw = scaling(args)
-    projection(c_sim, c_draw)
-    if args.day_shard:
+    if args.sessions:
+        sessions(args)
+    else:
+        c_sim, c_draw = scaling(args)
+        projection(c_sim, c_draw)
+    if args.day_shard and not args.sessions:
         day_shard()
     print(f"machine: two busy processes get {machine_parallelism():.2f} cores (after)")
     return 0

@@ -397,7 +397,7 @@ BAD_RANGES: list[tuple[str, dict[str, Any], str]] = [
         "model.weights[0].routing.routed_experts",
     ),
     ("policy", {"scheduler": {"policy": "lifo"}}, "scheduler.policy"),
-    ("router", {"hardware": {"gpu": {"router": "random"}}}, "hardware.gpu.router"),
+    ("router", {"hardware": {"gpu": {"router": "least_busy"}}}, "hardware.gpu.router"),
     (
         "weight_precision",
         {
@@ -967,9 +967,9 @@ def test_prefix_caching_and_routers_are_configurable(tmp_path: Path) -> None:
             "must be >= 0",
         ),
         (
-            {"hardware": {"gpu": {"router": "random"}}},
+            {"hardware": {"gpu": {"router": "least_busy"}}},
             "hardware.gpu.router",
-            "round_robin, least_loaded, prefix_affinity, kv_aware",
+            "round_robin, least_loaded, prefix_affinity, kv_aware, random, session_affinity",
         ),
     ],
 )

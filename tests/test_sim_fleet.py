@@ -6,23 +6,29 @@ cannot be sharded is refused in one line."""
 
 from __future__ import annotations
 
+import json
+import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
 import pytest
+import trio
 
 from inference_lab import cli
 from inference_lab.core.config import Deployment, Workload, load_deployment, load_workload, split_pd
+from inference_lab.core.engine.router import draw
 from inference_lab.errors import ConfigError, SimError
 from inference_lab.executors.backends import InlineExecutor
-from inference_lab.sim import shard as shard_module
-from inference_lab.sim.fleet import run_fleet, run_on_ray, shard_jobs
+from inference_lab.sim import shard_figures as shard_module
+from inference_lab.sim.fleet import probe_address, run_fleet, run_on_ray, shard_jobs
 from inference_lab.sim.run import SimResult, run_simulation
 from inference_lab.sim.shard import ShardJob, ShardResult, run_shard, shard_deployment
+from inference_lab.sim.sharding import draws, route
 from inference_lab.sim.sketch import RELATIVE_ACCURACY
-from inference_lab.traffic.traces import Trace
+from inference_lab.traffic.traces import Trace, read_trace
 from tests.configs_util import CONFIGS, GPT_OSS_20B, WORKLOADS
 
 FRONTIER = CONFIGS / "frontier" / "DeepSeek-V3.toml"
@@ -35,6 +41,10 @@ def _gpt_oss(replicas: int) -> Deployment:
 def _mix(**overrides: Any) -> Workload:
     """poisson-50rps-4000's lengths and seed with ``overrides``."""
     return attrs.evolve(load_workload(WORKLOADS / "poisson-50rps-4000.toml"), **overrides)
+
+
+def _routed(dep: Deployment, router: str, seed: int = 0) -> Deployment:
+    return attrs.evolve(dep, hardware=attrs.evolve(dep.hardware, router=router, router_seed=seed))
 
 
 def _scenarios() -> dict[str, tuple[Deployment, Workload, int]]:
@@ -56,13 +66,27 @@ def _scenarios() -> dict[str, tuple[Deployment, Workload, int]]:
         "batched, refusals": (short, _mix(arrival_pattern="batched", num_requests=600), 4),
         # data-parallel ranks in lockstep, a frontend latency, uniform times, over capacity
         "dp ranks": (dp, _mix(arrival_pattern="uniform", arrival_rate=300.0, num_requests=900), 2),
+        # random draws (uneven replicas), three shards
+        "random": (_routed(gpt, "random", 3), _mix(arrival_rate=200.0, num_requests=1_500), 3),
+        # session_affinity without sessions places as random does; refusals take no draw
+        "session_affinity, refusals": (
+            _routed(short, "session_affinity", 11),
+            _mix(arrival_pattern="batched", num_requests=600),
+            2,
+        ),
+        # random over data-parallel ranks (workers, not replicas), over capacity
+        "random, dp ranks": (
+            _routed(dp, "random", 5),
+            _mix(arrival_pattern="uniform", arrival_rate=300.0, num_requests=900),
+            3,
+        ),
     }
 
 
 SCENARIOS = _scenarios()
 
 
-def _inline(dep: Deployment, wl: Workload, shards: int) -> SimResult:
+def _inline(dep: Deployment, wl: Workload | Trace, shards: int) -> SimResult:
     return run_fleet(dep, wl, InlineExecutor(run_shard), shards=shards)
 
 
@@ -87,6 +111,23 @@ def _approx_equal(path: str, want: Any, got: Any) -> None:
         assert got == want, path
 
 
+def _same_answer(dep: Deployment, wl: Workload | Trace, shards: int) -> tuple[SimResult, Any]:
+    """Run ``wl`` sharded and not; assert every figure equal (means up to rounding,
+    percentiles within the sketch's bound, the peak queue an upper bound); return the
+    sharded result and the unsharded JSON."""
+    want = run_simulation(dep, wl).to_dict()
+    result = _inline(dep, wl, shards)
+    got = result.to_dict()
+    assert result.fleet is not None and result.fleet.shards == shards
+    fleet = got.pop("fleet")
+    assert fleet["shards"] == shards and fleet["relative_accuracy"] == RELATIVE_ACCURACY
+    for key in ("wall_s", "speedup"):
+        want["time"].pop(key), got["time"].pop(key)
+    assert got.pop("peak_waiting") >= want["peak_waiting"]
+    _approx_equal("result", {k: v for k, v in want.items() if k != "peak_waiting"}, got)
+    return result, want
+
+
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_the_sharded_run_is_the_unsharded_one(name: str) -> None:
     dep, wl, shards = SCENARIOS[name]
@@ -100,7 +141,10 @@ def test_the_sharded_run_is_the_unsharded_one(name: str) -> None:
         want["time"].pop(key), got["time"].pop(key)
     assert got.pop("peak_waiting") >= want.pop("peak_waiting")
     _approx_equal("result", want, got)
-    if name == "batched, refusals":
+    if name in ("random", "random, dp ranks"):  # (the draws are uneven)
+        counts = [r["requests"] for r in want["replicas"]]
+        assert len(set(counts)) > 1 and min(counts) > 0
+    if name in ("batched, refusals", "session_affinity, refusals"):
         assert want["requests"]["refused"] > 0
         assert result.fleet.refusals == (("max_seq_len", want["requests"]["refused"]),)
     if name in ("over capacity", "dp ranks"):
@@ -205,13 +249,17 @@ def test_what_else_cannot_be_sharded_is_refused() -> None:
     dep = _gpt_oss(4)
     sessions = load_workload(WORKLOADS / "chat-sessions-200.toml")
     closed = load_workload(WORKLOADS / "chat-closed-64.toml")
-    assert "a session workload cannot be sharded" in _refusal(dep, sessions)
-    assert "a closed-loop workload cannot be sharded" in _refusal(dep, closed)
-    trace = Trace(
-        path=WORKLOADS / "azure-sample.csv", format="azure", requests=(), rows=0,
-        skipped_failed=0, outside_window=0, speedup=1.0, start=0.0, end=None,
-    )  # fmt: skip
-    assert "traces are not sharded" in _refusal(dep, trace)
+    for router in ("round_robin", "random"):
+        message = _refusal(_routed(dep, router), sessions)
+        assert f"a session workload under {router} cannot be sharded" in message
+    closed_sessions = attrs.evolve(
+        sessions, arrival_pattern="closed_loop", num_concurrent_users=8, arrival_rate=None
+    )
+    message = _refusal(_routed(dep, "session_affinity"), closed_sessions)
+    assert "closed-loop sessions cannot be sharded: each user's next session" in message
+    for router in ("round_robin", "random", "session_affinity"):
+        message = _refusal(_routed(dep, router), closed)
+        assert "a closed-loop workload cannot be sharded: each request's lengths" in message
     bounded = attrs.evolve(dep, scheduler=attrs.evolve(dep.scheduler, max_waiting=10))
     assert "max_waiting bounds the waiting places of all replicas" in _refusal(bounded, _mix())
     speculating = shard_deployment(load_deployment(FRONTIER, "b200"), 2)
@@ -284,5 +332,188 @@ def test_a_cluster_that_cannot_be_reached_is_one_line(monkeypatch: pytest.Monkey
     monkeypatch.setattr(ray_backend, "RayExecutor", Unreachable)
     dep, wl, _ = SCENARIOS["poisson"]
     with pytest.raises(SimError) as info:
-        run_on_ray("10.0.0.1:6379", dep, wl)
-    assert str(info.value) == "--ray 10.0.0.1:6379: Could not find any running Ray instance."
+        run_on_ray("auto", dep, wl)  # (no probe: Rule 5 of sim.fleet)
+    assert str(info.value) == "--ray auto: Could not find any running Ray instance."
+
+
+def test_an_address_where_nothing_listens_fails_fast(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--ray 127.0.0.1:PORT`` with no cluster there (a port just freed): a SimError naming
+    the address, one line, within a bound (the run is in a thread abandoned past 30 s),
+    before Ray is imported."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    dep, wl, _ = SCENARIOS["poisson"]
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+
+    def attempt() -> str:
+        with pytest.raises(SimError) as info:
+            run_on_ray(address, dep, wl)
+        return str(info.value)
+
+    async def bounded() -> str:
+        with trio.fail_after(30):
+            return await trio.to_thread.run_sync(attempt, abandon_on_cancel=True)
+
+    message = trio.run(bounded)
+    assert message == f"--ray {address}: no Ray cluster answers there (Connection refused)"
+    assert "ray" not in sys.modules
+
+
+def test_an_address_that_does_not_answer_in_time_is_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection that times out (a host that drops the packets) is the same one line,
+    saying how long the probe waited; ``local``, ``auto`` and an address without a port
+    are left to Ray."""
+
+    def silent(address: tuple[str, int], timeout: float) -> socket.socket:
+        assert address == ("10.1.2.3", 6379) and timeout == 0.25
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(socket, "create_connection", silent)
+    with pytest.raises(SimError) as info:
+        probe_address("ray://10.1.2.3:6379", timeout=0.25)
+    assert str(info.value) == (
+        "--ray ray://10.1.2.3:6379: no Ray cluster answers there (no connection within 0.25 s)"
+    )
+    for address in ("local", "auto", "headnode"):
+        probe_address(address)  # (create_connection not called)
+
+
+# ---------------------------------------------------------------------------------------
+# traces
+
+
+def _trace(path: Path, rng: np.random.Generator, count: int) -> Trace:
+    """A Mooncake trace of ``count`` requests at ~300/s: integer milliseconds (ties),
+    some lines out of order, prefix chains from eight groups (the replicas' caches hit),
+    a few prompts past a 1,400-token context."""
+    stamps = np.cumsum(rng.exponential(1000 / 300, count)).astype(np.int64)
+    order = np.arange(count)
+    for i in range(0, count - 3, 37):
+        order[[i, i + 2]] = order[[i + 2, i]]
+    lines = []
+    for i in order.tolist():
+        group = int(rng.integers(8))
+        blocks = int(rng.integers(1, 6))
+        prompt = int(rng.integers(1, 4)) * 512 if i % 50 else 1_500
+        lines.append(
+            json.dumps(
+                {
+                    "timestamp": int(stamps[i]),
+                    "input_length": max(prompt, blocks * 512 - 100),
+                    "output_length": int(rng.integers(1, 300)),
+                    "hash_ids": [group * 100 + b for b in range(blocks)],
+                }
+            )
+        )
+    path.write_text("\n".join(lines) + "\n")
+    return read_trace(path, format="mooncake")
+
+
+@pytest.mark.parametrize(
+    ("router", "shards"), [("round_robin", 3), ("random", 2), ("session_affinity", 4)]
+)
+def test_a_sharded_trace_is_the_unsharded_one(router: str, shards: int, tmp_path: Path) -> None:
+    """A trace's arrivals are fixed times, so each state-blind router places them without
+    reading a replica: sharded, every figure is the unsharded run's (prefix-cache hits
+    per replica, refusals and the capacity verdict included)."""
+    trace = _trace(tmp_path / "t.jsonl", np.random.default_rng(7), 700)
+    gpt = _gpt_oss(4)
+    dep = _routed(attrs.evolve(gpt, model=attrs.evolve(gpt.model, max_seq_len=1_400)), router, 2)
+    result, want = _same_answer(dep, trace, shards)
+    assert want["requests"]["refused"] > 0 and want["prefix_cache"]["hit_tokens"] > 0
+    assert result.fleet is not None
+    assert result.fleet.refusals == (("max_seq_len", want["requests"]["refused"]),)
+    assert want["capacity"] is not None and result.seed == 0 and result.has_content
+
+
+def test_a_sharded_trace_with_a_frontend_latency_and_dp_ranks(tmp_path: Path) -> None:
+    """Data-parallel ranks in lockstep, a frontend latency, random draws: still the
+    unsharded run."""
+    trace = _trace(tmp_path / "t.jsonl", np.random.default_rng(3), 500)
+    dp = load_deployment(FRONTIER, "b200")
+    dp = attrs.evolve(
+        shard_deployment(dp, 3),
+        speculative=None,
+        acceptance_rates=(),
+        scheduler=attrs.evolve(dp.scheduler, frontend_latency=0.002),
+    )
+    _same_answer(_routed(dp, "random", 1), trace, 2)
+
+
+def test_the_vector_draws_are_the_routers() -> None:
+    """``sharding.draws`` (arrays) gives ``router.draw`` (the engine's) for every key and
+    seed, including seeds past 64 bits, as ``route`` maps them to workers."""
+    keys = np.array([0, 1, 2, 5, 1_000_003, 2**40 + 7, 2**62], np.int64)
+    for seed in (0, 1, 1234567, 2**64 + 5, 2**70):
+        got = draws(seed, keys).tolist()
+        assert got == [draw(seed, int(k)) for k in keys.tolist()]
+    dep = _routed(_gpt_oss(5), "random", 9)
+    assert route(dep, keys).tolist() == [draw(9, int(k)) % 5 for k in keys.tolist()]
+    assert route(_gpt_oss(5), keys).tolist() == [int(k) % 5 for k in keys.tolist()]
+
+
+# ---------------------------------------------------------------------------------------
+# sessions under session_affinity
+
+
+def _sessions(sessions: int, turns_cap: int | None) -> Workload:
+    """chat-sessions-200's sessions (8 turns, a shared 2,048-token system prompt, think
+    times of 5 s), ``sessions`` of them starting at 6 a second."""
+    wl = load_workload(WORKLOADS / "chat-sessions-200.toml")
+    assert wl.sessions is not None
+    return attrs.evolve(
+        wl,
+        arrival_rate=6.0,
+        num_requests=turns_cap,
+        sessions=attrs.evolve(wl.sessions, num_sessions=sessions),
+    )
+
+
+@pytest.mark.parametrize(
+    ("context", "shards"), [(None, 2), (4_000, 3)], ids=["all turns", "late turns refused"]
+)
+def test_sharded_sessions_are_the_unsharded_run(context: int | None, shards: int) -> None:
+    """Sessions routed by session_affinity: every turn follows its own session's answer
+    on its own replica, so sharded, every figure is the unsharded run's -- the session
+    table per turn (TTFT percentiles within the sketch's bound), prefix hits per replica,
+    the refusals of turns past the context (summed over the shards) -- but the capacity
+    verdict, which a sharded session run does not give."""
+    dep = _routed(_gpt_oss(5), "session_affinity", 5)  # (5: no power of two nests)
+    if context is not None:
+        dep = attrs.evolve(dep, model=attrs.evolve(dep.model, max_seq_len=context))
+    wl = _sessions(60, 480)
+    want = run_simulation(dep, wl).to_dict()
+    result = _inline(dep, wl, shards)
+    got = result.to_dict()
+    assert result.fleet is not None and result.capacity is None
+    got.pop("fleet"), got.pop("capacity")
+    assert want.pop("capacity") is not None
+    for key in ("wall_s", "speedup"):
+        want["time"].pop(key), got["time"].pop(key)
+    assert got.pop("peak_waiting") >= want.pop("peak_waiting")
+    _approx_equal("result", want, got)
+    assert want["sessions"]["sessions"] == 60 and want["prefix_cache"]["hit_tokens"] > 0
+    assert result.has_content is run_simulation(dep, _sessions(2, None)).has_content is True
+    assert len({r["requests"] for r in want["replicas"]}) > 1
+    if context is None:
+        assert want["requests"]["refused"] == 0 and want["sessions"]["turns"] == 480
+    else:
+        refused = want["requests"]["refused"]
+        assert refused > 0 and want["sessions"]["turns"] + refused < 480  # (sessions ended)
+        assert result.fleet.refusals == (("max_seq_len", refused),)
+
+
+def test_a_turn_cap_that_binds_is_refused_by_the_shards() -> None:
+    """num_requests below the turns the sessions plan caps them in the deployment's order
+    of turns, which no shard sees: the shard says so and the run fails in one line."""
+    dep = _routed(_gpt_oss(2), "session_affinity")
+    with pytest.raises(SimError) as info:
+        _inline(dep, _sessions(10, 79), 2)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("shard 1 of 2 (1 replicas) failed: ")
+    assert "--ray: num_requests (79) caps the turns of all sessions together" in message
+    assert "the sessions plan 80" in message

@@ -2,8 +2,10 @@
 shards, each run as a job on an executor, their figures merged into one summary.
 
 Rule 1: a deployment is sharded only when its replicas can be simulated apart
-        (:mod:`inference_lab.sim.sharding`: round robin, an open loop, no ``max_waiting``,
-        no speculation); anything else is one line, before any job runs.
+        (:mod:`inference_lab.sim.sharding`: a router that reads no replica -- round
+        robin, random, session affinity --, an open loop or a trace, or sessions under
+        session affinity, no ``max_waiting``, no speculation); anything else is one
+        line, before any job runs.
 Rule 2: shard ``j`` of ``K`` owns replicas ``[j * N // K, (j + 1) * N // K)``; shard 0
         counts the requests that can never run (:mod:`inference_lab.sim.shard`, Rule 4).
         Jobs are pure (shard Rule 1): the answer does not depend on the executor, on the
@@ -18,6 +20,15 @@ Rule 3: the merge is exact for every count and integer sum (requests, tokens, st
         run's (:mod:`inference_lab.sim.sketch`).
 Rule 4: the peak waiting queue is the sum of the shards' peaks: an upper bound of the
         run's, as the replicas need not peak together (``FleetInfo`` says so).
+Rule 5: ``sim --ray HOST:PORT`` first connects to that port (the head's GCS, or a Ray
+        client server for ``ray://``) with a timeout of :data:`PROBE_TIMEOUT_S`: where
+        nothing listens it fails in one line within that time, before ``ray.init`` (which
+        would keep retrying the GCS for a minute or more).
+Rule 6: a session workload (``sim.shard_sessions``): every shard counts its own
+        sessions' refusals, so they are summed; the session table is merged per turn
+        (counts and sums exactly, TTFT percentiles from merged sketches); no capacity
+        verdict (its queue readings follow the deployment's last turns, which no shard
+        sees).
 
 Who calls this: ``sim/cli.py`` (``--ray``), tests (with the in-process executor) and
 ``scripts/bench_fleet.py``.
@@ -26,8 +37,11 @@ Who calls this: ``sim/cli.py`` (``--ray``), tests (with the in-process executor)
 from __future__ import annotations
 
 import math
+import socket
 import time
 from collections.abc import Callable, Sequence
+
+import attrs
 
 from inference_lab.core.config import Deployment, Workload
 from inference_lab.errors import SimError
@@ -36,16 +50,32 @@ from inference_lab.sim.capacity import judge_capacity
 from inference_lab.sim.records import FinishedTable
 from inference_lab.sim.run import SimResult
 from inference_lab.sim.shard import LATENCIES, ShardJob, ShardResult, run_shard
-from inference_lab.sim.sharding import FleetInfo, check_shardable
+from inference_lab.sim.sharding import FleetInfo, TurnFigures, check_shardable
 from inference_lab.sim.sketch import RELATIVE_ACCURACY, QuantileSketch
-from inference_lab.sim.summary import PrefixCacheSummary, ReplicaSummary, SimSummary
+from inference_lab.sim.summary import (
+    PrefixCacheSummary,
+    ReplicaSummary,
+    SessionSummary,
+    SimSummary,
+    TurnStats,
+)
 from inference_lab.traffic.traces import Trace
 
-__all__ = ["merge_shards", "run_fleet", "run_on_ray", "shard_jobs"]
+__all__ = [
+    "PROBE_TIMEOUT_S",
+    "merge_shards",
+    "probe_address",
+    "run_fleet",
+    "run_on_ray",
+    "shard_jobs",
+]
+
+#: How long ``sim --ray HOST:PORT`` waits for the cluster's port to accept (Rule 5).
+PROBE_TIMEOUT_S = 5.0
 
 
 def shard_jobs(
-    deployment: Deployment, workload: Workload, seed: int, shards: int
+    deployment: Deployment, workload: Workload | Trace, seed: int, shards: int
 ) -> list[ShardJob]:
     """The jobs of a run in ``shards`` shards (Rule 2; at most one per replica)."""
     n = deployment.hardware.replicas
@@ -78,8 +108,9 @@ def run_fleet(
     be sharded, SimError when a shard fails (its executor's reason)."""
     start = time.perf_counter()
     check_shardable(deployment, workload)
-    assert isinstance(workload, Workload)  # (a trace was refused)
-    run_seed = workload.seed if seed is None else seed
+    run_seed = 0  # (a trace's, as its generator says)
+    if isinstance(workload, Workload):
+        run_seed = workload.seed if seed is None else seed
     jobs = shard_jobs(deployment, workload, run_seed, shards or executor.parallelism)
     for job in jobs:
         executor.submit(job)
@@ -91,13 +122,16 @@ def run_fleet(
         if progress is not None:
             progress(len(results), len(jobs))
     ordered = [results[job.key] for job in jobs]
-    return merge_shards(
+    merged = merge_shards(
         ordered,
         deployment=deployment,
         seed=run_seed,
         wall_s=time.perf_counter() - start,
         parallelism=executor.parallelism,
     )
+    # whether the requests said anything about their content, as the generator says
+    content = workload.has_content if isinstance(workload, Trace) else workload.sessions is not None
+    return attrs.evolve(merged, has_content=content)
 
 
 def run_on_ray(
@@ -113,6 +147,7 @@ def run_on_ray(
     address; the executors' ``ray_backend`` Rule 3): refused before Ray starts when it
     cannot be sharded; the executor is closed however the run ends."""
     check_shardable(deployment, workload)
+    probe_address(address)
     from inference_lab.executors.ray_backend import RayExecutor
 
     try:
@@ -126,6 +161,26 @@ def run_on_ray(
         )
     finally:
         executor.close()
+
+
+def probe_address(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Raise SimError, one line naming ``address``, unless something accepts a TCP
+    connection at its ``host:port`` within ``timeout`` seconds (Rule 5). ``local``,
+    ``auto`` and an address without a port are left to ``ray.init``."""
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if address in ("local", "auto") or not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except TimeoutError:
+        raise SimError(
+            f"--ray {address}: no Ray cluster answers there (no connection within {timeout:g} s)"
+        ) from None
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise SimError(f"--ray {address}: no Ray cluster answers there ({reason})") from None
 
 
 def _latency_sketches(results: Sequence[ShardResult]) -> dict[str, QuantileSketch]:
@@ -187,13 +242,16 @@ def merge_shards(
     """One run's result from its shards' (in shard order; Rules 3 and 4)."""
     if not results:
         raise ValueError("no shard to merge")
+    head = results[0]
     counting = [r for r in results if r.refusals]
     refusals = counting[0].refusals if counting else ()
+    first_refusal = counting[0].first_refusal if counting else ""
+    if head.sessions is not None:  # each shard counts its own sessions' (Rule 6)
+        refusals, first_refusal = _session_refusals(results)
     summary = _summary(results, sum(count for _, count in refusals))
     workers = sorted((w for r in results for w in r.workers), key=lambda w: w.worker)
-    head = results[0]
     capacity = None
-    if head.last_offered >= head.first_offered:  # (some arrival could run)
+    if head.sessions is None and head.last_offered >= head.first_offered:  # (some could run)
         capacity = judge_capacity(
             head.first_offered,
             head.last_offered,
@@ -228,6 +286,7 @@ def merge_shards(
             )
             for w in workers
         ),
+        sessions=_sessions(results) if head.sessions is not None else None,
         fleet=FleetInfo(
             replicas=deployment.hardware.replicas,
             shards=len(results),
@@ -235,6 +294,51 @@ def merge_shards(
             relative_accuracy=RELATIVE_ACCURACY,
             timings=tuple(r.timing for r in results),
             refusals=refusals,
-            first_refusal=counting[0].first_refusal if counting else "",
+            first_refusal=first_refusal,
         ),
+    )
+
+
+def _session_refusals(
+    results: Sequence[ShardResult],
+) -> tuple[tuple[tuple[str, int], ...], str]:
+    """A session run's refusals by limit, summed over the shards (Rule 6), and the reason
+    of the earliest arriving one (the first shard's on a tie)."""
+    counts: dict[str, int] = {}
+    for r in results:
+        for limit, count in r.refusals:
+            counts[limit] = counts.get(limit, 0) + count
+    first = min(
+        (r for r in results if r.refusals),
+        key=lambda r: r.sessions.first_refusal_time if r.sessions is not None else math.inf,
+        default=None,
+    )
+    return tuple(sorted(counts.items())), first.first_refusal if first is not None else ""
+
+
+def _sessions(results: Sequence[ShardResult]) -> SessionSummary:
+    """The session table from the shards' (Rule 6): counts and sums added, each turn's
+    TTFT from the merged sketches."""
+    figures = [r.sessions for r in results if r.sessions is not None]
+    turns: dict[int, list[TurnFigures]] = {}
+    for f in figures:
+        for t in f.by_turn:
+            turns.setdefault(t.turn, []).append(t)
+    by_turn = []
+    for k, parts in sorted(turns.items()):
+        ttft = QuantileSketch()
+        for t in parts:
+            ttft.merge(t.ttft)
+        by_turn.append(
+            TurnStats(
+                turn=k,
+                requests=sum(t.requests for t in parts),
+                ttft=ttft.stats(),
+                prompt_tokens=sum(t.prompt_tokens for t in parts),
+                cached_tokens=sum(t.cached_tokens for t in parts),
+            )
+        )
+    requests = sum(t.requests for t in by_turn)
+    return SessionSummary(
+        sessions=sum(f.sessions for f in figures), turns=requests, by_turn=tuple(by_turn)
     )

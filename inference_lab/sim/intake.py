@@ -27,7 +27,10 @@ parks through the intake.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import numpy.typing as npt
 
 from inference_lab.core.builders import frozen_builder
 from inference_lab.core.engine import Engine, Finished, RequestSpec
@@ -52,13 +55,20 @@ class Intake:
 
     __slots__ = (
         "_engine", "_generator", "_reactive", "refused", "held", "arrivals",
-        "first_arrival", "streak", "_parked", "adapters",
+        "first_arrival", "streak", "_parked", "adapters", "_route",
     )  # fmt: skip
 
     def __init__(
-        self, engine: Engine, generator: ArrivalGenerator, adapters: AdapterPicker | None = None
+        self,
+        engine: Engine,
+        generator: ArrivalGenerator,
+        adapters: AdapterPicker | None = None,
+        route: Callable[[Arrival], int] | None = None,
     ) -> None:
         self._engine = engine
+        #: each arrival's worker, routed by the caller (a session shard:
+        #: ``sim.shard_sessions``); None: the engine's router places it
+        self._route = route
         #: the LoRA adapter of each request (None: every request is the base model's)
         self.adapters = adapters
         self._generator = generator
@@ -97,6 +107,8 @@ class Intake:
                 n=arrival.n,
                 block_hashes=arrival.block_hashes,
                 lora=None if self.adapters is None else self.adapters.pick(arrival),
+                session=_session_key(arrival),
+                worker=None if self._route is None else self._route(arrival),
             )
             try:
                 request_id = self._engine.submit(spec)
@@ -130,12 +142,29 @@ class Intake:
                 self.submit(generator.follow_up(arrival, time, True))
 
 
+def _session_key(arrival: Arrival) -> int | None:
+    """What the ``session_affinity`` router keys ``arrival`` by: its session, else its
+    closed-loop user, else nothing."""
+    if arrival.session >= 0:
+        return arrival.session
+    return arrival.user if arrival.user >= 0 else None
+
+
 class OpenLoopFeed:
     """An open loop's arrivals, fed to the engine from arrays (Rule 2): the loop calls
     :meth:`feed` before the engine handles an event past :attr:`next_time`."""
 
-    def __init__(self, engine: Engine, intake: Intake, arrays: ArrivalArrays) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        intake: Intake,
+        arrays: ArrivalArrays,
+        workers: npt.NDArray[np.int32] | None = None,
+    ) -> None:
         self._engine = engine
+        #: each arrival's worker, routed by the caller (a shard: ``sim.shard``); None:
+        #: the engine's router places them
+        self._workers = workers
         self._intake = intake
         times, prompts, outputs = arrays
         self.times = times
@@ -165,6 +194,7 @@ class OpenLoopFeed:
         adapters = intake.adapters
         # an adapter per arrival, in arrival order, from its own stream (adapters Rule 2)
         loras = None if adapters is None else adapters.draws(end - fed)
+        hints = None if self._workers is None else self._workers[fed:end].tolist()
         for i, t, p, o in zip(
             range(fed, end),
             self.times[fed:end].tolist(),
@@ -172,7 +202,11 @@ class OpenLoopFeed:
             self._outputs[fed:end].tolist(),
             strict=True,
         ):
-            if loras is None:
+            if hints is not None:  # (a shard: no adapters)
+                spec = new_spec(
+                    prompt_tokens=p, max_tokens=o, arrival_time=t, worker=hints[i - fed]
+                )
+            elif loras is None:
                 spec = new_spec(prompt_tokens=p, max_tokens=o, arrival_time=t)
             else:
                 spec = new_spec(prompt_tokens=p, max_tokens=o, arrival_time=t, lora=loras[i - fed])

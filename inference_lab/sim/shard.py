@@ -8,19 +8,22 @@ Rule 1: a :class:`ShardJob` holds everything its run reads -- the whole deployme
         or retried (``ShardResult.timing`` says how and where it ran; nothing else
         depends on that).
 Rule 2: the shard draws the workload's whole arrival stream, chunk by chunk, exactly as
-        an unsharded run draws it, and keeps the arrivals routed to its replicas: round
-        robin sends the ``k``-th arrival the deployment can run to worker ``k mod W``
-        (``W = replicas * dp_attention``; a request that can never run is refused at
-        submission and takes no turn). It runs them on a deployment of its own replicas
-        only, whose round robin gives them to the same replicas in the same order: its
-        workers are the owned ones, in index order, so each request's times and each
-        step's figures are the unsharded run's, bit for bit.
+        an unsharded run draws it (a trace: reads it whole), and keeps the arrivals
+        routed to its replicas: the ``k``-th arrival the deployment can run (in the
+        order the engine handles arrivals; a request that can never run is refused at
+        submission and takes no turn) goes where the router sends it
+        (:func:`~inference_lab.sim.sharding.route`: ``k mod W``, or a SplitMix64 draw of
+        ``k``). It runs them on a deployment of its own replicas only (its workers are
+        the owned ones, in index order), handing each its worker (``RequestSpec.worker``)
+        in the unsharded run's submission order, so each request's times and each step's
+        figures are the unsharded run's, bit for bit.
 Rule 3: its loop is the simulator's (``sim.run``: the arrivals fed lazily, the events
         before the next feed handled as one ``Engine.run_until``), with records that are
         folded every :data:`FOLD_REQUESTS` completions and :data:`FOLD_STEPS` steps into
         counts, sums, maxima and the quantile sketches of TTFT, TPOT, E2E and queue time
         (:mod:`inference_lab.sim.sketch`), then emptied. What a shard holds is its own
-        arrivals (three arrays and the feed's index: 32 bytes a request), the engine's
+        arrivals (three arrays, their workers and the feed's index: 36 bytes a request),
+        the engine's
         requests in flight, at most a fold's worth of records, one number per chunk of
         the stream and a mark of the stream (the generator's state) every
         :data:`MARK_EVERY` chunks.
@@ -51,21 +54,35 @@ import time
 from array import array
 from collections.abc import Sequence
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 
-from inference_lab.core.config import Deployment, Workload
-from inference_lab.core.engine import Engine, Finished
+from inference_lab.core.config import Workload
+from inference_lab.core.engine import Engine, Finished, RequestSpec
 from inference_lab.core.engine.limits import fits_total
 from inference_lab.errors import ConfigError
 from inference_lab.sim.intake import Intake, OpenLoopFeed
-from inference_lab.sim.records import FinishedTable, StepTotals
-from inference_lab.sim.sharding import ShardTiming
-from inference_lab.sim.sketch import QuantileSketch
-from inference_lab.workload import make_generator
-from inference_lab.workload.arrivals import ArrivalArrays, ArrivalGenerator
-from inference_lab.workload.open_loop import ChunkMark, OpenLoopGenerator
+from inference_lab.sim.shard_figures import (
+    FOLD_REQUESTS,
+    FOLD_STEPS,
+    LATENCIES,
+    Folder,
+    Queue,
+    ShardJob,
+    ShardResult,
+    Stream,
+    WorkerFigures,
+    first_worker,
+    owned_workers,
+    shard_deployment,
+    shard_result,
+)
+from inference_lab.sim.shard_sessions import run_session_shard
+from inference_lab.sim.sharding import ShardTiming, route
+from inference_lab.traffic.traces import Trace
+from inference_lab.workload import TraceGenerator, make_generator
+from inference_lab.workload.arrivals import Arrival, ArrivalArrays, ArrivalGenerator
+from inference_lab.workload.open_loop import OpenLoopGenerator
 
 __all__ = [
     "FOLD_REQUESTS",
@@ -74,127 +91,17 @@ __all__ = [
     "ShardJob",
     "ShardResult",
     "WorkerFigures",
-    "shard_deployment",
     "run_shard",
+    "shard_deployment",
 ]
 
-#: Completions kept before they are folded into sums and sketches (Rule 3).
-FOLD_REQUESTS = 1 << 16
-#: Steps' figures kept before they are folded into sums (Rule 3).
-FOLD_STEPS = 1 << 18
 #: Every this many chunks of the stream, a shard keeps a mark to draw it again from
 #: (Rule 5).
 MARK_EVERY = 16
-#: The latencies a shard sketches, in the summary's order.
-LATENCIES = ("ttft", "tpot", "e2e", "queue")
-
-
-@attrs.frozen(kw_only=True)
-class ShardJob:
-    """One shard to run (Rule 1). ``replicas``: the deployment's replica indices it owns,
-    in increasing order; ``counts_refusals``: whether it counts the requests that can
-    never run (one shard of a run does)."""
-
-    deployment: Deployment
-    workload: Workload
-    seed: int
-    replicas: tuple[int, ...]
-    counts_refusals: bool
-    key: str
-
-
-@attrs.frozen(kw_only=True)
-class WorkerFigures:
-    """One worker (the deployment's index) of a shard: requests completed there and its
-    prefix-cache tokens."""
-
-    worker: int
-    requests: int
-    query_tokens: int
-    hit_tokens: int
-
-
-@attrs.frozen(kw_only=True, eq=False)
-class ShardResult:
-    """What one shard reports (Rules 3-5): every figure a merge needs, none per request."""
-
-    key: str
-    replicas: tuple[int, ...]
-    #: the whole stream's (Rule 4): every arrival, the first and last of every arrival,
-    #: the first and last of those the deployment can run
-    stream_arrivals: int
-    first_arrival: float
-    last_arrival: float
-    first_offered: float
-    last_offered: float
-    #: the refusals by limit and the first one's reason (``counts_refusals`` only)
-    refusals: tuple[tuple[str, int], ...]
-    first_refusal: str
-    #: this shard's arrivals and completions
-    arrivals: int
-    completed: int
-    input_tokens: int
-    output_tokens: int
-    requests_hit: int
-    last_finish: float
-    latencies: dict[str, QuantileSketch]
-    #: the capacity window's arrivals and completions of this shard
-    offered_in_window: int
-    served_in_window: int
-    #: steps: count, sums and maximum of their figures, preemptions
-    steps: int
-    kv_usage_sum: float
-    kv_usage_max: float
-    flop_util_sum: float
-    bw_util_sum: float
-    preemptions: int
-    prefix_caching: bool
-    query_tokens: int
-    hit_tokens: int
-    workers: tuple[WorkerFigures, ...]
-    #: Rule 5
-    peak_waiting: int
-    waiting_at_mid: int
-    waiting_at_end: int
-    sim_time_s: float  # the shard's engine clock at its last event
-    timing: ShardTiming = ShardTiming()  # Rule 1: how long it took, and where
-
-
-def shard_deployment(deployment: Deployment, replicas: int) -> Deployment:
-    """``deployment`` with ``replicas`` replicas (the rest unchanged): a shard's own, and
-    ``sim --replicas``'s."""
-    return attrs.evolve(deployment, hardware=attrs.evolve(deployment.hardware, replicas=replicas))
-
-
-@attrs.define
-class _Stream:
-    """What the first pass over the arrival stream found (Rules 2 and 4)."""
-
-    own: ArrivalArrays
-    count: int = 0
-    first: float = math.inf
-    last: float = -math.inf
-    first_offered: float = math.inf
-    last_offered: float = -math.inf
-    refusals: dict[str, int] = attrs.Factory(dict)
-    first_refusal: str = ""
-    #: per chunk, the engine time of the last arrival that can run up to its end
-    #: (-inf: none yet)
-    chunk_last_stamp: array[float] = attrs.Factory(lambda: array("d"))
-    #: every MARK_EVERY-th chunk's mark, to draw that part of the stream again
-    marks: list[ChunkMark] = attrs.Factory(list)
-
-
-def _owned_workers(job: ShardJob) -> npt.NDArray[np.bool_]:
-    dp = job.deployment.hardware.dp_attention
-    owned = np.zeros(job.deployment.workers, dtype=np.bool_)
-    for r in job.replicas:
-        owned[r * dp : (r + 1) * dp] = True
-    return owned
 
 
 def _fits(
-    engine: Engine, stream: _Stream, chunk: ArrivalArrays, count: bool
+    engine: Engine, stream: Stream, chunk: ArrivalArrays, count: bool
 ) -> npt.NDArray[np.bool_]:
     """Which of ``chunk``'s arrivals the deployment can run (the engine's own check,
     asked only past the total every check passes); with ``count``, the others are
@@ -218,15 +125,17 @@ def _stamps(engine: Engine, times: npt.NDArray[np.float64]) -> npt.NDArray[np.fl
     return times + frontend if frontend else times
 
 
-def _select(job: ShardJob, engine: Engine) -> _Stream:
+def _select(job: ShardJob, engine: Engine) -> Stream:
     """The first pass (Rules 2 and 4): the whole stream drawn chunk by chunk, the arrivals
     routed to this shard's workers kept."""
     generator = make_generator(job.workload, job.seed)
     if not isinstance(generator, OpenLoopGenerator):  # (the fleet checked it)
-        raise ConfigError("workload: a shard runs an open-loop workload")
-    owned = _owned_workers(job)
-    stream = _Stream(ArrivalArrays(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)))
+        raise ConfigError("workload: a shard runs an open-loop workload or a trace")
+    owned = owned_workers(job)
+    first = first_worker(job)
+    stream = Stream(ArrivalArrays(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)))
     parts: list[ArrivalArrays] = []
+    hints: list[npt.NDArray[np.int32]] = []
     routed = 0  # arrivals the deployment can run, so far: round robin's position
     last_stamp = -math.inf
     for mark, chunk in generator.marked_chunks(MARK_EVERY):
@@ -244,15 +153,66 @@ def _select(job: ShardJob, engine: Engine) -> _Stream:
             stream.last_offered = max(stream.last_offered, float(times[fit].max()))
             last_stamp = float(_stamps(engine, times[fit]).max())
         stream.chunk_last_stamp.append(last_stamp)
-        mine = fit & owned[position % len(owned)]
+        workers = route(job.deployment, position)
+        mine: npt.NDArray[np.bool_] = fit & owned[workers]
         if mine.any():
-            parts.append(ArrivalArrays(*(column[mine] for column in chunk)))
+            parts.append(
+                ArrivalArrays(chunk.times[mine], chunk.prompt_tokens[mine], chunk.output_lens[mine])
+            )
+            hints.append((workers[mine] - first).astype(np.int32))
     if parts:
         stream.own = ArrivalArrays(*(np.concatenate(c) for c in zip(*parts, strict=True)))
+        stream.hints = np.concatenate(hints)
     return stream
 
 
-def _last_stamp_until(job: ShardJob, engine: Engine, stream: _Stream, bound: float) -> float | None:
+def _select_trace(job: ShardJob, engine: Engine, trace: Trace) -> Stream:
+    """A trace's first pass (Rules 2 and 4): every request checked as the engine checks
+    it, those the deployment can run placed in the order the engine handles their
+    arrivals (by engine time, then the trace's order: all are submitted before the first
+    step), the ones routed to this shard's workers kept in the trace's order."""
+    sched = job.deployment.scheduler
+    block_size = sched.block_size if sched.enable_prefix_caching else None
+    arrivals = TraceGenerator(trace, block_size).initial()
+    stream = Stream(ArrivalArrays(np.zeros(0), np.zeros(0, np.int64), np.zeros(0, np.int64)))
+    if not arrivals:
+        return stream
+    times = np.array([a.time for a in arrivals], np.float64)
+    fit = np.ones(len(arrivals), np.bool_)
+    total = fits_total(engine.deployment, engine.roofline)
+    for i, a in enumerate(arrivals):
+        if a.n != 1 or a.prompt_tokens + a.output_len > total:
+            refused = engine.check_fits(a.prompt_tokens, a.output_len, a.n)
+            if refused is not None:
+                fit[i] = False
+                if job.counts_refusals:
+                    stream.refusals[refused.limit] = stream.refusals.get(refused.limit, 0) + 1
+                    stream.first_refusal = stream.first_refusal or refused.reason
+    stream.count = len(arrivals)
+    stream.first, stream.last = float(times.min()), float(times.max())
+    fits = np.flatnonzero(fit)
+    stamps = np.maximum(_stamps(engine, times[fits]), 0.0)  # (submitted at time 0)
+    position = np.empty(len(fits), np.int64)
+    position[np.argsort(stamps, kind="stable")] = np.arange(len(fits))
+    workers = route(job.deployment, position)
+    mine = owned_workers(job)[workers]
+    own = fits[mine]
+    stream.trace_own = [arrivals[i] for i in own.tolist()]
+    stream.hints = (workers[mine] - first_worker(job)).astype(np.int32)
+    stream.own = ArrivalArrays(
+        times[own],
+        np.array([a.prompt_tokens for a in stream.trace_own], np.int64),
+        np.array([a.output_len for a in stream.trace_own], np.int64),
+    )
+    if len(fits):
+        stream.first_offered = float(times[fits].min())
+        stream.last_offered = float(times[fits].max())
+        ordered = np.sort(stamps)
+        stream.chunk_last_stamp = array("d", ordered.tolist())
+    return stream
+
+
+def _last_stamp_until(job: ShardJob, engine: Engine, stream: Stream, bound: float) -> float | None:
     """The engine time of the last arrival that can run at or before ``bound``, or None
     (Rule 5): read from the chunks' last times, or, when ``bound`` falls inside a chunk,
     from that chunk drawn again from the mark before it."""
@@ -262,6 +222,7 @@ def _last_stamp_until(job: ShardJob, engine: Engine, stream: _Stream, bound: flo
     if chunk == len(lasts):
         return before
     mark = stream.marks[chunk // MARK_EVERY]
+    assert isinstance(job.workload, Workload)  # (a trace's stamps are all at hand)
     drawn = OpenLoopGenerator.resume(job.workload, mark).marked_chunks(start=mark)
     for _ in range(chunk % MARK_EVERY):
         next(drawn)
@@ -269,6 +230,13 @@ def _last_stamp_until(job: ShardJob, engine: Engine, stream: _Stream, bound: flo
     stamps = _stamps(engine, arrays.times)[_fits(engine, stream, arrays, False)]
     inside = stamps[stamps <= bound]
     return float(inside.max()) if inside.size else before
+
+
+def _trace_stamp_until(stream: Stream, bound: float) -> float | None:
+    """A trace's :func:`_last_stamp_until`: its stamps are all at hand, in order."""
+    stamps = np.frombuffer(stream.chunk_last_stamp, dtype=np.float64)
+    before = int(np.searchsorted(stamps, bound, side="right"))
+    return float(stamps[before - 1]) if before else None
 
 
 class _OwnArrivals(ArrivalGenerator):
@@ -282,95 +250,30 @@ class _OwnArrivals(ArrivalGenerator):
         return self._arrays
 
 
-class _Folder:
-    """The shard's records, folded into its figures whenever they grow past a fold
-    (Rule 3)."""
-
-    __slots__ = (
-        "finished", "steps", "sketches", "window", "completed", "input_tokens",
-        "output_tokens", "requests_hit", "last_finish", "served_in_window", "per_worker",
-        "step_count", "kv_sum", "kv_max", "flop_sum", "bw_sum",
-    )  # fmt: skip
-
-    def __init__(self, workers: int, window: tuple[float, float]) -> None:
-        self.finished = FinishedTable()
-        self.steps = StepTotals()
-        self.sketches = {name: QuantileSketch() for name in LATENCIES}
-        self.window = window  # (mid, last]: the capacity window
-        self.completed = self.input_tokens = self.output_tokens = self.requests_hit = 0
-        self.last_finish = -math.inf
-        self.served_in_window = 0
-        self.per_worker = np.zeros(workers, dtype=np.int64)
-        self.step_count = 0
-        self.kv_sum = self.flop_sum = self.bw_sum = 0.0
-        self.kv_max = 0.0
-
-    def maybe_fold(self) -> None:
-        """Fold when the records hold a fold's worth (after each run)."""
-        if len(self.finished) >= FOLD_REQUESTS or len(self.steps) >= FOLD_STEPS:
-            self.fold()
-
-    def fold(self) -> None:
-        """Fold what the records hold, then empty them."""
-        if len(self.finished):
-            self._fold_finished()
-            self.finished.clear()
-        if len(self.steps):
-            self._fold_steps()
-            self.steps.clear()
-
-    def _fold_finished(self) -> None:
-        """The summary's definitions (``summary.summarize``), on the records held."""
-        col = self.finished.column
-        arrival = col("arrival_time")
-        first_token = col("first_token_time")
-        finish = col("finish_time")
-        output = col("output_tokens").astype(np.float64)
-        multi = output > 1
-        tpot = (finish[multi] - first_token[multi]) / (output[multi] - 1)
-        for name, seconds in (
-            ("ttft", first_token - arrival),
-            ("tpot", tpot),
-            ("e2e", finish - arrival),
-            ("queue", col("first_scheduled_time") - arrival),
-        ):
-            self.sketches[name].add(seconds * 1e3)  # ms, as LatencyStats.from_seconds
-        self.completed += len(arrival)
-        self.input_tokens += int(col("prompt_tokens").sum())
-        self.output_tokens += int((col("output_tokens") * col("n")).sum())
-        self.requests_hit += int(np.count_nonzero(col("cached_tokens") > 0))
-        self.last_finish = max(self.last_finish, float(finish.max()))
-        mid, last = self.window
-        self.served_in_window += int(np.count_nonzero((finish > mid) & (finish <= last)))
-        self.per_worker += np.bincount(col("worker"), minlength=len(self.per_worker))
-
-    def _fold_steps(self) -> None:
-        col = self.steps.column
-        kv = col("kv_usage")
-        self.step_count += len(kv)
-        self.kv_sum += float(kv.sum())
-        self.kv_max = max(self.kv_max, float(kv.max()))
-        self.flop_sum += float(col("flop_util").sum())
-        self.bw_sum += float(col("bw_util").sum())
-
-
 def run_shard(job: ShardJob) -> ShardResult:
-    """Run ``job``'s shard (module rules). Raises ConfigError for a workload that is not
-    an open loop (:mod:`inference_lab.sim.fleet` checks that first)."""
+    """Run ``job``'s shard (module rules; a session workload's:
+    :mod:`inference_lab.sim.shard_sessions`). Raises ConfigError for a workload the fleet
+    refuses (:mod:`inference_lab.sim.fleet` checks that first)."""
+    if isinstance(job.workload, Workload) and job.workload.sessions is not None:
+        return run_session_shard(job)
     start, cpu = time.perf_counter(), time.process_time()
     engine = Engine(shard_deployment(job.deployment, len(job.replicas)))
-    stream = _select(job, engine)
+    trace = job.workload if isinstance(job.workload, Trace) else None
+    stream = _select(job, engine) if trace is None else _select_trace(job, engine, trace)
     select_cpu = time.process_time() - cpu
     # the queue readings' times (Rule 5): the unsharded run's watch reads the queue after
     # the last arrival at or before the middle of every arrival's time, and the last
     middle = (stream.first + stream.last) / 2
-    readings = [
-        _last_stamp_until(job, engine, stream, middle),
-        _last_stamp_until(job, engine, stream, math.inf),
-    ]
+    if trace is None:
+        readings = [
+            _last_stamp_until(job, engine, stream, middle),
+            _last_stamp_until(job, engine, stream, math.inf),
+        ]
+    else:
+        readings = [_trace_stamp_until(stream, middle), _trace_stamp_until(stream, math.inf)]
     mid = (stream.first_offered + stream.last_offered) / 2
-    folder = _Folder(len(engine.workers), (mid, stream.last_offered))
-    queue = _run(engine, stream.own, folder, readings)
+    folder = Folder(len(engine.workers), (mid, stream.last_offered))
+    queue = _run(engine, stream, folder, readings)
     folder.fold()
     timing = ShardTiming(
         wall_s=time.perf_counter() - start,
@@ -378,35 +281,46 @@ def run_shard(job: ShardJob) -> ShardResult:
         select_cpu_s=select_cpu,
         host=f"{socket.gethostname()}:{os.getpid()}",
     )
-    return _result(job, engine, stream, folder, queue, timing)
+    return shard_result(job, engine, stream, folder, queue, timing)
 
 
-@attrs.define
-class _Queue:
-    """The shard's queue figures (Rule 5)."""
+def _submit_trace(engine: Engine, arrivals: Sequence[Arrival], hints: Sequence[int]) -> None:
+    """A trace's own arrivals, submitted up front in the trace's order as the unsharded
+    run submits them (``Intake.submit``: each can run), each to its worker."""
+    for a, worker in zip(arrivals, hints, strict=True):
+        engine.submit(
+            RequestSpec(
+                prompt_tokens=a.prompt_tokens,
+                max_tokens=a.output_len,
+                arrival_time=a.time,
+                n=a.n,
+                block_hashes=a.block_hashes,
+                worker=worker,
+            )
+        )
 
-    peak: int = 0
-    at_mid: int = 0
-    at_end: int = 0
 
-
-def _run(
-    engine: Engine, own: ArrivalArrays, folder: _Folder, readings: list[float | None]
-) -> _Queue:
+def _run(engine: Engine, stream: Stream, folder: Folder, readings: list[float | None]) -> Queue:
     """The simulator's loop (``sim.run.drive`` with no observer but the folds): the own
-    arrivals fed lazily, the events before the next feed handled as runs, stopping at
-    each reading's time to read the queue as the unsharded run's watch does (right after
-    every arrival at that time, before anything else at it)."""
-    intake = Intake(engine, _OwnArrivals(own))
-    feed = OpenLoopFeed(engine, intake, own)
-    queue = _Queue()
-    stamps = _stamps(engine, own.times)
+    arrivals fed lazily (a trace's submitted up front), each to its worker, the events
+    before the next feed handled as runs, stopping at each reading's time to read the
+    queue as the unsharded run's watch does (right after every arrival at that time,
+    before anything else at it)."""
+    own = stream.own
+    feed: OpenLoopFeed | None = None
+    if stream.trace_own is None:
+        feed = OpenLoopFeed(engine, Intake(engine, _OwnArrivals(own)), own, stream.hints)
+        stamps = _stamps(engine, own.times)
+    else:
+        _submit_trace(engine, stream.trace_own, stream.hints.tolist())
+        stamps = np.maximum(_stamps(engine, own.times), 0.0)
+    queue = Queue()
     due = [(k, t) for k, t in enumerate(readings) if t is not None]
     ended: list[Finished] = []
-    next_feed = feed.next_time
+    next_feed = feed.next_time if feed is not None else math.inf
     while True:
         t_next = engine.next_event_time()
-        if next_feed != math.inf and (t_next is None or next_feed <= t_next):
+        if feed is not None and next_feed != math.inf and (t_next is None or next_feed <= t_next):
             next_feed = feed.feed()
             continue
         if due and (t_next is None or t_next >= due[0][1]):  # every event before it handled
@@ -426,58 +340,3 @@ def _run(
             folder.finished.extend(ended)
             ended.clear()
         folder.maybe_fold()
-
-
-def _result(
-    job: ShardJob, engine: Engine, stream: _Stream, folder: _Folder, queue: _Queue,
-    timing: ShardTiming,
-) -> ShardResult:  # fmt: skip
-    """The shard's figures once its run is over."""
-    stats = engine.statistics()
-    owned = np.flatnonzero(_owned_workers(job)).tolist()
-    workers: Sequence[WorkerFigures] = [
-        WorkerFigures(
-            worker=owned[i],
-            requests=int(folder.per_worker[i]),
-            query_tokens=w.prefix_cache_queries,
-            hit_tokens=w.prefix_cache_hits,
-        )
-        for i, w in enumerate(stats.workers)
-    ]
-    mid, last = folder.window
-    own_times = stream.own.times
-    return ShardResult(
-        key=job.key,
-        replicas=job.replicas,
-        stream_arrivals=stream.count,
-        first_arrival=stream.first,
-        last_arrival=stream.last,
-        first_offered=stream.first_offered,
-        last_offered=stream.last_offered,
-        refusals=tuple(sorted(stream.refusals.items())),
-        first_refusal=stream.first_refusal,
-        arrivals=len(own_times),
-        completed=folder.completed,
-        input_tokens=folder.input_tokens,
-        output_tokens=folder.output_tokens,
-        requests_hit=folder.requests_hit,
-        last_finish=folder.last_finish,
-        latencies=folder.sketches,
-        offered_in_window=int(np.count_nonzero((own_times > mid) & (own_times <= last))),
-        served_in_window=folder.served_in_window,
-        steps=folder.step_count,
-        kv_usage_sum=folder.kv_sum,
-        kv_usage_max=folder.kv_max,
-        flop_util_sum=folder.flop_sum,
-        bw_util_sum=folder.bw_sum,
-        preemptions=folder.steps.preempted,
-        prefix_caching=stats.prefix_caching,
-        query_tokens=stats.prefix_cache_queries,
-        hit_tokens=stats.prefix_cache_hits,
-        workers=tuple(workers),
-        peak_waiting=queue.peak,
-        waiting_at_mid=queue.at_mid,
-        waiting_at_end=queue.at_end,
-        sim_time_s=engine.now,
-        timing=timing,
-    )

@@ -3,9 +3,13 @@ did: the rules of :mod:`inference_lab.sim.fleet` that the rest of the simulator 
 
 Rule 1: a deployment is sharded only when its replicas can be simulated apart: its
         router must send each arrival to a replica whatever the replicas' state
-        (``round_robin``: the ``k``-th arrival to worker ``k mod W``), the workload's
-        arrivals must not depend on completions (an open loop: poisson, uniform, burst,
-        batched), ``max_waiting`` must be 0 (it bounds the waiting places of all
+        (:data:`STATE_BLIND`: ``round_robin``, the ``k``-th arrival to worker ``k mod W``;
+        ``random``, to ``draw(router_seed, k) mod W``; ``session_affinity``, a session's
+        turns to ``draw(router_seed, session) mod W``, a request without a session as
+        ``random``: :func:`route`), the workload's arrivals must not depend on
+        completions on other replicas (an open loop: poisson, uniform, burst, batched;
+        a trace; under ``session_affinity``, sessions started by an open loop: a turn
+        follows its own session's answer, on its own replica), ``max_waiting`` must be 0 (it bounds the waiting places of all
         replicas together, as serve's admission counts them, and a shard sees only its
         own) and it must not speculate (its acceptance draws come from one generator
         shared by every replica, in the deployment's event order).
@@ -21,12 +25,51 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 from inference_lab.core.config import Deployment, Workload
 from inference_lab.errors import ConfigError
+from inference_lab.sim.sketch import QuantileSketch
 from inference_lab.traffic.traces import Trace
 
-__all__ = ["FleetInfo", "ShardTiming", "check_shardable"]
+__all__ = [
+    "STATE_BLIND",
+    "FleetInfo",
+    "SessionFigures",
+    "ShardTiming",
+    "TurnFigures",
+    "check_shardable",
+    "draws",
+    "route",
+]
+
+#: The routers whose answer reads no replica (router Rule 3): what a shard can follow.
+STATE_BLIND = ("round_robin", "random", "session_affinity")
+_MASK = (1 << 64) - 1
+_U = np.uint64
+
+
+def draws(seed: int, keys: npt.NDArray[np.int64]) -> npt.NDArray[np.uint64]:
+    """``router.draw(seed, k)`` for every ``k`` of ``keys`` (>= 0), over arrays: the same
+    SplitMix64 outputs, uint64 arithmetic wrapping as the scalar one masks."""
+    with np.errstate(over="ignore"):
+        z = _U(seed & _MASK) + (keys.astype(np.uint64) + _U(1)) * _U(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> _U(30))) * _U(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> _U(27))) * _U(0x94D049BB133111EB)
+        return z ^ (z >> _U(31))
+
+
+def route(deployment: Deployment, keys: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The worker (the deployment's index) its router gives each key (Rule 1): an
+    arrival's index among those the deployment can run, or a session's id
+    (``session_affinity``)."""
+    hw = deployment.hardware
+    workers = deployment.workers
+    if hw.router == "round_robin":
+        return keys % workers
+    return (draws(hw.router_seed, keys) % _U(workers)).astype(np.int64)
+
 
 #: Why a router cannot be sharded: what it reads of every replica at each arrival.
 _READS = {
@@ -48,6 +91,28 @@ class ShardTiming:
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class TurnFigures:
+    """A shard's completed turns of one index: count, TTFT sketch (ms), token sums."""
+
+    turn: int
+    requests: int
+    ttft: QuantileSketch
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class SessionFigures:
+    """A session shard's table (``sim.shard_sessions`` Rule 3): its sessions with a
+    completed turn, its turns by index, the arrival time of its first refusal (inf:
+    none)."""
+
+    sessions: int
+    by_turn: tuple[TurnFigures, ...]
+    first_refusal_time: float
 
 
 @attrs.frozen(kw_only=True)
@@ -77,21 +142,14 @@ class FleetInfo:
 
 def check_shardable(deployment: Deployment, workload: Workload | Trace) -> None:
     """Raise ConfigError, one line, when the run cannot be sharded (Rule 1)."""
-    hw = deployment.hardware
-    if hw.router in _READS:
+    router = deployment.hardware.router
+    if router in _READS:
         raise ConfigError(
-            f"--ray: router {hw.router} cannot be sharded: it reads {_READS[hw.router]} at "
-            "each arrival, which no shard sees (round_robin can)"
+            f"--ray: router {router} cannot be sharded: it reads {_READS[router]} at each "
+            "arrival, which no shard sees (round_robin, random and session_affinity can)"
         )
-    if isinstance(workload, Trace):
-        raise ConfigError("--ray: traces are not sharded; shards take an open-loop workload")
-    if workload.sessions is not None or workload.arrival_pattern == "closed_loop":
-        what = "a turn" if workload.sessions is not None else "a user's next request"
-        raise ConfigError(
-            f"--ray: a {'session' if workload.sessions is not None else 'closed-loop'} "
-            f"workload cannot be sharded: {what} is sent when an answer ends, so the replica "
-            "round robin gives it depends on every replica's progress"
-        )
+    if isinstance(workload, Workload):
+        _check_workload(router, workload)
     if deployment.scheduler.max_waiting:
         raise ConfigError(
             "--ray: max_waiting bounds the waiting places of all replicas together, which "
@@ -116,4 +174,27 @@ def check_shardable(deployment: Deployment, workload: Workload | Trace) -> None:
         raise ConfigError(
             "--ray: speculative decoding cannot be sharded: its acceptance draws come from "
             "one generator shared by every replica, in the deployment's event order"
+        )
+
+
+def _check_workload(router: str, workload: Workload) -> None:
+    """The workloads whose arrivals depend on other replicas' progress (Rule 1)."""
+    if workload.sessions is not None and workload.arrival_pattern == "closed_loop":
+        raise ConfigError(
+            "--ray: closed-loop sessions cannot be sharded: each user's next session is "
+            "drawn in the order sessions start across the deployment, which follows every "
+            "replica's progress"
+        )
+    if workload.sessions is not None and router != "session_affinity":
+        raise ConfigError(
+            f"--ray: a session workload under {router} cannot be sharded: a turn is sent "
+            "when its previous answer ends, so its place among the deployment's arrivals "
+            "depends on every replica's progress (session_affinity keeps a session's "
+            "turns on one replica, and can)"
+        )
+    if workload.arrival_pattern == "closed_loop":
+        raise ConfigError(
+            "--ray: a closed-loop workload cannot be sharded: each request's lengths are "
+            "the next in one stream, in the order the users send, which follows every "
+            "replica's progress (whatever the router)"
         )

@@ -144,6 +144,11 @@ class SessionGenerator(ArrivalGenerator):
                 break
         return times
 
+    def planned_turns(self) -> int:
+        """The turns of the sessions started and not ended (after :meth:`initial`, an open
+        loop's every session): what they send at most."""
+        return sum(len(plan.turns) for plan in self._plans.values())
+
     def follow_up(self, arrival: Arrival, time: float, refused: bool) -> Arrival | None:
         plan = self._plans.get(arrival.session)
         if plan is None:

@@ -35,7 +35,14 @@ __all__ = [
     "TimeCorrection",
 ]
 
-ROUTERS = ("round_robin", "least_loaded", "prefix_affinity", "kv_aware")
+ROUTERS = (
+    "round_robin",
+    "least_loaded",
+    "prefix_affinity",
+    "kv_aware",
+    "random",
+    "session_affinity",
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -114,6 +121,8 @@ class HardwareEntry:
     #: kv_aware: the weight of a replica's queued prefill tokens against the request's
     #: own uncached prompt tokens.
     kv_aware_queue_weight: float = attrs.field(default=1.0, validator=ge(0))
+    #: random, session_affinity: the seed of their draws (core/engine/router.py, Rule 3).
+    router_seed: int = attrs.field(default=0, validator=ge(0))
     time_correction: TimeCorrection = attrs.field(factory=TimeCorrection)
     #: Replaces the profile's ``[efficiency]`` keys it sets, for this model only.
     efficiency: EfficiencyOverride | None = None

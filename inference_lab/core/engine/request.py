@@ -73,6 +73,9 @@ class RequestSpec:
     remote_positions: int = 0
     #: the LoRA adapter it runs with, by name (None: the base model; docs/lora.md)
     lora: str | None = None
+    #: the session (or closed-loop user) it belongs to, for the ``session_affinity``
+    #: router (None: none)
+    session: int | None = None
 
 
 class RequestStatus(enum.IntEnum):
@@ -138,6 +141,7 @@ class Request:
         "tier_checked",
         "lora",
         "lora_name",
+        "session",
     )
 
     def __init__(
@@ -156,6 +160,8 @@ class Request:
         self.stamped_time = stamp
         #: the worker the caller routed it to, if it did
         self.routed_worker = spec.worker
+        #: its session, for the ``session_affinity`` router
+        self.session = spec.session
         #: positions computed per sequence (its KV written); tokens emitted per sequence
         self.num_computed = 0
         self.num_output = 0

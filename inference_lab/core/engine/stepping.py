@@ -127,12 +127,17 @@ class EventLoop(RunLoop):
         self.now = 0.0
         self._calendar = EventCalendar()
         self._requests: dict[int, Request] = {}
-        self._router = Router(hw.router, hw.affinity_load_ratio, hw.kv_aware_queue_weight)
+        self._router = Router(
+            hw.router, hw.affinity_load_ratio, hw.kv_aware_queue_weight, hw.router_seed
+        )
         self._decode_router = self._router
         if split is not None:
             p = split.prefill.hardware
             self._router = Router(
-                split.prefill_router, p.affinity_load_ratio, p.kv_aware_queue_weight
+                split.prefill_router,
+                p.affinity_load_ratio,
+                p.kv_aware_queue_weight,
+                p.router_seed,
             )
             self._decode_router = Router(split.decode_router, 1.0, 0.0)
         #: KV transfers from a remote prefill started: count, bytes, seconds
