@@ -20,6 +20,7 @@ import attrs
 from inference_lab.core.engine.calendar import ARRIVAL, BOUNDARY, TRANSFER, EventCalendar
 from inference_lab.core.engine.dp_group import DPGroup
 from inference_lab.core.engine.drafting import DraftCounts
+from inference_lab.core.engine.handoff import Handoffs
 from inference_lab.core.engine.outputs import Finished, StepEvents, StepInfo, StepLog
 from inference_lab.core.engine.request import Request
 from inference_lab.core.engine.scheduler import Scheduler
@@ -67,6 +68,10 @@ class RunLoop:
     _steps: int
     _scratch: list[tuple[int, int]]
     _ended: list[tuple[Request, float, float]]
+    #: what a decode run crossing arrivals reads (``_cross``; None: it may not)
+    _crossing: tuple[RunReport, float, float] | None = None
+    groups: list[DPGroup]
+    _handoffs: Handoffs | None
 
     def _arrive(self, r: Request, now: float) -> None:
         raise NotImplementedError
@@ -88,6 +93,9 @@ class RunLoop:
         raise NotImplementedError
 
     def _start_step(self, w: Scheduler, now: float) -> Started | None:
+        raise NotImplementedError
+
+    def _file_transfers(self, w: Scheduler, now: float) -> None:
         raise NotImplementedError
 
     def _step_info(self, w: Scheduler, now: float, started: Started) -> StepInfo:
@@ -112,6 +120,11 @@ class RunLoop:
         the report gives."""
         cal = self._calendar
         report = RunReport()
+        self._crossing = (
+            None
+            if stop_at_arrival or stop_on_finish or not self._one_worker()
+            else (report, before, mid)
+        )
         while True:
             t = cal.next_time()
             if t is None or t >= before:
@@ -125,13 +138,7 @@ class RunLoop:
             report.events += 1
             if kind == ARRIVAL:
                 self._arrive(payload, now)
-                report.arrivals += 1
-                waiting = self.num_waiting()
-                if waiting > report.peak_waiting:
-                    report.peak_waiting = waiting
-                if now <= mid:
-                    report.waiting_at_mid = waiting
-                report.waiting_at_end = waiting
+                self._report_arrival(report, now, mid)
                 continue
             if kind == TRANSFER:
                 self._received(payload, now)
@@ -147,6 +154,53 @@ class RunLoop:
                     self._report_step(report, ev.step.kv_usage, ev.step.preempted)
             if stop_on_finish and len(finished) > done:
                 return report
+
+    def _report_arrival(self, report: RunReport, now: float, mid: float) -> None:
+        """An arrival handled during ``run_until`` at ``now``: counted, and the queue
+        after it looked at (the peak, and at ``mid`` and the end of the arrivals)."""
+        report.arrivals += 1
+        waiting = self.num_waiting()
+        if waiting > report.peak_waiting:
+            report.peak_waiting = waiting
+        if now <= mid:
+            report.waiting_at_mid = waiting
+        report.waiting_at_end = waiting
+
+    def _one_worker(self) -> bool:
+        """Whether the engine is one worker stepping alone (no lockstep group, no
+        hand-offs): every arrival is its own (a decode run may cross arrivals)."""
+        return len(self.workers) == 1 and not self.groups and self._handoffs is None
+
+    def _cross(self, end: float) -> float | None:
+        """A decode run's step in flight ends at ``end``, at or past its limit (Rule 3):
+        handle the arrivals the calendar holds until then (in ``run_until``'s order: each
+        was filed before the boundary would be) and return the time of the next event
+        (or the run's end) for the run to go on to; None when it must stop there (an
+        event of another kind is due by ``end``, or ``end`` is the run's end), its
+        boundary then filed by the caller."""
+        crossing = self._crossing
+        assert crossing is not None  # (only handed to a run that may cross)
+        report, before, mid = crossing
+        cal = self._calendar
+        while True:
+            t = cal.next_time()
+            if t is None or t > end:
+                break
+            if t >= before or cal.heap[0][2] != ARRIVAL:
+                return None
+            _, _, r = cal.pop()
+            if t > self.now:
+                self.now = t
+            report.events += 1
+            self._arrive(r, self.now)
+            self._report_arrival(report, self.now, mid)
+            if self.workers[0].step_end != end:  # it joined the step in flight (Rule 1)
+                return None
+        if end >= before:
+            return None
+        if end > self.now:
+            self.now = end
+        return before if t is None or t > before else t
 
     def _run_boundary(
         self,
@@ -173,6 +227,7 @@ class RunLoop:
             log,
             ended,
             stop_after_finish=stop_on_finish or w.internal,  # (a hand-off files events)
+            cross=None if self._crossing is None else self._cross,
         )
         if run is not None:
             for r, t, step in ended:
@@ -184,7 +239,10 @@ class RunLoop:
             if run.started:
                 report.kv_usage = log.kv_usage[-1]
             if not run.partial:
-                self.now = w.step_start
+                if w.step_start > self.now:  # (arrivals it crossed may be later)
+                    self.now = w.step_start
+                if w.new_transfers:  # (its last step admitted a reception)
+                    self._file_transfers(w, w.step_start)
                 cal.file_boundary(w, w.step_end, BOUNDARY)
                 return
             now = self.now = run.last  # its next step is ours to start

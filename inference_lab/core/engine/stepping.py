@@ -211,6 +211,7 @@ class EventLoop(RunLoop):
             return
         g = self._group_of[w.index]
         start = w.step_start if g is None else g.step_start
+        terms = w.terms_in_flight()  # (before the admission: a decode run's are lazy)
         admitted = w.admit_head(start, w.step_mark, w.step_budget)
         if w.new_transfers:
             self._file_transfers(w, start)
@@ -219,8 +220,6 @@ class EventLoop(RunLoop):
         _, n = admitted
         r.arrival_time = r.stamped_time  # it is treated as having arrived when stamped
         w.batch.append(admitted)
-        terms = w.step_terms
-        assert terms is not None  # set with the step in flight
         rf = w.roofline
         rf.add_sequence(terms, n, r.num_computed)
         if w.step_plain is not None:  # a speculative step: its batch without drafts too
