@@ -1,5 +1,5 @@
 """A loaded worker's decode runs: its step boundaries one after another without the
-engine's calendar in between (the fast path's Rules 4 and 5).
+engine's calendar in between (the fast path's Rule 4).
 
 Most boundaries of a worker in the fast path (:mod:`~inference_lab.core.engine.fast_path`)
 end a step in which every running request decoded and start another such step; the others
@@ -20,12 +20,12 @@ Rule 1 (the fast path's Rule 4): a decode run (``FastPath.decode_run``, whose ot
         the engine's price -- the same steps with the same figures, to the bit. A boundary
         whose next step the fast path does not take (blocks short, a group, too few rows)
         ends the run with its step in flight ended and the next one left to the caller.
-Rule 2 (the fast path's Rule 5): when a step of the run ends at or past its limit (the
-        next calendar event), the run sets the step in flight's fields and asks its caller
-        (``cross``) to handle the events due by then: a lone worker's arrivals only, each
-        filed before the boundary would be, so taking them first is the calendar's order.
-        The caller answers with the next event's time and the run goes on to it, or stops
-        it there (another kind of event is due, the run's end) and files its boundary.
+Rule 2: when a step of the run ends at or past its limit (the next calendar event), the
+        run sets the step in flight's fields and asks its caller (``cross``) to handle the
+        events due by then: a lone worker's arrivals only, each filed before the boundary
+        would be, so taking them first is the calendar's order. The caller answers with
+        the next event's time and the run goes on to it, or stops it there (another kind
+        of event is due, the run's end) and files its boundary.
 Rule 3: a pure decode step in flight leaves its price terms to be worked out when read
         (:meth:`DecodeRuns.terms_in_flight`: a late arrival joining it, or leaving the
         fast path): nothing changes the decoding rows until it ends.
@@ -55,7 +55,7 @@ Ended = list[tuple[Request, float, float]]
 
 @attrs.frozen
 class DecodeRun:
-    """What :meth:`DecodeRuns.decode_run` did: the boundaries it handled, the steps it
+    """What ``FastPath.decode_run`` did: the boundaries it handled, the steps it
     started, the time of its last boundary, and whether that one's next step is the
     caller's to start (``partial``: it ended the step in flight only)."""
 
@@ -103,6 +103,12 @@ class DecodeRuns:
         tuple[list[tuple[PlainRequest, int]] | None, list[int] | None, int],
     ]
     grow_decoding: Callable[[RunningRows, list[tuple[PlainRequest, int]], list[int] | None], None]
+
+    def fast_in_flight(self) -> bool:
+        """Whether the step in flight is a fast step a decode run may end: the fast
+        path's batch, no block being cached or evictable."""
+        pool = self.pool
+        return self.batch is self.fast_batch and not pool.filling and not pool.evictable
 
     def _end_in_run(
         self,

@@ -341,26 +341,17 @@ class FastPath(DecodeRuns):
         stop_after_finish: bool = False,
         cross: Callable[[float], float | None] | None = None,
     ) -> DecodeRun | None:
-        """Rule 1: handle this worker's step boundaries from the one due at ``now`` (not
-        handled yet) while each is earlier than ``limit``: each ends the fast step in
-        flight (requests finishing at a boundary go to ``ended`` with its time and the
-        duration of the step that ended them) and starts the next one, priced as the
-        engine prices it (``price`` x ``factor``), its figures appended to ``log``. At a
-        boundary whose next step the fast path does not take, or after one that finished
-        a request with ``stop_after_finish``, it ends the step in flight only and leaves
-        the next one to the caller (``partial``). When a step ends at or past ``limit``,
-        ``cross`` (if given) is asked for a later one (Rule 2). None when the boundary at
-        ``now`` is not the end of a fast step (nothing changed). Called by
-        ``RunLoop._run_boundary``."""
+        """decode_runs Rule 1: handle this worker's boundaries from the one due at ``now``
+        while each is earlier than ``limit``: each ends the fast step in flight (requests
+        finishing go to ``ended`` with its time and the duration of the step that ended
+        them) and starts the next one, priced as the engine prices it (``price`` x
+        ``factor``, figures to ``log``). At a boundary whose next step the fast path does
+        not take, or after a finish with ``stop_after_finish``, it ends the step in flight
+        only (``partial``). When a step ends at or past ``limit``, ``cross`` (if given)
+        is asked for a later one (Rule 2). None when the boundary at ``now`` is not the
+        end of a fast step (nothing changed). Called by ``RunLoop._run_boundary``."""
         vec = self.vec
-        pool = self.pool
-        if (
-            vec is None
-            or self.batch is not self.fast_batch
-            or pool.filling
-            or pool.evictable
-            or now >= limit
-        ):
+        if vec is None or now >= limit or not self.fast_in_flight():
             return None
         grow_cal = vec.grow_cal
         waiting = self.waiting
