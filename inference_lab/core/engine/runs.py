@@ -9,6 +9,13 @@ Rule 1: the same events are handled in the same order, leaving the same state, a
 Rule 2: this is a base of :class:`~inference_lab.core.engine.stepping.EventLoop` and
         reaches the loop only through the attributes and methods declared here, which
         the loop defines.
+Rule 3: a lone worker's decode run crosses arrivals (decode_runs Rule 2): when a step of
+        the run ends at or past its limit, :meth:`RunLoop._cross` handles the arrivals
+        due by that boundary as the loop would (each was filed before the boundary would
+        be; counted, and the queue read after each) and gives the run its next limit;
+        it stops the run when another kind of event is due by then, at ``before``, with
+        ``stop_at_arrival`` or ``stop_on_finish``, on an engine of several workers, or
+        when an arrival joined the step in flight (its end moved).
 """
 
 from __future__ import annotations
