@@ -22,14 +22,10 @@ Rule 3: this is the scheduler's other half (:class:`FastPath` is a base of
         :class:`~inference_lab.core.engine.scheduler.Scheduler`): it asks the KV cache
         manager for blocks like the per-request loop does and completes its other rows
         with the same arithmetic (``request.complete_members``).
-Rule 4: a decode run (:meth:`FastPath.decode_run`) is the fast path's boundaries one after
-        another without the engine's calendar in between, until the next other event: each
-        ends the step in flight as ``complete_fast`` does (a pure decode step's end only
-        moves the decode counter on) and starts a pure decode step -- the rows filed for
-        it grow, its price comes from the window sums (the roofline's decode pricer) --
-        as a boundary handled alone does. A boundary whose next step is not a pure decode
-        one (a request waits, the new blocks would not be free, too few rows) ends the
-        run with its step in flight ended and the next one left to the per-step path.
+Rule 4: a decode run (:meth:`~inference_lab.core.engine.decode_runs.DecodeRuns.decode_run`,
+        a base of :class:`FastPath`) is the fast path's boundaries one after another
+        without the engine's calendar in between, each ending the step in flight and
+        starting the next one as a boundary handled alone does (decode_runs Rules 1-3).
 """
 
 from __future__ import annotations
@@ -37,11 +33,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import attrs
-
-from inference_lab.core.builders import frozen_builder
 from inference_lab.core.decode_pricing import DecodePricer
 from inference_lab.core.engine.block_pool import BlockPool
+from inference_lab.core.engine.decode_runs import DecodeRun, DecodeRuns, Ended, Price
 from inference_lab.core.engine.kv_cache_manager import KVCacheManager
 from inference_lab.core.engine.outputs import StepLog
 from inference_lab.core.engine.request import Request, complete_members
@@ -49,7 +43,7 @@ from inference_lab.core.engine.running_rows import PlainRequest, RunningRows
 from inference_lab.core.engine.scheduler_output import Batch, SchedulerOutput, scheduler_output
 from inference_lab.core.engine.stretch import decode_stretch
 from inference_lab.core.engine.wait_queue import WaitQueue
-from inference_lab.core.roofline import BatchTerms, Roofline, StepCost
+from inference_lab.core.roofline import BatchTerms, Roofline
 
 __all__ = ["FAST_PATH_MIN", "DecodeRun", "FastBatch", "FastPath"]
 
@@ -60,22 +54,7 @@ __all__ = ["FAST_PATH_MIN", "DecodeRun", "FastBatch", "FastPath"]
 FAST_PATH_MIN = 8
 
 
-@attrs.frozen
-class DecodeRun:
-    """What :meth:`FastPath.decode_run` did: the boundaries it handled, the steps it
-    started, the time of its last boundary, and whether that one's next step is the
-    caller's to start (``partial``: it ended the step in flight only)."""
-
-    boundaries: int
-    started: int
-    last: float
-    partial: bool
-
-
-decode_run_result = frozen_builder(DecodeRun)
-
-
-class FastPath:
+class FastPath(DecodeRuns):
     """The fast path's half of a worker's scheduler (Rule 3). The attributes below are the
     scheduler's (set by its ``__init__``)."""
 
@@ -110,6 +89,7 @@ class FastPath:
         #: from ``flat[0]`` positions on, ``blocks_for(p) = ceil(p / block_size) +
         #: flat[1]`` (the private blocks no longer grow)
         self.flat = roofline.flat_blocks()
+        self.fast_least = FAST_PATH_MIN // 2
 
     def sync_running(self) -> None:
         """Write the decoding requests' lazy ``num_computed`` and ``num_output`` back
@@ -124,6 +104,8 @@ class FastPath:
         vec = self.vec
         if vec is None:
             return
+        if self.step_terms is None and isinstance(self.batch, FastBatch):
+            self.terms_in_flight()  # (a decode run's, worked out while the rows are there)
         rows = self.running[: vec.size]
         vec.sync(rows)
         if isinstance(self.batch, FastBatch):
@@ -351,147 +333,79 @@ class FastPath:
         self,
         now: float,
         limit: float,
-        price: Callable[[BatchTerms], StepCost],
+        price: Price,
         factor: float,
         log: StepLog,
-        ended: list[tuple[Request, float, float]],
+        ended: Ended,
         *,
         stop_after_finish: bool = False,
+        cross: Callable[[float], float | None] | None = None,
     ) -> DecodeRun | None:
-        """Rule 4: handle this worker's step boundaries from the one due at ``now`` (not
-        handled yet) while each is earlier than ``limit``: each ends the fast step in
-        flight (``Scheduler.complete``: requests finishing at a boundary go to ``ended``
-        with its time and the duration of the step that ended them) and starts a pure decode step, priced as the engine prices it
-        (``price`` x ``factor``), its figures appended to ``log``. At a boundary whose next
-        step is not a pure decode one (a request waits, the new blocks are short, the
-        batch is too small for the fast path) or after one that finished a request with
-        ``stop_after_finish``, it ends the step in flight only and leaves starting the
-        next one to the caller. None when the boundary at ``now`` is not the end of a fast
-        step (nothing changed)."""
+        """decode_runs Rule 1: handle this worker's boundaries from the one due at ``now``
+        while each is earlier than ``limit``: each ends the fast step in flight (requests
+        finishing go to ``ended`` with its time and the duration of the step that ended
+        them) and starts the next one, priced as the engine prices it (``price`` x
+        ``factor``, figures to ``log``). At a boundary whose next step the fast path does
+        not take, or after a finish with ``stop_after_finish``, it ends the step in flight
+        only (``partial``). When a step ends at or past ``limit``, ``cross`` (if given)
+        is asked for a later one (Rule 2). None when the boundary at ``now`` is not the
+        end of a fast step (nothing changed). Called by ``RunLoop._run_boundary``."""
         vec = self.vec
-        pool = self.pool
-        if (
-            vec is None
-            or type(self.batch) is not FastBatch
-            or pool.filling
-            or pool.evictable
-            or now >= limit
-        ):
+        if vec is None or now >= limit or not self.fast_in_flight():
             return None
-        finish_cal = vec.finish_cal
         grow_cal = vec.grow_cal
-        rf = self.roofline
-        mla = rf.has_mla()
-        total = self.total_blocks
-        kv_log, flop_log, bw_log = log.kv_usage.append, log.flop_util.append, log.bw_util.append
-        scratch: list[tuple[int, int]] = []
-        pricer = None
-        priced_rows = -1
         waiting = self.waiting
         budget = self.budget
-        least = FAST_PATH_MIN // 2
-        #: the sliding-window classes' saturation calendars, by class index
-        windowed = [(j, cal) for j, cal in enumerate(vec.sat_cal) if vec.windows[j] > 0]
-        boundaries = started = 0
+        least = self.fast_least
+        scratch: list[tuple[int, int]] = []
+        boundaries = started = pure = 0  # (pure: pure steps not yet counted in step_id)
+        priced_rows = -1  # (the rows of the pricer in hand; -1: none)
         start = self.step_start  # (of the step in flight: the first boundary ends it)
         boundary = now
-        while now < limit:
+        while True:
+            if now >= limit:
+                later = None if cross is None else self._cross(cross, vec, pure, start, now)
+                pure = pure if cross is None else 0
+                if later is None:
+                    return self._settle(vec, boundaries, started, pure, start, now, boundary, False)
+                limit = later
             boundary = now
             boundaries += 1
-            if vec.rest_n or vec.decoding != vec.size or vec.g + 1 in finish_cal:
-                _, done = self.complete_fast(now, scratch)  # the general end of a fast step
-                scratch.clear()
-                for r in done:
-                    ended.append((r, now, now - start))
-                if done and stop_after_finish:
-                    return self._settle(vec, boundaries, started, start, now, boundary, True)
-            else:  # a pure decode step's end: a token each, nothing finishes
-                g = vec.g + 1  # (RunningRows.advance, inline: no finish entry at g)
-                vec.g = g
-                for j, cal in windowed:
-                    count = cal.pop(g, 0) if cal else 0
-                    if count:
-                        vec.sat[j] += count
-                        vec.unsat[j] -= count
-                        vec.unsat_sum[j] -= count * (vec.windows[j] - 1 - g)
+            if self._end_in_run(vec, now, start, scratch, ended) and stop_after_finish:
+                return self._settle(vec, boundaries, started, pure, start, now, boundary, True)
             rows = vec.decoding
-            if waiting.count or vec.size != rows or rows < least or rows > budget:
-                return self._settle(vec, boundaries, started, start, now, boundary, True)
             g = vec.g
-            if g in grow_cal:
-                due, wants, need = self.grow_due(vec, g)
-                if need > pool.free:
-                    return self._settle(vec, boundaries, started, start, now, boundary, True)
-                assert due is not None
-                self.grow_decoding(vec, due, wants)
-            if rows != priced_rows:
-                pricer = None if mla else self._decode_pricer(rows)
-                priced_rows = rows
-                vec.step_decoding = rows
-            if pricer is not None:  # this step and the pure ones after it, in one loop
-                run = decode_stretch(self, vec, pricer, now, limit, factor, log)
-                started += run.started
-                boundaries += run.boundaries
-                start, now = run.start, run.end
-                if run.boundaries:
-                    boundary = run.boundary
-                if run.short:
-                    return self._settle(vec, boundaries, started, start, now, boundary, True)
+            pure_next = not waiting.count and vec.size == rows and least <= rows <= budget
+            if pure_next and g in grow_cal:
+                pure_next = self._grow_in_run(vec, g)
+            if not pure_next:  # (blocks short: _start_whole declines too)
+                self._count_pure(pure)
+                pure = 0
+                duration = self._start_whole(now, price, factor, log)
+                if duration is None:  # not the fast path's step: the caller's to start
+                    return self._settle(vec, boundaries, started, 0, start, now, boundary, True)
+                started += 1
+                start = now
+                now = now + duration
+                if self.vec is not vec or self.new_transfers:  # (the caller files them)
+                    return self._settle(vec, boundaries, started, 0, start, now, boundary, False)
+                priced_rows = -1
                 continue
-            cost = price(self._decode_terms(vec, mla))  # (MLA: a step at a time)
-            seconds, roof, compute, memory = cost.seconds, cost.roofline, cost.compute, cost.memory
-            start = now
-            duration = seconds * factor
-            now = now + duration
-            self.busy_seconds += duration
-            if roof <= 0:
-                roof = 1.0
-            kv_log((total - pool.free) / total)
-            flop_log(compute / roof)
-            bw_log(memory / roof)
-            started += 1
-        return self._settle(vec, boundaries, started, start, now, boundary, False)
-
-    def _decode_pricer(self, rows: int) -> DecodePricer | None:
-        """The roofline's decode pricer for ``rows`` rows, made once per count."""
-        pricers = self.pricers
-        if rows not in pricers:
-            pricers[rows] = self.roofline.decode_pricer(rows)
-        return pricers[rows]
-
-    def _decode_terms(self, vec: RunningRows, mla: bool) -> BatchTerms:
-        """The terms of a step of the decoding rows alone (as ``_admit_into_whole``)."""
-        if mla:
-            return self.roofline.batch_terms(vec.ns(), vec.computed_now(self.running))
-        rows = vec.decoding
-        return BatchTerms(rows, rows, vec.decode_totals(), [])
-
-    def _settle(
-        self,
-        vec: RunningRows,
-        boundaries: int,
-        started: int,
-        start: float,
-        end: float,
-        boundary: float,
-        partial: bool,
-    ) -> DecodeRun:
-        """A decode run ends: the step in flight is its last started one (the fields
-        ``_schedule_whole`` and the engine set), unless the run ends with a boundary whose
-        next step is the caller's to start (``partial``)."""
-        if started:
-            self.step_id += started
-            self.step_mark = self.step_id
-            self.step_gamma = 0
-            if not partial:
-                rows = vec.decoding
-                if vec.rest_n:
-                    vec.rest_n = []
-                self.step_budget = self.budget - rows
-                self.step_terms = self._decode_terms(vec, self.roofline.has_mla())
-                self.step_start = start
-                self.step_end = end
-        return decode_run_result(boundaries, started, boundary, partial)
+            pricer = self._pricer_for(vec, rows, priced_rows)
+            priced_rows = rows
+            if pricer is None:  # (MLA classes: a step at a time, by the general price)
+                start = now
+                now = now + self._start_pure(vec, price, factor, log)
+                started += 1
+                pure += 1
+                continue
+            run = decode_stretch(self, vec, pricer, now, limit, factor, log)
+            started += run.started
+            pure += run.started
+            boundaries += run.boundaries
+            start, now, boundary = run.start, run.end, run.boundary  # (ours: none handled)
+            if run.short:  # (the caller's step: the per-request loop's)
+                return self._settle(vec, boundaries, started, pure, start, now, boundary, True)
 
 
 class FastBatch:

@@ -9,6 +9,13 @@ Rule 1: the same events are handled in the same order, leaving the same state, a
 Rule 2: this is a base of :class:`~inference_lab.core.engine.stepping.EventLoop` and
         reaches the loop only through the attributes and methods declared here, which
         the loop defines.
+Rule 3: a lone worker's decode run crosses arrivals (decode_runs Rule 2): when a step of
+        the run ends at or past its limit, :meth:`RunLoop._cross` handles the arrivals
+        due by that boundary as the loop would (each was filed before the boundary would
+        be; counted, and the queue read after each) and gives the run its next limit;
+        it stops the run when another kind of event is due by then, at ``before``, with
+        ``stop_at_arrival`` or ``stop_on_finish``, on an engine of several workers, or
+        when an arrival joined the step in flight (its end moved).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import attrs
 from inference_lab.core.engine.calendar import ARRIVAL, BOUNDARY, TRANSFER, EventCalendar
 from inference_lab.core.engine.dp_group import DPGroup
 from inference_lab.core.engine.drafting import DraftCounts
+from inference_lab.core.engine.handoff import Handoffs
 from inference_lab.core.engine.outputs import Finished, StepEvents, StepInfo, StepLog
 from inference_lab.core.engine.request import Request
 from inference_lab.core.engine.scheduler import Scheduler
@@ -67,6 +75,10 @@ class RunLoop:
     _steps: int
     _scratch: list[tuple[int, int]]
     _ended: list[tuple[Request, float, float]]
+    #: what a decode run crossing arrivals reads (``_cross``; None: it may not)
+    _crossing: tuple[RunReport, float, float] | None = None
+    groups: list[DPGroup]
+    _handoffs: Handoffs | None
 
     def _arrive(self, r: Request, now: float) -> None:
         raise NotImplementedError
@@ -88,6 +100,9 @@ class RunLoop:
         raise NotImplementedError
 
     def _start_step(self, w: Scheduler, now: float) -> Started | None:
+        raise NotImplementedError
+
+    def _file_transfers(self, w: Scheduler, now: float) -> None:
         raise NotImplementedError
 
     def _step_info(self, w: Scheduler, now: float, started: Started) -> StepInfo:
@@ -112,6 +127,11 @@ class RunLoop:
         the report gives."""
         cal = self._calendar
         report = RunReport()
+        self._crossing = (
+            None
+            if stop_at_arrival or stop_on_finish or not self._one_worker()
+            else (report, before, mid)
+        )
         while True:
             t = cal.next_time()
             if t is None or t >= before:
@@ -125,13 +145,7 @@ class RunLoop:
             report.events += 1
             if kind == ARRIVAL:
                 self._arrive(payload, now)
-                report.arrivals += 1
-                waiting = self.num_waiting()
-                if waiting > report.peak_waiting:
-                    report.peak_waiting = waiting
-                if now <= mid:
-                    report.waiting_at_mid = waiting
-                report.waiting_at_end = waiting
+                self._report_arrival(report, now, mid)
                 continue
             if kind == TRANSFER:
                 self._received(payload, now)
@@ -147,6 +161,53 @@ class RunLoop:
                     self._report_step(report, ev.step.kv_usage, ev.step.preempted)
             if stop_on_finish and len(finished) > done:
                 return report
+
+    def _report_arrival(self, report: RunReport, now: float, mid: float) -> None:
+        """An arrival handled during ``run_until`` at ``now``: counted, and the queue
+        after it looked at (the peak, and at ``mid`` and the end of the arrivals)."""
+        report.arrivals += 1
+        waiting = self.num_waiting()
+        if waiting > report.peak_waiting:
+            report.peak_waiting = waiting
+        if now <= mid:
+            report.waiting_at_mid = waiting
+        report.waiting_at_end = waiting
+
+    def _one_worker(self) -> bool:
+        """Whether the engine is one worker stepping alone (no lockstep group, no
+        hand-offs): every arrival is its own (a decode run may cross arrivals)."""
+        return len(self.workers) == 1 and not self.groups and self._handoffs is None
+
+    def _cross(self, end: float) -> float | None:
+        """A decode run's step in flight ends at ``end``, at or past its limit (Rule 3):
+        handle the arrivals the calendar holds until then (in ``run_until``'s order: each
+        was filed before the boundary would be) and return the time of the next event
+        (or the run's end) for the run to go on to; None when it must stop there (an
+        event of another kind is due by ``end``, or ``end`` is the run's end), its
+        boundary then filed by the caller."""
+        crossing = self._crossing
+        assert crossing is not None  # (only handed to a run that may cross)
+        report, before, mid = crossing
+        cal = self._calendar
+        while True:
+            t = cal.next_time()
+            if t is None or t > end:
+                break
+            if t >= before or cal.heap[0][2] != ARRIVAL:
+                return None
+            _, _, r = cal.pop()
+            if t > self.now:
+                self.now = t
+            report.events += 1
+            self._arrive(r, self.now)
+            self._report_arrival(report, self.now, mid)
+            if self.workers[0].step_end != end:  # it joined the step in flight (Rule 1)
+                return None
+        if end >= before:
+            return None
+        if end > self.now:
+            self.now = end
+        return before if t is None or t > before else t
 
     def _run_boundary(
         self,
@@ -173,6 +234,7 @@ class RunLoop:
             log,
             ended,
             stop_after_finish=stop_on_finish or w.internal,  # (a hand-off files events)
+            cross=None if self._crossing is None else self._cross,
         )
         if run is not None:
             for r, t, step in ended:
@@ -184,7 +246,10 @@ class RunLoop:
             if run.started:
                 report.kv_usage = log.kv_usage[-1]
             if not run.partial:
-                self.now = w.step_start
+                if w.step_start > self.now:  # (arrivals it crossed may be later)
+                    self.now = w.step_start
+                if w.new_transfers:  # (its last step admitted a reception)
+                    self._file_transfers(w, w.step_start)
                 cal.file_boundary(w, w.step_end, BOUNDARY)
                 return
             now = self.now = run.last  # its next step is ours to start

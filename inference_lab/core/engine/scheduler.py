@@ -190,37 +190,15 @@ class Scheduler(FastPath):
         ``budget`` tokens left, if the cap, the budget and the free blocks allow: it runs
         its first prefill chunk there, on top of the prefix its worker has cached (its
         ``num_computed`` on return). Returns (request, positions) or None."""
-        tiers = self.tiers
-        while True:
-            r = self.waiting.peek()
-            if r is None:
-                return None
-            if self.running_seqs + r.n > self.max_num_seqs and self.running_seqs:
-                return None
-            if tiers is not None and not r.tier_checked and not r.num_blocks:
-                if not r.remote_positions and r.cacheable_blocks:
-                    tiers.plan(r)  # a fetch from the tiers waits as a received KV does
-            if not r.remote_positions or r.num_blocks:
-                break
-            if not self._receive(r, now):  # a remote prefill's KV or a fetch (Rule 6)
-                return None  # its blocks are short: it waits at the head
+        r = self._admissible_head(now)
+        if r is None:
+            return None
         if r.num_blocks:  # its KV arrived: only its next chunk's blocks to find
             return self._admit_resident(r, mark, budget)
-        if r.n == 1 and not r.cacheable_blocks:  # first_chunk of a plain request, no prefix
-            n = r.prefill_length()  # its whole (re-)prefill
-            if n > budget:
-                if not self.chunked:
-                    return None
-                n = budget
-            if n > self.chunk_cap:
-                n = self.chunk_cap
-            hit = touched = 0
-            need = self.kv.blocks_for(n)
-        else:
-            chunk = self.first_chunk(r, budget)
-            if chunk is None:
-                return None
-            hit, n, need, touched = chunk
+        chunk = self._head_chunk(r, budget)
+        if chunk is None:
+            return None
+        hit, n, need, touched = chunk
         if need + touched > self.pool.free:
             return None
         self.waiting.pop()
@@ -233,6 +211,40 @@ class Scheduler(FastPath):
         self.running.append(r)
         self.running_seqs += r.n
         return r, n
+
+    def _admissible_head(self, now: float) -> Request | None:
+        """The head of the waiting queue, if the cap lets it in, after the receptions
+        it starts (a remote prefill's KV or a fetch from the tiers: Rule 6, those heads
+        leave the queue); None when nothing may be admitted now."""
+        tiers = self.tiers
+        while True:
+            r = self.waiting.peek()
+            if r is None:
+                return None
+            if self.running_seqs + r.n > self.max_num_seqs and self.running_seqs:
+                return None
+            if tiers is not None and not r.tier_checked and not r.num_blocks:
+                if not r.remote_positions and r.cacheable_blocks:
+                    tiers.plan(r)  # a fetch from the tiers waits as a received KV does
+            if not r.remote_positions or r.num_blocks:
+                return r
+            if not self._receive(r, now):  # a remote prefill's KV or a fetch (Rule 6)
+                return None  # its blocks are short: it waits at the head
+
+    def _head_chunk(self, r: Request, budget: int) -> tuple[int, int, int, int] | None:
+        """``first_chunk`` of the head ``r`` (nothing resident) within ``budget``: its
+        cached blocks, its first chunk's positions, the new blocks and the cached ones
+        it takes; a plain request without a prefix in O(1). None: it cannot run now."""
+        if r.n == 1 and not r.cacheable_blocks:  # first_chunk of a plain request, no prefix
+            n = r.prefill_length()  # its whole (re-)prefill
+            if n > budget:
+                if not self.chunked:
+                    return None
+                n = budget
+            if n > self.chunk_cap:
+                n = self.chunk_cap
+            return 0, n, self.kv.blocks_for(n), 0
+        return self.first_chunk(r, budget)
 
     def _receive(self, r: Request, now: float) -> bool:
         """Rule 6: take the blocks of ``r``'s remote prefill positions (beyond what this
@@ -374,6 +386,15 @@ class Scheduler(FastPath):
             return max(candidates, key=lambda r: (r.priority, r.arrival_time, r.admit_order))
         return max(candidates, key=lambda r: (r.max_tokens - r.num_output, r.admit_order))
 
+    def _preempt_for(self, r: Request, i: int) -> int:
+        """The running request ``r`` (row ``i``) found its blocks short: preempt the
+        victim (Rule 4). Returns 1 when the victim's row came before ``i`` (the rows
+        after it moved up one), else 0."""
+        victim = self._victim(r)
+        vi = self.running.index(victim)
+        self._preempt(victim)
+        return 1 if victim is not r and vi < i else 0
+
     def _preempt(self, r: Request) -> None:
         self.kv.free(r)
         r.tier_checked = False
@@ -452,13 +473,8 @@ class Scheduler(FastPath):
                         i += 1
                         continue
                     n = min(left, budget, chunk_cap)
-                else:
-                    n = 1
-                    if gamma:  # a verify step (drafting Rule 1): 1 + gamma, within max_tokens
-                        left = r.max_tokens - out - 1
-                        n += gamma if gamma < left else (left if left > 0 else 0)
-                        if n > budget:
-                            n = budget
+                else:  # a decode position, or a verify step's (drafting Rule 1)
+                    n = _verify_width(r.max_tokens - out - 1, gamma, budget) if gamma else 1
                 seqs = 1
                 if c + n <= r.block_room:  # its blocks hold it: nothing to ask
                     r.batch_mark = mark
@@ -475,13 +491,9 @@ class Scheduler(FastPath):
                     continue
                 n, seqs = chunk
             if allocate(r, c + n) is None:
-                victim = self._victim(r)
-                vi = running.index(victim)
-                self._preempt(victim)
+                i -= self._preempt_for(r, i)
                 count -= 1
                 preempted += 1
-                if victim is not r and vi < i:
-                    i -= 1
                 continue
             r.batch_mark = mark
             add_batch((r, n))
@@ -572,3 +584,11 @@ class Scheduler(FastPath):
             tiers=None if self.tiers is None else self.tiers.statistics(),
             lora=None if self.lora is None else self.lora.statistics(self.running, self.waiting),
         )
+
+
+def _verify_width(left: int, gamma: int, budget: int) -> int:
+    """A decoding request's verify step (drafting Rule 1): 1 + gamma positions, gamma
+    capped by the ``left`` tokens after the next one (``max_tokens - output - 1``) and
+    the width by the ``budget``."""
+    n = 1 + (gamma if gamma < left else (left if left > 0 else 0))
+    return budget if n > budget else n

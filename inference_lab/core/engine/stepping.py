@@ -84,25 +84,7 @@ class EventLoop(RunLoop):
         self._handoffs = None if split is None else Handoffs(split)
         #: a disaggregated deployment's prefill and decode workers (None: aggregated)
         self._pools: tuple[list[Scheduler], list[Scheduler]] | None = None
-        if split is None:
-            self.roofline = Roofline(deployment)
-            self.workers = [
-                Scheduler(i, deployment, self.roofline, self._kv_events)
-                for i in range(deployment.workers)
-            ]
-        else:
-            self.roofline = Roofline(split.decode)
-            prefill_rf = Roofline(split.prefill)
-            first = split.prefill.workers
-            self.workers = [
-                Scheduler(i, split.prefill, prefill_rf, self._kv_events) for i in range(first)
-            ] + [
-                Scheduler(first + i, split.decode, self.roofline, self._kv_events)
-                for i in range(split.decode.workers)
-            ]
-            for w in self.workers[:first]:
-                w.internal = True
-            self._pools = (self.workers[:first], self.workers[first:])
+        self._make_workers(deployment)
         hw = deployment.hardware
         dp = hw.dp_attention
         self.groups = (
@@ -157,6 +139,30 @@ class EventLoop(RunLoop):
         #: the requests whose remote prefill's KV arrived since the caller last took them
         #: (:meth:`Engine.take_kv_arrived`: a decode server's, without ``[disaggregation]``)
         self._kv_arrived: list[int] = []
+
+    def _make_workers(self, deployment: Deployment) -> None:
+        """The deployment's workers and the roofline that prices its steps (a
+        disaggregated deployment's: its decode pool's; its prefill pool comes first)."""
+        split = deployment.disaggregation
+        if split is None:
+            self.roofline = Roofline(deployment)
+            self.workers = [
+                Scheduler(i, deployment, self.roofline, self._kv_events)
+                for i in range(deployment.workers)
+            ]
+            return
+        self.roofline = Roofline(split.decode)
+        prefill_rf = Roofline(split.prefill)
+        first = split.prefill.workers
+        self.workers = [
+            Scheduler(i, split.prefill, prefill_rf, self._kv_events) for i in range(first)
+        ] + [
+            Scheduler(first + i, split.decode, self.roofline, self._kv_events)
+            for i in range(split.decode.workers)
+        ]
+        for w in self.workers[:first]:
+            w.internal = True
+        self._pools = (self.workers[:first], self.workers[first:])
 
     def step(self) -> StepEvents:
         """Handle the earliest event and return what became visible at its time."""
@@ -216,6 +222,7 @@ class EventLoop(RunLoop):
             return
         g = self._group_of[w.index]
         start = w.step_start if g is None else g.step_start
+        terms = w.terms_in_flight()  # (before the admission: a decode run's are lazy)
         admitted = w.admit_head(start, w.step_mark, w.step_budget)
         if w.new_transfers:
             self._file_transfers(w, start)
@@ -224,8 +231,6 @@ class EventLoop(RunLoop):
         _, n = admitted
         r.arrival_time = r.stamped_time  # it is treated as having arrived when stamped
         w.batch.append(admitted)
-        terms = w.step_terms
-        assert terms is not None  # set with the step in flight
         rf = w.roofline
         rf.add_sequence(terms, n, r.num_computed)
         if w.step_plain is not None:  # a speculative step: its batch without drafts too

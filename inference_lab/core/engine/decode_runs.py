@@ -1,0 +1,287 @@
+"""A loaded worker's decode runs: its step boundaries one after another without the
+engine's calendar in between (the fast path's Rule 4).
+
+Most boundaries of a worker in the fast path (:mod:`~inference_lab.core.engine.fast_path`)
+end a step in which every running request decoded and start another such step; the others
+admit an arrival or run a prefill chunk alongside the decoding rows. A decode run hands
+the worker the boundaries up to the next calendar event it cannot take itself and starts
+every step the fast path takes whole, so the engine's calendar and its per-step
+bookkeeping see one event per run.
+
+Rule 1 (the fast path's Rule 4): a decode run (``FastPath.decode_run``, whose other
+        methods are here: :class:`DecodeRuns`, a base of ``FastPath``) handles the
+        boundaries as the engine handles each alone (``EventLoop._boundary`` without its
+        ``StepEvents``): each ends the step in flight as ``complete_fast`` does (a pure
+        decode step's end only moves the decode counter on) and starts the next one as
+        ``EventLoop._start_step`` would: a pure decode step from the window sums (the
+        roofline's decode pricer; a stretch of them in one loop,
+        :func:`~inference_lab.core.engine.stretch.decode_stretch`), any other by the fast
+        path's whole step (``_schedule_whole``: admissions, prefill chunks), priced by
+        the engine's price -- the same steps with the same figures, to the bit. A boundary
+        whose next step the fast path does not take (blocks short, a group, too few rows)
+        ends the run with its step in flight ended and the next one left to the caller.
+Rule 2: when a step of the run ends at or past its limit (the next calendar event), the
+        run sets the step in flight's fields and asks its caller (``cross``) to handle the
+        events due by then: a lone worker's arrivals only, each filed before the boundary
+        would be, so taking them first is the calendar's order. The caller answers with
+        the next event's time and the run goes on to it, or stops it there (another kind
+        of event is due, the run's end) and files its boundary.
+Rule 3: a pure decode step in flight leaves its price terms to be worked out when read
+        (:meth:`DecodeRuns.terms_in_flight`: a late arrival joining it, or leaving the
+        fast path): nothing changes the decoding rows until it ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from inference_lab.core.builders import frozen_builder
+from inference_lab.core.decode_pricing import DecodePricer
+from inference_lab.core.engine.block_pool import BlockPool
+from inference_lab.core.engine.outputs import StepLog
+from inference_lab.core.engine.request import Request
+from inference_lab.core.engine.running_rows import PlainRequest, RunningRows
+from inference_lab.core.engine.scheduler_output import Batch, SchedulerOutput
+from inference_lab.core.engine.wait_queue import WaitQueue
+from inference_lab.core.roofline import BatchTerms, Roofline, StepCost
+
+__all__ = ["DecodeRun", "DecodeRuns"]
+
+Price = Callable[[BatchTerms], StepCost]
+Ended = list[tuple[Request, float, float]]
+
+
+@attrs.frozen
+class DecodeRun:
+    """What ``FastPath.decode_run`` did: the boundaries it handled, the steps it
+    started, the time of its last boundary, and whether that one's next step is the
+    caller's to start (``partial``: it ended the step in flight only)."""
+
+    boundaries: int
+    started: int
+    last: float
+    partial: bool
+
+
+decode_run_result = frozen_builder(DecodeRun)
+
+
+class DecodeRuns:
+    """The decode runs' half of a worker's scheduler (a base of ``FastPath``). The
+    attributes below are the scheduler's and its fast path's."""
+
+    vec: RunningRows | None
+    batch: Batch
+    fast_batch: Batch
+    pool: BlockPool
+    waiting: WaitQueue
+    running: list[Request]
+    running_seqs: int
+    roofline: Roofline
+    budget: int
+    total_blocks: int
+    busy_seconds: float
+    new_transfers: list[Request]
+    pricers: dict[int, DecodePricer | None]
+    #: the fewest running requests the fast path keeps (``FAST_PATH_MIN // 2``)
+    fast_least: int
+    step_terms: BatchTerms | None
+    step_gamma: int
+    step_id: int
+    step_budget: int
+    step_mark: int
+    step_start: float
+    step_end: float
+    complete_fast: Callable[
+        [float, list[tuple[int, int]]], tuple[tuple[tuple[int, int], ...], list[Request]]
+    ]
+    _schedule_whole: Callable[[float], SchedulerOutput | None]
+    grow_due: Callable[
+        [RunningRows, int],
+        tuple[list[tuple[PlainRequest, int]] | None, list[int] | None, int],
+    ]
+    grow_decoding: Callable[[RunningRows, list[tuple[PlainRequest, int]], list[int] | None], None]
+
+    def fast_in_flight(self) -> bool:
+        """Whether the step in flight is a fast step a decode run may end: the fast
+        path's batch, no block being cached or evictable."""
+        pool = self.pool
+        return self.batch is self.fast_batch and not pool.filling and not pool.evictable
+
+    def _end_in_run(
+        self,
+        vec: RunningRows,
+        now: float,
+        start: float,
+        scratch: list[tuple[int, int]],
+        ended: Ended,
+    ) -> bool:
+        """A decode run's boundary at ``now`` ends the fast step in flight (started at
+        ``start``): ``complete_fast``, or for a pure decode step that finishes nothing the
+        decode counter moving on. Whether a request finished (in ``ended``)."""
+        if vec.rest_n or vec.decoding != vec.size or vec.g + 1 in vec.finish_cal:
+            _, done = self.complete_fast(now, scratch)  # the general end of a fast step
+            scratch.clear()
+            for r in done:
+                ended.append((r, now, now - start))
+            return bool(done)
+        g = vec.g + 1  # (RunningRows.advance, inline: no finish entry at g)
+        vec.g = g
+        windows = vec.windows
+        for j, cal in enumerate(vec.sat_cal):
+            count = cal.pop(g, 0) if cal else 0
+            if count:
+                vec.sat[j] += count
+                vec.unsat[j] -= count
+                vec.unsat_sum[j] -= count * (windows[j] - 1 - g)
+        return False
+
+    def _grow_in_run(self, vec: RunningRows, g: int) -> bool:
+        """The decoding rows filed to grow at ``g`` take their blocks, when the pool has
+        them all (True); False (nothing changed) when it has not."""
+        due, wants, need = self.grow_due(vec, g)
+        if need > self.pool.free:
+            return False
+        assert due is not None
+        self.grow_decoding(vec, due, wants)
+        return True
+
+    def _pricer_for(self, vec: RunningRows, rows: int, priced: int) -> DecodePricer | None:
+        """The decode pricer of a pure step of ``rows`` decoding rows (``priced``: the
+        rows of the one in hand), made once per count; the rows' step fields set when
+        the count changes. None with MLA classes (the general price)."""
+        if rows == priced:
+            return self.pricers[rows]
+        vec.step_decoding = rows
+        if vec.rest_n:
+            vec.rest_n = []
+        pricers = self.pricers
+        if rows not in pricers:
+            pricers[rows] = None if self.roofline.has_mla() else self.roofline.decode_pricer(rows)
+        return pricers[rows]
+
+    def _cross(
+        self,
+        cross: Callable[[float], float | None],
+        vec: RunningRows,
+        pure: int,
+        start: float,
+        end: float,
+    ) -> float | None:
+        """Rule 2: the step in flight (from ``start`` to ``end``) is set as the run's
+        last (a pure one, with ``pure`` pure steps not yet counted), then ``cross`` is
+        asked for the run's next limit."""
+        if pure:
+            self._in_flight(vec, pure, start, end)
+        return cross(end)
+
+    def _count_pure(self, pure: int) -> None:
+        """``pure`` pure decode steps started: counted in ``step_id`` (the marks of the
+        steps after them count them)."""
+        if pure:
+            self.step_id += pure
+            self.step_mark = self.step_id
+            self.step_gamma = 0
+
+    def _start_whole(self, now: float, price: Price, factor: float, log: StepLog) -> float | None:
+        """A decode run's step that is not a pure decode one, started at ``now`` as
+        ``EventLoop._start_step`` starts it: the fast path's whole step
+        (``_schedule_whole``: admissions, prefill chunks; never a preemption), priced by
+        ``price`` x ``factor``, its figures appended to ``log``. Its duration; None when
+        the fast path does not take it (``schedule_fast``'s conditions; nothing changed).
+        Its batch may be a list (a group or a prefix-caching request admitted: the fast
+        path left)."""
+        size = len(self.running)
+        pool = self.pool
+        if size < self.fast_least or self.running_seqs != size or pool.filling or pool.evictable:
+            return None
+        out = self._schedule_whole(now)
+        if out is None:
+            return None
+        terms = out.terms
+        if terms is None:
+            assert out.positions is not None and out.contexts is not None
+            terms = self.roofline.batch_terms(out.positions, out.contexts)
+        cost = price(terms)
+        duration = cost.seconds * factor
+        self.busy_seconds += duration
+        self.batch = out.batch
+        self.step_terms = terms
+        self.step_start = now
+        self.step_end = now + duration
+        _log_step(self, cost, log)
+        return duration
+
+    def _start_pure(self, vec: RunningRows, price: Price, factor: float, log: StepLog) -> float:
+        """A pure decode step started by the general price (MLA classes): its duration,
+        added to the busy time, its figures appended to ``log``."""
+        cost = price(self._decode_terms(vec, True))
+        duration = cost.seconds * factor
+        self.busy_seconds += duration
+        _log_step(self, cost, log)
+        return duration
+
+    def _decode_terms(self, vec: RunningRows, mla: bool) -> BatchTerms:
+        """The terms of a step of the decoding rows alone (as ``_admit_into_whole``)."""
+        if mla:
+            return self.roofline.batch_terms(vec.ns(), vec.computed_now(self.running))
+        rows = vec.decoding
+        return BatchTerms(rows, rows, vec.decode_totals(), [])
+
+    def _in_flight(self, vec: RunningRows, pure: int, start: float, end: float) -> None:
+        """The step in flight is a run's last started one, a pure decode step from
+        ``start`` to ``end``, the last of ``pure`` not yet counted in ``step_id``: the
+        fields ``_schedule_whole`` and the engine set for a step in flight, set (its
+        terms left to :meth:`terms_in_flight`: Rule 3)."""
+        self.step_id += pure
+        self.step_mark = self.step_id
+        self.step_gamma = 0
+        self.step_budget = self.budget - vec.decoding
+        self.step_terms = None
+        self.step_start = start
+        self.step_end = end
+
+    def terms_in_flight(self) -> BatchTerms:
+        """The price terms of the step in flight (Rule 3; a late arrival's join adds to
+        them): those of a decode run's last pure step are worked out here."""
+        terms = self.step_terms
+        if terms is None:
+            vec = self.vec
+            assert vec is not None  # (a step in flight without terms is a decode run's)
+            terms = self.step_terms = self._decode_terms(vec, self.roofline.has_mla())
+        return terms
+
+    def _settle(
+        self,
+        vec: RunningRows,
+        boundaries: int,
+        started: int,
+        pure: int,
+        start: float,
+        end: float,
+        boundary: float,
+        partial: bool,
+    ) -> DecodeRun:
+        """A decode run ends, having started ``started`` steps, the last ``pure`` of them
+        pure decode steps not yet counted in ``step_id``. Unless the run ends with a
+        boundary whose next step is the caller's to start (``partial``), the step in flight
+        is its last started one: for a pure one its fields are set here (a whole step set
+        its own)."""
+        if pure:
+            if partial:
+                self._count_pure(pure)
+            else:
+                self._in_flight(vec, pure, start, end)
+        return decode_run_result(boundaries, started, boundary, partial)
+
+
+def _log_step(worker: DecodeRuns, cost: StepCost, log: StepLog) -> None:
+    """A started step's figures appended to ``log``, as ``RunLoop._run_boundary`` appends
+    them: the KV usage after its blocks were taken, and its utilisations."""
+    total = worker.total_blocks
+    roof = cost.roofline if cost.roofline > 0 else 1.0
+    log.kv_usage.append((total - worker.pool.free) / total)
+    log.flop_util.append(cost.compute / roof)
+    log.bw_util.append(cost.memory / roof)

@@ -1,0 +1,128 @@
+"""A decode run's whole steps and the arrivals it crosses (fast path Rules 4 and 5, the
+runs' Rule 3) are ``step()`` one event at a time, to the bit.
+
+A decode run of a lone worker takes the steps that are not pure decode ones itself when
+the fast path takes them whole (an admission, a prefill chunk) and, when a step ends past
+the run's limit and only arrivals are due before it, handles those arrivals and goes on
+without filing the boundary. Each case drives two engines through the same random
+workload: one event by event with ``step()``, the other in ``run_until`` calls to random
+cutoffs with no stop flag (so the runs may cross), with aborts and late submissions
+between cutoffs, and compares every step's figures, every completion, the statistics and
+the count of events.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import pytest
+
+from inference_lab.core.config import Deployment, load_deployment
+from inference_lab.core.engine import Engine, Finished, RequestSpec
+from inference_lab.core.engine import decode_runs as runs_half
+from inference_lab.core.engine import runs as runs_module
+from inference_lab.sim.records import StepTotals
+from tests.engine_util import GPT_OSS_20B, LLAMA8B, deployment
+from tests.test_engine_runs import EAGLE, _cutoffs, _disturb, _same, _specs
+
+#: single-worker workloads (crossing needs one worker): light and loaded decode runs, the
+#: fast path left inside a run (groups, prefix hits), late joins (the frontend latency),
+#: preemption, chunked prefills as the run's whole steps, speculative decoding
+CASES: dict[str, tuple[Any, dict[str, Any]]] = {
+    "light": (lambda: deployment(GPT_OSS_20B), {"rate": 60.0, "prompt_mu": 6.9, "output_mu": 5.3}),
+    "loaded": (lambda: deployment(GPT_OSS_20B), {"rate": 250.0}),
+    "groups": (lambda: deployment(GPT_OSS_20B), {"rate": 90.0, "groups": True}),
+    "prefix-hits": (lambda: deployment(LLAMA8B), {"rate": 90.0, "hashes": True}),
+    "frontend-latency": (
+        lambda: deployment(GPT_OSS_20B, frontend_latency=0.003),
+        {"rate": 120.0},
+    ),
+    "preemptions": (
+        lambda: deployment(GPT_OSS_20B, blocks=500),
+        {"rate": 60.0, "prompt_mu": 6.9, "output_mu": 5.3},
+    ),
+    "chunked": (
+        lambda: deployment(
+            GPT_OSS_20B, max_num_batched_tokens=384, long_prefill_token_threshold=96
+        ),
+        {"rate": 100.0},
+    ),
+    "speculative": (lambda: load_deployment(EAGLE, "h100"), {"rate": 60.0}),
+}
+
+
+def _drive(
+    dep: Deployment, specs: list[RequestSpec], seed: int, runs: bool
+) -> tuple[StepTotals, list[Finished], Any, float, int]:
+    """As ``test_engine_runs._drive`` without stop flags, counting the events handled."""
+    eng = Engine(dep)
+    ids = [
+        eng.submit(s) for s in specs if eng.check_fits(s.prompt_tokens, s.max_tokens, s.n) is None
+    ]
+    totals = StepTotals(speculative=dep.speculative is not None)
+    finished: list[Finished] = []
+    rnd = random.Random(seed)
+    done: set[int] = set()
+    events = 0
+    for cutoff in _cutoffs(seed, specs[-1].arrival_time + 5.0):
+        while (t := eng.next_event_time()) is not None and t < cutoff:
+            if runs:
+                events += eng.run_until(cutoff, totals, finished).events
+                continue
+            ev = eng.step()
+            events += 1
+            if ev.step is not None:
+                totals.add(ev.step)
+            finished.extend(ev.finished)
+        done.update(f.request_id for f in finished)
+        if eng.next_event_time() is None and cutoff != math.inf:
+            continue
+        _disturb(eng, ids, rnd, done)
+    return totals, finished, eng.statistics(), eng.now, events
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_runs_that_cross_arrivals_are_step_by_step(name: str, seed: int) -> None:
+    """Every case, three seeds: the same steps, completions, state and event count."""
+    make, kw = CASES[name]
+    dep = make()
+    specs = _specs(300, seed, **kw)
+    stepped = _drive(dep, specs, seed, runs=False)
+    ran = _drive(dep, specs, seed, runs=True)
+    _same(stepped[:4], ran[:4])  # type: ignore[arg-type]
+    assert stepped[4] == ran[4]
+    assert len(stepped[1]) > 100
+
+
+def test_runs_do_cross_arrivals_and_admit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 60 requests/s a lone worker's runs cross most arrivals and admit them in the
+    run (so the comparison above covers both)."""
+    crossed: list[float | None] = []
+    whole: list[float | None] = []
+    cross = runs_module.RunLoop._cross
+    start_whole = runs_half.DecodeRuns._start_whole
+
+    def counting_cross(self: Any, end: float) -> float | None:
+        later = cross(self, end)
+        crossed.append(later)
+        return later
+
+    def counting_whole(self: Any, *args: Any) -> float | None:
+        duration = start_whole(self, *args)
+        whole.append(duration)
+        return duration
+
+    monkeypatch.setattr(runs_module.RunLoop, "_cross", counting_cross)
+    monkeypatch.setattr(runs_half.DecodeRuns, "_start_whole", counting_whole)
+    make, kw = CASES["light"]
+    eng = Engine(make())
+    specs = _specs(600, 3, **kw)
+    for s in specs:
+        eng.submit(s)
+    report = eng.run_until(math.inf, StepTotals(), [])
+    assert report.arrivals == len(specs)
+    assert sum(1 for t in crossed if t is not None) > len(specs) // 2
+    assert sum(1 for d in whole if d is not None) > len(specs) // 2
