@@ -101,3 +101,18 @@ def test_profile_run_without_a_vocabulary_is_a_one_line_error(tmp_path: Path) ->
     )
     with pytest.raises(ConfigError, match=r"hardware\.probe: \[overheads\] profile_run needs"):
         load_model_config(path, ROOT / "hardware_profiles")
+
+
+def test_the_vllm_profiles_compute_the_memory_instead_of_fitting_it() -> None:
+    """``h100-vllm`` and ``h200-vllm`` set the four keys (Marlin's multiples) and keep no
+    fitted ``reserved_memory``; the datasheet profiles set none of them."""
+    from inference_lab.core.config.loading import load_hardware_profile
+
+    for name in ("h100-vllm", "h200-vllm"):
+        over = load_hardware_profile(ROOT / "hardware_profiles" / f"{name}.toml").overheads
+        assert over.weight_scales and over.profile_run
+        assert (over.expert_hidden_multiple, over.expert_intermediate_multiple) == (256, 128)
+        assert over.reserved_memory == 0
+    for name in ("h100", "h200"):
+        over = load_hardware_profile(ROOT / "hardware_profiles" / f"{name}.toml").overheads
+        assert over == Overheads()
