@@ -67,13 +67,14 @@ BEGIN, END = "<!-- fidelity-table:begin -->", "<!-- fidelity-table:end -->"
 CAL_BEGIN, CAL_END = "<!-- calibrated-values:begin -->", "<!-- calibrated-values:end -->"
 #: What each calibrated entry fits, by its engine tag (the entry's name after the GPU's):
 #: throughput-only tables cannot tell a per-step overhead from the bandwidth; vLLM's
-#: bursts of 100-1,000 requests pin the host's per-sequence work and, filling the KV
-#: cache, the memory the engine keeps out of it; SGLang's closed loops at 4-64 users (the
+#: bursts of 100-1,000 requests pin the host's per-sequence work (the memory vLLM keeps
+#: out of its KV cache is not fitted: the profiles compute it as vLLM does, with
+#: [overheads] weight_scales, expert_*_multiple and profile_run); SGLang's closed loops at 4-64 users (the
 #: KV cache never full) its per-request latency in front of the engine.
 TERMS = {
     "trtllm": ("memory_bandwidth", "flops"),
     "nim": ("memory_bandwidth", "flops", "step_overhead"),
-    "vllm": ("memory_bandwidth", "flops", "step_overhead", "seq_overhead", "reserved_memory"),
+    "vllm": ("memory_bandwidth", "flops", "step_overhead", "seq_overhead"),
     "sglang": ("memory_bandwidth", "flops", "step_overhead", "frontend_latency"),
 }
 #: Entries whose rows determine fewer terms than their engine's: h200-vllm has two fit

@@ -118,9 +118,13 @@ def apply(dep: Deployment, values: dict[str, float]) -> Deployment:
         hw = attrs.evolve(hw, efficiency=attrs.evolve(base, **eff_keys))
     if tc_keys:
         hw = attrs.evolve(hw, time_correction=attrs.evolve(hw.time_correction, **tc_keys))
-    over_keys = {k: v for k, v in values.items() if k in ("seq_overhead", "reserved_memory")}
-    if over_keys:
-        hw = attrs.evolve(hw, overheads=attrs.evolve(dep.overheads, **over_keys))
+    if "seq_overhead" in values or "reserved_memory" in values:
+        over = dep.overheads
+        if "seq_overhead" in values:
+            over = attrs.evolve(over, seq_overhead=values["seq_overhead"])
+        if "reserved_memory" in values:
+            over = attrs.evolve(over, reserved_memory=values["reserved_memory"])
+        hw = attrs.evolve(hw, overheads=over)
     sched = dep.scheduler
     if "frontend_latency" in values:
         sched = attrs.evolve(sched, frontend_latency=values["frontend_latency"])

@@ -11,6 +11,8 @@ The package, by concern:
 - :mod:`~inference_lab.core.config.hardware`: profiles, entries, efficiency, links, fabric;
 - :mod:`~inference_lab.core.config.deployment`: ``Deployment``, ``ModelConfig``,
   ``Disaggregation``;
+- :mod:`~inference_lab.core.config.engine_memory`: the memory vLLM keeps out of its KV
+  cache (weights as loaded, the profile run's peak);
 - :mod:`~inference_lab.core.config.disaggregation`: ``[disaggregation]``, the KV link's
   price;
 - :mod:`~inference_lab.core.config.fault`: the test harness's ``[fault]`` table;

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import attrs
 
+from inference_lab.core.config import engine_memory
 from inference_lab.core.config.disaggregation import DisaggregationConfig, transfer_seconds
 from inference_lab.core.config.fault import FaultConfig
 from inference_lab.core.config.hardware import (
@@ -32,6 +33,7 @@ from inference_lab.core.config.model import (
     AttentionLayer,
     MLALayer,
     ModelArch,
+    WeightStream,
 )
 from inference_lab.core.config.scheduler import SchedulerConfig
 from inference_lab.core.config.speculative import SpeculativeConfig
@@ -85,9 +87,7 @@ class Deployment:
         """Weight bytes one replica holds: the model's streams and the drafter's. With
         ``dp_attention`` ranks, each stream's dense part is held once per rank and its
         experts once (``floor`` per part)."""
-        weights = list(self.model.weights)
-        if self.speculative is not None:
-            weights += self.speculative.drafter.weights
+        weights = self._weight_streams()
         dp = self.hardware.dp_attention
         if dp == 1:
             return sum(w.resident_bytes for w in weights)
@@ -110,7 +110,9 @@ class Deployment:
         """KV bytes of one worker (a replica, or one rank of it with ``dp_attention``):
         ``kv_cache_capacity`` when set, else the replica's memory pool
         (``floor(memory_capacity * tp * gpu_memory_utilization)``) less its resident
-        weights and the ``reserved_memory`` per GPU, shared evenly by its ranks."""
+        weights, the ``reserved_memory`` per GPU and what the profile's vLLM memory keys
+        hold back (:mod:`~inference_lab.core.config.engine_memory`), shared evenly by
+        its ranks."""
         if self.scheduler.kv_cache_capacity > 0:
             return self.scheduler.kv_cache_capacity
         pool = math.floor(
@@ -121,7 +123,18 @@ class Deployment:
         reserved = self.overheads.reserved_memory
         if reserved:
             free -= math.floor(reserved * self.hardware.tp)
+        if engine_memory.active(self.overheads):  # the KV capacity as vLLM sizes it
+            free -= engine_memory.held_back_bytes(
+                self.model, self._weight_streams(), self.scheduler, self.overheads, self.hardware.tp
+            )
         return free if dp == 1 else free / dp
+
+    def _weight_streams(self) -> list[WeightStream]:
+        """The model's weight streams, then the drafter's."""
+        weights = list(self.model.weights)
+        if self.speculative is not None:
+            weights += self.speculative.drafter.weights
+        return weights
 
     def kv_layers(self) -> list[AttentionLayer | MLALayer]:
         """The KV layers of the model, then the drafter's."""

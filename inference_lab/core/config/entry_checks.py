@@ -41,6 +41,8 @@ def check_deployment(dep: Deployment, file: Path, profile_path: Path) -> None:
                 f"hardware profile {profile_path} used by hardware.{dep.hardware_name}"
             )
     sched = dep.scheduler
+    if dep.overheads.profile_run and model.vocab_size == 0:
+        raise ConfigError(f"{where}: [overheads] profile_run needs [model] vocab_size")
     if sched.kv_cache_capacity == 0:
         pool = math.floor(profile.memory_capacity * hw.tp * sched.gpu_memory_utilization)
         weights = dep.resident_weight_bytes

@@ -97,6 +97,14 @@ class Overheads:
     seq_overhead: float = attrs.field(default=0.0, validator=[ge(0), le(0.01)])
     frontend_latency: float = attrs.field(default=0.0, validator=[ge(0), le(10)])
     reserved_memory: float = attrs.field(default=0.0, validator=ge(0))
+    #: The KV capacity as vLLM sizes it (docs/fidelity.md#the-kv-capacity-as-vllm-computes-it),
+    #: all off by default: hold each stream's block scales (``scale_block``) beside its
+    #: weights; round the routed experts' hidden and intermediate widths up to these
+    #: multiples (the MoE kernels' tile sizes); keep back the profile run's peak.
+    weight_scales: bool = False
+    expert_hidden_multiple: int = attrs.field(default=1, validator=ge(1))
+    expert_intermediate_multiple: int = attrs.field(default=1, validator=ge(1))
+    profile_run: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -43,6 +43,10 @@ class Routing:
     routed_experts: int = attrs.field(validator=ge(1))
     experts_per_tok: int = attrs.field(validator=ge(1))
     moe_layers: int = attrs.field(validator=ge(1))
+    #: One expert's intermediate width (0: not given). With the model's ``hidden_dim`` it
+    #: is the shape an engine pads when it lays the experts out for its kernels
+    #: (``[overheads] expert_hidden_multiple`` / ``expert_intermediate_multiple``).
+    expert_intermediate_dim: int = attrs.field(default=0, validator=ge(0))
 
 
 @attrs.frozen(kw_only=True)
@@ -51,6 +55,10 @@ class WeightStream:
     active_params: float = attrs.field(validator=gt(0))
     resident_params: float = attrs.field()
     routing: Routing | None = None
+    #: Values that share one 1-byte block scale in the checkpoint's format (MXFP4: 32;
+    #: 0: none given). Counted in the KV accounting only where a profile's
+    #: ``[overheads] weight_scales`` says the engine holds them (docs/fidelity.md).
+    scale_block: int = attrs.field(default=0, validator=ge(0))
 
     @resident_params.validator
     def _check_resident(self, attr: attrs.Attribute[Any], value: float) -> None:
@@ -174,6 +182,9 @@ class ModelArch:
     tokenizer: str | None = attrs.field(default=None, validator=optional_nonempty)
     #: ``[model.reasoning]``: part of each chat answer is reasoning (None: none is).
     reasoning: ReasoningConfig | None = None
+    #: The tokenizer's vocabulary (the LM head's rows; 0: not given). Read only by the
+    #: profile-run term of the KV accounting (``[overheads] profile_run``).
+    vocab_size: int = attrs.field(default=0, validator=ge(0))
 
     @layers.validator
     def _check_full_attention(self, attr: attrs.Attribute[Any], value: tuple[Layer, ...]) -> None:
