@@ -8,17 +8,15 @@ The rules are ``model_runtime.py``'s; every name here is importable from there t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import attrs
 import numpy as np
+import trio
 
 from inference_lab.core.engine import EngineStatistics, Finished, KVEvent, RequestSpec, StepEvents
 from inference_lab.runtime.calibration import PacingCalibration
 from inference_lab.runtime.lag import LagStatistics
-
-if TYPE_CHECKING:
-    from inference_lab.runtime.model_runtime import ModelRuntime
 
 __all__ = [
     "CapacityChange",
@@ -26,6 +24,7 @@ __all__ = [
     "LengthSampler",
     "RequestHandle",
     "RequestSink",
+    "RuntimeOfHandle",
     "RuntimeObserver",
     "RuntimeSnapshot",
     "RuntimeStatistics",
@@ -153,6 +152,18 @@ class RuntimeStatistics:
     e2e_p50: float
 
 
+class RuntimeOfHandle(Protocol):
+    """What a :class:`RequestHandle` asks of the runtime that admitted it (a
+    :class:`~inference_lab.runtime.model_runtime.ModelRuntime`)."""
+
+    #: Woken when the engine task has taken arrivals (:meth:`RequestHandle.wait_taken`).
+    _taken: trio.lowlevel.ParkingLot
+    #: The handles admitted and not yet done.
+    _live: dict[RequestHandle, None]
+
+    def _close(self, handle: RequestHandle, withdrawn: bool = False) -> None: ...
+
+
 @attrs.define(eq=False, kw_only=True)
 class RequestHandle:
     """One admitted request, owned by the HTTP handler that admitted it.
@@ -161,7 +172,7 @@ class RequestHandle:
     request in the engine unless it already finished or failed.
     """
 
-    runtime: ModelRuntime
+    runtime: RuntimeOfHandle
     spec: RequestSpec
     sink: RequestSink
     request_id: int | None = None
