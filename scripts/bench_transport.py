@@ -125,10 +125,10 @@ def _off_unlink() -> None:
 
 
 def _off_stamp() -> None:
-    from inference_lab.serve.transport import connection
+    from inference_lab.serve.transport import receipt
 
-    connection.enable_receive_timestamps = lambda sock: False
-    connection.ReceiptStream.note_waiting = lambda self: None  # type: ignore[method-assign]
+    receipt.enable_receive_timestamps = lambda sock: False  # type: ignore[attr-defined]
+    receipt.ReceiptStream.note_waiting = lambda self: None  # type: ignore[method-assign]
 
 
 def _off_in_the_workload() -> None:

@@ -3,7 +3,9 @@
 ``docs/internals.md`` describes the runtime's shape, its pacing and its admission. The
 HTTP app talks to it through three synchronous calls (:meth:`ModelRuntime.admit_nowait`,
 :meth:`RequestHandle.close`, :meth:`ModelRuntime.set_capacity`) and reads
-:meth:`ModelRuntime.snapshot`.
+:meth:`ModelRuntime.snapshot`. What they exchange (sinks, the observer, snapshots, the
+request handle) is defined in ``interface.py``; the engine task's methods, which
+:class:`ModelRuntime` inherits, in ``engine_task.py``; all importable from here.
 
 Rule 1: one nursery per model holds the engine task, which owns the :class:`Engine`, and
         the pacer task, which owns wall-clock time; memory channels link them.
@@ -53,26 +55,34 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable
-from typing import Any, Literal, Protocol
 
-import attrs
 import numpy as np
 import trio
 
 from inference_lab.core.admission import Admission
 from inference_lab.core.config import Deployment
-from inference_lab.core.engine import (
-    Engine,
-    EngineStatistics,
-    Finished,
-    KVEvent,
-    RequestSpec,
-    StepEvents,
-)
+from inference_lab.core.engine import Engine, RequestSpec
 from inference_lab.errors import EngineSleeping, EngineUnavailable, QueueFull, RequestRefused
 from inference_lab.runtime.calibration import EarlyWake, PacingCalibration
-from inference_lab.runtime.lag import LagMeter, LagStatistics
+from inference_lab.runtime.engine_task import (
+    _TICK,
+    _UNSENT,
+    EngineTask,
+    _Arrival,
+    _Release,
+    _Tick,
+)
+from inference_lab.runtime.interface import (
+    CapacityChange,
+    KVEventSink,
+    LengthSampler,
+    RequestHandle,
+    RequestSink,
+    RuntimeObserver,
+    RuntimeSnapshot,
+    RuntimeStatistics,
+)
+from inference_lab.runtime.lag import LagMeter
 from inference_lab.runtime.timer import Timer
 
 __all__ = [
@@ -90,9 +100,6 @@ __all__ = [
 
 logger = logging.getLogger("inference_lab.serve")
 
-#: At most this many engine events are handled per wake-up before the engine task lets
-#: other tasks (HTTP writers) run; the pacer wakes it again at once if more are due.
-MAX_EVENTS_PER_WAKE = 64
 #: Simulated E2E samples kept for the median in :meth:`ModelRuntime.statistics`.
 E2E_SAMPLES = 65536
 #: The largest ``Retry-After`` of a refusal, in seconds.
@@ -105,207 +112,7 @@ class EngineKilled(Exception):
     """The failure :meth:`ModelRuntime.kill` injects: a crash on request."""
 
 
-class RequestSink(Protocol):
-    """Where the engine task delivers one request's output. Every method is called
-    synchronously from the engine task and must not block; after ``on_finished`` or
-    ``on_failed`` nothing more is called."""
-
-    def on_tokens(self, count: int) -> None: ...
-
-    def on_finished(self, finished: Finished) -> None: ...
-
-    def on_failed(self, message: str) -> None: ...
-
-
-#: Takes the KV-cache events of a wake-up (synchronous, must not block: Rule 8).
-KVEventSink = Callable[[tuple[KVEvent, ...]], None]
-
-
-class LengthSampler(Protocol):
-    def sample(self, rng: np.random.Generator, size: int) -> Any: ...
-
-
-class RuntimeObserver(Protocol):
-    """Told what a runtime did, for metrics (``ModelRuntime.observer``). ``on_step`` is
-    called on the engine task after each step's events were delivered, with the step's
-    pacing lag; ``on_finished_request`` for each request a step finished, with the
-    ``max_tokens`` it was admitted with; ``on_refused`` by
-    :meth:`ModelRuntime.admit_nowait` for each refusal; ``on_aborted`` with the worker of
-    an aborted request. All are synchronous, must not block or raise, and must stay O(1)
-    per engine event: they run inside the pacing loop."""
-
-    def on_step(self, events: StepEvents, lag: float | None) -> None: ...
-
-    def on_refused(
-        self, reason: Literal["queue_saturated", "engine_unavailable", "engine_sleeping"]
-    ) -> None: ...
-
-    def on_aborted(self, worker: int) -> None: ...
-
-    def on_finished_request(self, finished: Finished, max_tokens: int) -> None: ...
-
-
-@attrs.frozen(kw_only=True)
-class RuntimeSnapshot:
-    """What the HTTP layer may know about a model, published after every change.
-
-    ``waiting`` counts requests in the engine's waiting queues; ``pending`` the arrivals
-    admitted but not yet stepped into one (``queued`` is their sum); ``depth`` those of
-    them holding waiting places, not seats (what ``max_waiting`` bounds). Pacing lag
-    (seconds) is how late engine events were handled. A stopped engine reports nothing
-    running, waiting or pending.
-    """
-
-    #: The model's name.
-    model: str
-    #: Whether its engine task runs (False: new requests get 503).
-    alive: bool
-    #: Requests in the engine's waiting queues.
-    waiting: int
-    #: Arrivals admitted by the HTTP layer that the engine has not yet queued.
-    pending: int
-    #: Queued requests holding waiting places (:mod:`inference_lab.core.admission`). With no bound, an
-    #: estimate: those queued beyond the free seats.
-    depth: int
-    #: Requests running (summed over workers).
-    running: int
-    #: The per-worker cap on running sequences in force.
-    max_num_seqs: int
-    #: The waiting bound in force (0: never refuse).
-    max_waiting: int
-    #: Requests admitted since the runtime was built.
-    admitted: int
-    #: Requests refused with 529 since the runtime was built.
-    refused: int
-    #: Admitted requests ended before they finished (their client left, or a fault
-    #: ended them) since the runtime was built.
-    aborted: int
-    #: Engine events handled that released tokens or ended requests (each one's pacing
-    #: lag is recorded, Rule 2).
-    events: int
-    #: The largest pacing lag so far (seconds).
-    lag_max: float
-    #: The mean pacing lag so far (seconds).
-    lag_mean: float
-
-    @property
-    def queued(self) -> int:
-        """Requests admitted and not running: ``waiting + pending``."""
-        return self.waiting + self.pending
-
-
-@attrs.frozen(kw_only=True)
-class CapacityChange:
-    """One :meth:`ModelRuntime.set_capacity` call: when (trio time) and the dials in
-    force after it (for the dashboard's time axis)."""
-
-    time: float
-    max_num_seqs: int
-    max_waiting: int
-
-
-@attrs.frozen(kw_only=True)
-class RuntimeStatistics:
-    """A fuller, costlier picture for ``/control/stats`` and benchmarks."""
-
-    #: The snapshot published last.
-    snapshot: RuntimeSnapshot
-    #: The engine's own statistics (queues, KV blocks, counters).
-    engine: EngineStatistics
-    #: The engine's simulated clock (seconds since the runtime started).
-    sim_time: float
-    #: Wall-clock seconds since the runtime started.
-    wall_time: float
-    #: The pacing lag (percentiles over the requested number of recent events).
-    lag: LagStatistics
-    #: Whether the pacer sleeps on a timerfd (sub-millisecond) rather than trio's timer.
-    precise_timer: bool
-    #: How early the pacer wakes the engine and from how many wake-ups that was learned.
-    calibration: PacingCalibration
-    #: How many completions the simulated E2E median is over, and that median (seconds).
-    e2e_count: int
-    e2e_p50: float
-
-
-@attrs.define(eq=False, kw_only=True)
-class RequestHandle:
-    """One admitted request, owned by the HTTP handler that admitted it.
-
-    :meth:`close` is the one cleanup call: synchronous and idempotent; it aborts the
-    request in the engine unless it already finished or failed.
-    """
-
-    runtime: ModelRuntime
-    spec: RequestSpec
-    sink: RequestSink
-    request_id: int | None = None
-    holds_slot: bool = True
-    state: Literal["queued", "submitted", "finished", "aborted", "failed"] = "queued"
-    #: Called (synchronously, from the engine task) when its remote prefill's KV has
-    #: arrived (``remote_positions``: Rule 10); None: nobody is told.
-    on_kv_arrived: Callable[[], None] | None = None
-
-    def close(self) -> None:
-        self.runtime._close(self)
-
-    def withdraw(self) -> None:
-        """Undo this admission, as if it had been refused: for a request that several
-        admissions serve together (an embeddings batch) when a later one is refused.
-        Synchronous; only before the engine task has taken it (no checkpoint since
-        :meth:`ModelRuntime.admit_nowait`), and it is not counted as admitted or aborted."""
-        self.runtime._close(self, withdrawn=True)
-
-    async def wait_taken(self) -> None:
-        """Return once the engine task has taken this request: it is in the engine (its
-        first step is scheduled if one could start) or it ended. The completion route
-        waits for this before it spends CPU on its response's start, so the engine sees
-        an arrival as early as the server can hand it over."""
-        lot = self.runtime._taken
-        while self.state == "queued":
-            await lot.park()
-
-    @property
-    def alone(self) -> bool:
-        """Whether this is the only request its runtime holds (nothing else admitted and
-        not yet done): the engine is idle but for it, so when the engine takes it does
-        not move its steps (an idle engine's clock starts at the arrival, Rule 3)."""
-        live = self.runtime._live
-        return len(live) == 1 and self in live
-
-    @property
-    def length(self) -> int:
-        """How many tokens each of its sequences produces if it runs to its end (the
-        length drawn for it, else ``max_tokens``); an abort or a failure ends it sooner."""
-        spec = self.spec
-        return spec.max_tokens if spec.target is None else spec.target
-
-    @property
-    def done(self) -> bool:
-        return self.state in ("finished", "aborted", "failed")
-
-
-@attrs.frozen
-class _Arrival:
-    handle: RequestHandle
-
-
-@attrs.frozen
-class _Release:
-    """From the HTTP side: give back the blocks a finished request held (Rule 10)."""
-
-    request_id: int
-
-
-@attrs.frozen
-class _Tick:
-    """From the pacer: the deadline it was given has come."""
-
-
-_TICK = _Tick()
-_UNSENT = object()
-
-
-class ModelRuntime:
+class ModelRuntime(EngineTask):
     """The engine of one served model, paced to wall-clock (see the module rules).
 
     Created by the serve app; :meth:`run` is started once in a nursery
@@ -485,14 +292,8 @@ class ModelRuntime:
         parts of a hand-off (Rule 10; ``remote_positions`` needs ``n`` 1 and fewer
         positions than the prompt).
         """
-        if not self._alive:
-            if self.observer is not None:
-                self.observer.on_refused("engine_unavailable")
-            raise EngineUnavailable(self.name)
-        if self.sleep_level:
-            if self.observer is not None:
-                self.observer.on_refused("engine_sleeping")
-            raise EngineSleeping(self.name)
+        if not self._alive or self.sleep_level:
+            raise self._closed_refusal()
         asked = RequestSpec(
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
@@ -503,13 +304,7 @@ class ModelRuntime:
         handle = RequestHandle(runtime=self, spec=asked, sink=sink)
         claim = self._admission.admit(handle, asked)
         if claim is None:
-            self._refused += 1
-            self._publish()
-            if self.observer is not None:
-                self.observer.on_refused("queue_saturated")
-            raise QueueFull(
-                self.name, self._snapshot.depth, self._admission.max_waiting, self.retry_after()
-            )
+            raise self._queue_full()
         cap = max_tokens if limit is None else min(limit, max_tokens)
         target = cap if cap < max_tokens else None
         if self._output_lengths is not None and drawn:
@@ -531,16 +326,43 @@ class ModelRuntime:
         try:
             self._inbox_send.send_nowait(_Arrival(handle))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            handle.state = "failed"
-            self._release_slot(handle)
-            self._publish()
-            if self.observer is not None:
-                self.observer.on_refused("engine_unavailable")
-            raise EngineUnavailable(self.name) from None
+            raise self._send_failed(handle) from None
         self._live[handle] = None
         self._admitted += 1
         self._publish()
         return handle
+
+    def _closed_refusal(self) -> EngineUnavailable:
+        """:meth:`admit_nowait`'s refusal while the engine task is not running (503) or
+        the model sleeps, told to the observer."""
+        if not self._alive:
+            if self.observer is not None:
+                self.observer.on_refused("engine_unavailable")
+            return EngineUnavailable(self.name)
+        if self.observer is not None:
+            self.observer.on_refused("engine_sleeping")
+        return EngineSleeping(self.name)
+
+    def _queue_full(self) -> QueueFull:
+        """:meth:`admit_nowait`'s refusal when the request has neither a seat nor a waiting
+        place: counted, published and told to the observer."""
+        self._refused += 1
+        self._publish()
+        if self.observer is not None:
+            self.observer.on_refused("queue_saturated")
+        return QueueFull(
+            self.name, self._snapshot.depth, self._admission.max_waiting, self.retry_after()
+        )
+
+    def _send_failed(self, handle: RequestHandle) -> EngineUnavailable:
+        """:meth:`admit_nowait`'s refusal when the engine task's inbox closed under it:
+        ``handle``'s claim goes back."""
+        handle.state = "failed"
+        self._release_slot(handle)
+        self._publish()
+        if self.observer is not None:
+            self.observer.on_refused("engine_unavailable")
+        return EngineUnavailable(self.name)
 
     def set_capacity(
         self, *, max_num_seqs: int | None = None, max_waiting: int | None = None
@@ -619,11 +441,6 @@ class ModelRuntime:
         if eta is None:
             return 1
         return max(1, min(RETRY_AFTER_MAX, math.ceil(eta)))
-
-    def _release_slot(self, handle: RequestHandle) -> None:
-        if handle.holds_slot:
-            handle.holds_slot = False
-            self._admission.release(handle)
 
     def _close(self, handle: RequestHandle, withdrawn: bool = False) -> None:
         """Abort ``handle`` if it is still live (idempotent; called by RequestHandle);
@@ -723,149 +540,6 @@ class ModelRuntime:
         self._shut_down(f"The engine for model '{self.name}' failed: {type(exc).__name__}: {exc}")
         if self._cancel_scope is not None:
             self._cancel_scope.cancel()
-
-    # ------------------------------------------------------------------ engine task
-    async def _engine_task(self) -> None:
-        inbox = self._inbox_recv
-        try:
-            while True:
-                try:
-                    message = await inbox.receive()
-                except (trio.EndOfChannel, trio.ClosedResourceError):
-                    return
-                self._handle(message)
-                while True:
-                    try:
-                        message = inbox.receive_nowait()
-                    except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                        break
-                    self._handle(message)
-                self._run_due()
-                self._send_deadline()
-                if self._taken:
-                    self._taken.unpark_all()
-        except Exception as exc:  # noqa: BLE001 - an engine failure stops this model only
-            self._fail(exc)
-
-    def _handle(self, message: _Arrival | _Release | _Tick) -> None:
-        if isinstance(message, _Tick):
-            self._sent_deadline = _UNSENT  # the pacer dropped its deadline: send anew
-            self._ticked = True
-            return
-        if isinstance(message, _Release):
-            self._release_kv(message.request_id)
-            return
-        handle = message.handle
-        if handle.done:
-            return  # closed before the engine saw it; its slot is already back
-        engine = self.engine
-        spec = handle.spec
-        if engine.is_idle() and spec.arrival_time > engine.now:
-            engine.advance_to(spec.arrival_time)
-        try:
-            rid = engine.submit(spec)
-        except RequestRefused as exc:
-            handle.state = "failed"
-            self._live.pop(handle, None)
-            self._release_slot(handle)
-            handle.sink.on_failed(exc.reason)
-            return
-        handle.request_id = rid
-        handle.state = "submitted"
-        self._by_id[rid] = handle
-
-    def _release_kv(self, request_id: int) -> None:
-        """Rule 10: the held blocks go back now; an engine with nothing scheduled (idle,
-        or stalled waiting for blocks) first moves its clock up to now, so a worker the
-        release wakes starts its step now, not in the past."""
-        engine = self.engine
-        t = trio.current_time() - self.epoch
-        if engine.next_event_time() is None and t > engine.now:
-            engine.advance_to(t)
-        if engine.release_kv(request_id):
-            self._admission.changed()
-
-    def _run_due(self) -> None:
-        """Step every event whose time has come (at most MAX_EVENTS_PER_WAKE)."""
-        engine = self.engine
-        epoch = self.epoch
-        observer = self.observer
-        # Compare in wall-clock terms, exactly as the pacer sleeps (until epoch + t): in
-        # floating point, now - epoch < t can hold although epoch + t <= now.
-        now = trio.current_time()
-        wake = self._wake
-        lag_meter = self._lag
-        horizon = now + wake.early
-        # Only a wake-up by the pacer's timer says how late the timer lands: an arrival
-        # into an idle engine also finds its (back-dated) first step due.
-        first = self._ticked and self._precise
-        self._ticked = False
-        latest = -1.0  # the first event's lag: the pass's largest (one `now`, events in order)
-        for _ in range(MAX_EVENTS_PER_WAKE):
-            t = engine.next_event_time()
-            if t is None or epoch + t > horizon:
-                break
-            events = engine.step()
-            signed = now - (epoch + t)
-            if first:
-                # how late the step's tokens start to leave: the pacer's timer, its
-                # hand-over to this task and the step's own computation
-                wake.learn(trio.current_time() - (epoch + t))
-                first = False
-            lag: float | None = None
-            if events.tokens or events.finished:  # Rule 2: what a client sees
-                lag = signed if signed > 0.0 else 0.0
-                lag_meter.record(lag)
-                if latest < 0.0:
-                    latest = lag
-            self._deliver(events)
-            if observer is not None:
-                observer.on_step(events, lag)
-        if latest >= 0.0:
-            lag_meter.latest = latest
-        lag_meter.tick(now)
-        for rid in engine.take_kv_arrived():  # Rule 10
-            arrived = self._by_id.get(rid)
-            if arrived is not None and arrived.on_kv_arrived is not None:
-                arrived.on_kv_arrived()
-        if self.kv_events is not None:
-            kv = engine.take_kv_events()
-            if kv:
-                self.kv_events(kv)
-        self._publish()
-
-    def _deliver(self, events: StepEvents) -> None:
-        self._admission.changed()  # the engine moved: its queues, batch or blocks
-        by_id = self._by_id
-        if events.arrived:
-            self._publish()  # the new waiting count first ...
-            for rid in events.arrived:
-                handle = by_id.get(rid)
-                if handle is not None:
-                    self._release_slot(handle)  # ... then the pending slots
-        # Latest admitted first: a stream whose prefill just ended (its first token) is
-        # handed its token before the step's mid-stream ones (Rule 9).
-        for rid, count in reversed(events.tokens):
-            handle = by_id.get(rid)
-            if handle is not None:
-                handle.sink.on_tokens(count)
-        for finished in events.finished:
-            self._e2e_samples.append(finished.finish_time - finished.arrival_time)
-            handle = by_id.pop(finished.request_id, None)
-            if handle is not None:
-                handle.state = "finished"
-                self._live.pop(handle, None)
-                handle.sink.on_finished(finished)
-                if self.observer is not None:
-                    self.observer.on_finished_request(finished, handle.spec.max_tokens)
-
-    def _send_deadline(self) -> None:
-        nxt = self.engine.next_event_time()
-        if nxt != self._sent_deadline:
-            self._sent_deadline = nxt
-            self._deadline_send.send_nowait(nxt)
-            if self._sleep_scope is not None:
-                self._sleep_scope.cancel()  # the pacer sleeps on an older deadline
 
     # ------------------------------------------------------------------ pacer task
     async def _pacer_task(self) -> None:

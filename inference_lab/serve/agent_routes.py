@@ -3,7 +3,7 @@ responses' ``GET`` / ``DELETE /v1/responses/{id}`` (Quart routes).
 
 The app's ASGI connection (:mod:`inference_lab.serve.asgi`) calls the two POST routes of
 :data:`AGENT_ROUTES` as it calls the completion routes: their bodies are read the same
-way (:func:`~inference_lab.serve.completions.read_body`: 413, 408, pieces).
+way (:func:`~inference_lab.serve.request_body.read_body`: 413, 408, pieces).
 
 Rule 1: the contract before a response starts is the completion routes': body (413 /
         408 / 400) -> validation (400) -> model (404) -> fit (400) -> engine alive (503)
@@ -42,19 +42,8 @@ from inference_lab.errors import ApiError, EngineUnavailable, QueueFull, truncat
 from inference_lab.jsonbytes import dumps
 from inference_lab.runtime.model_runtime import ModelRuntime
 from inference_lab.serve.agents import serve_answer
-from inference_lab.serve.completions import (
-    MAX_BODY_PIECES,
-    BodyTimeout,
-    BodyTooFragmented,
-    BodyTooLarge,
-    ClientGone,
-    read_body,
-)
 from inference_lab.serve.error_replies import (
     Reply,
-    body_timeout_reply,
-    body_too_fragmented_reply,
-    body_too_large_reply,
     error_reply,
     json_reply,
     send_reply,
@@ -62,6 +51,7 @@ from inference_lab.serve.error_replies import (
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.generation import INLINE_BODY, plan_off_loop
 from inference_lab.serve.prefill_batch import refuse, serve_prefill_batch
+from inference_lab.serve.request_body import BodyRefused, ClientGone, body_refusal, read_body
 from inference_lab.serve.response_store import StoredResponse
 from inference_lab.serve.routes import to_response
 from inference_lab.serve.state import ServeState
@@ -81,19 +71,13 @@ async def request_body(
     """The request body, or None once a refusal was sent (or the client left); a route
     with another error envelope (the Messages API) passes ``translate``."""
     timeout = state.settings.body_timeout
-    reply: Reply | None = None
     try:
         return await read_body(receive, exchange.scope, deadline=exchange.arrival + timeout)
-    except BodyTooLarge:
-        reply = body_too_large_reply()
-    except BodyTooFragmented:
-        reply = body_too_fragmented_reply(MAX_BODY_PIECES)
-    except BodyTimeout:
-        reply = body_timeout_reply(timeout)
     except ClientGone:
-        pass
-    if reply is not None:
-        await send_reply(send, translate(reply) if translate else reply, exchange.headers)
+        return None
+    except BodyRefused as refused:
+        reply = body_refusal(refused, timeout)
+    await send_reply(send, translate(reply) if translate else reply, exchange.headers)
     return None
 
 

@@ -91,6 +91,19 @@ async def _prepare_process(state: ServeState) -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+def _settings_of_launch() -> ServeSettings:
+    """A plain hypercorn launch's settings, from the environment: a bad one ends the
+    process with one line (serve/launch.py); the start-up warnings go to stderr."""
+    exit_with_parent()
+    try:
+        settings = settings_from_env()
+    except ConfigError as exc:
+        fail_launch(str(exc))
+    for line in startup_warnings(settings):
+        print(f"inference-lab: warning: {line}", file=sys.stderr)
+    return settings
+
+
 def create_app(
     settings: ServeSettings | None = None, *, server_process: bool | None = None
 ) -> InferenceLabApp:
@@ -109,14 +122,7 @@ def create_app(
         server_process = settings is None
     settings_given = settings is not None
     if settings is None:
-        exit_with_parent()
-        try:
-            settings = settings_from_env()
-        except ConfigError as exc:
-            # A plain hypercorn launch: one line, a non-zero exit (serve/launch.py).
-            fail_launch(str(exc))
-        for line in startup_warnings(settings):
-            print(f"inference-lab: warning: {line}", file=sys.stderr)
+        settings = _settings_of_launch()
     install_connection_hook()  # the transport's hooks: arrival stamps, close watch, writes
     app = InferenceLabApp(__name__)
     # OPTIONS is answered by the gate (CORS preflights from allowed origins) or is a 405,

@@ -62,9 +62,7 @@ ORIGINS_ENV = "INFERENCE_LAB_ALLOWED_ORIGINS"
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``serve`` and its flags on the top-level CLI's subparsers; integer flags
-    are checked here (``cli_args.integer``: a bad value is a usage error, exit 2)."""
-    from inference_lab.cli_args import integer
-
+    are checked by argparse (``cli_args.integer``: a bad value is a usage error, exit 2)."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
         description=(
@@ -73,6 +71,21 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "its token streams are paced to wall-clock."
         ),
     )
+    _add_model_flags(parser)
+    _add_access_flags(parser)
+    _add_agent_flags(parser)
+    _add_hardening_flags(parser)
+    add_lora_flags(parser)
+    _add_rank_flags(parser)
+    _add_pd_flags(parser)
+    return parser
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """What is served and where: the configs, the hardware entry, the address, the
+    scheduler overrides, the response lengths and the tokenizer."""
+    from inference_lab.cli_args import integer
+
     parser.add_argument(
         "--config",
         metavar="PATH|NAME",
@@ -127,6 +140,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="count prompt tokens with this tokenizer (a tokenizer.json, a directory holding "
         "one, or a .tiktoken file) for every model; overrides [model].tokenizer",
     )
+
+
+def _add_access_flags(parser: argparse.ArgumentParser) -> None:
+    """Who may do what (the test harness, the API key, CORS) and what answers and
+    ``/metrics`` carry (the retry header, the dashboard, the latency buckets)."""
     parser.add_argument(
         "--enable-test-harness",
         action="store_true",
@@ -166,12 +184,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="/metrics: finer TTFT, ITL, E2E and queue histogram buckets (vLLM's and more "
         "below them) for millisecond latencies (see docs/grafana.md)",
     )
-    _add_agent_flags(parser)
-    _add_hardening_flags(parser)
-    add_lora_flags(parser)
-    _add_rank_flags(parser)
-    _add_pd_flags(parser)
-    return parser
 
 
 def _add_rank_flags(parser: argparse.ArgumentParser) -> None:
@@ -406,17 +418,58 @@ def _banner(settings: ServeSettings, url: str, kv_lines: list[str] | None = None
 def run(args: argparse.Namespace) -> int:
     """Run ``inference-lab serve``; returns the exit code."""
     try:
-        port = _int_flag(args.port, "--port", 0)
-        if port is not None and port > 65535:
-            raise _UsageError(f"--port must be an integer in 0..65535, got {port}")
-        max_waiting = _int_flag(args.max_waiting, "--max-waiting", 0)
-        max_num_seqs = _int_flag(args.max_num_seqs, "--max-num-seqs", 1)
-        seed = _int_flag(args.seed, "--seed", 0)
-        default_max_tokens = _int_flag(args.default_max_tokens, "--default-max-tokens", 1)
-        embedding_dim = _int_flag(getattr(args, "embedding_dim", None), "--embedding-dim", 1)
-        ranks = _check_ranks(args)
+        ints = _int_flags(args)
     except _UsageError as exc:
         return _fail(str(exc))
+    try:
+        settings = _load(args, ints)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    notes = partial(_notes, settings, args)
+    ranks = ints.ranks
+    if ranks > 1 and args.data_parallel_rank is None:
+        from inference_lab.serve.ranks import run_ranks
+
+        return run_ranks(args, _banner(settings, "").splitlines()[:-1], notes, run)
+    if ranks > 1:
+        settings = attrs.evolve(
+            settings, data_parallel_rank=args.data_parallel_rank, data_parallel_size=ranks
+        )
+    return _serve(args, settings, ints.port, notes)
+
+
+@attrs.frozen(kw_only=True)
+class _IntFlags:
+    """The integer flags, checked (:func:`_int_flag`), and the data-parallel size."""
+
+    port: int | None
+    max_waiting: int | None
+    max_num_seqs: int | None
+    seed: int | None
+    default_max_tokens: int | None
+    embedding_dim: int | None
+    ranks: int
+
+
+def _int_flags(args: argparse.Namespace) -> _IntFlags:
+    """The integer flags checked in range; raises :class:`_UsageError`."""
+    port = _int_flag(args.port, "--port", 0)
+    if port is not None and port > 65535:
+        raise _UsageError(f"--port must be an integer in 0..65535, got {port}")
+    return _IntFlags(
+        port=port,
+        max_waiting=_int_flag(args.max_waiting, "--max-waiting", 0),
+        max_num_seqs=_int_flag(args.max_num_seqs, "--max-num-seqs", 1),
+        seed=_int_flag(args.seed, "--seed", 0),
+        default_max_tokens=_int_flag(args.default_max_tokens, "--default-max-tokens", 1),
+        embedding_dim=_int_flag(getattr(args, "embedding_dim", None), "--embedding-dim", 1),
+        ranks=_check_ranks(args),
+    )
+
+
+def _load(args: argparse.Namespace, ints: _IntFlags) -> ServeSettings:
+    """The settings the command line asks for (secrets and origins fall back to their
+    environment variables); raises ConfigError."""
 
     def skip(line: str) -> None:
         print(f"{PROG}: {line}", file=sys.stderr)
@@ -437,54 +490,46 @@ def run(args: argparse.Namespace) -> int:
         elif value is None and env in os.environ:
             value, labels[dest] = os.environ[env], env
         from_env[dest] = value  # an empty secret stays "": a start-up error (settings)
-    try:
-        settings = load_settings(
-            config=args.config,
-            hardware=args.hardware,
-            max_waiting=max_waiting,
-            max_num_seqs=max_num_seqs,
-            workload=args.workload,
-            seed=seed,
-            default_max_tokens=default_max_tokens or DEFAULT_MAX_TOKENS,
-            tokenizer=args.tokenizer,
-            enable_test_harness=bool(args.enable_test_harness),
-            should_retry_header=not getattr(args, "no_should_retry_header", False),
-            dashboard=not getattr(args, "no_dashboard", False),
-            fine_latency_buckets=bool(getattr(args, "fine_latency_buckets", False)),
-            control_token=from_env["control_token"],
-            body_timeout=args.body_timeout,
-            api_key=from_env["api_key"],
-            allowed_origins=from_env["allowed_origins"],
-            kv_events_endpoint=args.kv_events_endpoint,
-            kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-            kv_events_topic=args.kv_events_topic,
-            kv_events_no_token_ids=bool(getattr(args, "kv_events_no_token_ids", False)),
-            tool_call_probability=getattr(
-                args, "tool_call_probability", DEFAULT_TOOL_CALL_PROBABILITY
-            ),
-            embedding_dim=embedding_dim,
-            run_to_max_tokens=bool(getattr(args, "run_to_max_tokens", False)),
-            reasoning_content=not getattr(args, "no_reasoning_content", False),
-            pooling_models=getattr(args, "pooling_models", None),
-            lora=lora_flags(args),
-            role=getattr(args, "role", "both"),
-            kv_hold_timeout=getattr(args, "kv_hold_timeout", DEFAULT_KV_HOLD_TIMEOUT),
-            kv_engine_id=getattr(args, "kv_engine_id", None),
-            kv_peers=getattr(args, "kv_peers", None),
-            on_skip=skip,
-            labels=labels,
-        )
-    except ConfigError as exc:
-        return _fail(str(exc))
-    notes = partial(_notes, settings, args)
-    if ranks > 1 and args.data_parallel_rank is None:
-        from inference_lab.serve.ranks import run_ranks
+    return load_settings(
+        config=args.config,
+        hardware=args.hardware,
+        max_waiting=ints.max_waiting,
+        max_num_seqs=ints.max_num_seqs,
+        workload=args.workload,
+        seed=ints.seed,
+        default_max_tokens=ints.default_max_tokens or DEFAULT_MAX_TOKENS,
+        tokenizer=args.tokenizer,
+        enable_test_harness=bool(args.enable_test_harness),
+        should_retry_header=not getattr(args, "no_should_retry_header", False),
+        dashboard=not getattr(args, "no_dashboard", False),
+        fine_latency_buckets=bool(getattr(args, "fine_latency_buckets", False)),
+        control_token=from_env["control_token"],
+        body_timeout=args.body_timeout,
+        api_key=from_env["api_key"],
+        allowed_origins=from_env["allowed_origins"],
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        kv_events_topic=args.kv_events_topic,
+        kv_events_no_token_ids=bool(getattr(args, "kv_events_no_token_ids", False)),
+        tool_call_probability=getattr(args, "tool_call_probability", DEFAULT_TOOL_CALL_PROBABILITY),
+        embedding_dim=ints.embedding_dim,
+        run_to_max_tokens=bool(getattr(args, "run_to_max_tokens", False)),
+        reasoning_content=not getattr(args, "no_reasoning_content", False),
+        pooling_models=getattr(args, "pooling_models", None),
+        lora=lora_flags(args),
+        role=getattr(args, "role", "both"),
+        kv_hold_timeout=getattr(args, "kv_hold_timeout", DEFAULT_KV_HOLD_TIMEOUT),
+        kv_engine_id=getattr(args, "kv_engine_id", None),
+        kv_peers=getattr(args, "kv_peers", None),
+        on_skip=skip,
+        labels=labels,
+    )
 
-        return run_ranks(args, _banner(settings, "").splitlines()[:-1], notes, run)
-    if ranks > 1:
-        settings = attrs.evolve(
-            settings, data_parallel_rank=args.data_parallel_rank, data_parallel_size=ranks
-        )
+
+def _serve(
+    args: argparse.Namespace, settings: ServeSettings, port: int | None, notes: partial[None]
+) -> int:
+    """Bind, build the app, print the banner and the notes, and serve until a signal."""
     try:
         sock = bind_socket(args.host, port or 0, args.backlog)
     except OSError as exc:

@@ -16,7 +16,8 @@ Rule 2: a request's arrival is the exchange's (``Exchange.arrival``: when the se
         was read and parsed, as a real engine's API server stamps it.
         Its body must be whole by the arrival plus ``body_timeout`` (else 408): only a
         wait for a piece is bounded by that deadline, so a body that came with its
-        headers (the usual case) costs no cancel scope (:func:`read_body`).
+        headers (the usual case) costs no cancel scope
+        (:func:`inference_lab.serve.request_body.read_body`, importable from here).
 Rule 3: an admitted request is closed (aborted unless it finished) exactly when its
         exchange ends, whatever ends it: the ``finally`` here is synchronous and
         idempotent, and a client that leaves wakes the writer or collector at once.
@@ -40,9 +41,8 @@ Rule 8: a completions body of several prompts is an engine request per prompt, a
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -58,7 +58,6 @@ from inference_lab.api.encoding import (
     new_request_id,
 )
 from inference_lab.api.requests import (
-    MAX_BODY_BYTES,
     MAX_RESPONSE_WORK,
     ParsedRequest,
     check_work,
@@ -79,9 +78,6 @@ from inference_lab.serve.error_replies import (
     JSON,
     STREAM_HEADERS,
     Reply,
-    body_timeout_reply,
-    body_too_fragmented_reply,
-    body_too_large_reply,
     error_reply,
     send_reply,
     shutting_down_reply,
@@ -89,10 +85,30 @@ from inference_lab.serve.error_replies import (
 )
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.kv_transfer import KVRequest
+from inference_lab.serve.request_body import (
+    MAX_BODY_PIECES,
+    BodyRefused,
+    BodyTimeout,
+    BodyTooFragmented,
+    BodyTooLarge,
+    ClientGone,
+    body_refusal,
+    read_body,
+)
+from inference_lab.serve.request_body import _receive_nowait as _receive_nowait
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.streaming import CollectSink, StreamSink, write_stream
 
-__all__ = ["COMPLETION_ROUTES", "complete", "read_body"]
+__all__ = [
+    "COMPLETION_ROUTES",
+    "MAX_BODY_PIECES",
+    "BodyTimeout",
+    "BodyTooFragmented",
+    "BodyTooLarge",
+    "ClientGone",
+    "complete",
+    "read_body",
+]
 
 Kind = Literal["chat", "completions"]
 
@@ -101,12 +117,6 @@ COMPLETION_ROUTES: dict[str, Kind] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
 }
-#: A body may arrive in at most this many pieces (ASGI messages). Each piece costs the
-#: stack tens of microseconds of CPU, so a 2 MiB body in 4-byte chunks (half a million
-#: pieces) would hold the server for seconds; this bound refuses it long before. A real
-#: client's body comes in a few pieces (hypercorn reads 64 KiB at a time; 2 MiB in
-#: 1,460-byte TCP segments is 1,437).
-MAX_BODY_PIECES = 16_384
 
 
 class ServedStreamSink(StreamSink):
@@ -140,103 +150,6 @@ class ScoringStreamEncoder(StreamEncoder):
         return super().closing(finish_reason, 0, cached_tokens)
 
 
-class BodyTooLarge(Exception):
-    """The request body passed :data:`MAX_BODY_BYTES` (raised by :func:`read_body`)."""
-
-
-class BodyTooFragmented(Exception):
-    """The request body arrived in more than :data:`MAX_BODY_PIECES` pieces (raised by
-    :func:`read_body`)."""
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request body was complete."""
-
-
-class BodyTimeout(Exception):
-    """The request body was not complete by its deadline (raised by :func:`read_body`)."""
-
-
-def _content_length(scope: dict[str, Any]) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
-
-
-def _receive_nowait(receive: Receive) -> Callable[[], dict[str, Any]] | None:
-    """``receive_nowait`` of the memory channel whose ``receive`` hypercorn hands the app
-    (its per-request queue of body pieces), or None for any other ``receive``."""
-    channel = getattr(receive, "__self__", None)
-    if isinstance(channel, trio.MemoryReceiveChannel) and (
-        getattr(receive, "__func__", None) is trio.MemoryReceiveChannel.receive
-    ):
-        take: Callable[[], dict[str, Any]] = channel.receive_nowait
-        return take
-    return None
-
-
-async def read_body(
-    receive: Receive,
-    scope: dict[str, Any],
-    limit: int = MAX_BODY_BYTES,
-    deadline: float = math.inf,
-) -> bytes:
-    """The whole request body. Raises :class:`BodyTooLarge` as soon as the declared or
-    received length passes ``limit`` and :class:`BodyTooFragmented` as soon as it has
-    come in more than :data:`MAX_BODY_PIECES` pieces (nothing more is read),
-    :class:`ClientGone` when the client disconnects first and :class:`BodyTimeout` when
-    it is still waiting for a piece at the trio time ``deadline``.
-
-    A piece the server already holds is taken without a trip through the scheduler
-    (hypercorn's channel, :func:`_receive_nowait`): under load each such trip waits for
-    every other runnable task, and a body that came with its headers (the usual case)
-    would otherwise pay one before admission. A body whose declared length has arrived
-    is whole: hypercorn's separate end-of-body message, which its reading task queues
-    only after a trip through the scheduler, is not waited for. Only a wait for a piece
-    is bounded by the deadline (a cancel scope, which costs CPU of its own): a body at
-    hand needs none."""
-    declared = _content_length(scope)
-    if declared is not None and declared > limit:
-        raise BodyTooLarge
-    receive_nowait = _receive_nowait(receive)
-    chunks: list[bytes] = []
-    size = 0
-    pieces = 0
-    while True:
-        pieces += 1
-        if pieces > MAX_BODY_PIECES:
-            raise BodyTooFragmented
-        message = None
-        if receive_nowait is not None:
-            try:
-                message = receive_nowait()
-            except trio.WouldBlock:
-                pass
-        if message is None:
-            if deadline == math.inf:
-                message = await receive()
-            else:
-                with trio.move_on_at(deadline):
-                    message = await receive()
-                if message is None:
-                    raise BodyTimeout
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        body = message.get("body", b"")
-        if body:
-            size += len(body)
-            if size > limit:
-                raise BodyTooLarge
-            chunks.append(body)
-        if not message.get("more_body", False) or (declared is not None and size >= declared):
-            break  # (hypercorn's end-of-body message after the declared length is not awaited)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
 def _gone(handle: RequestHandle, sink: StreamSink | CollectSink) -> None:
     """The client left: abort the request and wake its writer."""
     handle.close()
@@ -254,40 +167,16 @@ async def complete(
         timeout = state.settings.body_timeout
         try:
             body = await read_body(receive, exchange.scope, deadline=exchange.arrival + timeout)
-        except BodyTooLarge:
-            await send_reply(send, body_too_large_reply(), exchange.headers)
-            return
-        except BodyTooFragmented:
-            await send_reply(send, body_too_fragmented_reply(MAX_BODY_PIECES), exchange.headers)
-            return
-        except BodyTimeout:
-            await send_reply(send, body_timeout_reply(timeout), exchange.headers)
-            return
         except ClientGone:
             return
-        default_max_tokens = state.settings.default_max_tokens
+        except BodyRefused as refused:
+            await send_reply(send, body_refusal(refused, timeout), exchange.headers)
+            return
         try:
-            raw = parse_json_object(body)
-            # the model's tokenizer counts the prompt (validation still answers first)
-            model = raw.get("model")  # any JSON value: validation refuses a non-string
-            if type(model) is str and model not in state.runtimes:  # an adapter's: its base's
-                model = state.base_of(model)
-            tokenizer = state.settings.tokenizers.get(model) if type(model) is str else None
-            hashing = state.hashing.get(model) if type(model) is str else None  # prefix caching
-            if kind == "chat":
-                parsed = parse_chat_request(
-                    raw, default_max_tokens, tokenizer=tokenizer, hashing=hashing
-                )
-                batch: tuple[ParsedRequest, ...] = (parsed,)
-            else:
-                batch = parse_completion_requests(
-                    raw, default_max_tokens, tokenizer=tokenizer, hashing=hashing
-                )
-                parsed = batch[0]
+            raw, batch = _parse(state, kind, body)
+            parsed = batch[0]
             kv = state.kv.request(raw, batch)  # kv_transfer_params, by --role
-            runtime = state.runtime_for(parsed.model)  # a model, or a LoRA adapter's
-            if runtime is None:
-                raise state.model_not_found(parsed.model)
+            runtime = _runtime(state, parsed.model)
             exchange.note_pacing_lag(runtime.pacing_lag())  # on every answer from here
             if len(batch) > 1:  # several prompts: answered whole (Rule 8)
                 state.harness.intercept(exchange, raw, parsed)  # (a fault header: its 400)
@@ -312,11 +201,7 @@ async def complete(
                     state, runtime, exchange, receive, send, parsed, plan, keys, kv=kv
                 )
                 return
-            engine_prompt = max(1, parsed.prompt_tokens)
-            refused = runtime.check_fits(engine_prompt, parsed.engine_max_tokens, parsed.n)
-            if refused is not None:
-                raise ApiError(400, "context_length_exceeded", refused.reason, "max_tokens")
-            check_work(parsed)
+            engine_prompt = _check_fit(runtime, parsed)
             if state.draining:  # the shutdown began while this body was read
                 await send_reply(send, shutting_down_reply(), exchange.headers)
                 return
@@ -324,39 +209,9 @@ async def complete(
                 await kv.begin(runtime, engine_prompt, exchange.scope)
             request_id = exchange.request_id or new_request_id(parsed.kind)
             created = int(time.time())
-            sink: StreamSink | CollectSink
-            scoring = parsed.max_tokens == 0  # the prompt's prefill alone (Rule 8)
-            if parsed.stream:
-                encoder_class = ScoringStreamEncoder if scoring else StreamEncoder
-                encoder = encoder_class(
-                    parsed,
-                    request_id=request_id,
-                    created=created,
-                    multi_token=runtime.deployment.speculative is not None,
-                )
-                sink = ServedStreamSink(encoder, state)
-            else:
-                sink = CollectSink() if kv is None else kv.sink(runtime, request_id)
-            handle = runtime.admit_nowait(
-                prompt_tokens=engine_prompt,
-                max_tokens=parsed.engine_max_tokens,
-                priority=parsed.priority,
-                sink=sink,
-                arrival=exchange.arrival,
-                n=parsed.n,
-                limit=1 if scoring else parsed.output_cap,
-                block_hashes=parsed.block_hashes,
-                drawn=not (parsed.ignore_eos or scoring),
-                min_length=parsed.min_tokens,
-                model=parsed.model,
-                **(kv.admission() if kv is not None else {}),
-            )
-            if kv is not None:
-                kv.bind(handle)
-            if parsed.hashed_tokens is not None:  # the KV-events publisher names blocks' tokens
-                state.remember_tokens(parsed)
-            if isinstance(sink, StreamSink):
-                sink.last = handle.length  # below it, tokens are mid-stream (streaming Rule 7)
+            sink = _sink(state, runtime, parsed, kv, request_id, created)
+            handle = _admit(runtime, exchange, parsed, kv, engine_prompt, sink)
+            _admitted(state, parsed, kv, sink, handle)
         except (ApiError, QueueFull, EngineUnavailable) as exc:
             reply = error_reply(exc, should_retry_header=state.settings.should_retry_header)
             await send_reply(send, reply, exchange.headers)
@@ -375,6 +230,113 @@ async def complete(
             handle.close()
         if kv is not None:
             kv.close()
+
+
+def _parse(
+    state: ServeState, kind: Kind, body: bytes
+) -> tuple[dict[str, Any], tuple[ParsedRequest, ...]]:
+    """The body as JSON and the request(s) it makes (a completions body may hold several
+    prompts: Rule 8), counted with the model's tokenizer and hashed for its prefix cache;
+    raises ApiError (400)."""
+    raw = parse_json_object(body)
+    # the model's tokenizer counts the prompt (validation still answers first)
+    model = raw.get("model")  # any JSON value: validation refuses a non-string
+    if type(model) is str and model not in state.runtimes:  # an adapter's: its base's
+        model = state.base_of(model)
+    tokenizer = state.settings.tokenizers.get(model) if type(model) is str else None
+    hashing = state.hashing.get(model) if type(model) is str else None  # prefix caching
+    default_max_tokens = state.settings.default_max_tokens
+    if kind == "chat":
+        parsed = parse_chat_request(raw, default_max_tokens, tokenizer=tokenizer, hashing=hashing)
+        return raw, (parsed,)
+    batch = parse_completion_requests(raw, default_max_tokens, tokenizer=tokenizer, hashing=hashing)
+    return raw, batch
+
+
+def _runtime(state: ServeState, model: str) -> ModelRuntime:
+    """The runtime serving ``model`` (a model, or a LoRA adapter's); 404 when none does."""
+    runtime = state.runtime_for(model)
+    if runtime is None:
+        raise state.model_not_found(model)
+    return runtime
+
+
+def _check_fit(runtime: ModelRuntime, parsed: ParsedRequest) -> int:
+    """The prompt's length in the engine (at least 1) once the request fits the model
+    (400 ``context_length_exceeded`` otherwise) and its work is bounded (Rule 5)."""
+    engine_prompt = max(1, parsed.prompt_tokens)
+    refused = runtime.check_fits(engine_prompt, parsed.engine_max_tokens, parsed.n)
+    if refused is not None:
+        raise ApiError(400, "context_length_exceeded", refused.reason, "max_tokens")
+    check_work(parsed)
+    return engine_prompt
+
+
+def _sink(
+    state: ServeState,
+    runtime: ModelRuntime,
+    parsed: ParsedRequest,
+    kv: KVRequest | None,
+    request_id: str,
+    created: int,
+) -> StreamSink | CollectSink:
+    """Where the engine hands the request's tokens: a stream's encoder and writer, or a
+    collector of the whole answer (a prefill server's, with ``kv``)."""
+    if parsed.stream:
+        scoring = parsed.max_tokens == 0  # the prompt's prefill alone (Rule 8)
+        encoder_class = ScoringStreamEncoder if scoring else StreamEncoder
+        encoder = encoder_class(
+            parsed,
+            request_id=request_id,
+            created=created,
+            multi_token=runtime.deployment.speculative is not None,
+        )
+        return ServedStreamSink(encoder, state)
+    return CollectSink() if kv is None else kv.sink(runtime, request_id)
+
+
+def _admit(
+    runtime: ModelRuntime,
+    exchange: Exchange,
+    parsed: ParsedRequest,
+    kv: KVRequest | None,
+    engine_prompt: int,
+    sink: StreamSink | CollectSink,
+) -> RequestHandle:
+    """Admit the request into its engine (``ModelRuntime.admit_nowait``: 503 or 529 when
+    refused), stamped with the exchange's arrival (Rule 2)."""
+    scoring = parsed.max_tokens == 0  # the prompt's prefill alone (Rule 8)
+    return runtime.admit_nowait(
+        prompt_tokens=engine_prompt,
+        max_tokens=parsed.engine_max_tokens,
+        priority=parsed.priority,
+        sink=sink,
+        arrival=exchange.arrival,
+        n=parsed.n,
+        limit=1 if scoring else parsed.output_cap,
+        block_hashes=parsed.block_hashes,
+        drawn=not (parsed.ignore_eos or scoring),
+        min_length=parsed.min_tokens,
+        model=parsed.model,
+        **(kv.admission() if kv is not None else {}),
+    )
+
+
+def _admitted(
+    state: ServeState,
+    parsed: ParsedRequest,
+    kv: KVRequest | None,
+    sink: StreamSink | CollectSink,
+    handle: RequestHandle,
+) -> None:
+    """Right after admission: a decode request's pull is bound to its handle, the
+    KV-events publisher keeps the prompt's tokens, and a stream learns its length."""
+    if kv is not None:
+        kv.bind(handle)
+    if parsed.hashed_tokens is not None:  # the KV-events publisher names blocks' tokens
+        state.remember_tokens(parsed)
+    if isinstance(sink, StreamSink):
+        sink.last = handle.length  # below it, tokens are mid-stream (streaming Rule 7)
 
 
 #: Token entries (:func:`body_work`) above which a non-streaming body is sent in pieces

@@ -52,7 +52,7 @@ from quart_trio import QuartTrio
 
 from inference_lab.jsonbytes import dumps
 from inference_lab.runtime.lag import LAG_WARN_P99
-from inference_lab.runtime.model_runtime import ModelRuntime
+from inference_lab.runtime.model_runtime import ModelRuntime, RuntimeSnapshot
 from inference_lab.serve.error_replies import error_reply
 from inference_lab.serve.metrics import RECENT_FINISHED, ModelMetrics
 from inference_lab.serve.routes import to_response
@@ -203,34 +203,9 @@ class Sampler:
         self, track: _ModelTrack, runtime: ModelRuntime, metrics: ModelMetrics, now: float
     ) -> dict[str, Any]:
         snap = runtime.snapshot()
-        if track.runtime is not runtime:
-            # a fresh runtime (the first tick, or a harness restart): its own counters
-            # start at 0, so they are added to what the old one counted
-            track.runtime = runtime
-            track.base_admitted, track.base_refused, track.base_aborted = (
-                track.admitted,
-                track.refused,
-                track.aborted,
-            )
-            track.changes_seen = 0
-        track.admitted = track.base_admitted + snap.admitted
-        track.refused = track.base_refused + snap.refused
-        track.aborted = track.base_aborted + snap.aborted
         t = now - self.started
-        counters = _Counters(
-            t=t,
-            admitted=track.admitted,
-            refused=track.refused,
-            unavailable=metrics.rejected.get("engine_unavailable", 0),
-            aborted=track.aborted,
-            finished=metrics.finished,
-            tokens=metrics.tokens_emitted,
-        )
-        history = track.history
-        history.append(counters)
-        while len(history) > 2 and history[1].t <= t - RATE_WINDOW:
-            history.popleft()
-        first = history[0]
+        counters = _count(track, snap, runtime, metrics, t)
+        first = track.history[0]
         span = t - first.t
 
         def rate(field: str) -> float:
@@ -239,17 +214,7 @@ class Sampler:
             delta: int = getattr(counters, field) - getattr(first, field)
             return round(delta / span, 3)
 
-        kv_usage = 0.0
-        hit_rate: float | None = None
-        if snap.alive:
-            stats = runtime.engine.statistics()
-            kv_usage = stats.kv_usage
-            if stats.prefix_caching:
-                queries = stats.prefix_cache_queries - track.queries
-                hits = stats.prefix_cache_hits - track.hits
-                if queries > 0:
-                    hit_rate = round(hits / queries, 4)
-                track.queries, track.hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        kv_usage, hit_rate = _kv_sample(track, snap, runtime)
         lag_total, lag_events = metrics.lag.total, metrics.lag_events
         lag_n = lag_events - track.lag_events
         lag_mean = (lag_total - track.lag_total) / lag_n if lag_n > 0 else 0.0
@@ -456,3 +421,61 @@ def register_dashboard_routes(app: QuartTrio, sampler: Sampler) -> None:
         response.headers["X-Accel-Buffering"] = "no"  # a proxy in front: do not buffer
         response.timeout = None  # Quart would cut a response at 60 s
         return response
+
+
+def _count(
+    track: _ModelTrack,
+    snap: RuntimeSnapshot,
+    runtime: ModelRuntime,
+    metrics: ModelMetrics,
+    t: float,
+) -> _Counters:
+    """The model's counters at ``t`` (seconds since the sampler started), added to its
+    history, which keeps :data:`RATE_WINDOW` seconds of them (a fresh runtime's counters
+    continue its predecessor's)."""
+    if track.runtime is not runtime:
+        # a fresh runtime (the first tick, or a harness restart): its own counters
+        # start at 0, so they are added to what the old one counted
+        track.runtime = runtime
+        track.base_admitted, track.base_refused, track.base_aborted = (
+            track.admitted,
+            track.refused,
+            track.aborted,
+        )
+        track.changes_seen = 0
+    track.admitted = track.base_admitted + snap.admitted
+    track.refused = track.base_refused + snap.refused
+    track.aborted = track.base_aborted + snap.aborted
+    counters = _Counters(
+        t=t,
+        admitted=track.admitted,
+        refused=track.refused,
+        unavailable=metrics.rejected.get("engine_unavailable", 0),
+        aborted=track.aborted,
+        finished=metrics.finished,
+        tokens=metrics.tokens_emitted,
+    )
+    history = track.history
+    history.append(counters)
+    while len(history) > 2 and history[1].t <= t - RATE_WINDOW:
+        history.popleft()
+    return counters
+
+
+def _kv_sample(
+    track: _ModelTrack, snap: RuntimeSnapshot, runtime: ModelRuntime
+) -> tuple[float, float | None]:
+    """The KV cache's usage and the prefix cache's hit rate since the last sample (None:
+    no query since, or no prefix caching); 0 and None for a stopped engine."""
+    kv_usage = 0.0
+    hit_rate: float | None = None
+    if snap.alive:
+        stats = runtime.engine.statistics()
+        kv_usage = stats.kv_usage
+        if stats.prefix_caching:
+            queries = stats.prefix_cache_queries - track.queries
+            hits = stats.prefix_cache_hits - track.hits
+            if queries > 0:
+                hit_rate = round(hits / queries, 4)
+            track.queries, track.hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+    return kv_usage, hit_rate

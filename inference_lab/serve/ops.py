@@ -85,13 +85,12 @@ def _refusal(exc: ApiError) -> Response:
 
 def register_ops_routes(app: QuartTrio, state: ServeState) -> None:
     """Add the operational routes (module rules) to ``app``."""
-    sleeps: dict[str, _Sleep] = {}
+    _register_probe_routes(app, state)
+    _register_sleep_routes(app, state)
 
-    def sleep_of(runtime: ModelRuntime) -> _Sleep:
-        record = sleeps.setdefault(runtime.name, _Sleep())
-        if runtime.sleep_level == 0 and record.level:  # a fresh runtime (harness restart)
-            record.level, record.restored = 0, set()
-        return record
+
+def _register_probe_routes(app: QuartTrio, state: ServeState) -> None:
+    """``/ping``, ``/load`` and ``POST /reset_prefix_cache``."""
 
     @app.route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:
@@ -115,6 +114,17 @@ def register_ops_routes(app: QuartTrio, state: ServeState) -> None:
             return _refusal(exc)
         done = {rt.name: rt.reset_prefix_cache() for rt in targets}
         return to_response(json_reply({"reset": done}))
+
+
+def _register_sleep_routes(app: QuartTrio, state: ServeState) -> None:
+    """vLLM's sleep mode: ``GET /is_sleeping``, ``POST /sleep`` and ``POST /wake_up``."""
+    sleeps: dict[str, _Sleep] = {}
+
+    def sleep_of(runtime: ModelRuntime) -> _Sleep:
+        record = sleeps.setdefault(runtime.name, _Sleep())
+        if runtime.sleep_level == 0 and record.level:  # a fresh runtime (harness restart)
+            record.level, record.restored = 0, set()
+        return record
 
     @app.get("/is_sleeping")
     async def is_sleeping() -> Response:
@@ -144,15 +154,7 @@ def register_ops_routes(app: QuartTrio, state: ServeState) -> None:
     async def wake_up() -> Response:
         try:
             targets = _query_models(state)
-            tags = request.args.getlist("tags") or list(TAGS)
-            for tag in tags:
-                if tag not in TAGS:
-                    raise ApiError(
-                        400,
-                        "invalid_value",
-                        f"tags must be among {', '.join(TAGS)}, got {tag!r}",
-                        "tags",
-                    )
+            tags = _wake_tags()
         except ApiError as exc:
             return _refusal(exc)
         seconds: dict[str, float] = {}
@@ -162,6 +164,21 @@ def register_ops_routes(app: QuartTrio, state: ServeState) -> None:
                 seconds[runtime.name] = wake_seconds(runtime.deployment, record.level, tags)
                 nursery.start_soon(_wake_one, runtime, record, set(tags))
         return to_response(json_reply({"seconds": _rounded(seconds)}))
+
+
+def _wake_tags() -> list[str]:
+    """``?tags=``: what ``POST /wake_up`` restores (default: everything); a 400 naming
+    ``tags`` for one that is not among :data:`TAGS`."""
+    tags = request.args.getlist("tags") or list(TAGS)
+    for tag in tags:
+        if tag not in TAGS:
+            raise ApiError(
+                400,
+                "invalid_value",
+                f"tags must be among {', '.join(TAGS)}, got {tag!r}",
+                "tags",
+            )
+    return tags
 
 
 def _rounded(seconds: dict[str, float]) -> dict[str, float]:

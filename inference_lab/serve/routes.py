@@ -181,6 +181,15 @@ def register_routes(app: QuartTrio, state: ServeState) -> None:
     # Quart's body deadline (60 s by default) is the server's (settings.body_timeout);
     # its MAX_CONTENT_LENGTH refuses a body as soon as it passes the limit.
     app.config["BODY_TIMEOUT"] = state.settings.body_timeout
+    _register_error_handlers(app)
+    _register_model_routes(app, state)
+    _register_capacity_routes(app, state)
+    _register_token_routes(app, state)
+    _register_stats_route(app, state)
+
+
+def _register_error_handlers(app: QuartTrio) -> None:
+    """An HTTP error or an unhandled exception answers in the OpenAI envelope (Rule 2)."""
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
@@ -190,6 +199,11 @@ def register_routes(app: QuartTrio, state: ServeState) -> None:
     async def _internal_error(exc: Exception) -> Response:
         app.logger.exception("unhandled error", exc_info=exc)
         return to_response(error_reply(exc))
+
+
+def _register_model_routes(app: QuartTrio, state: ServeState) -> None:
+    """``/health``, the model list and cards (LoRA adapters' too, and their load and
+    unload routes), ``/version`` and ``/metrics``."""
 
     @app.get(HEALTH_PATH)
     async def health() -> Response:
@@ -228,6 +242,10 @@ def register_routes(app: QuartTrio, state: ServeState) -> None:
         body, content_type = await state.metrics.exposition()
         return to_response(Reply(200, body, content_type=content_type.encode()))
 
+
+def _register_capacity_routes(app: QuartTrio, state: ServeState) -> None:
+    """``GET`` and ``POST /control/capacity``: the dials in force, and a change (Rule 1)."""
+
     @app.get("/control/capacity")
     async def get_capacity() -> Response:
         body = [capacity_entry(rt.snapshot()) for rt in state.runtimes.values()]
@@ -248,6 +266,10 @@ def register_routes(app: QuartTrio, state: ServeState) -> None:
         for runtime in targets:
             runtime.set_capacity(max_num_seqs=change.max_num_seqs, max_waiting=change.max_waiting)
         return to_response(json_reply([capacity_entry(rt.snapshot()) for rt in targets]))
+
+
+def _register_token_routes(app: QuartTrio, state: ServeState) -> None:
+    """vLLM's ``/tokenize`` and ``/detokenize``."""
 
     @app.post("/tokenize")
     async def tokenize() -> Response:
@@ -272,6 +294,10 @@ def register_routes(app: QuartTrio, state: ServeState) -> None:
             return to_response(Reply(200, detokenize_body(parsed, tokenizer)))
         except (ApiError, HTTPException) as exc:
             return to_response(error_reply(exc, method=request.method, path=request.path))
+
+
+def _register_stats_route(app: QuartTrio, state: ServeState) -> None:
+    """``GET /control/stats``."""
 
     @app.get("/control/stats")
     async def stats() -> Response:

@@ -23,6 +23,7 @@ import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
+from typing import ParamSpec
 
 import attrs
 
@@ -47,6 +48,7 @@ __all__ = [
     "DEFAULT_MAX_TOKENS",
     "ENV_LABELS",
     "ROLES",
+    "ServeFlags",
     "ServeSettings",
     "load_settings",
     "parse_origins",
@@ -103,7 +105,7 @@ DEFAULT_KV_HOLD_TIMEOUT = 480.0
 
 @attrs.frozen(kw_only=True)
 class ServeSettings:
-    """Everything a serving app needs, loaded and validated (see :func:`load_settings`)."""
+    """Everything a serving app needs, loaded and validated (:func:`load_settings`)."""
 
     deployments: tuple[Deployment, ...]
     workload: Workload | None = None
@@ -180,199 +182,270 @@ class ServeSettings:
         return deployment.model.hidden_dim
 
 
-def load_settings(
-    *,
-    config: str | os.PathLike[str] | None = None,
-    hardware: str | None = None,
-    max_waiting: int | None = None,
-    max_num_seqs: int | None = None,
-    workload: str | os.PathLike[str] | None = None,
-    seed: int | None = None,
-    default_max_tokens: int = DEFAULT_MAX_TOKENS,
-    tokenizer: str | os.PathLike[str] | None = None,
-    control_token: str | None = None,
-    body_timeout: float = DEFAULT_BODY_TIMEOUT,
-    api_key: str | None = None,
-    allowed_origins: str | None = None,
-    enable_test_harness: bool = False,
-    should_retry_header: bool = True,
-    dashboard: bool = True,
-    fine_latency_buckets: bool = False,
-    kv_events_endpoint: str | None = None,
-    kv_events_replay_endpoint: str | None = None,
-    kv_events_topic: str = "",
-    kv_events_no_token_ids: bool = False,
-    tool_call_probability: float = DEFAULT_TOOL_CALL_PROBABILITY,
-    embedding_dim: int | None = None,
-    run_to_max_tokens: bool = False,
-    reasoning_content: bool = True,
-    pooling_models: str | None = None,
-    lora: LoraFlags | None = None,
-    role: str = "both",
-    kv_hold_timeout: float = DEFAULT_KV_HOLD_TIMEOUT,
-    kv_engine_id: str | None = None,
-    kv_peers: str | None = None,
-    on_skip: Callable[[str], None] | None = None,
-    labels: Mapping[str, str] | None = None,
-) -> ServeSettings:
-    """Load the models to serve; raises ConfigError.
+@attrs.frozen(kw_only=True)
+class ServeFlags:
+    """The settings as given -- by ``inference-lab serve``'s flags, the ``INFERENCE_LAB_*``
+    variables or Python keywords -- before they are checked and the models loaded
+    (:meth:`load`; :func:`load_settings` takes these fields as keywords).
 
-    ``config`` is one model config or a directory of them (``*.toml``, sorted, not
-    recursive); None: the shipped model configs (Rule 4). Each config is deployed on its ``[hardware.<hardware>]`` entry; with
-    ``hardware`` None, on its only entry, else its ``b200`` one (resources Rule 5). In
-    directory mode a file without that entry is skipped and reported through ``on_skip``; an invalid file, two configs with the same
-    model name, or no model left is an error. ``max_waiting`` / ``max_num_seqs``
-    override every model's ``[scheduler]`` value, and ``tokenizer`` every model's
-    ``[model].tokenizer``; each tokenizer file is loaded once, here. ``control_token``
-    (if not None) is 1-4096 printable ASCII characters without spaces (it is compared
-    with an HTTP header; an empty one is an error, never "no token"); ``body_timeout`` is a finite number of seconds > 0.
-    ``api_key`` follows ``control_token``'s rule; ``allowed_origins`` is the comma-separated
-    text of ``--allowed-origins`` (see :func:`parse_origins`). ``tool_call_probability``
-    is in 0..1, ``embedding_dim`` (if not None) >= 1. ``pooling_models`` is a
-    comma-separated list of served model names, or ``all``. ``lora``: the LoRA flags
-    (:func:`~inference_lab.serve.lora.apply_lora`). ``role`` is one of
-    :data:`ROLES`; ``kv_hold_timeout`` a finite number of seconds > 0; ``kv_engine_id``
-    (if not None) 1-256 printable ASCII characters; ``kv_peers`` comma-separated host
-    names or addresses, or ``*``. ``labels`` maps a setting's
-    name to how errors call it (Rule 3): the flag or the variable it came from.
+    ``labels`` maps a setting's name to how errors call it (Rule 3): the flag or the
+    variable it came from. Model configs a directory holds without the hardware entry
+    asked for are reported through ``on_skip``.
     """
 
-    def label(setting: str) -> str:
+    #: One model config or a directory of them (``*.toml``, sorted, not recursive);
+    #: None: the shipped model configs (Rule 4).
+    config: str | os.PathLike[str] | None = None
+    #: The ``[hardware.<hardware>]`` entry each config is deployed on; None: its only
+    #: entry, else its ``b200`` one (resources Rule 5).
+    hardware: str | None = None
+    #: Override every model's ``[scheduler]`` value (>= 0 and >= 1).
+    max_waiting: int | None = None
+    max_num_seqs: int | None = None
+    workload: str | os.PathLike[str] | None = None
+    seed: int | None = None
+    #: >= 1.
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    #: Overrides every model's ``[model].tokenizer``; each tokenizer file is loaded once.
+    tokenizer: str | os.PathLike[str] | None = None
+    #: If not None: 1-4096 printable ASCII characters without spaces (it is compared with
+    #: an HTTP header; an empty one is an error, never "no token"); ``api_key`` likewise.
+    control_token: str | None = attrs.field(default=None, repr=False)
+    #: A finite number of seconds > 0.
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    api_key: str | None = attrs.field(default=None, repr=False)
+    #: The comma-separated text of ``--allowed-origins`` (:func:`parse_origins`).
+    allowed_origins: str | None = None
+    enable_test_harness: bool = False
+    should_retry_header: bool = True
+    dashboard: bool = True
+    fine_latency_buckets: bool = False
+    #: The replay endpoint and ``kv_events_no_token_ids`` need ``kv_events_endpoint``.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_no_token_ids: bool = False
+    #: In 0..1.
+    tool_call_probability: float = DEFAULT_TOOL_CALL_PROBABILITY
+    #: If not None, >= 1.
+    embedding_dim: int | None = None
+    run_to_max_tokens: bool = False
+    reasoning_content: bool = True
+    #: A comma-separated list of served model names, or ``all``.
+    pooling_models: str | None = None
+    #: The LoRA flags (:func:`~inference_lab.serve.lora.apply_lora`).
+    lora: LoraFlags | None = None
+    #: One of :data:`ROLES`.
+    role: str = "both"
+    #: A finite number of seconds > 0.
+    kv_hold_timeout: float = DEFAULT_KV_HOLD_TIMEOUT
+    #: If not None, 1-256 printable ASCII characters.
+    kv_engine_id: str | None = None
+    #: Comma-separated host names or addresses, or ``*``.
+    kv_peers: str | None = None
+    on_skip: Callable[[str], None] | None = None
+    labels: Mapping[str, str] | None = None
+
+    def label(self, setting: str) -> str:
+        """How errors name ``setting`` (Rule 3)."""
+        labels = self.labels
         return labels.get(setting, setting) if labels is not None else setting
 
-    _check_secret(control_token, label("control_token"))
-    _check_secret(api_key, label("api_key"))
-    origins = (
-        parse_origins(allowed_origins, label("allowed_origins"))
-        if allowed_origins is not None
-        else ()
-    )
-    if not (math.isfinite(body_timeout) and body_timeout > 0):
-        raise ConfigError(
-            f"{label('body_timeout')}: must be a number of seconds > 0, got {body_timeout}"
+    def load(self) -> ServeSettings:
+        """Check every setting (in the order of the fields), then load the models to serve;
+        raises ConfigError (Rule 1). In directory mode a file without the hardware entry
+        is skipped (``on_skip``); an invalid file, two configs with the same model name,
+        or no model left is an error."""
+        label = self.label
+        _check_secret(self.control_token, label("control_token"))
+        _check_secret(self.api_key, label("api_key"))
+        raw_origins = self.allowed_origins
+        origins = (
+            parse_origins(raw_origins, label("allowed_origins")) if raw_origins is not None else ()
         )
-    if max_waiting is not None and max_waiting < 0:
-        raise ConfigError(f"{label('max_waiting')}: must be >= 0, got {max_waiting}")
-    if max_num_seqs is not None and max_num_seqs < 1:
-        raise ConfigError(f"{label('max_num_seqs')}: must be >= 1, got {max_num_seqs}")
-    if default_max_tokens < 1:
-        raise ConfigError(f"{label('default_max_tokens')}: must be >= 1, got {default_max_tokens}")
-    kv_events = None
-    if kv_events_endpoint is not None:
-        replay = kv_events_replay_endpoint
-        kv_events = KVEventsSettings(
-            endpoint=check_endpoint(kv_events_endpoint, label("kv_events_endpoint")),
+        self._check_limits()
+        kv_events = self._kv_events()
+        self._check_answers()
+        peers = _check_kv(self.role, self.kv_hold_timeout, self.kv_engine_id, self.kv_peers, label)
+        deployments, faults, names = self._deployments()
+        deployments = apply_lora(deployments, self.lora)
+        pooling = _pooling_models(self.pooling_models, names, label("pooling_models"))
+        workload = self.workload
+        loaded = (
+            load_workload(resolve_shipped(workload, "workload", label("workload")))
+            if workload is not None
+            else None
+        )
+        return ServeSettings(
+            deployments=tuple(deployments),
+            workload=loaded,
+            seed=self.seed,
+            default_max_tokens=self.default_max_tokens,
+            tokenizers=self._tokenizers(deployments),
+            control_token=self.control_token,
+            body_timeout=self.body_timeout,
+            api_key=self.api_key,
+            allowed_origins=origins,
+            enable_test_harness=self.enable_test_harness,
+            faults=faults,
+            should_retry_header=self.should_retry_header,
+            dashboard=self.dashboard,
+            fine_latency_buckets=self.fine_latency_buckets,
+            kv_events=kv_events,
+            tool_call_probability=self.tool_call_probability,
+            embedding_dim=self.embedding_dim,
+            run_to_max_tokens=self.run_to_max_tokens,
+            reasoning_content=self.reasoning_content,
+            pooling_models=pooling,
+            lora_updating=runtime_updating(),
+            role=self.role,
+            kv_hold_timeout=self.kv_hold_timeout,
+            kv_engine_id=self.kv_engine_id,
+            kv_peers=peers,
+        )
+
+    def _check_limits(self) -> None:
+        label = self.label
+        body_timeout = self.body_timeout
+        if not (math.isfinite(body_timeout) and body_timeout > 0):
+            raise ConfigError(
+                f"{label('body_timeout')}: must be a number of seconds > 0, got {body_timeout}"
+            )
+        max_waiting, max_num_seqs = self.max_waiting, self.max_num_seqs
+        if max_waiting is not None and max_waiting < 0:
+            raise ConfigError(f"{label('max_waiting')}: must be >= 0, got {max_waiting}")
+        if max_num_seqs is not None and max_num_seqs < 1:
+            raise ConfigError(f"{label('max_num_seqs')}: must be >= 1, got {max_num_seqs}")
+        if self.default_max_tokens < 1:
+            raise ConfigError(
+                f"{label('default_max_tokens')}: must be >= 1, got {self.default_max_tokens}"
+            )
+
+    def _kv_events(self) -> KVEventsSettings | None:
+        """The KV-event publisher's settings (None: no ``kv_events_endpoint``)."""
+        label = self.label
+        if self.kv_events_endpoint is None:
+            for name, given in (
+                ("kv_events_replay_endpoint", self.kv_events_replay_endpoint is not None),
+                ("kv_events_no_token_ids", self.kv_events_no_token_ids),
+            ):
+                if given:
+                    raise ConfigError(f"{label(name)}: needs {label('kv_events_endpoint')}")
+            return None
+        replay = self.kv_events_replay_endpoint
+        return KVEventsSettings(
+            endpoint=check_endpoint(self.kv_events_endpoint, label("kv_events_endpoint")),
             replay_endpoint=check_endpoint(replay, label("kv_events_replay_endpoint"))
             if replay is not None
             else None,
-            topic=kv_events_topic,
-            token_ids=not kv_events_no_token_ids,
+            topic=self.kv_events_topic,
+            token_ids=not self.kv_events_no_token_ids,
         )
-    else:
-        for name, given in (
-            ("kv_events_replay_endpoint", kv_events_replay_endpoint is not None),
-            ("kv_events_no_token_ids", kv_events_no_token_ids),
-        ):
-            if given:
-                raise ConfigError(f"{label(name)}: needs {label('kv_events_endpoint')}")
-    if not 0.0 <= tool_call_probability <= 1.0:
-        raise ConfigError(
-            f"{label('tool_call_probability')}: must be a number in 0..1, got {tool_call_probability}"
-        )
-    if embedding_dim is not None and embedding_dim < 1:
-        raise ConfigError(f"{label('embedding_dim')}: must be >= 1, got {embedding_dim}")
-    peers = _check_kv(role, kv_hold_timeout, kv_engine_id, kv_peers, label)
-    if config is None:
-        path = shipped_dir("configs")
-    else:
-        path = resolve_shipped(config, "config", label("config"))
-    if path.is_dir():
-        files = sorted(p for p in path.glob("*.toml") if p.is_file())
-        if not files:
-            raise ConfigError(f"{path}: no model configs (*.toml) in this directory")
-        directory = True
-    elif path.is_file():
-        files = [path]
-        directory = False
-    else:
-        raise ConfigError(f"{path}: no such file or directory")
-    deployments: list[Deployment] = []
-    faults: list[tuple[str, FaultConfig]] = []
-    seen: dict[str, Path] = {}
-    for file in files:
-        model_config = load_model_config(file)
-        entry = hardware if hardware is not None else default_hardware(model_config.deployments)
-        if entry is None or entry not in model_config.deployments:
-            available = ", ".join(model_config.deployments)
-            wanted = f"hardware.{entry}" if entry is not None else f"hardware.{DEFAULT_HARDWARE}"
-            if not directory:
-                raise ConfigError(
-                    f"{file}: {wanted}: no such entry (available: {available}; "
-                    f"choose one with {label('hardware')})"
-                )
-            if on_skip is not None:
-                on_skip(f"skipping {file}: no [{wanted}] entry (has {available})")
-            continue
-        dep = model_config.deployments[entry]
-        name = dep.model.name
-        if name in seen:
+
+    def _check_answers(self) -> None:
+        label = self.label
+        probability = self.tool_call_probability
+        if not 0.0 <= probability <= 1.0:
             raise ConfigError(
-                f"{file}: model.name: '{name}' is already served by {seen[name]} "
-                "(model names must be unique)"
+                f"{label('tool_call_probability')}: must be a number in 0..1, got {probability}"
             )
-        seen[name] = file
-        deployments.append(
-            override_scheduler(dep, max_num_seqs=max_num_seqs, max_waiting=max_waiting)
-        )
-        if model_config.fault is not None:
-            faults.append((name, model_config.fault))
-    if not deployments:
-        raise ConfigError(
-            f"{path}: no model config has a [hardware.{hardware or DEFAULT_HARDWARE}] entry"
-        )
-    deployments = apply_lora(deployments, lora)
-    pooling = _pooling_models(pooling_models, list(seen), label("pooling_models"))
-    loaded = (
-        load_workload(resolve_shipped(workload, "workload", label("workload")))
-        if workload is not None
-        else None
-    )
-    by_source: dict[str, Tokenizer] = {}
-    tokenizers: dict[str, Tokenizer] = {}
-    for dep in deployments:
-        source = tokenizer if tokenizer is not None else dep.model.tokenizer
-        if source is not None:
-            key = str(source)
-            if key not in by_source:
-                by_source[key] = load_tokenizer(Path(source))
-            tokenizers[dep.model.name] = by_source[key]
-    return ServeSettings(
-        deployments=tuple(deployments),
-        workload=loaded,
-        seed=seed,
-        default_max_tokens=default_max_tokens,
-        tokenizers=MappingProxyType(tokenizers),
-        control_token=control_token,
-        body_timeout=body_timeout,
-        api_key=api_key,
-        allowed_origins=origins,
-        enable_test_harness=enable_test_harness,
-        faults=tuple(faults),
-        should_retry_header=should_retry_header,
-        dashboard=dashboard,
-        fine_latency_buckets=fine_latency_buckets,
-        kv_events=kv_events,
-        tool_call_probability=tool_call_probability,
-        embedding_dim=embedding_dim,
-        run_to_max_tokens=run_to_max_tokens,
-        reasoning_content=reasoning_content,
-        pooling_models=pooling,
-        lora_updating=runtime_updating(),
-        role=role,
-        kv_hold_timeout=kv_hold_timeout,
-        kv_engine_id=kv_engine_id,
-        kv_peers=peers,
-    )
+        if self.embedding_dim is not None and self.embedding_dim < 1:
+            raise ConfigError(f"{label('embedding_dim')}: must be >= 1, got {self.embedding_dim}")
+
+    def _config_files(self) -> tuple[Path, list[Path], bool]:
+        """The config path (Rule 4), the model configs to load from it, and whether it
+        is a directory."""
+        if self.config is None:
+            path = shipped_dir("configs")
+        else:
+            path = resolve_shipped(self.config, "config", self.label("config"))
+        if path.is_dir():
+            files = sorted(p for p in path.glob("*.toml") if p.is_file())
+            if not files:
+                raise ConfigError(f"{path}: no model configs (*.toml) in this directory")
+            return path, files, True
+        if path.is_file():
+            return path, [path], False
+        raise ConfigError(f"{path}: no such file or directory")
+
+    def _deployments(
+        self,
+    ) -> tuple[list[Deployment], tuple[tuple[str, FaultConfig], ...], list[str]]:
+        """Each config's deployment on the hardware entry asked for (scheduler overrides
+        applied), the ``[fault]`` tables by model name, and the served model names."""
+        path, files, directory = self._config_files()
+        hardware = self.hardware
+        deployments: list[Deployment] = []
+        faults: list[tuple[str, FaultConfig]] = []
+        seen: dict[str, Path] = {}
+        for file in files:
+            model_config = load_model_config(file)
+            entry = hardware if hardware is not None else default_hardware(model_config.deployments)
+            if entry is None or entry not in model_config.deployments:
+                available = ", ".join(model_config.deployments)
+                wanted = (
+                    f"hardware.{entry}" if entry is not None else f"hardware.{DEFAULT_HARDWARE}"
+                )
+                if not directory:
+                    raise ConfigError(
+                        f"{file}: {wanted}: no such entry (available: {available}; "
+                        f"choose one with {self.label('hardware')})"
+                    )
+                if self.on_skip is not None:
+                    self.on_skip(f"skipping {file}: no [{wanted}] entry (has {available})")
+                continue
+            dep = model_config.deployments[entry]
+            name = dep.model.name
+            if name in seen:
+                raise ConfigError(
+                    f"{file}: model.name: '{name}' is already served by {seen[name]} "
+                    "(model names must be unique)"
+                )
+            seen[name] = file
+            deployments.append(
+                override_scheduler(
+                    dep, max_num_seqs=self.max_num_seqs, max_waiting=self.max_waiting
+                )
+            )
+            if model_config.fault is not None:
+                faults.append((name, model_config.fault))
+        if not deployments:
+            raise ConfigError(
+                f"{path}: no model config has a [hardware.{hardware or DEFAULT_HARDWARE}] entry"
+            )
+        return deployments, tuple(faults), list(seen)
+
+    def _tokenizers(self, deployments: list[Deployment]) -> Mapping[str, Tokenizer]:
+        """Model name -> its tokenizer (``tokenizer``, else its config's), each file
+        loaded once."""
+        by_source: dict[str, Tokenizer] = {}
+        tokenizers: dict[str, Tokenizer] = {}
+        for dep in deployments:
+            source = self.tokenizer if self.tokenizer is not None else dep.model.tokenizer
+            if source is not None:
+                key = str(source)
+                if key not in by_source:
+                    by_source[key] = load_tokenizer(Path(source))
+                tokenizers[dep.model.name] = by_source[key]
+        return MappingProxyType(tokenizers)
+
+
+_P = ParamSpec("_P")
+
+
+def _loader(flags: Callable[_P, ServeFlags]) -> Callable[_P, ServeSettings]:
+    def load_settings(*args: _P.args, **kwargs: _P.kwargs) -> ServeSettings:
+        """Load and check a serving app's settings, given as :class:`ServeFlags`'s
+        fields (keywords); raises ConfigError with a one-line message (Rule 1)."""
+        return flags(*args, **kwargs).load()
+
+    return load_settings
+
+
+#: ``load_settings(**flags)``: :meth:`ServeFlags.load` of the settings given as keywords
+#: (:class:`ServeFlags`' fields, checked statically), the loader shared by the command
+#: line and the environment (Rule 2).
+load_settings = _loader(ServeFlags)
 
 
 def _check_kv(

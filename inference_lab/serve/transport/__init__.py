@@ -1,7 +1,8 @@
 """The HTTP transport: hypercorn's HTTP/1.1 connection server, hooked, behind one interface.
 
 Everything that touches hypercorn's or h11's internals lives in this package
-(``connection.py``: the hooked connection server; ``launch.py``: hypercorn's trio worker
+(``connection.py``: the hooked connection server, with ``receipt.py``'s stream and
+``idle_timer.py``'s keep-alive timer; ``launch.py``: hypercorn's trio worker
 on a socket the server bound; ``accept_log.py``: trio's accept loop out of descriptors;
 ``quick.py``: requests the connection answers itself). The rest of the server imports only the names below, from
 here. The functions taking ``send`` take the ASGI ``send`` callable the server handed a

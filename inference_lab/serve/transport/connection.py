@@ -7,7 +7,8 @@ so under ``inference-lab serve`` and a plain hypercorn launch alike). From a req
 ``send``, a bound method of the HTTP/1.1 protocol -> the protocol's ``send``, a bound
 method of the connection server (:func:`connection_server`). What each hook saves is
 measured by ``scripts/bench_transport.py``; the figures are in ``docs/internals.md``
-("The transport").
+("The transport"). The connection's stream is a :class:`ReceiptStream` (``receipt.py``),
+its keep-alive timer an :class:`IdleTimer` (``idle_timer.py``); both are importable here.
 
 Rule 1: a request's arrival is the moment the server received it (:func:`received_at`):
         when the kernel received the bytes that the socket read bringing the request in
@@ -61,13 +62,7 @@ Rule 9: that reader answers the requests an app offers to answer at once (``GET 
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import logging
 import math
-import os
-import struct
-import termios
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -77,20 +72,18 @@ import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config as HyperConfig
 from hypercorn.events import Closed, Event, RawData
-from hypercorn.protocol.h2 import H2Protocol
-from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 
-from inference_lab.errors import error_body
 from inference_lab.serve.transport.accept_log import install_accept_log_filter
+from inference_lab.serve.transport.idle_timer import IdleTimer
 from inference_lab.serve.transport.quick import quick_answers, quick_reply_bytes
+from inference_lab.serve.transport.receipt import ReceiptStream
 from inference_lab.socket_stamps import (
     MAX_RECEIPT_AGE,
     enable_receive_timestamps,
-    receive_stamped,
     receives_timestamps,
 )
 
@@ -113,263 +106,6 @@ __all__ = [
     "received_at",
     "receives_timestamps",
 ]
-
-logger = logging.getLogger("inference_lab.serve")
-
-
-class ReceiptStream:
-    """A connection's trio stream that notes when the server had each read's bytes, and
-    tells when the connection's reading has ended.
-
-    ``received`` is the trio time at which the kernel received the bytes the latest
-    ``receive_some`` returned, when the connection is a plain socket stream whose socket
-    stamps what it receives (:func:`enable_receive_timestamps`, asked here and inherited
-    from a listening socket that asked; the read is then a ``recvmsg``). Otherwise it is
-    when that read returned (or, for the end of the stream, when it was seen) -- except
-    for a connection's first read when its bytes were already waiting in the kernel when
-    the server took the connection up (:meth:`note_waiting`): then it is that moment,
-    before the server's own set-up of the connection.
-
-    The reading has ended once a read returned the end of the stream or raised (Rule 6):
-    then ``on_end`` (the connection server's) and the callback of :meth:`watch_close`
-    (a request's) are called, once each, synchronously. Everything else is the wrapped
-    stream's.
-    """
-
-    __slots__ = (
-        "_stream",
-        "received",
-        "_waiting_since",
-        "stamped",
-        "plain",
-        "reading",
-        "reads",
-        "_on_end",
-        "_on_close",
-    )
-
-    def __init__(self, stream: Any, on_end: Callable[[], None] | None = None) -> None:
-        self._stream = stream
-        self.received = -math.inf
-        self._waiting_since: float | None = None
-        #: Whether the stream is a plain trio socket stream (its socket is ``socket``).
-        self.plain = type(stream) is trio.SocketStream
-        #: Whether its socket stamps what it receives.
-        self.stamped = self.plain and enable_receive_timestamps(stream.socket)
-        #: False once the reading has ended.
-        self.reading = True
-        #: Reads that returned bytes (the idle timer tells a partial request head by it).
-        self.reads = 0
-        self._on_end = on_end
-        self._on_close: Callable[[], None] | None = None
-
-    @property
-    def wrapped(self) -> Any:
-        """The stream this one reads and writes through (hypercorn's accepted stream)."""
-        return self._stream
-
-    def note_waiting(self) -> None:
-        """If bytes are waiting on the connection now, the first read's bytes were there
-        at this moment (one ``FIONREAD``; nothing is noted when it cannot be asked)."""
-        try:
-            fd = self._stream.socket.fileno()
-            waiting = struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
-        except (AttributeError, OSError, ValueError):
-            return
-        if waiting > 0:
-            self._waiting_since = trio.current_time()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        stamp: float | None = None
-        try:
-            if self.stamped:
-                data, stamp = await receive_stamped(self._stream.socket, max_bytes)
-            else:
-                data = await self._stream.receive_some(max_bytes)
-        except BaseException:
-            self._end()
-            raise
-        since, self._waiting_since = self._waiting_since, None
-        if stamp is None:
-            stamp = trio.current_time() if since is None else since
-        self.received = stamp
-        if not data:
-            self._end()
-        else:
-            self.reads += 1
-        return data
-
-    def watch_close(self, callback: Callable[[], None]) -> bool:
-        """Have ``callback`` called once, synchronously, when this connection's reading
-        ends -- the client closed or reset it, or the server closed it -- which is when
-        hypercorn tells the request's app ``http.disconnect`` (Rule 6). One callback at a
-        time (HTTP/1.1 serves one request at a time); :meth:`unwatch_close` removes it.
-        False, and nothing registered, when the reading has already ended."""
-        if not self.reading:
-            return False
-        self._on_close = callback
-        return True
-
-    def unwatch_close(self) -> None:
-        self._on_close = None
-
-    def _end(self) -> None:
-        if not self.reading:
-            return
-        self.reading = False
-        for callback in (self._on_end, self._on_close):
-            if callback is None:
-                continue
-            try:
-                callback()
-            except Exception:  # noqa: BLE001 - the connection's teardown goes on
-                logger.exception("a connection's close callback failed")
-        self._on_end = self._on_close = None
-
-    def send_nowait(self, data: bytes) -> int:
-        """Write what the socket takes of ``data`` now, without a scheduling point: the
-        number of bytes written (0 when its buffer is full, or when the stream is not a
-        plain socket stream and the caller must use ``send_all``). A closed socket raises
-        ClosedResourceError, a broken connection BrokenResourceError, as ``send_all``
-        does. The caller must hold off any other writer (hypercorn's send lock)."""
-        if not self.plain:
-            return 0
-        fd = self._stream.socket.fileno()
-        if fd < 0:
-            raise trio.ClosedResourceError("this socket was already closed")
-        try:
-            return os.write(fd, data)
-        except BlockingIOError:
-            return 0
-        except OSError as exc:
-            if exc.errno in (errno.EBADF, errno.ENOTSOCK):
-                raise trio.ClosedResourceError("this socket was already closed") from None
-            raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
-
-
-class IdleTimer:
-    """The keep-alive idle timer of one connection (Rule 3), in place of hypercorn's
-    ``TrioSingleTask``: the same ``restart`` (the connection became idle) and ``stop`` (a
-    request began), but one watcher task per connection whose deadline they move.
-
-    While idle, the watcher closes the connection as hypercorn's own idle task does
-    (``_initiate_server_close``) once ``keep_alive_timeout`` has passed or the server
-    terminates; while a request runs it only waits. :meth:`finish` ends it when the
-    connection's reading has ended (the connection then closes through hypercorn's own
-    teardown)."""
-
-    __slots__ = (
-        "_server",
-        "_idle",
-        "_deadline",
-        "_finished",
-        "_started",
-        "_scope",
-        "_lot",
-        "_reads_at_idle",
-    )
-
-    def __init__(self, server: TCPServer) -> None:
-        self._server = server
-        self._idle = False
-        self._deadline = math.inf
-        self._finished = False
-        self._started = False
-        self._scope: trio.CancelScope | None = None
-        self._lot = trio.lowlevel.ParkingLot()
-        self._reads_at_idle = 0
-
-    async def restart(self, task_group: Any, action: Any) -> None:
-        """The connection is idle from now: close it after ``keep_alive_timeout``
-        (``action``, hypercorn's own idle task, is not used)."""
-        self._idle = True
-        self._deadline = trio.current_time() + self._server.config.keep_alive_timeout
-        self._reads_at_idle = self._server._receipt.reads  # type: ignore[attr-defined]
-        if not self._started:
-            self._started = True
-            task_group._nursery.start_soon(self._watch)
-        else:
-            self._lot.unpark_all()  # a watcher waiting out a request now waits on idleness
-            if self._scope is not None:
-                self._scope.deadline = self._deadline
-
-    async def stop(self) -> None:
-        """A request began: the connection is not idle. Once ``keep_alive_timeout`` has
-        passed the watcher looks whether an HTTP/2 connection has a stream in progress
-        (an HTTP/1.1 request always has: hypercorn says when it ends)."""
-        self._idle = False
-        self._deadline = trio.current_time() + self._server.config.keep_alive_timeout
-        if self._scope is not None:
-            self._scope.deadline = self._deadline
-        else:
-            self._lot.unpark_all()
-
-    def finish(self) -> None:
-        """The connection's reading has ended: end the watcher without closing."""
-        self._finished = True
-        if self._scope is not None:
-            self._scope.cancel()
-        self._lot.unpark_all()
-
-    def _h2_without_streams(self) -> bool:
-        """Whether the connection speaks HTTP/2 and no stream is in progress on it."""
-        protocol = getattr(getattr(self._server, "protocol", None), "protocol", None)
-        return isinstance(protocol, H2Protocol) and protocol.idle
-
-    def _partial_head(self) -> bool:
-        """Whether an idle HTTP/1.1 connection received bytes that no request began with
-        (a request head that did not arrive whole)."""
-        protocol = getattr(getattr(self._server, "protocol", None), "protocol", None)
-        receipt = self._server._receipt  # type: ignore[attr-defined]
-        return isinstance(protocol, H11Protocol) and receipt.reads > self._reads_at_idle
-
-    async def _watch(self) -> None:
-        terminated = self._server.context.terminated
-        while not self._finished:
-            with trio.CancelScope(deadline=self._deadline) as scope:
-                self._scope = scope
-                if self._idle:
-                    await terminated.wait()
-                else:
-                    await self._lot.park()  # until the deadline or the next change
-            self._scope = None
-            if self._finished:
-                return
-            now = trio.current_time()
-            if self._idle and (terminated.is_set() or now >= self._deadline):
-                with trio.CancelScope(shield=True):
-                    if self._partial_head() and not terminated.is_set():
-                        await self._server._write(  # type: ignore[attr-defined]
-                            RawData(data=_HEAD_TIMEOUT), shielded=True
-                        )
-                    await self._server._initiate_server_close()
-                return
-            if not self._idle and now >= self._deadline:
-                if self._h2_without_streams():
-                    with trio.CancelScope(shield=True):
-                        await self._server._initiate_server_close()
-                    return
-                self._deadline = now + self._server.config.keep_alive_timeout
-
-
-def _head_timeout_reply() -> bytes:
-    body = error_body(
-        "The request head did not arrive in time: the connection is closed",
-        "invalid_request_error",
-        "request_timeout",
-        None,
-    )
-    return (
-        b"HTTP/1.1 408 \r\ncontent-type: application/json\r\n"
-        b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
-    ) + body
-
-
-#: What a connection whose request head did not arrive whole in time is told (Rule 3).
-_HEAD_TIMEOUT = _head_timeout_reply()
 
 
 class LabTCPServer(TCPServer):
