@@ -46,6 +46,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+import numpy.ma  # noqa: F401  (see below)
 import trio
 from quart import Response, request
 from quart_trio import QuartTrio
@@ -82,6 +83,9 @@ LATENCY_WINDOW = 10.0
 CHANGES_KEPT = 256
 #: The latency percentiles of a sample.
 PERCENTILES = (50, 90, 99)
+# np.percentile's first call imports numpy.ma (np.unique reaches it lazily): 30-110 ms
+# that would stall a running server's pacing loop at its first sampler tick with latencies,
+# so this module imports it when it is loaded (above).
 
 
 def _ms(seconds: float) -> float:
