@@ -488,22 +488,8 @@ async def serve_batch(
     batch = _Batch(len(requests))
     try:
         for request, sink in zip(requests, batch.sinks, strict=True):
-            scoring = request.max_tokens == 0
-            batch.handles.append(
-                runtime.admit_nowait(
-                    prompt_tokens=max(1, request.prompt_tokens),
-                    max_tokens=request.engine_max_tokens,
-                    priority=request.priority,
-                    sink=sink,
-                    arrival=exchange.arrival,
-                    n=request.n,
-                    limit=1 if scoring else request.output_cap,
-                    block_hashes=request.block_hashes,
-                    drawn=not (request.ignore_eos or scoring),
-                    min_length=request.min_tokens,
-                    model=request.model,
-                )
-            )
+            prompt = max(1, request.prompt_tokens)
+            batch.handles.append(_admit(runtime, exchange, request, None, prompt, sink))
             if request.hashed_tokens is not None:
                 state.remember_tokens(request)
     except (QueueFull, EngineUnavailable):
