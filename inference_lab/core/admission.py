@@ -26,6 +26,9 @@ Rule 5: the ledger is rebuilt from the engine only when the engine changed (its 
         release marks it too); each admission and each refusal between two changes costs
         O(1). With ``max_waiting`` 0 no seat is ever needed to decide and nothing is
         walked.
+Rule 6: :meth:`Admission.refuses` decides as :meth:`Admission.admit` would, and changes
+        nothing (the router's choice is only looked at): a caller may ask it before it has
+        a request to admit.
 """
 
 from __future__ import annotations
@@ -145,7 +148,20 @@ class Admission:
             self._rebuild()
         return sum(room.places for room in self._rooms)
 
+    def at_bound(self) -> bool:
+        """Whether the waiting places are all taken (``max_waiting`` > 0), so that an arrival
+        without a seat would be refused: the cheap first look before :meth:`refuses`."""
+        return bool(self.max_waiting) and self.depth() >= self.max_waiting
+
     # -- deciding ------------------------------------------------------------------------
+    def refuses(self, spec: RequestSpec) -> bool:
+        """Whether :meth:`admit` would refuse ``spec`` now; nothing changes (Rule 6)."""
+        if not self.at_bound():
+            return False
+        engine = self.engine
+        worker = engine.route(spec, self._routed, advance=False)
+        return not self._rooms[worker].admits(spec.n, engine.first_chunk_blocks(spec, worker))
+
     def admit(self, key: object, spec: RequestSpec) -> Claim | None:
         """Route an arrival and give it a seat or a waiting place; None when it has
         neither (refuse it). ``key`` identifies it for :meth:`release`."""

@@ -332,6 +332,24 @@ class ModelRuntime(EngineTask):
         self._publish()
         return handle
 
+    def at_bound(self) -> bool:
+        """Whether an arrival that finds no seat would be refused with a 529 now."""
+        return self._alive and not self.sleep_level and self._admission.at_bound()
+
+    def refuse_nowait(
+        self, *, prompt_tokens: int, max_tokens: int, n: int = 1, block_hashes: tuple[int, ...] = ()
+    ) -> QueueFull | None:
+        """The 529 :meth:`admit_nowait` would raise for this request now, counted and told
+        as that one is; None when it would admit it or answer a 503. Nothing else changes
+        (admission Rule 6). For answers written where a request is read
+        (``serve/quick_refusal.py``)."""
+        if not self.at_bound():
+            return None
+        spec = RequestSpec(
+            prompt_tokens=prompt_tokens, max_tokens=max_tokens, n=n, block_hashes=block_hashes
+        )
+        return self._queue_full() if self._admission.refuses(spec) else None
+
     def _closed_refusal(self) -> EngineUnavailable:
         """:meth:`admit_nowait`'s refusal while the engine task is not running (503) or
         the model sleeps, told to the observer."""

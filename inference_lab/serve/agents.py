@@ -67,6 +67,7 @@ __all__ = [
     "AnswerSink",
     "FrameEncoder",
     "chat_plan",
+    "may_plan",
     "prompt_chain",
     "reasoning_keys",
     "refuse_structured",
@@ -169,6 +170,16 @@ def refuse_structured(raw: Mapping[str, Any]) -> None:
             )
 
 
+def may_plan(runtime: ModelRuntime, raw: Mapping[str, Any]) -> bool:
+    """Whether a chat body may need an answer plan (:func:`chat_plan`): it names an agent
+    field, or the model reasons by default. False: a plain answer, with no 400 to come
+    from planning."""
+    reasoning = runtime.deployment.model.reasoning
+    if reasoning is not None and reasoning.default_effort != "none":
+        return True
+    return any(key in raw for key in AGENT_KEYS)
+
+
 async def chat_plan(
     state: ServeState,
     runtime: ModelRuntime,
@@ -181,10 +192,9 @@ async def chat_plan(
     event loop while cheap, else in a worker thread; a body of ``size`` bytes above
     ``INLINE_BODY`` goes to the thread at once). Raises :class:`ApiError` 400 for bad
     agent fields, a schema no instance satisfies or one too expensive to generate."""
-    reasoning = runtime.deployment.model.reasoning
-    reasons_by_default = reasoning is not None and reasoning.default_effort != "none"
-    if not reasons_by_default and not any(key in raw for key in AGENT_KEYS):
+    if not may_plan(runtime, raw):
         return None
+    reasoning = runtime.deployment.model.reasoning
     settings = state.settings
 
     def decide(budget: Budget) -> AnswerPlan | None:

@@ -22,6 +22,10 @@ Rule 6: ``GET /health`` and each served model's admission probe
         (``serve/kv_routes.py``) are answered by the connection's own task where they are
         read (``transport.quick``), before the queue of work; their routes answer them
         where that path does not apply.
+Rule 7: while some model's waiting places are all taken, a completion request read whole
+        in one read that its route would refuse with that model's 529 is refused by the
+        connection's own task where it is read (``serve/quick_refusal.py``); every other
+        outcome is the route's.
 Rule 5: the app has no WebSocket endpoint: a WebSocket upgrade on any path is refused
         with a 404 in the OpenAI error envelope (the ASGI ``websocket.http.response``
         extension, which hypercorn offers), or closed where the server cannot answer
@@ -54,6 +58,7 @@ from inference_lab.serve.kv_routes import KV_ROUTES, quick_admission
 from inference_lab.serve.messages_route import MESSAGES_ROUTES, anthropic_reply, is_messages_path
 from inference_lab.serve.ops import INVOCATIONS, invocations
 from inference_lab.serve.pooling_routes import POOLING_ROUTES
+from inference_lab.serve.quick_refusal import QUICK_POSTS, quick_refusal, refusing
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.transport import QuickReply, received_at
 
@@ -180,3 +185,22 @@ class InferenceLabApp(QuartTrio):
         if path == HEALTH_PATH:
             return health_quick_answer(state, method, path, headers, client)
         return quick_admission(state, method, path, headers, client)
+
+    #: The ``POST`` targets the connection may refuse itself (Rule 7).
+    quick_posts = QUICK_POSTS
+
+    def quick_posting(self) -> bool:
+        """Whether a completion request may be refused where it is read now (Rule 7)."""
+        return STATE_KEY in self.extensions and refusing(get_state(self))
+
+    def quick_post(
+        self,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        client: tuple[str, int] | None,
+        body: bytes,
+    ) -> QuickReply | None:
+        """The route's 529 for a completion request read whole, or None (Rule 7)."""
+        if STATE_KEY not in self.extensions:
+            return None
+        return quick_refusal(get_state(self), path, headers, client, body)

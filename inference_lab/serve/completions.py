@@ -106,7 +106,9 @@ __all__ = [
     "BodyTooFragmented",
     "BodyTooLarge",
     "ClientGone",
+    "check_fit",
     "complete",
+    "parse_body",
     "read_body",
 ]
 
@@ -173,7 +175,7 @@ async def complete(
             await send_reply(send, body_refusal(refused, timeout), exchange.headers)
             return
         try:
-            raw, batch = _parse(state, kind, body)
+            raw, batch = parse_body(state, kind, body)
             parsed = batch[0]
             kv = state.kv.request(raw, batch)  # kv_transfer_params, by --role
             runtime = _runtime(state, parsed.model)
@@ -201,7 +203,7 @@ async def complete(
                     state, runtime, exchange, receive, send, parsed, plan, keys, kv=kv
                 )
                 return
-            engine_prompt = _check_fit(runtime, parsed)
+            engine_prompt = check_fit(runtime, parsed)
             if state.draining:  # the shutdown began while this body was read
                 await send_reply(send, shutting_down_reply(), exchange.headers)
                 return
@@ -232,7 +234,7 @@ async def complete(
             kv.close()
 
 
-def _parse(
+def parse_body(
     state: ServeState, kind: Kind, body: bytes
 ) -> tuple[dict[str, Any], tuple[ParsedRequest, ...]]:
     """The body as JSON and the request(s) it makes (a completions body may hold several
@@ -261,7 +263,7 @@ def _runtime(state: ServeState, model: str) -> ModelRuntime:
     return runtime
 
 
-def _check_fit(runtime: ModelRuntime, parsed: ParsedRequest) -> int:
+def check_fit(runtime: ModelRuntime, parsed: ParsedRequest) -> int:
     """The prompt's length in the engine (at least 1) once the request fits the model
     (400 ``context_length_exceeded`` otherwise) and its work is bounded (Rule 5)."""
     engine_prompt = max(1, parsed.prompt_tokens)

@@ -60,6 +60,11 @@ class Harness:
         #: Anything to look at beyond the header (cheap test on the hot path).
         self._active = enabled or bool(self._tables)
 
+    def passes(self, exchange: Exchange) -> bool:
+        """Whether :meth:`intercept` surely lets this request go its normal way, without
+        drawing a table's fault: no fault header, and nothing enabled or configured."""
+        return not self._active and exchange.header(FAULT_HEADER) is None
+
     def intercept(
         self, exchange: Exchange, raw: Mapping[str, Any], parsed: ParsedRequest
     ) -> Intercepted | None:

@@ -7,13 +7,16 @@ streams then answers in tens of milliseconds though its answer costs microsecond
 may instead have a few requests answered where their bytes are read.
 
 Rule 1: an app offers ``quick_paths`` (request targets, bytes) and ``quick_answer(method,
-        path, headers, client) -> QuickReply | None`` (:class:`QuickAnswers`); the
-        connection server finds them on the ASGI app hypercorn wraps. A request is offered
-        only when one read brought it whole and nothing else (no pipelined request after
-        it), on an idle HTTP/1.1 connection (h11 idle both ways, no request in progress,
-        nothing buffered), as an HTTP/1.1 ``GET`` of one of those targets without a body
-        (as h11 reads it), ``Upgrade`` or ``Expect``. Anything else, or a None answer,
-        goes hypercorn's way unchanged.
+        path, headers, client) -> QuickReply | None`` (:class:`QuickAnswers`); it may also
+        offer ``quick_posts`` (targets), ``quick_posting() -> bool`` and ``quick_post(path,
+        headers, client, body) -> QuickReply | None`` (:class:`QuickPosts`). The connection
+        server finds them on the ASGI app hypercorn wraps. A request is offered only when
+        one read brought it whole and nothing else (no pipelined request after it), on an
+        idle HTTP/1.1 connection (h11 idle both ways, no request in progress, nothing
+        buffered), without ``Upgrade`` or ``Expect``: an HTTP/1.1 ``GET`` of a quick path
+        without a body (as h11 reads it), or a ``POST`` of a quick post target, its body
+        whole, while ``quick_posting()`` says so (asked before anything is parsed). Anything
+        else, or a None answer, goes hypercorn's way unchanged.
 Rule 2: the answer is framed by h11 (a connection of its own that parsed the request) with
         hypercorn's ``date`` and ``server`` headers after the app's, and written by the
         reading task with no scheduling point when the socket takes it (connection Rule 4):
@@ -34,7 +37,14 @@ import attrs
 import h11
 from hypercorn.protocol.h11 import H11Protocol
 
-__all__ = ["QuickAnswers", "QuickBytes", "QuickReply", "quick_answers", "quick_reply_bytes"]
+__all__ = [
+    "QuickAnswers",
+    "QuickBytes",
+    "QuickPosts",
+    "QuickReply",
+    "quick_answers",
+    "quick_reply_bytes",
+]
 
 #: Request headers that keep a request off the quick path (Rule 1).
 _REFUSED_HEADERS = (b"upgrade", b"expect")
@@ -64,6 +74,22 @@ class QuickAnswers(Protocol):
     ) -> QuickReply | None: ...
 
 
+class QuickPosts(QuickAnswers, Protocol):
+    """What an app that also answers some ``POST`` requests offers (Rule 1)."""
+
+    quick_posts: frozenset[bytes]
+
+    def quick_posting(self) -> bool: ...
+
+    def quick_post(
+        self,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        client: tuple[str, int] | None,
+        body: bytes,
+    ) -> QuickReply | None: ...
+
+
 def quick_answers(app: Any) -> QuickAnswers | None:
     """The app behind hypercorn's wrapper ``app`` when it offers quick answers."""
     inner = getattr(app, "app", None)
@@ -71,6 +97,14 @@ def quick_answers(app: Any) -> QuickAnswers | None:
         getattr(inner, "quick_answer", None)
     ):
         return inner
+    return None
+
+
+def _posts(app: QuickAnswers) -> QuickPosts | None:
+    if isinstance(getattr(app, "quick_posts", None), frozenset) and callable(
+        getattr(app, "quick_post", None)
+    ):
+        return app  # type: ignore[return-value]
     return None
 
 
@@ -97,32 +131,62 @@ class QuickBytes:
     close: bool
 
 
-def quick_reply_bytes(
-    app: QuickAnswers, wrapper: Any, config: Any, data: bytes
-) -> QuickBytes | None:
-    """The answer to ``data`` (one read) under Rule 1, or None when it is not a quick
-    request (``wrapper``: hypercorn's protocol wrapper; ``config``: its config)."""
-    if not data.startswith(b"GET ") or data.split(b" ", 2)[1] not in app.quick_paths:
-        return None
-    if not _idle_h11(wrapper):
-        return None
-    conn = h11.Connection(h11.SERVER)
+def _offered(app: QuickAnswers, data: bytes) -> str | None:
+    """The method of a request ``data`` may be offered under Rule 1, from its first line
+    alone; None when it is not."""
+    if data.startswith(b"GET "):
+        return "GET" if data.split(b" ", 2)[1] in app.quick_paths else None
+    if data.startswith(b"POST "):
+        posts = _posts(app)
+        if posts is not None and data.split(b" ", 2)[1] in posts.quick_posts:
+            return "POST" if posts.quick_posting() else None
+    return None
+
+
+def _one_request(conn: h11.Connection, data: bytes) -> tuple[h11.Request, bytes] | None:
+    """The request ``data`` holds whole and alone, read by ``conn``, and its body; None
+    when it is not one whole HTTP/1.1 request with nothing after it."""
     try:
         conn.receive_data(data)
         request = conn.next_event()
         if not isinstance(request, h11.Request) or request.http_version != b"1.1":
             return None
-        if not isinstance(conn.next_event(), h11.EndOfMessage):  # a body follows
+        body: list[bytes] = []
+        event = conn.next_event()
+        while isinstance(event, h11.Data):
+            body.append(bytes(event.data))
+            event = conn.next_event()
+        if not isinstance(event, h11.EndOfMessage):  # the body is not whole
             return None
         if conn.next_event() is not h11.NEED_DATA or conn.trailing_data[0]:
             return None  # a pipelined request follows
     except h11.RemoteProtocolError:
         return None
+    return request, b"".join(body)
+
+
+def quick_reply_bytes(
+    app: QuickAnswers, wrapper: Any, config: Any, data: bytes
+) -> QuickBytes | None:
+    """The answer to ``data`` (one read) under Rule 1, or None when it is not a quick
+    request (``wrapper``: hypercorn's protocol wrapper; ``config``: its config)."""
+    method = _offered(app, data)
+    if method is None or not _idle_h11(wrapper):
+        return None
+    conn = h11.Connection(h11.SERVER)
+    read = _one_request(conn, data)
+    if read is None:
+        return None
+    request, body = read
     headers = [(bytes(k), bytes(v)) for k, v in request.headers]
     if any(name in _REFUSED_HEADERS for name, _ in headers):
         return None
     client = getattr(wrapper.protocol, "client", None)
-    reply = app.quick_answer("GET", request.target.decode("latin-1"), headers, client)
+    target = request.target.decode("latin-1")
+    if method == "GET":
+        reply = None if body else app.quick_answer("GET", target, headers, client)
+    else:
+        reply = _posts(app).quick_post(target, headers, client, body)  # type: ignore[union-attr]
     if reply is None:
         return None
     response = h11.Response(
