@@ -249,10 +249,12 @@ async def _control(url: str, method: str, path: str, body: Any = None) -> Any:
     return answer
 
 
-async def get_stats(url: str) -> dict[str, Any]:
-    """``GET /control/stats``: the process, delivery and per-model (``models``) statistics;
+async def get_stats(url: str, finished: int | None = None) -> dict[str, Any]:
+    """``GET /control/stats``: the process, delivery and per-model (``models``) statistics,
+    the simulated E2E median over the ``finished`` latest completions when given;
     RuntimeError unless HTTP 200."""
-    answer: dict[str, Any] = await _control(url, "GET", "/control/stats")
+    query = "" if finished is None else f"?finished={finished}"
+    answer: dict[str, Any] = await _control(url, "GET", "/control/stats" + query)
     return answer
 
 
