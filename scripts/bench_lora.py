@@ -8,7 +8,9 @@ loads and skips (one per waiting request passed over for a slot in an admission 
 ``max_loras`` (``--serve``), ``inference-lab serve`` with the same adapters gets an open
 loop of streaming completions (token-id prompts, ``ignore_eos``), each naming its adapter,
 and the engine is run on exactly the traffic the client sent (its send times, prompts,
-lengths and adapters): TTFT and E2E p50 from the client against the simulator's; then
+lengths and adapters): TTFT and E2E p50 from the client (each read timed when the
+kernel received its bytes, as ``inference-lab load`` times tokens) against the
+simulator's; then
 the same traffic naming the base model only, as a control. Targets: E2E p50 within 3 %,
 TTFT p50 within 5 %.
 
@@ -139,7 +141,7 @@ async def open_loop(url: str, rate: float, requests: int, base: str | None = Non
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         async with stream:
             start = time.perf_counter()
-            res = await _one_stream(stream, request, start)
+            res = await _one_stream(stream, request, start, stamped=True)
             out.append(Sent(start - t0, adapter, res.ttft, res.e2e, res.status))
 
     async with trio.open_nursery() as nursery:

@@ -39,6 +39,7 @@ from inference_lab.client.http import (
 )
 from inference_lab.core.config import Deployment
 from inference_lab.core.roofline import Roofline
+from inference_lab.socket_stamps import enable_receive_timestamps, receive_stamped
 
 __all__ = [
     "Result",
@@ -413,17 +414,31 @@ class _StreamReader:
         return Result(self.start, self.ttft, end - self.start, count, status, self.writes)
 
 
-async def one_stream(stream: trio.SocketStream, request: bytes, result_start: float) -> Result:
+async def one_stream(
+    stream: trio.SocketStream, request: bytes, result_start: float, *, stamped: bool = False
+) -> Result:
     """Send one streaming request on ``stream`` and read its whole chunked answer (or a
-    refusal's whole answer)."""
+    refusal's whole answer). Times are ``time.perf_counter`` values; with ``stamped``
+    (where the kernel gives receive timestamps) each read is timed when the kernel
+    received its bytes, as ``inference-lab load`` times tokens, not when this process got
+    round to reading them."""
+    sock = stream.socket
+    stamped = stamped and enable_receive_timestamps(sock)
     await stream.send_all(request)
     reader = _StreamReader(result_start)
     while True:
-        chunk = await stream.receive_some(65536)
+        if stamped:
+            chunk, receipt = await receive_stamped(sock, 65536)
+            now = time.perf_counter()
+            if receipt is not None:  # the kernel's receipt, moved onto perf_counter
+                now -= trio.current_time() - receipt
+        else:
+            chunk = await stream.receive_some(65536)
+            now = time.perf_counter()
         if not chunk:
             raise ConnectionError("server closed the connection")
-        if reader.feed(chunk, time.perf_counter()):
-            return reader.result(time.perf_counter())
+        if reader.feed(chunk, now):
+            return reader.result(now)
 
 
 def blocking_stream(sock: socket.socket, request: bytes) -> Result:
