@@ -165,7 +165,9 @@ async def run_streams(
         try:
             for i in counter:
                 request = request_bytes(f"{host}:{port}", model, first + i, prompt, output)
-                results.append((i, await one_stream(conn, request, time.perf_counter())))
+                results.append(
+                    (i, await one_stream(conn, request, time.perf_counter(), stamped=True))
+                )
         finally:
             await conn.aclose()
 
