@@ -1,9 +1,13 @@
-"""Mid-stream tokens written by the engine's hand-over itself (streaming Rule 7).
+"""Mid-stream tokens and a stream's end written by the engine's hand-over itself
+(streaming Rules 7 and 8, connection Rule 10).
 
 A stream's writer parked for frames is not woken for mid-stream tokens when the engine's
-synchronous hand-over (``StreamSink.on_tokens``) can write them to the connection at once;
-everything else -- the start, a gathered first write, the last token with the end of the
-stream, a spaced-out delivery, what the socket did not take -- stays the writer's.
+synchronous hand-over (``StreamSink.on_tokens``) can write them to the connection at once,
+nor for its end (the last token, the end frames and the chunked terminator, in one write:
+``StreamSink.on_finished``), after which it only ends the response in the HTTP stack, whose
+terminator is not written twice; everything else -- the start, a gathered first write, a
+spaced-out delivery's mid-stream tokens, what the socket did not take -- stays the
+writer's.
 """
 
 from __future__ import annotations
@@ -150,24 +154,45 @@ async def test_a_parked_writers_mid_stream_token_leaves_within_the_hand_over() -
     assert len(texts) == LAST + 1 and texts[-1] == ""  # the tokens, then the finish frame
 
 
-async def test_the_last_token_waits_for_the_end_of_the_stream() -> None:
-    """The last token is not written by the hand-over: it leaves with the finish frame,
+async def test_the_last_token_leaves_with_the_end_of_the_stream_within_the_hand_over() -> None:
+    """The last token is not written on its own: it leaves with the finish frame,
     ``[DONE]`` and the chunked terminator (streaming Rule 1), its word without the
-    trailing space (the streamed text equals the non-streamed one)."""
+    trailing space (the streamed text equals the non-streamed one), in one write made by
+    ``on_finished`` before any other task ran (Rule 8). The writer then ends the response
+    without a second terminator."""
     async with served_stream() as s:
         s.sink.on_tokens(LAST - 1)
         assert s.on_socket().count(b"data: ") == LAST - 1
         s.sink.on_tokens(1)
         assert s.on_socket() == b""
-        assert not s.sink.waiting  # the writer was woken instead
+        assert not s.sink.waiting  # the writer was woken, and has not run yet
         s.sink.on_finished(_finished(LAST))
-        before = len(s.raw)
-        await s.read_to_end()
-        tail = bytes(s.raw[before:])
+        tail = s.on_socket()
+        assert s.sink.ended
+        for _ in range(20):  # the writer runs: it ends the response, writing nothing
+            await trio.lowlevel.checkpoint()
+        assert s.on_socket() == b""
     assert tail.count(b'"text":"') == 2 and tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert tail.count(b"0\r\n\r\n") == 1
     texts = _texts(bytes(s.raw))
     assert texts[LAST - 1] and not texts[LAST - 1].endswith(" ")
     assert all(t.endswith(" ") for t in texts[: LAST - 1])
+
+
+async def test_the_end_leaves_within_the_hand_over_while_delivery_spaces_writes() -> None:
+    """A spaced-out delivery holds mid-stream tokens back, never a stream's end (Rule 2):
+    a writer held back has its stream's end written by the hand-over (Rule 8)."""
+    async with served_stream(interval=60.0) as s:
+        s.sink.on_tokens(1)
+        assert s.on_socket() == b""
+        while not s.sink.hold:  # the writer wrote the first token and holds
+            await trio.lowlevel.checkpoint()
+        s.sink.on_tokens(LAST - 1)
+        assert s.on_socket().count(b"data: ") <= 1  # (the first token's write, at most)
+        s.sink.on_finished(_finished(LAST))
+        assert s.on_socket().endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        await s.read_to_end()
+    assert len(_texts(bytes(s.raw))) == LAST + 1
 
 
 async def test_no_hand_over_write_while_delivery_spaces_writes() -> None:
@@ -251,8 +276,8 @@ async def test_served_streams_write_mid_stream_tokens_from_the_engine_task(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Under ``inference-lab serve``'s set-up, a stream's mid-stream tokens are written
-    by the engine task, one write each; its start and its last write (the last token and
-    the end) by the request's own task."""
+    by the engine task, one write each, and so is its last write (the last token and the
+    end, one terminator); its start by the request's own task."""
     writers: list[tuple[str, bytes]] = []
     plain = ReceiptStream.send_nowait
 
@@ -268,9 +293,10 @@ async def test_served_streams_write_mid_stream_tokens_from_the_engine_task(
     [writes] = await writes_of([stream], monkeypatch, interval=0.0, slowdown=100.0)
     assert len(writes) == LAST + 1  # the start, LAST - 1 tokens, the last token with the end
     ours = [(task, data) for task, data in writers if data in writes]
-    assert [task for task, _ in ours[1:-1]] == ["_engine_task"] * (LAST - 1)
-    assert ours[0][0] != "_engine_task" and ours[-1][0] != "_engine_task"
+    assert [task for task, _ in ours[1:]] == ["_engine_task"] * LAST
+    assert ours[0][0] != "_engine_task"
     assert ours[-1][1].endswith(b"0\r\n\r\n")
+    assert b"".join(writes).count(b"0\r\n\r\n") == 1
 
 
 async def _start_and_take(
@@ -436,3 +462,42 @@ def test_one_busy_period_does_not_space_writes_out_a_busy_loop_does() -> None:
         t += d.PERIOD
         periods += 1
     assert 2 <= periods <= 5
+
+
+async def test_a_connection_ended_by_the_hand_over_serves_its_next_request() -> None:
+    """Connection Rule 10: three streams back to back on one keep-alive connection, each
+    ended by the engine's hand-over (Rule 8): each answer is whole and alone on the wire
+    (h11 parses exactly three, one terminator each), and a plain request follows."""
+    app = create_app(make_settings())
+    state = get_state(app)
+    body = {"model": GPT, "prompt": "x", "max_tokens": LAST, "stream": True}
+    payload = json.dumps(body).encode()
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%b" % (len(payload), payload)
+    )
+    ended: list[bool] = []
+    plain = StreamSink.on_finished
+
+    def recording(self: StreamSink, finished: Finished) -> None:
+        plain(self, finished)
+        ended.append(self.ended)
+
+    raw = b""
+    with trio.fail_after(20), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StreamSink, "on_finished", recording)
+        async with serving(app) as port:
+            state.delivery.force_interval(0.0)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            for k in range(1, 4):
+                await stream.send_all(request)
+                while raw.count(b"0\r\n\r\n") < k:
+                    raw += await stream.receive_some(65536)
+            await stream.send_all(b"GET /v1/models HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+            while b'"object":"list"' not in raw:
+                raw += await stream.receive_some(65536)
+            await stream.aclose()
+    answers = h11_answers(raw, 4)
+    assert [status for status, _, _ in answers] == [200] * 4
+    assert all(body.endswith(b"data: [DONE]\n\n") for _, _, body in answers[:3])
+    assert ended == [True, True, True]

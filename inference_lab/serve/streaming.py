@@ -41,6 +41,13 @@ Rule 7: a mid-stream token handed to a stream whose writer is parked for frames 
         sooner. A stream's last token never goes this way (it leaves with the end, Rule
         1); what the socket's buffer did not take is left to the writer, which sends it
         before anything newer, so the engine still never waits for a client (Rule 3).
+Rule 8: so does a stream's end (its last tokens, the end frames and the chunked body's
+        terminator, in one write: Rule 1), under the same conditions but whatever the
+        delivery's spacing (Rule 2: an end is never held back): a wave of streams that
+        end in one step (closed-loop clients in lock-step) leaves in that step's
+        hand-over, not one woken writer after another. The writer, woken by the end,
+        then only ends the response in the HTTP stack (its terminator, already on the
+        wire, not written again: ``ChunkWriter.end_nowait``).
 """
 
 from __future__ import annotations
@@ -95,6 +102,8 @@ class StreamSink:
         "direct",
         "delivery",
         "unsent",
+        "ended",
+        "woken",
     )
 
     def __init__(self, encoder: StreamEncoder) -> None:
@@ -119,6 +128,11 @@ class StreamSink:
         self.delivery: Delivery | None = None
         #: What such a write left over (a framed chunk's tail): the writer sends it first.
         self.unsent = b""
+        #: The hand-over wrote the stream's end (Rule 8): the writer only ends the response.
+        self.ended = False
+        #: A hand-over woke the parked writer, which has not run since: it has taken
+        #: nothing, so the stream's end may still be written for it (Rule 8).
+        self.woken = False
 
     def pending(self) -> bool:
         return bool(self.opening or self.emitted > self.written or self.closing or self.unsent)
@@ -144,6 +158,7 @@ class StreamSink:
             if self.emitted < self.last and self._write_direct():
                 return  # written (Rule 7): the writer stays parked
             self.waiting = False
+            self.woken = True
             self.lot.unpark_all()
 
     def _write_direct(self) -> bool:
@@ -166,7 +181,24 @@ class StreamSink:
             finished.finish_reason, finished.output_tokens, finished.cached_tokens
         )
         self.finished = True
+        if self.waiting or self.hold or self.woken:
+            self._end_direct()
         self._end()
+
+    def _end_direct(self) -> None:
+        """Write the stream's end now, from the engine's hand-over, if the connection takes
+        it (Rule 8); what the socket did not take is left to the writer."""
+        direct, delivery = self.direct, self.delivery
+        if (
+            direct is None
+            or delivery is None
+            or not delivery.direct
+            or self.unsent
+            or not direct.ready()
+        ):
+            return
+        self.unsent = direct.end_nowait(self.take())
+        self.ended = True
 
     def on_failed(self, message: str) -> None:
         self.closing = stream_failure_frames(message)
@@ -468,17 +500,25 @@ async def _write_next(send: Send, sink: StreamSink, chunks: ChunkWriter | None) 
     """Wait for frames and write everything pending in one message (one pre-framed chunk
     through ``chunks`` where the connection takes them, Rule 6); True when the stream has
     ended (its last message written, or the client gone)."""
-    while not sink.pending():
+    sink.woken = False
+    while not sink.pending() and not sink.ended:
         if sink.done:
             return True  # the client left (nothing more to write)
         sink.waiting = True
         try:
             await sink.lot.park()
         finally:
-            sink.waiting = False
+            sink.waiting = sink.woken = False
     if sink.gone:
         return True
     unsent, sink.unsent = sink.unsent, b""
+    if sink.ended:  # the hand-over wrote the end (Rule 8): end the response, and the rest
+        assert chunks is not None
+        with trio.CancelScope(shield=True):
+            async with one_write(send):
+                await chunks.write_framed(unsent)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return True
     data = sink.take()
     if sink.done:
         with trio.CancelScope(shield=True):

@@ -58,6 +58,10 @@ Rule 8: a connection's reads go without a cancel scope each when no read timeout
         server's CPU. With a read timeout, hypercorn's own reader runs.
 Rule 9: that reader answers the requests an app offers to answer at once (``GET /health``)
         itself, where their bytes are read, before the queue of work (:mod:`.quick`).
+Rule 10: a stream's end may be written the same way (:meth:`ChunkWriter.end_nowait`: the
+         last chunk and the chunked terminator in one write); the response is then ended
+         through the HTTP stack as usual, and the terminator h11 writes for it is dropped
+         once, so the bytes on the wire are h11's.
 """
 
 from __future__ import annotations
@@ -119,6 +123,8 @@ class LabTCPServer(TCPServer):
         super().__init__(app, config, context, state, receipt)  # type: ignore[arg-type]
         self._receipt = receipt
         self._gathered: list[bytes] | None = None
+        #: The chunked terminator of the response in progress is on the wire (Rule 10).
+        self._ended_on_wire = False
         self._idle_timer = timer
         self.idle_task = timer  # type: ignore[assignment]
 
@@ -166,6 +172,9 @@ class LabTCPServer(TCPServer):
         self.idle_task = None  # type: ignore[assignment]
 
     async def protocol_send(self, event: Event) -> None:
+        if self._ended_on_wire and isinstance(event, RawData) and event.data == TERMINATOR:
+            self._ended_on_wire = False  # written with the body's last chunk (Rule 10)
+            return
         gathered = self._gathered
         if gathered is not None:
             if isinstance(event, RawData):
@@ -384,6 +393,10 @@ def chunk_writer(send: Any) -> ChunkWriter | None:
     return ChunkWriter(request_stream, server)
 
 
+#: The end of a chunked body without trailers, as h11 writes it.
+TERMINATOR = b"0\r\n\r\n"
+
+
 def _chunk(data: bytes) -> bytes:
     """``data`` framed as one HTTP/1.1 chunk, as h11 frames it: the size in hex, CRLF, the
     data, CRLF."""
@@ -416,6 +429,21 @@ class ChunkWriter:
         stream, nobody holds its send lock and no gathered write is open on it (Rule 2)."""
         server = self._server
         return server._gathered is None and not server.send_lock.locked() and server._receipt.plain
+
+    def end_nowait(self, data: bytes) -> bytes:
+        """Write ``data`` as the body's last chunk and the chunked terminator, as
+        :meth:`write_nowait` writes (call only when :meth:`ready`); what is left of them,
+        for :meth:`write_framed`. The HTTP stack's own terminator, when the response is
+        then ended through it, is not written again (Rule 10)."""
+        framed = (_chunk(data) if data else b"") + TERMINATOR
+        if self._request_stream.closed:
+            return b""
+        self._server._ended_on_wire = True
+        try:
+            sent = self._server._receipt.send_nowait(framed)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return framed  # the writer's own write reports the close, hypercorn's way
+        return framed[sent:] if sent else framed
 
     def write_nowait(self, data: bytes) -> bytes:
         """Write ``data`` as one chunk without a scheduling point, as far as the socket's
