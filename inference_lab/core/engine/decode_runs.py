@@ -38,7 +38,7 @@ from collections.abc import Callable
 import attrs
 
 from inference_lab.core.builders import frozen_builder
-from inference_lab.core.decode_pricing import DecodePricer
+from inference_lab.core.decode_pricing import DecodeStep, decode_step
 from inference_lab.core.engine.block_pool import BlockPool
 from inference_lab.core.engine.outputs import StepLog
 from inference_lab.core.engine.request import Request
@@ -84,7 +84,7 @@ class DecodeRuns:
     total_blocks: int
     busy_seconds: float
     new_transfers: list[Request]
-    pricers: dict[int, DecodePricer | None]
+    pricers: dict[int, DecodeStep | None]
     #: the fewest running requests the fast path keeps (``FAST_PATH_MIN // 2``)
     fast_least: int
     step_terms: BatchTerms | None
@@ -148,7 +148,7 @@ class DecodeRuns:
         self.grow_decoding(vec, due, wants)
         return True
 
-    def _pricer_for(self, vec: RunningRows, rows: int, priced: int) -> DecodePricer | None:
+    def _pricer_for(self, vec: RunningRows, rows: int, priced: int) -> DecodeStep | None:
         """The decode pricer of a pure step of ``rows`` decoding rows (``priced``: the
         rows of the one in hand), made once per count; the rows' step fields set when
         the count changes. None with MLA classes (the general price)."""
@@ -159,7 +159,8 @@ class DecodeRuns:
             vec.rest_n = []
         pricers = self.pricers
         if rows not in pricers:
-            pricers[rows] = None if self.roofline.has_mla() else self.roofline.decode_pricer(rows)
+            k = None if self.roofline.has_mla() else self.roofline.decode_constants(rows)
+            pricers[rows] = None if k is None else decode_step(k)
         return pricers[rows]
 
     def _cross(

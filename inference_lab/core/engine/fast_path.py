@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from inference_lab.core.decode_pricing import DecodePricer
+from inference_lab.core.decode_pricing import DecodeStep
 from inference_lab.core.engine.block_pool import BlockPool
 from inference_lab.core.engine.decode_runs import DecodeRun, DecodeRuns, Ended, Price
 from inference_lab.core.engine.kv_cache_manager import KVCacheManager
@@ -85,7 +85,7 @@ class FastPath(DecodeRuns):
         self.vec: RunningRows | None = None
         self.fast_batch = FastBatch(self)  # (what its step in flight is, in the fast path)
         #: the roofline's decode pricer per count of decoding rows (decode runs)
-        self.pricers: dict[int, DecodePricer | None] = {}
+        self.pricers: dict[int, DecodeStep | None] = {}
         #: from ``flat[0]`` positions on, ``blocks_for(p) = ceil(p / block_size) +
         #: flat[1]`` (the private blocks no longer grow)
         self.flat = roofline.flat_blocks()

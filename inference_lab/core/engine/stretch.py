@@ -19,13 +19,18 @@ Rule 2: a boundary inside a stretch ends a pure decode step (no row finishes the
         waiting, the rows all decoding, the budget) hold throughout. The stretch stops
         after a step that ends at or past ``limit``, after one whose end finishes a row,
         and at a boundary whose new blocks the pool cannot give (``short``).
+Rule 3: a worker whose model has two window classes (full attention and one sliding
+        window, as gpt-oss) and at most one stream after attention's takes the stretch
+        specialised for them (:func:`_two_classes`): the two sums and the increment of
+        the window's as locals, the pricer's arithmetic inline (decode_pricing Rule 3);
+        the same operations in the same order as the general loop and its pricer.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Protocol
 
-from inference_lab.core.decode_pricing import DecodePricer
+from inference_lab.core.decode_pricing import DecodeStep, TwoClasses
 from inference_lab.core.engine.block_pool import BlockPool
 from inference_lab.core.engine.outputs import StepLog
 from inference_lab.core.engine.running_rows import PlainRequest, RunningRows
@@ -67,7 +72,7 @@ class Stretch(NamedTuple):
 def decode_stretch(
     worker: DecodingWorker,
     vec: RunningRows,
-    pricer: DecodePricer,
+    step: DecodeStep,
     now: float,
     limit: float,
     factor: float,
@@ -76,9 +81,13 @@ def decode_stretch(
     """Start the pure decode step of ``vec``'s rows due at ``now`` (its blocks taken
     already) and those after it while each one's start is earlier than ``limit`` and
     the boundary before it is pure (Rule 2), their figures appended to ``log`` and
-    their durations (``pricer``'s seconds x ``factor``) added to the worker's busy time.
+    their durations (``step``'s seconds x ``factor``) added to the worker's busy time.
     Called by ``FastPath.decode_run`` only; leaves ``vec.g`` at the count of the step in
     flight (or of the short boundary)."""
+    windows = vec.windows
+    if step.two is not None and windows[0] <= 0 < windows[1]:
+        return _two_classes(worker, vec, step.two, now, limit, factor, log)
+    pricer = step.price
     finish_cal = vec.finish_cal
     grow_cal = vec.grow_cal
     windows = vec.windows
@@ -140,3 +149,77 @@ def decode_stretch(
     vec.g = g
     worker.busy_seconds = busy
     return Stretch(started, boundaries, start, now, boundary, short)
+
+
+def _two_classes(
+    worker: DecodingWorker,
+    vec: RunningRows,
+    k: TwoClasses,
+    now: float,
+    limit: float,
+    factor: float,
+    log: StepLog,
+) -> Stretch:
+    """:func:`decode_stretch` for full attention and one sliding window (Rule 3): the
+    same steps, figures and state, to the bit."""
+    fa0, ma0, a0, k0, a1, k1, state, rate, bw, roof0, most, tail, seq, alpha, beta = k[:15]
+    compute0, c_after, eta_f, memory0, m_after, eta_b = k[15:]
+    finish_cal = vec.finish_cal
+    grow_cal = vec.grow_cal
+    sat_cal = vec.sat_cal[1]
+    rows = vec.decoding
+    g = vec.g
+    s0, s1 = vec.decode_step_sums()
+    inc = vec.unsat[1]  # (what one more count adds to the window's sum)
+    pool = worker.pool
+    total = worker.total_blocks
+    usage = (total - pool.free) / total
+    kv_log, flop_log, bw_log = log.kv_usage.append, log.flop_util.append, log.bw_util.append
+    busy = worker.busy_seconds
+    started = boundaries = 0
+    boundary = start = now
+    short = False
+    while True:
+        tc = (fa0 + a0 * s0 + a1 * s1) / rate  # (decode_pricing's price_two)
+        tm = (ma0 + k0 * s0 + k1 * s1 + state) / bw
+        roof = roof0 + (tc if tc > tm else tm) + most + tail + seq
+        start = now
+        duration = (alpha * roof + beta) * factor
+        now = now + duration
+        busy += duration
+        if roof <= 0:
+            roof = 1.0
+        kv_log(usage)
+        flop_log((compute0 + tc + c_after) * eta_f / roof)
+        bw_log((memory0 + tm + m_after) * eta_b / roof)
+        started += 1
+        if now >= limit or g + 1 in finish_cal:
+            break
+        boundary = now  # a pure decode step's end: a token each, nothing finishes
+        boundaries += 1
+        g += 1
+        s0 += rows
+        s1 += inc
+        if sat_cal and g in sat_cal:
+            inc -= _saturate(vec, sat_cal.pop(g), g)
+        if g in grow_cal:
+            vec.g = g
+            due, wants, need = worker.grow_due(vec, g)
+            if need > pool.free:
+                short = True
+                break
+            assert due is not None
+            worker.grow_decoding(vec, due, wants)
+            usage = (total - pool.free) / total
+    vec.g = g
+    worker.busy_seconds = busy
+    return Stretch(started, boundaries, start, now, boundary, short)
+
+
+def _saturate(vec: RunningRows, count: int, g: int) -> int:
+    """``count`` rows of the window class saturate at ``g`` (their sums move over, as in
+    :func:`decode_stretch`); returns ``count``."""
+    vec.sat[1] += count
+    vec.unsat[1] -= count
+    vec.unsat_sum[1] -= count * (vec.windows[1] - 1 - g)
+    return count
