@@ -40,6 +40,7 @@ import attrs
 from inference_lab.core.builders import frozen_builder
 from inference_lab.core.decode_pricing import DecodeStep, decode_step
 from inference_lab.core.engine.block_pool import BlockPool
+from inference_lab.core.engine.kv_cache_manager import KVCacheManager
 from inference_lab.core.engine.outputs import StepLog
 from inference_lab.core.engine.request import Request
 from inference_lab.core.engine.running_rows import PlainRequest, RunningRows
@@ -103,6 +104,9 @@ class DecodeRuns:
         tuple[list[tuple[PlainRequest, int]] | None, list[int] | None, int],
     ]
     grow_decoding: Callable[[RunningRows, list[tuple[PlainRequest, int]], list[int] | None], None]
+    flat: tuple[int, int]
+    block_size: int
+    kv: KVCacheManager
 
     def fast_in_flight(self) -> bool:
         """Whether the step in flight is a fast step a decode run may end: the fast
@@ -138,9 +142,33 @@ class DecodeRuns:
                 vec.unsat_sum[j] -= count * (windows[j] - 1 - g)
         return False
 
-    def _grow_in_run(self, vec: RunningRows, g: int) -> bool:
-        """The decoding rows filed to grow at ``g`` take their blocks, when the pool has
-        them all (True); False (nothing changed) when it has not."""
+    def grow_at(self, vec: RunningRows, g: int) -> bool:
+        """The decoding rows filed to grow at ``g`` (the decode counter; some are) take
+        their blocks, when the pool has them all (True); False (nothing changed) when it
+        has not. The common case -- each row past its private blocks' table, one block
+        each, filed ``block_size`` counts on -- is ``grow_due`` and ``grow_decoding``
+        inline (the same test, the same calls to the KV cache manager)."""
+        grow_cal = vec.grow_cal
+        due = grow_cal[g]
+        flat, tail = self.flat
+        bs = self.block_size
+        for r, c in due:
+            room = r.block_room
+            if room - c != g or room < flat or room != (r.num_blocks - tail) * bs:
+                return self._grow_general(vec, g)
+        if len(due) > self.pool.free:
+            return False
+        del grow_cal[g]
+        self.kv.grow_by_one([r for r, _ in due])
+        later = grow_cal.get(g + bs)
+        if later is None:
+            grow_cal[g + bs] = due
+        else:
+            later += due
+        return True
+
+    def _grow_general(self, vec: RunningRows, g: int) -> bool:
+        """:meth:`grow_at` for rows that want other than one block each."""
         due, wants, need = self.grow_due(vec, g)
         if need > self.pool.free:
             return False

@@ -377,7 +377,7 @@ class FastPath(DecodeRuns):
             g = vec.g
             pure_next = not waiting.count and vec.size == rows and least <= rows <= budget
             if pure_next and g in grow_cal:
-                pure_next = self._grow_in_run(vec, g)
+                pure_next = self.grow_at(vec, g)
             if not pure_next:  # (blocks short: _start_whole declines too)
                 self._count_pure(pure)
                 pure = 0

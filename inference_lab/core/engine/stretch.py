@@ -33,26 +33,21 @@ from typing import NamedTuple, Protocol
 from inference_lab.core.decode_pricing import DecodeStep, TwoClasses
 from inference_lab.core.engine.block_pool import BlockPool
 from inference_lab.core.engine.outputs import StepLog
-from inference_lab.core.engine.running_rows import PlainRequest, RunningRows
+from inference_lab.core.engine.running_rows import RunningRows
 
 __all__ = ["DecodingWorker", "Stretch", "decode_stretch"]
 
 
 class DecodingWorker(Protocol):
     """What a stretch uses of its worker (the scheduler's fast path half, ``FastPath``):
-    its block pool and total, its busy time, and the growth of the decoding rows."""
+    its block pool and total, its busy time, and the growth of the decoding rows
+    (``DecodeRuns.grow_at``)."""
 
     pool: BlockPool
     total_blocks: int
     busy_seconds: float
 
-    def grow_due(
-        self, vec: RunningRows, g: int
-    ) -> tuple[list[tuple[PlainRequest, int]] | None, list[int] | None, int]: ...
-
-    def grow_decoding(
-        self, vec: RunningRows, due: list[tuple[PlainRequest, int]], wants: list[int] | None
-    ) -> None: ...
+    def grow_at(self, vec: RunningRows, g: int) -> bool: ...
 
 
 class Stretch(NamedTuple):
@@ -139,12 +134,9 @@ def decode_stretch(
                 incs[j] -= count
         if g in grow_cal:
             vec.g = g
-            due, wants, need = worker.grow_due(vec, g)
-            if need > pool.free:
+            if not worker.grow_at(vec, g):
                 short = True
                 break
-            assert due is not None
-            worker.grow_decoding(vec, due, wants)
             usage = (total - pool.free) / total
     vec.g = g
     worker.busy_seconds = busy
@@ -169,8 +161,9 @@ def _two_classes(
     sat_cal = vec.sat_cal[1]
     rows = vec.decoding
     g = vec.g
-    s0, s1 = vec.decode_step_sums()
     inc = vec.unsat[1]  # (what one more count adds to the window's sum)
+    s0 = vec.base_sum + rows * g + rows  # (decode_step_sums, inline)
+    s1 = vec.sat[1] * (vec.windows[1] - 1) + vec.unsat_sum[1] + inc * g + rows
     pool = worker.pool
     total = worker.total_blocks
     usage = (total - pool.free) / total
@@ -204,12 +197,9 @@ def _two_classes(
             inc -= _saturate(vec, sat_cal.pop(g), g)
         if g in grow_cal:
             vec.g = g
-            due, wants, need = worker.grow_due(vec, g)
-            if need > pool.free:
+            if not worker.grow_at(vec, g):
                 short = True
                 break
-            assert due is not None
-            worker.grow_decoding(vec, due, wants)
             usage = (total - pool.free) / total
     vec.g = g
     worker.busy_seconds = busy
