@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from inference_lab.core.decode_pricing import DecodeStep, decode_step
+from inference_lab.core.engine import Engine
 from inference_lab.core.engine import decode_runs as runs_module
 from inference_lab.core.engine import stretch as stretch_module
 from inference_lab.core.roofline import Roofline
@@ -108,3 +109,36 @@ def test_only_two_classes_get_the_inline_constants() -> None:
     k = Roofline(deployment(LLAMA8B)).decode_constants(8)
     assert k is not None
     assert decode_step(k).two is None
+
+
+@pytest.mark.parametrize(
+    ("dep_kw", "kw"),
+    [
+        ({"blocks": 700}, {"rate": 80.0, "prompt_mu": 6.9, "output_mu": 5.3}),
+        ({}, {"rate": 250.0, "prompt_mu": 6.9, "output_mu": 5.3}),
+        ({}, {"rate": 100.0, "groups": True, "hashes": True, "output_mu": 5.0}),
+    ],
+)
+def test_running_requests_stay_in_admission_order(
+    dep_kw: dict[str, Any], kw: dict[str, Any]
+) -> None:
+    """``complete_fast`` finds a finishing row by bisecting ``running`` on the requests'
+    admission numbers: after every step of workloads with preemptions, aborts, groups
+    and prefix hits, each worker's running requests are in increasing admission order."""
+    eng = Engine(deployment(GPT_OSS_20B, **dep_kw))
+    ids = [eng.submit(s) for s in _specs(400, 9, **kw)]
+    preempted = 0
+    for i in range(100_000):
+        ev = eng.step()
+        if ev.step is not None:
+            preempted += ev.step.preempted
+        for w in eng.workers:
+            orders = [r.admit_order for r in w.running]
+            assert orders == sorted(set(orders)), i
+        if i % 97 == 0:
+            eng.abort(ids[i % len(ids)])
+        if eng.next_event_time() is None:
+            break
+    assert eng.is_idle()
+    if dep_kw:
+        assert preempted > 0

@@ -96,7 +96,8 @@ class DecodeRuns:
     step_start: float
     step_end: float
     complete_fast: Callable[
-        [float, list[tuple[int, int]]], tuple[tuple[tuple[int, int], ...], list[Request]]
+        [float, list[tuple[int, int]], bool],
+        tuple[tuple[tuple[int, int], ...], list[Request]],
     ]
     _schedule_whole: Callable[[float], SchedulerOutput | None]
     grow_due: Callable[
@@ -126,7 +127,7 @@ class DecodeRuns:
         ``start``): ``complete_fast``, or for a pure decode step that finishes nothing the
         decode counter moving on. Whether a request finished (in ``ended``)."""
         if vec.rest_n or vec.decoding != vec.size or vec.g + 1 in vec.finish_cal:
-            _, done = self.complete_fast(now, scratch)  # the general end of a fast step
+            _, done = self.complete_fast(now, scratch, False)  # the general end of a step
             scratch.clear()
             for r in done:
                 ended.append((r, now, now - start))
