@@ -160,7 +160,7 @@ class DecodeRuns:
         if len(due) > self.pool.free:
             return False
         del grow_cal[g]
-        self.kv.grow_by_one([r for r, _ in due])
+        self.kv.grow_by_one(due)
         later = grow_cal.get(g + bs)
         if later is None:
             grow_cal[g + bs] = due

@@ -224,7 +224,7 @@ class FastPath(DecodeRuns):
         grow_cal = vec.grow_cal
         del grow_cal[g]
         if wants is None:  # one block each: all are filed block_size positions on
-            self.kv.grow_by_one([r for r, _ in due])
+            self.kv.grow_by_one(due)
             bs = self.block_size
             later = grow_cal.get(g + bs)
             if later is None:

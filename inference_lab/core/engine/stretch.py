@@ -169,8 +169,8 @@ def _two_classes(
     usage = (total - pool.free) / total
     kv_log, flop_log, bw_log = log.kv_usage.append, log.flop_util.append, log.bw_util.append
     busy = worker.busy_seconds
-    started = boundaries = 0
-    boundary = start = now
+    g0 = g  # (the steps started and boundaries handled are counted from g at the end)
+    start = now
     short = False
     while True:
         tc = (fa0 + a0 * s0 + a1 * s1) / rate  # (decode_pricing's price_two)
@@ -185,12 +185,9 @@ def _two_classes(
         kv_log(usage)
         flop_log((compute0 + tc + c_after) * eta_f / roof)
         bw_log((memory0 + tm + m_after) * eta_b / roof)
-        started += 1
         if now >= limit or g + 1 in finish_cal:
             break
-        boundary = now  # a pure decode step's end: a token each, nothing finishes
-        boundaries += 1
-        g += 1
+        g += 1  # a pure decode step's end: a token each, nothing finishes
         s0 += rows
         s1 += inc
         if sat_cal and g in sat_cal:
@@ -203,7 +200,10 @@ def _two_classes(
             usage = (total - pool.free) / total
     vec.g = g
     worker.busy_seconds = busy
-    return Stretch(started, boundaries, start, now, boundary, short)
+    if short:  # (its last boundary, at now, started no step)
+        return Stretch(g - g0, g - g0, start, now, now, True)
+    return Stretch(g - g0 + 1, g - g0, start, now, start, False)  # (the last boundary
+    # handled is the last step's start, or the caller's now when it handled none)
 
 
 def _saturate(vec: RunningRows, count: int, g: int) -> int:
