@@ -13,15 +13,27 @@ Rule 2: the common shapes (one or two window classes, at most one stream after
         attention's) have their loops unrolled: the function is called once per simulated
         step. (No stream after attention's is priced as one of 0.0 seconds: adding 0.0 to
         the non-negative times leaves their bits as they are.)
+Rule 3: for the most common shape of all (two window classes, at most one stream after
+        attention's) the decode runs' stretches do the pricer's arithmetic inline
+        (:class:`TwoClasses`: its constants, the same operations in the same order), so
+        a step there costs no call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import attrs
 
-__all__ = ["DecodeConstants", "DecodePricer", "decode_price_function"]
+__all__ = [
+    "DecodeConstants",
+    "DecodePricer",
+    "DecodeStep",
+    "TwoClasses",
+    "decode_price_function",
+    "decode_step",
+]
 
 #: per-class sums -> (seconds, roofline, compute, memory)
 DecodePricer = Callable[[Sequence[int]], tuple[float, float, float, float]]
@@ -54,6 +66,78 @@ class DecodeConstants:
     beta: float
     eta_flops: float
     eta_bw: float
+
+
+class TwoClasses(NamedTuple):
+    """Rule 3: the constants of the two-class pricer (``_unrolled``'s ``price_two``), for
+    a caller that does its arithmetic inline: with ``s0``, ``s1`` the two sums,
+    ``tc = (fa0 + a0 * s0 + a1 * s1) / attn_rate``, ``tm = (ma0 + k0 * s0 + k1 * s1 +
+    state) / bandwidth``, ``roof = roof0 + max(tc, tm) + most_after + tail + seq``, the
+    seconds ``alpha * roof + beta``, the compute ``(compute0 + tc + c_after) * eta_flops``
+    and the memory ``(memory0 + tm + m_after) * eta_bw``."""
+
+    fa0: float
+    ma0: float
+    a0: float
+    k0: float
+    a1: float
+    k1: float
+    state: float
+    attn_rate: float
+    bandwidth: float
+    roof0: float
+    most_after: float
+    tail: float
+    seq: float
+    alpha: float
+    beta: float
+    compute0: float
+    c_after: float
+    eta_flops: float
+    memory0: float
+    m_after: float
+    eta_bw: float
+
+
+class DecodeStep(NamedTuple):
+    """A pure decode step's price for one row count: the pricer, and its constants when a
+    caller may do its arithmetic inline (Rule 3; None otherwise)."""
+
+    price: DecodePricer
+    two: TwoClasses | None
+
+
+def decode_step(k: DecodeConstants) -> DecodeStep:
+    """The pricer of ``k`` and, for two classes and at most one stream after attention's,
+    its constants for inline use (Rule 3). Called by the engine's decode runs."""
+    two = None
+    if len(k.after) <= 1 and len(k.coefs) == 2:
+        ((c_after, m_after),) = k.after or ((0.0, 0.0),)
+        (a0, k0), (a1, k1) = k.coefs  # (floats, as the pricer's products are)
+        two = TwoClasses(
+            k.fa0,
+            k.ma0,
+            float(a0),
+            float(k0),
+            float(a1),
+            float(k1),
+            k.state,
+            k.attn_rate,
+            k.bandwidth,
+            k.roof0,
+            c_after if c_after > m_after else m_after,
+            k.tail,
+            k.seq,
+            k.alpha,
+            k.beta,
+            k.compute0,
+            c_after,
+            k.eta_flops,
+            k.memory0,
+            m_after,
+            k.eta_bw,
+        )
+    return DecodeStep(decode_price_function(k), two)
 
 
 def decode_price_function(k: DecodeConstants) -> DecodePricer:

@@ -334,6 +334,12 @@ class Roofline(BatchSums, KvBlocks):
         taken once, for a run of such steps (the engine's decode runs). None where the
         price is not :meth:`_plain_price`'s (a step table, MLA classes, data-parallel
         attention) or for no rows."""
+        k = self.decode_constants(rows)
+        return None if k is None else decode_price_function(k)
+
+    def decode_constants(self, rows: int) -> DecodeConstants | None:
+        """The constants of :meth:`decode_pricer`'s function for ``rows`` (None where it
+        gives none); the engine's decode runs also unroll them into their stretches."""
         if not self._plain or rows <= 0:
             return None
         fixed = self._plain_by_tokens.get(rows)
@@ -345,25 +351,23 @@ class Roofline(BatchSums, KvBlocks):
             compute0 += tc
             memory0 += tm
             roof0 += tc if tc > tm else tm
-        return decode_price_function(
-            DecodeConstants(
-                fa0=fa0,
-                ma0=ma0,
-                coefs=tuple(self._coefs),
-                state=self._state_bytes * rows,
-                attn_rate=self._attn_rate,
-                bandwidth=self.bandwidth,
-                compute0=compute0,
-                memory0=memory0,
-                roof0=roof0,
-                after=tuple(after),
-                tail=collective + self._overhead,
-                seq=self._seq_overhead * rows,
-                alpha=self.alpha,
-                beta=self.beta,
-                eta_flops=self._eta_flops,
-                eta_bw=self._eta_bw,
-            )
+        return DecodeConstants(
+            fa0=fa0,
+            ma0=ma0,
+            coefs=tuple(self._coefs),
+            state=self._state_bytes * rows,
+            attn_rate=self._attn_rate,
+            bandwidth=self.bandwidth,
+            compute0=compute0,
+            memory0=memory0,
+            roof0=roof0,
+            after=tuple(after),
+            tail=collective + self._overhead,
+            seq=self._seq_overhead * rows,
+            alpha=self.alpha,
+            beta=self.beta,
+            eta_flops=self._eta_flops,
+            eta_bw=self._eta_bw,
         )
 
     def _plain_terms(

@@ -38,8 +38,9 @@ from collections.abc import Callable
 import attrs
 
 from inference_lab.core.builders import frozen_builder
-from inference_lab.core.decode_pricing import DecodePricer
+from inference_lab.core.decode_pricing import DecodeStep, decode_step
 from inference_lab.core.engine.block_pool import BlockPool
+from inference_lab.core.engine.kv_cache_manager import KVCacheManager
 from inference_lab.core.engine.outputs import StepLog
 from inference_lab.core.engine.request import Request
 from inference_lab.core.engine.running_rows import PlainRequest, RunningRows
@@ -84,7 +85,7 @@ class DecodeRuns:
     total_blocks: int
     busy_seconds: float
     new_transfers: list[Request]
-    pricers: dict[int, DecodePricer | None]
+    pricers: dict[int, DecodeStep | None]
     #: the fewest running requests the fast path keeps (``FAST_PATH_MIN // 2``)
     fast_least: int
     step_terms: BatchTerms | None
@@ -95,7 +96,8 @@ class DecodeRuns:
     step_start: float
     step_end: float
     complete_fast: Callable[
-        [float, list[tuple[int, int]]], tuple[tuple[tuple[int, int], ...], list[Request]]
+        [float, list[tuple[int, int]], bool],
+        tuple[tuple[tuple[int, int], ...], list[Request]],
     ]
     _schedule_whole: Callable[[float], SchedulerOutput | None]
     grow_due: Callable[
@@ -103,6 +105,9 @@ class DecodeRuns:
         tuple[list[tuple[PlainRequest, int]] | None, list[int] | None, int],
     ]
     grow_decoding: Callable[[RunningRows, list[tuple[PlainRequest, int]], list[int] | None], None]
+    flat: tuple[int, int]
+    block_size: int
+    kv: KVCacheManager
 
     def fast_in_flight(self) -> bool:
         """Whether the step in flight is a fast step a decode run may end: the fast
@@ -122,7 +127,7 @@ class DecodeRuns:
         ``start``): ``complete_fast``, or for a pure decode step that finishes nothing the
         decode counter moving on. Whether a request finished (in ``ended``)."""
         if vec.rest_n or vec.decoding != vec.size or vec.g + 1 in vec.finish_cal:
-            _, done = self.complete_fast(now, scratch)  # the general end of a fast step
+            _, done = self.complete_fast(now, scratch, False)  # the general end of a step
             scratch.clear()
             for r in done:
                 ended.append((r, now, now - start))
@@ -138,9 +143,33 @@ class DecodeRuns:
                 vec.unsat_sum[j] -= count * (windows[j] - 1 - g)
         return False
 
-    def _grow_in_run(self, vec: RunningRows, g: int) -> bool:
-        """The decoding rows filed to grow at ``g`` take their blocks, when the pool has
-        them all (True); False (nothing changed) when it has not."""
+    def grow_at(self, vec: RunningRows, g: int) -> bool:
+        """The decoding rows filed to grow at ``g`` (the decode counter; some are) take
+        their blocks, when the pool has them all (True); False (nothing changed) when it
+        has not. The common case -- each row past its private blocks' table, one block
+        each, filed ``block_size`` counts on -- is ``grow_due`` and ``grow_decoding``
+        inline (the same test, the same calls to the KV cache manager)."""
+        grow_cal = vec.grow_cal
+        due = grow_cal[g]
+        flat, tail = self.flat
+        bs = self.block_size
+        for r, c in due:
+            room = r.block_room
+            if room - c != g or room < flat or room != (r.num_blocks - tail) * bs:
+                return self._grow_general(vec, g)
+        if len(due) > self.pool.free:
+            return False
+        del grow_cal[g]
+        self.kv.grow_by_one(due)
+        later = grow_cal.get(g + bs)
+        if later is None:
+            grow_cal[g + bs] = due
+        else:
+            later += due
+        return True
+
+    def _grow_general(self, vec: RunningRows, g: int) -> bool:
+        """:meth:`grow_at` for rows that want other than one block each."""
         due, wants, need = self.grow_due(vec, g)
         if need > self.pool.free:
             return False
@@ -148,7 +177,7 @@ class DecodeRuns:
         self.grow_decoding(vec, due, wants)
         return True
 
-    def _pricer_for(self, vec: RunningRows, rows: int, priced: int) -> DecodePricer | None:
+    def _pricer_for(self, vec: RunningRows, rows: int, priced: int) -> DecodeStep | None:
         """The decode pricer of a pure step of ``rows`` decoding rows (``priced``: the
         rows of the one in hand), made once per count; the rows' step fields set when
         the count changes. None with MLA classes (the general price)."""
@@ -159,7 +188,8 @@ class DecodeRuns:
             vec.rest_n = []
         pricers = self.pricers
         if rows not in pricers:
-            pricers[rows] = None if self.roofline.has_mla() else self.roofline.decode_pricer(rows)
+            k = None if self.roofline.has_mla() else self.roofline.decode_constants(rows)
+            pricers[rows] = None if k is None else decode_step(k)
         return pricers[rows]
 
     def _cross(

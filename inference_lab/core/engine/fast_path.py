@@ -30,10 +30,12 @@ Rule 4: a decode run (:meth:`~inference_lab.core.engine.decode_runs.DecodeRuns.d
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
+from operator import attrgetter
 from typing import Any
 
-from inference_lab.core.decode_pricing import DecodePricer
+from inference_lab.core.decode_pricing import DecodeStep
 from inference_lab.core.engine.block_pool import BlockPool
 from inference_lab.core.engine.decode_runs import DecodeRun, DecodeRuns, Ended, Price
 from inference_lab.core.engine.kv_cache_manager import KVCacheManager
@@ -52,6 +54,10 @@ __all__ = ["FAST_PATH_MIN", "DecodeRun", "FastBatch", "FastPath"]
 #: rows. (Counted in instructions on gpt-oss-20b at 60 requests/s, whose batches hold ~30
 #: requests, and on the default simulator benchmark, 8 does no worse than 16 or 32.)
 FAST_PATH_MIN = 8
+
+#: a running request's admission number: ``running`` is in that order (each request
+#: appended takes the scheduler's next one, and removals keep the order)
+_ADMIT_ORDER = attrgetter("admit_order")
 
 
 class FastPath(DecodeRuns):
@@ -85,7 +91,7 @@ class FastPath(DecodeRuns):
         self.vec: RunningRows | None = None
         self.fast_batch = FastBatch(self)  # (what its step in flight is, in the fast path)
         #: the roofline's decode pricer per count of decoding rows (decode runs)
-        self.pricers: dict[int, DecodePricer | None] = {}
+        self.pricers: dict[int, DecodeStep | None] = {}
         #: from ``flat[0]`` positions on, ``blocks_for(p) = ceil(p / block_size) +
         #: flat[1]`` (the private blocks no longer grow)
         self.flat = roofline.flat_blocks()
@@ -218,7 +224,7 @@ class FastPath(DecodeRuns):
         grow_cal = vec.grow_cal
         del grow_cal[g]
         if wants is None:  # one block each: all are filed block_size positions on
-            self.kv.grow_by_one([r for r, _ in due])
+            self.kv.grow_by_one(due)
             bs = self.block_size
             later = grow_cal.get(g + bs)
             if later is None:
@@ -276,19 +282,20 @@ class FastPath(DecodeRuns):
         if rf.has_mla():
             terms = rf.batch_terms(vec.ns(), vec.computed_now(self.running))
         elif rest_n:
-            terms = rf.decode_terms_of(decoding, vec.decode_sums(), rest_n, rest_c)
+            terms = vec.terms_with(rest_n, rest_c)  # (decode_terms_of's, in one pass)
         else:
             terms = BatchTerms(decoding, decoding, vec.decode_totals(), [])  # (the same)
         return scheduler_output(batch, None, None, terms, 0)
 
     def complete_fast(
-        self, now: float, emit: list[tuple[int, int]]
+        self, now: float, emit: list[tuple[int, int]], tokens: bool = True
     ) -> tuple[tuple[tuple[int, int], ...], list[Request]]:
         """``Scheduler.complete`` for a fast step: every row was in the step, each at its
         ``n``; the same tokens, first-token times and completions, in row order. The rows
         ``[0, step_decoding)`` decoded: each emits one token (the decode counter moves on;
-        their finishes are the ones filed for it), returned as one tuple; the rows after
-        them that emitted for the first time decode from now on."""
+        their finishes are the ones filed for it), returned as one tuple (an empty one
+        when ``tokens`` is False: a decode run, which reports none); the rows after them
+        that emitted for the first time decode from now on."""
         vec = self.vec
         assert vec is not None  # a FastBatch in flight
         k = vec.size
@@ -296,13 +303,16 @@ class FastPath(DecodeRuns):
         running = self.running
         # the decoding rows' positions and tokens, lazily; those whose last token it was
         finishing: list[Any] | None = vec.advance()
-        head = vec.head  # the decoding rows' (id, 1) each, kept while they stay the same
-        if head is None:
+        head = vec.head if tokens else ()  # the decoding rows' (id, 1) each, kept while
+        if head is None:  # they stay the same
             head = vec.head = tuple(vec.pairs)
         done: list[int] = []
         if finishing is not None:
-            for r in finishing:
-                done.append(running.index(r, 0, decoding))
+            for r in finishing:  # (rows are in admission order: found by bisection)
+                i = bisect_left(running, r.admit_order, 0, decoding, key=_ADMIT_ORDER)
+                done.append(
+                    i if i < decoding and running[i] is r else running.index(r, 0, decoding)
+                )
             if len(done) > 1:
                 done.sort()
         still = k  # the first row that did not emit (k: none)
@@ -377,7 +387,7 @@ class FastPath(DecodeRuns):
             g = vec.g
             pure_next = not waiting.count and vec.size == rows and least <= rows <= budget
             if pure_next and g in grow_cal:
-                pure_next = self._grow_in_run(vec, g)
+                pure_next = self.grow_at(vec, g)
             if not pure_next:  # (blocks short: _start_whole declines too)
                 self._count_pure(pure)
                 pure = 0

@@ -136,13 +136,14 @@ class KVCacheManager:
             r.num_blocks = blocks
         r.block_room = self.room_for(r.num_blocks)
 
-    def grow_by_one(self, requests: Sequence[GrowingRequest]) -> None:
-        """The scheduler's fast path: each of ``requests`` (plain, running, past their
-        private blocks' growth) takes one more block, which holds ``block_size`` more
+    def grow_by_one(self, filed: Sequence[tuple[GrowingRequest, int]]) -> None:
+        """The scheduler's fast path: the request of each ``(request, lazy base)`` pair
+        of ``filed`` (plain, running, past their private blocks' growth: its grow
+        calendar's entries) takes one more block, which holds ``block_size`` more
         positions; the caller checked the free blocks and that none is evictable."""
         bs = self.block_size
-        self.pool.free -= len(requests)
-        for r in requests:
+        self.pool.free -= len(filed)
+        for r, _ in filed:
             r.num_blocks += 1
             r.block_room += bs
 

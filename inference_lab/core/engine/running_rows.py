@@ -37,6 +37,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from inference_lab.core.roofline_terms import BatchTerms
+
 
 class PlainRequest(Protocol):
     """What the rows keep of an engine request (``request.Request``)."""
@@ -264,6 +266,33 @@ class RunningRows:
             else:
                 out.append(sat * (window - 1) + unsat_sum + unsat * g + k)
         return out
+
+    def terms_with(self, ns: Sequence[int], cs: Sequence[int]) -> BatchTerms:
+        """The price terms of a step of the decoding rows followed by the sequences
+        ``ns`` / ``cs`` (positions, context; at least one): the integers
+        ``Roofline.decode_terms_of`` sums from :meth:`decode_sums` (without MLA classes),
+        summed here in one pass (integers: in any order the same)."""
+        g = self.g
+        k = self.decoding
+        out = []
+        for window, sat, unsat, unsat_sum in zip(
+            self.windows, self.sat, self.unsat, self.unsat_sum, strict=True
+        ):
+            if window <= 0:
+                dot = total = self.base_sum + k * g + k
+                for n, c in zip(ns, cs, strict=True):
+                    m = c + (n + 1) // 2
+                    dot += n * m
+                    total += m
+            else:
+                dot = total = sat * (window - 1) + unsat_sum + unsat * g + k
+                for n, c in zip(ns, cs, strict=True):
+                    m = c + (n + 1) // 2
+                    att = m if m < window else window
+                    dot += n * att
+                    total += att
+            out.append([dot, total])
+        return BatchTerms(k + sum(ns), k + len(ns), out, [])
 
     def decode_sums(self) -> list[int]:
         """Per window class, the sum over the decoding rows of ``min(computed, W - 1)``

@@ -19,35 +19,35 @@ Rule 2: a boundary inside a stretch ends a pure decode step (no row finishes the
         waiting, the rows all decoding, the budget) hold throughout. The stretch stops
         after a step that ends at or past ``limit``, after one whose end finishes a row,
         and at a boundary whose new blocks the pool cannot give (``short``).
+Rule 3: a worker whose model has two window classes (full attention and one sliding
+        window, as gpt-oss) and at most one stream after attention's takes the stretch
+        specialised for them (:func:`_two_classes`): the two sums and the increment of
+        the window's as locals, the pricer's arithmetic inline (decode_pricing Rule 3);
+        the same operations in the same order as the general loop and its pricer.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Protocol
 
-from inference_lab.core.decode_pricing import DecodePricer
+from inference_lab.core.decode_pricing import DecodeStep, TwoClasses
 from inference_lab.core.engine.block_pool import BlockPool
 from inference_lab.core.engine.outputs import StepLog
-from inference_lab.core.engine.running_rows import PlainRequest, RunningRows
+from inference_lab.core.engine.running_rows import RunningRows
 
 __all__ = ["DecodingWorker", "Stretch", "decode_stretch"]
 
 
 class DecodingWorker(Protocol):
     """What a stretch uses of its worker (the scheduler's fast path half, ``FastPath``):
-    its block pool and total, its busy time, and the growth of the decoding rows."""
+    its block pool and total, its busy time, and the growth of the decoding rows
+    (``DecodeRuns.grow_at``)."""
 
     pool: BlockPool
     total_blocks: int
     busy_seconds: float
 
-    def grow_due(
-        self, vec: RunningRows, g: int
-    ) -> tuple[list[tuple[PlainRequest, int]] | None, list[int] | None, int]: ...
-
-    def grow_decoding(
-        self, vec: RunningRows, due: list[tuple[PlainRequest, int]], wants: list[int] | None
-    ) -> None: ...
+    def grow_at(self, vec: RunningRows, g: int) -> bool: ...
 
 
 class Stretch(NamedTuple):
@@ -67,7 +67,7 @@ class Stretch(NamedTuple):
 def decode_stretch(
     worker: DecodingWorker,
     vec: RunningRows,
-    pricer: DecodePricer,
+    step: DecodeStep,
     now: float,
     limit: float,
     factor: float,
@@ -76,9 +76,13 @@ def decode_stretch(
     """Start the pure decode step of ``vec``'s rows due at ``now`` (its blocks taken
     already) and those after it while each one's start is earlier than ``limit`` and
     the boundary before it is pure (Rule 2), their figures appended to ``log`` and
-    their durations (``pricer``'s seconds x ``factor``) added to the worker's busy time.
+    their durations (``step``'s seconds x ``factor``) added to the worker's busy time.
     Called by ``FastPath.decode_run`` only; leaves ``vec.g`` at the count of the step in
     flight (or of the short boundary)."""
+    windows = vec.windows
+    if step.two is not None and windows[0] <= 0 < windows[1]:
+        return _two_classes(worker, vec, step.two, now, limit, factor, log)
+    pricer = step.price
     finish_cal = vec.finish_cal
     grow_cal = vec.grow_cal
     windows = vec.windows
@@ -130,13 +134,82 @@ def decode_stretch(
                 incs[j] -= count
         if g in grow_cal:
             vec.g = g
-            due, wants, need = worker.grow_due(vec, g)
-            if need > pool.free:
+            if not worker.grow_at(vec, g):
                 short = True
                 break
-            assert due is not None
-            worker.grow_decoding(vec, due, wants)
             usage = (total - pool.free) / total
     vec.g = g
     worker.busy_seconds = busy
     return Stretch(started, boundaries, start, now, boundary, short)
+
+
+def _two_classes(
+    worker: DecodingWorker,
+    vec: RunningRows,
+    k: TwoClasses,
+    now: float,
+    limit: float,
+    factor: float,
+    log: StepLog,
+) -> Stretch:
+    """:func:`decode_stretch` for full attention and one sliding window (Rule 3): the
+    same steps, figures and state, to the bit."""
+    fa0, ma0, a0, k0, a1, k1, state, rate, bw, roof0, most, tail, seq, alpha, beta = k[:15]
+    compute0, c_after, eta_f, memory0, m_after, eta_b = k[15:]
+    finish_cal = vec.finish_cal
+    grow_cal = vec.grow_cal
+    sat_cal = vec.sat_cal[1]
+    rows = vec.decoding
+    g = vec.g
+    inc = vec.unsat[1]  # (what one more count adds to the window's sum)
+    s0 = vec.base_sum + rows * g + rows  # (decode_step_sums, inline)
+    s1 = vec.sat[1] * (vec.windows[1] - 1) + vec.unsat_sum[1] + inc * g + rows
+    pool = worker.pool
+    total = worker.total_blocks
+    usage = (total - pool.free) / total
+    kv_log, flop_log, bw_log = log.kv_usage.append, log.flop_util.append, log.bw_util.append
+    busy = worker.busy_seconds
+    g0 = g  # (the steps started and boundaries handled are counted from g at the end)
+    start = now
+    short = False
+    while True:
+        tc = (fa0 + a0 * s0 + a1 * s1) / rate  # (decode_pricing's price_two)
+        tm = (ma0 + k0 * s0 + k1 * s1 + state) / bw
+        roof = roof0 + (tc if tc > tm else tm) + most + tail + seq
+        start = now
+        duration = (alpha * roof + beta) * factor
+        now = now + duration
+        busy += duration
+        if roof <= 0:
+            roof = 1.0
+        kv_log(usage)
+        flop_log((compute0 + tc + c_after) * eta_f / roof)
+        bw_log((memory0 + tm + m_after) * eta_b / roof)
+        if now >= limit or g + 1 in finish_cal:
+            break
+        g += 1  # a pure decode step's end: a token each, nothing finishes
+        s0 += rows
+        s1 += inc
+        if sat_cal and g in sat_cal:
+            inc -= _saturate(vec, sat_cal.pop(g), g)
+        if g in grow_cal:
+            vec.g = g
+            if not worker.grow_at(vec, g):
+                short = True
+                break
+            usage = (total - pool.free) / total
+    vec.g = g
+    worker.busy_seconds = busy
+    if short:  # (its last boundary, at now, started no step)
+        return Stretch(g - g0, g - g0, start, now, now, True)
+    return Stretch(g - g0 + 1, g - g0, start, now, start, False)  # (the last boundary
+    # handled is the last step's start, or the caller's now when it handled none)
+
+
+def _saturate(vec: RunningRows, count: int, g: int) -> int:
+    """``count`` rows of the window class saturate at ``g`` (their sums move over, as in
+    :func:`decode_stretch`); returns ``count``."""
+    vec.sat[1] += count
+    vec.unsat[1] -= count
+    vec.unsat_sum[1] -= count * (vec.windows[1] - 1 - g)
+    return count
