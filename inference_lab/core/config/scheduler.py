@@ -29,6 +29,11 @@ class SchedulerConfig:
     #: Keep finished requests' full blocks cached and reuse them for requests that carry
     #: the same block hashes (vLLM's automatic prefix caching; on by default there too).
     enable_prefix_caching: bool = True
+    #: With prefix caching: hash every request's blocks, as vLLM does, so a request the
+    #: workload gives no hash chain (a synthetic workload's unique prompt) finds its own
+    #: computed blocks again after a preemption instead of recomputing them (the KV cache
+    #: manager's Rule 5; docs/fidelity.md). Off by default: such a request recomputes.
+    hash_every_prompt: bool = False
     #: Seconds from a request's arrival to its entering the engine: a real server's API
     #: process (parsing, tokenising, handing over to the engine). Counted in TTFT and E2E.
     frontend_latency: float = attrs.field(default=0.0, validator=[ge(0), le(60)])

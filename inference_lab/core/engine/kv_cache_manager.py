@@ -31,16 +31,25 @@ Rule 3: at admission the cached prefix is ``floor(min(cached, limit) / block_siz
         at every admission; a request's ``cached_tokens`` is the hit of its first one.
 Rule 4: with prefix caching off, or for a request without hashes, nothing here looks at
         a hash: the accounting is a plain count of free blocks.
+Rule 5: with ``[scheduler] hash_every_prompt`` (vLLM hashes every request's full blocks,
+        so a preempted request finds its own computed blocks in the prefix cache), a
+        plain request without hashes that is preempted first takes a private chain
+        (:func:`private_chain`: no other request's hash) of its prompt and outputs, and
+        its computed full blocks are cached under it before they are freed (evictable,
+        tail first). Its readmission then finds them as any request finds its prefix
+        (Rule 3); it caches the blocks it fills from then on. Until its first
+        preemption nothing could hit its blocks, so nothing else differs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from hashlib import blake2b
 from typing import Protocol
 
 from inference_lab.core.engine.block_pool import NO_HASHES, NOT_CACHED, BlockPool, BlockStored
 
-__all__ = ["CachedRequest", "GrowingRequest", "KVCacheManager"]
+__all__ = ["CachedRequest", "GrowingRequest", "KVCacheManager", "private_chain"]
 
 
 class CachedRequest(Protocol):
@@ -59,6 +68,20 @@ class CachedRequest(Protocol):
     cached_tokens: int
     lora: int
     lora_name: str | None
+
+
+def private_chain(request_id: int, blocks: int) -> tuple[int, ...]:
+    """Rule 5: a chain of ``blocks`` hashes that only request ``request_id`` of its
+    engine holds: block ``i``'s is BLAKE2b (8-byte digest, read as an unsigned
+    little-endian integer, as every chain's) of the label ``private``, the id and ``i``,
+    so it meets no content chain (a 64-bit collision aside) and no other request's."""
+    out = []
+    for i in range(blocks):
+        h = blake2b(b"private", digest_size=8)
+        h.update(request_id.to_bytes(8, "little", signed=True))
+        h.update(i.to_bytes(8, "little"))
+        out.append(int.from_bytes(h.digest(), "little"))
+    return tuple(out)
 
 
 class GrowingRequest(Protocol):
@@ -260,6 +283,19 @@ class KVCacheManager:
         return BlockStored(
             worker=self.pool.worker, block_hashes=tuple(run), parent_block_hash=parent
         )
+
+    def cache_preempted(self, r: CachedRequest, chain: tuple[int, ...]) -> None:
+        """Rule 5: ``r`` (plain, running, no hashes of its own) is about to be preempted:
+        it takes ``chain`` and caches the full blocks of its computed positions, so
+        :meth:`free` leaves them evictable for its readmission. The scheduler's
+        ``_preempt`` calls it, before ``free``."""
+        r.block_hashes = chain
+        self.prepare(r)
+        if not r.cacheable_blocks:
+            return
+        r.next_cache_position = self.block_size
+        self.pool.filling += 1
+        self.cache_computed(r, r.num_computed)
 
     def free(self, r: CachedRequest) -> None:
         """Give back every block ``r`` holds (finished, preempted or aborted): cached ones

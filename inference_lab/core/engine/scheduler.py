@@ -41,7 +41,7 @@ import math
 from inference_lab.core.config import Deployment
 from inference_lab.core.engine.block_pool import BlockPool, KVEvent
 from inference_lab.core.engine.fast_path import FastBatch, FastPath
-from inference_lab.core.engine.kv_cache_manager import KVCacheManager
+from inference_lab.core.engine.kv_cache_manager import KVCacheManager, private_chain
 from inference_lab.core.engine.kv_tiers import TierStack
 from inference_lab.core.engine.lora import LoraSlots
 from inference_lab.core.engine.outputs import WorkerStatistics
@@ -88,6 +88,8 @@ class Scheduler(FastPath):
         self.chunk_cap = cap if (self.chunked and cap > 0) else 1 << 62
         self.policy = sched.policy
         self.block_size = sched.block_size
+        #: a preempted request without hashes keeps its computed blocks cached (kv Rule 5)
+        self.hash_every = sched.enable_prefix_caching and sched.hash_every_prompt
         self.waiting = WaitQueue(sched.policy)
         self.running: list[Request] = []
         self.running_seqs = 0  # sum of n over running
@@ -396,6 +398,9 @@ class Scheduler(FastPath):
         return 1 if victim is not r and vi < i else 0
 
     def _preempt(self, r: Request) -> None:
+        if self.hash_every and r.n == 1 and not r.block_hashes:  # (kv Rule 5)
+            blocks = (r.prompt_tokens + r.max_tokens - 1) // self.block_size
+            self.kv.cache_preempted(r, private_chain(r.id, blocks))
         self.kv.free(r)
         r.tier_checked = False
         r.num_computed = 0
