@@ -1,9 +1,11 @@
 """One HTTP exchange as the app's ASGI connection sees it.
 
 Rule 1: an :class:`Exchange` is made once per request, first thing, by the app's ASGI
-        connection, and handed to everything that answers the request; it is the one
-        place that knows the request's arrival time and the headers every answer to it
-        must carry (request id, CORS), whichever code path answers.
+        connection (or, for a request the connection answers where it reads it, by that
+        answer: :meth:`Exchange.read_whole`), and handed to everything that answers the
+        request; it is the one place that knows the request's arrival time and the
+        headers every answer to it must carry (request id, CORS), whichever code path
+        answers.
 """
 
 from __future__ import annotations
@@ -38,6 +40,28 @@ class Exchange:
     request_id: str = ""
     #: The pacing-lag header is among :attr:`headers` (Rule 2).
     lag_noted: bool = False
+
+    @classmethod
+    def read_whole(
+        cls,
+        method: str,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        client: tuple[str, int] | None,
+        arrival: float,
+    ) -> Exchange:
+        """The exchange of a request the connection answers where it reads it
+        (``transport.quick``): the scope an ASGI connection would give it, without a
+        query string."""
+        scope: dict[str, Any] = {
+            "type": "http",
+            "method": method,
+            "path": path,
+            "query_string": b"",
+            "headers": headers,
+            "client": client,
+        }
+        return cls(scope, arrival)
 
     @property
     def method(self) -> str:

@@ -15,8 +15,6 @@ Who calls this: ``serve/routes.py`` (the route) and ``serve/asgi.py`` (the app's
 
 from __future__ import annotations
 
-from typing import Any
-
 import attrs
 import trio
 
@@ -59,15 +57,7 @@ def quick_answer(
     path), gated as the app's ASGI connection gates every request; None for any other."""
     if method != "GET" or path != HEALTH_PATH:
         return None
-    scope: dict[str, Any] = {
-        "type": "http",
-        "method": method,
-        "path": path,
-        "query_string": b"",
-        "headers": headers,
-        "client": client,
-    }
-    exchange = Exchange(scope, trio.current_time())
+    exchange = Exchange.read_whole(method, path, headers, client, trio.current_time())
     gate.prepare(state, exchange)
     refusal = shutting_down_reply() if state.draining else gate.check(state, exchange)
     reply = refusal if refusal is not None else health_reply(state)

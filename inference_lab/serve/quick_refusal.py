@@ -27,8 +27,6 @@ completion path that the connection read whole.
 
 from __future__ import annotations
 
-from typing import Any
-
 import trio
 
 from inference_lab.api.kv_transfer import FIELD as KV_FIELD
@@ -65,15 +63,7 @@ def quick_refusal(
     kind = COMPLETION_ROUTES.get(path)
     if kind is None or state.draining or len(body) > MAX_BODY_BYTES:
         return None
-    scope: dict[str, Any] = {
-        "type": "http",
-        "method": "POST",
-        "path": path,
-        "query_string": b"",
-        "headers": headers,
-        "client": client,
-    }
-    exchange = Exchange(scope, trio.current_time())
+    exchange = Exchange.read_whole("POST", path, headers, client, trio.current_time())
     gate.prepare(state, exchange)
     if gate.check(state, exchange) is not None:
         return None
