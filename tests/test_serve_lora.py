@@ -98,6 +98,32 @@ async def test_a_request_naming_an_adapter_runs_it_and_an_unknown_one_is_404(
         assert json.loads(await adapter.get_data()) == json.loads(await base.get_data())
 
 
+async def test_the_messages_api_runs_an_adapter_as_chat_does(
+    serve: ServeFactory, autojump_clock: trio.testing.MockClock
+) -> None:
+    """``/v1/messages`` and its ``count_tokens`` take an adapter's name, as vLLM's
+    Messages handler (a chat completion underneath) does: the adapter is loaded for the
+    request, the answer names it, and its prompt is counted by the base model's
+    tokenizer; an unknown name is Anthropic's 404."""
+    message = {"messages": [{"role": "user", "content": "hello " * 20}], "max_tokens": 4}
+    async with serve(lora_settings()) as s:
+        response = await s.post("/v1/messages", {"model": "code", **message})
+        body = json.loads(await response.get_data())
+        assert response.status_code == 200 and body["model"] == "code"
+        lora = s.state.runtimes[LLAMA].engine.statistics().workers[0].lora
+        assert lora is not None and lora.loads == 1 and lora.resident == ("code",)
+        counts = []
+        for model in (LLAMA, "code"):
+            counted = await s.post("/v1/messages/count_tokens", {"model": model, **message})
+            assert counted.status_code == 200
+            counts.append(json.loads(await counted.get_data())["input_tokens"])
+        assert counts[0] == counts[1] == body["usage"]["input_tokens"]
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            missing = await s.post(path, {"model": "nope", **message})
+            error = json.loads(await missing.get_data())["error"]
+            assert (missing.status_code, error["type"]) == (404, "not_found_error")
+
+
 async def test_load_and_unload_answer_as_vllm(
     serve: ServeFactory, autojump_clock: trio.testing.MockClock
 ) -> None:

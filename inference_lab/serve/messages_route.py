@@ -14,6 +14,10 @@ Rule 2: ``count_tokens`` counts the prompt as ``/v1/messages`` would (its system
         and messages) and admits nothing.
 Rule 3: the Messages routes take the API key as Anthropic's clients send it
         (``x-api-key``) as well as ``Authorization: Bearer`` (the gate).
+Rule 4: a request's ``model`` may name a LoRA adapter, as on the completion routes (vLLM's
+        Messages handler answers through its chat completions): it runs on its base
+        model with that adapter, counted by the base model's tokenizer and hashed by its
+        prefix rule, and the answer's ``model`` is the adapter's name.
 """
 
 from __future__ import annotations
@@ -101,13 +105,13 @@ async def create_message(
     settings = state.settings
     try:
         raw = parse_json_object(body)
-        model = raw.get("model")
+        model = _base_name(state, raw.get("model"))
         request = parse_messages_request(
             raw,
             tokenizer=settings.tokenizers.get(model) if type(model) is str else None,
             hashing=state.hashing.get(model) if type(model) is str else None,
         )
-        runtime = state.runtimes.get(request.parsed.model)
+        runtime = state.runtime_for(request.parsed.model)
         if runtime is None:
             raise state.model_not_found(request.parsed.model)
         plan = _plan(state, raw, request, runtime)
@@ -152,16 +156,25 @@ async def count_tokens(state: ServeState, exchange: Exchange, receive: Receive, 
         return
     try:
         raw = parse_json_object(body)
-        model = raw.get("model")
+        model = _base_name(state, raw.get("model"))
         tokenizer = state.settings.tokenizers.get(model) if type(model) is str else None
         request = parse_messages_request(raw, tokenizer=tokenizer, count_only=True)
-        if request.parsed.model not in state.runtimes:
+        if state.runtime_for(request.parsed.model) is None:
             raise state.model_not_found(request.parsed.model)
     except ApiError as exc:
         await _refuse(state, exchange, send, exc)
         return
     reply = Reply(200, dumps({"input_tokens": request.parsed.prompt_tokens}))
     await send_reply(send, reply, exchange.headers)
+
+
+def _base_name(state: ServeState, model: Any) -> Any:
+    """The model whose tokenizer and prefix rule count a request naming ``model`` (any
+    JSON value: validation refuses a non-string): itself, or a LoRA adapter's base model
+    (Rule 4)."""
+    if type(model) is str and model not in state.runtimes:
+        return state.base_of(model)
+    return model
 
 
 #: Path -> the raw ASGI route serving ``POST`` on it.
