@@ -21,9 +21,10 @@ import pytest
 import trio
 import trio.testing
 
-from inference_lab.api.kv_transfer import FIELD
+from inference_lab.api.kv_transfer import FIELD, RemotePrefill
 from inference_lab.core.roofline import Roofline
-from inference_lab.serve import ServeSettings
+from inference_lab.errors import ApiError, ConfigError
+from inference_lab.serve import ServeSettings, load_settings
 from inference_lab.serve.kv_holds import KVHolds
 from inference_lab.serve.kv_pulls import KVPulls
 from inference_lab.serve.kv_transfer import KVRequest
@@ -569,3 +570,65 @@ async def test_a_reasoning_models_hand_off_goes_the_agent_path(
         assert d.runtime(GPT).engine.statistics().transfers == 1
         assert p.runtime(GPT).engine.statistics().kv_used_blocks == 0
         assert [path for path, _ in peers.calls] == ["/kv_transfer/claim", "/kv_transfer/release"]
+
+
+class NoPeers:
+    """A side channel that must not be used: the peer check comes before any call."""
+
+    async def post(
+        self, host: str, port: int, path: str, body: bytes, headers: list[tuple[str, str]]
+    ) -> PeerAnswer:
+        raise AssertionError(f"contacted {host}:{port}")
+
+
+@pytest.mark.parametrize(
+    ("allowed", "host", "admitted"),
+    [
+        ((), "127.0.0.1", True),
+        ((), "10.0.0.7", False),
+        (("10.0.0.0/8",), "10.1.2.3", True),
+        (("10.0.0.0/8",), "11.0.0.1", False),
+        (("10.0.0.0/8",), "prefill-0.pool", False),
+        (("fd00::/8",), "[fd00::7]", True),
+        (("fd00::/8",), "10.1.2.3", False),
+        (("prefill-0.pool", "192.168.1.0/24"), "PREFILL-0.pool", True),
+        (("*",), "203.0.113.9", True),
+    ],
+)
+def test_a_decode_server_pulls_only_from_its_peers(
+    allowed: tuple[str, ...], host: str, admitted: bool
+) -> None:
+    """``kv_pulls`` Rule 1: loopback, a host named in ``--kv-peers``, an address inside a
+    network named there, or any with ``*``; anything else is a 400 naming the field
+    before a connection is made."""
+    pulls = KVPulls(NoPeers(), allowed=allowed, api_key=None)
+    params = RemotePrefill(engine_id="e", request_id="r", block_ids=(1,), host=host, port=80)
+    if admitted:
+        pulls.check_peer(params)
+        return
+    with pytest.raises(ApiError) as refused:
+        pulls.check_peer(params)
+    assert (refused.value.status, refused.value.param) == (400, f"{FIELD}.remote_host")
+
+
+@pytest.mark.parametrize(
+    ("peers", "expected"),
+    [
+        ("10.0.0.0/8, prefill-0.pool", ("10.0.0.0/8", "prefill-0.pool")),
+        ("fd00::/8", ("fd00::/8",)),
+        ("10.0.0.0/33", "kv_peers: '10.0.0.0/33' is not a network"),
+        ("a b", "kv_peers: 'a b' is not a host name or address"),
+        (" , ", "kv_peers: no host given"),
+    ],
+)
+def test_kv_peers_are_hosts_networks_or_a_one_line_error(
+    peers: str, expected: tuple[str, ...] | str
+) -> None:
+    """``--kv-peers`` takes host names, addresses and networks; anything else is one line
+    naming the setting."""
+    if isinstance(expected, tuple):
+        settings = load_settings(config="Llama-3.1-8B-Instruct", role="decode", kv_peers=peers)
+        assert settings.kv_peers == expected
+        return
+    with pytest.raises(ConfigError, match=expected):
+        load_settings(config="Llama-3.1-8B-Instruct", role="decode", kv_peers=peers)

@@ -239,8 +239,8 @@ def _add_pd_flags(parser: argparse.ArgumentParser) -> None:
     pd.add_argument(
         "--kv-peers",
         metavar="HOSTS",
-        help="comma-separated hosts (or *) a decode server may pull KV from besides "
-        "loopback ones (default: loopback only)",
+        help="comma-separated hosts, networks (10.0.0.0/8) or * a decode server may pull KV "
+        "from besides loopback ones (default: loopback only)",
     )
 
 

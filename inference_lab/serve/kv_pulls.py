@@ -8,9 +8,10 @@ does is the conversation with the prefill server that NIXL's side channel and it
 notification carry in vLLM (``serve/kv_holds.py`` is the other end).
 
 Rule 1: a decode server contacts only the prefill servers its params may name: loopback
-        hosts and those of ``--kv-peers`` (``*``: any). Anything else is a 400 before any
-        connection is made: a request body must not make the server reach an arbitrary
-        address.
+        hosts and those of ``--kv-peers``: a host named there, an address inside a
+        network named there (``10.0.0.0/8``: a cluster's pod addresses), or any (``*``).
+        Anything else is a 400 before any connection is made: a request body must not
+        make the server reach an arbitrary address.
 Rule 2: a claim is made before the request is admitted; the prefill server's refusal
         (400, 404) is this request's refusal with the same status, naming the prefill
         server, and a prefill server that cannot be reached or answers anything else is a
@@ -84,6 +85,15 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def _in_any(host: str, networks: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]) -> bool:
+    """Whether ``host`` is an address inside one of ``networks`` (a name is not)."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return any(address in network for network in networks)
+
+
 def _unavailable(message: str) -> ApiError:
     return ApiError(503, "kv_transfer_unavailable", message, "kv_transfer_params", "server_error")
 
@@ -94,6 +104,10 @@ class KVPulls:
     def __init__(self, peers: Peers, *, allowed: tuple[str, ...], api_key: str | None) -> None:
         self.peers = peers
         self.allowed = allowed
+        #: the networks of ``allowed`` (Rule 1); its other entries are names or addresses
+        self._networks = tuple(
+            ipaddress.ip_network(host, strict=False) for host in allowed if "/" in host
+        )
         self._headers = [("authorization", f"Bearer {api_key}")] if api_key else []
         self._send, self._receive = trio.open_memory_channel[Pull](math.inf)
         #: model -> its pulls' counts
@@ -110,11 +124,13 @@ class KVPulls:
         host = params.host.lower()
         if _loopback(host) or "*" in self.allowed or host.strip("[]") in self.allowed:
             return
+        if self._networks and _in_any(host, self._networks):
+            return
         raise ApiError(
             400,
             "invalid_value",
             f"kv_transfer_params.remote_host {truncate_echo(params.host)!r} is not a prefill "
-            "server this decode server pulls from (loopback, or a host of --kv-peers)",
+            "server this decode server pulls from (loopback, or a host or network of --kv-peers)",
             "kv_transfer_params.remote_host",
         )
 

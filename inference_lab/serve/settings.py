@@ -241,7 +241,7 @@ class ServeFlags:
     kv_hold_timeout: float = DEFAULT_KV_HOLD_TIMEOUT
     #: If not None, 1-256 printable ASCII characters.
     kv_engine_id: str | None = None
-    #: Comma-separated host names or addresses, or ``*``.
+    #: Comma-separated host names, addresses or networks (``10.0.0.0/8``), or ``*``.
     kv_peers: str | None = None
     on_skip: Callable[[str], None] | None = None
     labels: Mapping[str, str] | None = None
@@ -474,7 +474,15 @@ def _check_kv(
     if not hosts:
         raise ConfigError(f"{label('kv_peers')}: no host given")
     for host in hosts:
-        if host != "*" and not _HOST.fullmatch(host):
+        if "/" in host:
+            try:
+                ipaddress.ip_network(host, strict=False)
+            except ValueError:
+                raise ConfigError(
+                    f"{label('kv_peers')}: {host!r} is not a network (an address/prefix "
+                    "such as 10.0.0.0/8)"
+                ) from None
+        elif host != "*" and not _HOST.fullmatch(host):
             raise ConfigError(f"{label('kv_peers')}: {host!r} is not a host name or address")
     return hosts
 
