@@ -266,3 +266,31 @@ def test_refuses_decides_as_admit_and_changes_nothing() -> None:
         decisions.append(said)
         assert (ledger.admit(object(), spec) is None) == said
     assert True in decisions and False in decisions
+
+
+async def test_a_quick_answer_that_raises_leaves_the_request_to_the_route(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """quick Rule 3: were the quick path to raise (a defect, not an input: every bad input
+    is an ApiError it leaves to the route), the request is answered by the route -- the
+    same 529, counted once -- and the connection stays usable."""
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a defect of the quick path")
+
+    monkeypatch.setattr(asgi, "quick_refusal", broken)
+    request = post("/v1/chat/completions", chat())
+    with trio.fail_after(30):
+        async with llama_full() as (port, state):
+            before = refused_count(state)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            answers = []
+            for _ in range(2):  # twice on one connection: it was not dropped
+                await stream.send_all(request)
+                answers.append(await read_answer(stream))
+            await stream.aclose()
+            after = refused_count(state)
+    for answer in answers:
+        status, _, body = comparable(answer)
+        assert status == 529 and json.loads(body)["error"]["code"] == "queue_saturated"
+    assert after - before == 2

@@ -25,17 +25,24 @@ Rule 2: the answer is framed by h11 (a connection of its own that parsed the req
         after any request. A request with ``Connection: close`` (a kubelet's probe sends
         one) is answered with ``connection: close`` and the connection is then closed as
         hypercorn closes one.
+Rule 3: an app's quick answer that raises is no answer: the request goes hypercorn's way,
+        so the app answers it as it answers any request (its own error replies and
+        logging), and the exception is logged at debug level. A defect of the quick path
+        never drops a connection or leaves a client without an answer.
 
 Who calls this: :meth:`LabTCPServer._read_data` (``connection.py``), for every read.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 import attrs
 import h11
 from hypercorn.protocol.h11 import H11Protocol
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "QuickAnswers",
@@ -183,10 +190,16 @@ def quick_reply_bytes(
         return None
     client = getattr(wrapper.protocol, "client", None)
     target = request.target.decode("latin-1")
-    if method == "GET":
-        reply = None if body else app.quick_answer("GET", target, headers, client)
-    else:
-        reply = _posts(app).quick_post(target, headers, client, body)  # type: ignore[union-attr]
+    try:
+        if method == "GET":
+            reply = None if body else app.quick_answer("GET", target, headers, client)
+        else:
+            reply = _posts(app).quick_post(target, headers, client, body)  # type: ignore[union-attr]
+    except Exception:  # Rule 3: the app answers it its own way
+        _log.debug(
+            "the quick answer to %s %s failed; the app answers it", method, target, exc_info=True
+        )
+        return None
     if reply is None:
         return None
     response = h11.Response(
