@@ -507,13 +507,29 @@ def test_sharded_sessions_are_the_unsharded_run(context: int | None, shards: int
         assert result.fleet.refusals == (("max_seq_len", refused),)
 
 
-def test_a_turn_cap_that_binds_is_refused_by_the_shards() -> None:
+def test_a_turn_cap_that_binds_is_refused_before_any_shard_runs(tmp_path: Path) -> None:
     """num_requests below the turns the sessions plan caps them in the deployment's order
-    of turns, which no shard sees: the shard says so and the run fails in one line."""
+    of turns, which no shard sees (shard_sessions Rule 2): the driver refuses it in one
+    line before a shard is sent (``run_fleet`` submits nothing; ``run_on_ray`` refuses
+    before it probes the address or starts Ray), and a shard given one all the same
+    refuses it too. A cap the sessions fit passes."""
     dep = _routed(_gpt_oss(2), "session_affinity")
-    with pytest.raises(SimError) as info:
-        _inline(dep, _sessions(10, 79), 2)
+    submitted: list[ShardJob] = []
+
+    class Recording(InlineExecutor[ShardJob, ShardResult]):
+        def submit(self, job: ShardJob) -> None:
+            submitted.append(job)
+            super().submit(job)
+
+    with pytest.raises(ConfigError) as info:
+        run_fleet(dep, _sessions(10, 79), Recording(run_shard), shards=2)
     message = str(info.value)
-    assert "\n" not in message and message.startswith("shard 1 of 2 (1 replicas) failed: ")
-    assert "--ray: num_requests (79) caps the turns of all sessions together" in message
+    assert "\n" not in message and submitted == []
+    assert message.startswith("--ray: num_requests (79) caps the turns of all sessions together")
     assert "the sessions plan 80" in message
+    with pytest.raises(ConfigError, match="caps the turns"):  # before the address's probe
+        run_on_ray("127.0.0.1:1", dep, _sessions(10, 79))
+    (job,) = shard_jobs(dep, _sessions(10, 79), 0, 1)
+    with pytest.raises(ConfigError, match="the sessions plan 80"):
+        run_shard(job)
+    assert run_fleet(dep, _sessions(10, 80), Recording(run_shard), shards=2).fleet is not None

@@ -50,6 +50,7 @@ from inference_lab.sim.capacity import judge_capacity
 from inference_lab.sim.records import FinishedTable
 from inference_lab.sim.run import SimResult
 from inference_lab.sim.shard import LATENCIES, ShardJob, ShardResult, run_shard
+from inference_lab.sim.shard_sessions import check_turn_cap
 from inference_lab.sim.sharding import FleetInfo, TurnFigures, check_shardable
 from inference_lab.sim.sketch import RELATIVE_ACCURACY, QuantileSketch
 from inference_lab.sim.summary import (
@@ -108,9 +109,8 @@ def run_fleet(
     be sharded, SimError when a shard fails (its executor's reason)."""
     start = time.perf_counter()
     check_shardable(deployment, workload)
-    run_seed = 0  # (a trace's, as its generator says)
-    if isinstance(workload, Workload):
-        run_seed = workload.seed if seed is None else seed
+    run_seed = _run_seed(workload, seed)
+    check_turn_cap(deployment, workload, run_seed)
     jobs = shard_jobs(deployment, workload, run_seed, shards or executor.parallelism)
     for job in jobs:
         executor.submit(job)
@@ -134,6 +134,14 @@ def run_fleet(
     return attrs.evolve(merged, has_content=content)
 
 
+def _run_seed(workload: Workload | Trace, seed: int | None) -> int:
+    """The seed a run draws with: ``seed``, else the workload's own (a trace's is 0, as
+    its generator says)."""
+    if isinstance(workload, Workload):
+        return workload.seed if seed is None else seed
+    return 0
+
+
 def run_on_ray(
     address: str,
     deployment: Deployment,
@@ -147,6 +155,7 @@ def run_on_ray(
     address; the executors' ``ray_backend`` Rule 3): refused before Ray starts when it
     cannot be sharded; the executor is closed however the run ends."""
     check_shardable(deployment, workload)
+    check_turn_cap(deployment, workload, _run_seed(workload, seed))
     probe_address(address)
     from inference_lab.executors.ray_backend import RayExecutor
 

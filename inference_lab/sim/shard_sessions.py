@@ -12,8 +12,10 @@ Rule 1: why it is exact. An open loop draws every session's start and plan up fr
         that completed a request, its follow-ups submitted at that time), each turn
         handed its session's worker; every request's times are the unsharded run's.
 Rule 2: ``num_requests`` caps the turns of all sessions together, counted in the order
-        the deployment sends them, which no shard sees: a shard refuses (ConfigError)
-        a workload whose sessions plan more turns than ``num_requests``.
+        the deployment sends them, which no shard sees: a workload whose sessions plan
+        more turns than ``num_requests`` is refused (ConfigError) by the driver before
+        any shard is sent (:func:`check_turn_cap`, from ``sim.fleet``), and by a shard
+        given one all the same.
 Rule 3: every turn of a session is submitted (or refused) on its own shard, so each
         shard counts its sessions' refusals and they add up; the session table is folded
         per turn index (requests, prompt and cached tokens, a TTFT sketch) and merged.
@@ -35,7 +37,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 import numpy as np
 
-from inference_lab.core.config import Workload
+from inference_lab.core.config import Deployment, Workload
 from inference_lab.core.engine import Engine, Finished
 from inference_lab.errors import ConfigError
 from inference_lab.sim.intake import Intake
@@ -52,6 +54,7 @@ from inference_lab.sim.shard_figures import (
 )
 from inference_lab.sim.sharding import SessionFigures, ShardTiming, TurnFigures, route
 from inference_lab.sim.sketch import QuantileSketch
+from inference_lab.traffic.traces import Trace
 from inference_lab.workload import make_generator
 from inference_lab.workload.arrivals import Arrival, ArrivalArrays, ArrivalGenerator
 from inference_lab.workload.sessions import SessionGenerator
@@ -119,6 +122,26 @@ class _Turns:
         )
 
 
+def check_turn_cap(deployment: Deployment, workload: Workload | Trace, seed: int) -> None:
+    """Rule 2, on the driver: a session workload (seeded with ``seed``) whose sessions
+    plan more turns than its ``num_requests`` is refused (ConfigError, one line) before a
+    shard is sent. Anything else passes; only a binding cap draws the sessions."""
+    if not isinstance(workload, Workload) or workload.sessions is None:
+        return
+    if workload.num_requests is None:
+        return
+    generator = make_generator(workload, seed, _block_size(deployment))
+    if isinstance(generator, SessionGenerator) and not generator.closed_loop:
+        generator.initial()
+        _check_cap(workload, generator)
+
+
+def _block_size(deployment: Deployment) -> int | None:
+    """The block size a session generator hashes prompts by (None: no prefix caching)."""
+    sched = deployment.scheduler
+    return sched.block_size if sched.enable_prefix_caching else None
+
+
 def _check_cap(workload: Workload, generator: SessionGenerator) -> None:
     """Rule 2."""
     cap = workload.num_requests
@@ -138,9 +161,7 @@ def run_session_shard(job: ShardJob) -> ShardResult:
     engine = Engine(shard_deployment(job.deployment, len(job.replicas)))
     workload = job.workload
     assert isinstance(workload, Workload)
-    sched = job.deployment.scheduler
-    block_size = sched.block_size if sched.enable_prefix_caching else None
-    generator = make_generator(workload, job.seed, block_size)
+    generator = make_generator(workload, job.seed, _block_size(job.deployment))
     if not isinstance(generator, SessionGenerator) or generator.closed_loop:
         raise ConfigError("workload: a session shard runs sessions started by an open loop")
     first = generator.initial()
