@@ -194,3 +194,27 @@ def test_a_ray_address_that_refuses_the_driver_says_how_to_give_the_token(
     assert line == (
         "inference-lab plan: error: Failed to connect to Ray cluster at 10.0.0.1:6379 " + hint
     )
+
+
+def test_a_ray_address_where_nothing_listens_fails_fast(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``plan --ray 127.0.0.1:PORT`` with no cluster there (a port just freed): one line
+    naming the address, without a token hint (nothing listens, so no token would help),
+    before Ray is imported (the executors' ``ray_backend`` Rule 5, as ``sim --ray``)."""
+    import socket
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
+    spec = write_spec(tmp_path)
+    argv = ["plan", str(spec), "--out-dir", str(tmp_path / "o"), "--ray", f"127.0.0.1:{port}"]
+    assert cli.main([*argv, "-q", "--no-progress"]) == 1
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line == (
+        f"inference-lab plan: error: --ray 127.0.0.1:{port}: no Ray cluster answers there "
+        "(Connection refused)"
+    )
+    assert "ray" not in sys.modules

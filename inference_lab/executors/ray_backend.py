@@ -16,6 +16,11 @@ Rule 3: `ray` is imported only when a `RayExecutor` is made; ``ray.init`` is cal
 Rule 4: `local_cluster` (tests, benchmarks) starts a cluster of several nodes on this
         machine whose every process listens on 127.0.0.1 only, and stops every one of
         them when it exits, however it exits.
+Rule 5: an address with a port (``host:port``, ``ray://host:port``) is probed before
+        ``ray.init`` (`probe_address`): a TCP connection to that port (the head's GCS,
+        or a Ray client server) within a timeout, else `NoClusterThere`, one line naming
+        the address. ``ray.init`` would keep retrying the GCS for a minute or more.
+        ``local``, ``auto`` and an address without a port are left to Ray.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -33,7 +39,34 @@ from typing import Any, Generic
 
 from inference_lab.executors.backends import ExecutorStatistics, J, JobFailure, R
 
-__all__ = ["RayExecutor", "local_cluster"]
+__all__ = ["PROBE_TIMEOUT_S", "NoClusterThere", "RayExecutor", "local_cluster", "probe_address"]
+
+#: How long a ``--ray HOST:PORT`` waits for the cluster's port to accept (Rule 5).
+PROBE_TIMEOUT_S = 5.0
+
+
+class NoClusterThere(ConnectionError):
+    """Nothing accepts a connection at a ``--ray`` address's port (Rule 5)."""
+
+
+def probe_address(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Raise :class:`NoClusterThere`, one line naming ``address``, unless something
+    accepts a TCP connection at its ``host:port`` within ``timeout`` seconds (Rule 5)."""
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if address in ("local", "auto") or not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except TimeoutError:
+        raise NoClusterThere(
+            f"--ray {address}: no Ray cluster answers there (no connection within {timeout:g} s)"
+        ) from None
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise NoClusterThere(f"--ray {address}: no Ray cluster answers there ({reason})") from None
+
 
 #: Without it Ray replaces 127.0.0.1 by the machine's outward address and its servers
 #: listen on every interface (it is read when ``ray`` is first imported).

@@ -158,8 +158,9 @@ def _executor(args: argparse.Namespace) -> Executor[Job, ProbeResult]:
     if args.ray is not None:
         if importlib.util.find_spec("ray") is None:  # looked up, not imported (ray_backend Rule 3)
             raise ValueError("--ray needs Ray: pip install 'inference-lab[ray]'")
-        from inference_lab.executors.ray_backend import RayExecutor
+        from inference_lab.executors.ray_backend import RayExecutor, probe_address
 
+        probe_address(args.ray)  # nothing listening: one line within seconds, not ray.init's minute
         return RayExecutor(run_job, args.ray, max_retries=args.retries, num_cpus=args.workers)
     return ProcessExecutor(run_job, args.workers, max_attempts=args.retries + 1)
 
@@ -167,7 +168,11 @@ def _executor(args: argparse.Namespace) -> Executor[Job, ProbeResult]:
 def _ray_hint(args: argparse.Namespace, exc: Exception) -> str:
     """What to try when ``--ray ADDRESS`` could not connect and this process has no token
     mode: the cluster may authenticate (docs/planning.md, "How the token travels")."""
+    from inference_lab.executors.ray_backend import NoClusterThere
+
     if args.ray in (None, "local") or not isinstance(exc, ConnectionError):
+        return ""
+    if isinstance(exc, NoClusterThere):  # nothing listens: no token would help
         return ""
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
         return " (with RAY_AUTH_MODE=token: is the token the head's?)"

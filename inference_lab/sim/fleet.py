@@ -37,7 +37,6 @@ Who calls this: ``sim/cli.py`` (``--ray``), tests (with the in-process executor)
 from __future__ import annotations
 
 import math
-import socket
 import time
 from collections.abc import Callable, Sequence
 
@@ -46,6 +45,8 @@ import attrs
 from inference_lab.core.config import Deployment, Workload
 from inference_lab.errors import SimError
 from inference_lab.executors.backends import Executor, JobFailure
+from inference_lab.executors.ray_backend import PROBE_TIMEOUT_S, NoClusterThere
+from inference_lab.executors.ray_backend import probe_address as probe_ray_address
 from inference_lab.sim.capacity import judge_capacity
 from inference_lab.sim.records import FinishedTable
 from inference_lab.sim.run import SimResult
@@ -70,9 +71,6 @@ __all__ = [
     "run_on_ray",
     "shard_jobs",
 ]
-
-#: How long ``sim --ray HOST:PORT`` waits for the cluster's port to accept (Rule 5).
-PROBE_TIMEOUT_S = 5.0
 
 
 def shard_jobs(
@@ -174,22 +172,13 @@ def run_on_ray(
 
 def probe_address(address: str, timeout: float = PROBE_TIMEOUT_S) -> None:
     """Raise SimError, one line naming ``address``, unless something accepts a TCP
-    connection at its ``host:port`` within ``timeout`` seconds (Rule 5). ``local``,
-    ``auto`` and an address without a port are left to ``ray.init``."""
-    target = address.removeprefix("ray://")
-    host, _, port = target.rpartition(":")
-    if address in ("local", "auto") or not host or not port.isdigit():
-        return
+    connection at its ``host:port`` within ``timeout`` seconds (Rule 5: the executors'
+    ``ray_backend.probe_address``). ``local``, ``auto`` and an address without a port are
+    left to ``ray.init``."""
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            pass
-    except TimeoutError:
-        raise SimError(
-            f"--ray {address}: no Ray cluster answers there (no connection within {timeout:g} s)"
-        ) from None
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise SimError(f"--ray {address}: no Ray cluster answers there ({reason})") from None
+        probe_ray_address(address, timeout)
+    except NoClusterThere as exc:
+        raise SimError(str(exc)) from None
 
 
 def _latency_sketches(results: Sequence[ShardResult]) -> dict[str, QuantileSketch]:
