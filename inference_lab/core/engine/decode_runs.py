@@ -186,6 +186,11 @@ class DecodeRuns:
         vec.step_decoding = rows
         if vec.rest_n:
             vec.rest_n = []
+        return self.decode_step_of(rows)
+
+    def decode_step_of(self, rows: int) -> DecodeStep | None:
+        """The decode pricer of a pure step of ``rows`` decoding rows, made once per count
+        (None with MLA classes: the general price)."""
         pricers = self.pricers
         if rows not in pricers:
             k = None if self.roofline.has_mla() else self.roofline.decode_constants(rows)

@@ -274,20 +274,18 @@ class RunningRows:
         summed here in one pass (integers: in any order the same)."""
         g = self.g
         k = self.decoding
+        rest = [(n, c + (n + 1) // 2) for n, c in zip(ns, cs, strict=True)]  # (n, midpoint)
+        sat, unsat, unsat_sum = self.sat, self.unsat, self.unsat_sum
         out = []
-        for window, sat, unsat, unsat_sum in zip(
-            self.windows, self.sat, self.unsat, self.unsat_sum, strict=True
-        ):
+        for j, window in enumerate(self.windows):
             if window <= 0:
                 dot = total = self.base_sum + k * g + k
-                for n, c in zip(ns, cs, strict=True):
-                    m = c + (n + 1) // 2
+                for n, m in rest:
                     dot += n * m
                     total += m
             else:
-                dot = total = sat * (window - 1) + unsat_sum + unsat * g + k
-                for n, c in zip(ns, cs, strict=True):
-                    m = c + (n + 1) // 2
+                dot = total = sat[j] * (window - 1) + unsat_sum[j] + unsat[j] * g + k
+                for n, m in rest:
                     att = m if m < window else window
                     dot += n * att
                     total += att
