@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -117,6 +118,7 @@ def test_runs_do_cross_arrivals_and_admit(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(runs_module.RunLoop, "_cross", counting_cross)
     monkeypatch.setattr(runs_half.DecodeRuns, "_start_whole", counting_whole)
+    lean = _count_admitting(monkeypatch)
     make, kw = CASES["light"]
     eng = Engine(make())
     specs = _specs(600, 3, **kw)
@@ -125,4 +127,72 @@ def test_runs_do_cross_arrivals_and_admit(monkeypatch: pytest.MonkeyPatch) -> No
     report = eng.run_until(math.inf, StepTotals(), [])
     assert report.arrivals == len(specs)
     assert sum(1 for t in crossed if t is not None) > len(specs) // 2
-    assert sum(1 for d in whole if d is not None) > len(specs) // 2
+    assert sum(1 for d in whole if d is not None) + lean["lean"] > len(specs) // 2
+
+
+def _count_admitting(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Count the decode runs' admissions by ``_start_admitting`` (decode_runs Rule 4):
+    those it started itself (``lean``) and those it handed to ``_start_whole``."""
+    seen: Counter[str] = Counter()
+    admitting = runs_half.DecodeRuns._start_admitting
+    start_whole = runs_half.DecodeRuns._start_whole
+
+    def counting(self: Any, *args: Any) -> float | None:
+        before = seen["whole"]
+        duration = admitting(self, *args)
+        seen["lean" if seen["whole"] == before else "handed"] += 1
+        return duration
+
+    def counting_whole(self: Any, *args: Any) -> float | None:
+        seen["whole"] += 1
+        return start_whole(self, *args)
+
+    monkeypatch.setattr(runs_half.DecodeRuns, "_start_admitting", counting)
+    monkeypatch.setattr(runs_half.DecodeRuns, "_start_whole", counting_whole)
+    return seen
+
+
+#: workloads where a run's admissions take the lean path and where they hand over: a
+#: small budget with and without chunking, a cap, blocks short and readmitted preempted
+#: requests, a policy's heap, prefix hits
+ADMITTING: dict[str, tuple[Any, dict[str, Any]]] = {
+    "light": CASES["light"],
+    "loaded": CASES["loaded"],
+    "small-budget": (
+        lambda: deployment(GPT_OSS_20B, max_num_batched_tokens=1024),
+        {"rate": 90.0, "prompt_mu": 6.9, "output_mu": 5.3},
+    ),
+    "no-chunking": (
+        lambda: deployment(GPT_OSS_20B, max_num_batched_tokens=1024, enable_chunked_prefill=False),
+        {"rate": 90.0, "prompt_mu": 6.5, "output_mu": 5.3},
+    ),
+    "cap": (lambda: deployment(GPT_OSS_20B, max_num_seqs=12), {"rate": 90.0}),
+    "sjf": (lambda: deployment(GPT_OSS_20B, policy="sjf"), {"rate": 150.0}),
+    "preemptions": CASES["preemptions"],
+    "prefix-hits": CASES["prefix-hits"],
+}
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+@pytest.mark.parametrize("name", sorted(ADMITTING))
+def test_admissions_a_run_starts_are_step_by_step(
+    monkeypatch: pytest.MonkeyPatch, name: str, seed: int
+) -> None:
+    """decode_runs Rule 4: each workload through runs free to cross arrivals and one
+    ``step()`` at a time: the same steps, completions, state and event count; the lean
+    admission was taken (on the light workload, most of the time) and, where the cap or
+    the blocks stop it, handed over."""
+    seen = _count_admitting(monkeypatch)
+    make, kw = ADMITTING[name]
+    dep = make()
+    specs = _specs(300, seed, **kw)
+    stepped = _drive(dep, specs, seed, runs=False)
+    assert not seen  # (step() starts no run)
+    ran = _drive(dep, specs, seed, runs=True)
+    _same(stepped[:4], ran[:4])  # type: ignore[arg-type]
+    assert stepped[4] == ran[4]
+    assert seen["lean"] > 0, seen
+    if name == "light":
+        assert seen["lean"] > seen["handed"], seen
+    if name in ("cap", "preemptions"):  # (the cap, blocks short: handed over)
+        assert seen["handed"] > 0, seen

@@ -29,11 +29,19 @@ Rule 2: when a step of the run ends at or past its limit (the next calendar even
 Rule 3: a pure decode step in flight leaves its price terms to be worked out when read
         (:meth:`DecodeRuns.terms_in_flight`: a late arrival joining it, or leaving the
         fast path): nothing changes the decoding rows until it ends.
+Rule 4: at a boundary where every running request decodes and one request waits (an
+        arrival the run crossed), :meth:`DecodeRuns._start_admitting` starts the step
+        the fast path's whole step would start when that request is plain (one
+        sequence, no prefix, no remote or resident KV) and the cap, the budget and the
+        free blocks take it: the rows due grow, it is admitted with the steps of
+        ``Scheduler.admit_head`` and the step priced from the same terms, without the
+        passes over rest rows and the scheduler output. Any other case is handed to
+        ``_start_whole`` before anything changed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 
@@ -42,7 +50,7 @@ from inference_lab.core.decode_pricing import DecodeStep, decode_step
 from inference_lab.core.engine.block_pool import BlockPool
 from inference_lab.core.engine.kv_cache_manager import KVCacheManager
 from inference_lab.core.engine.outputs import StepLog
-from inference_lab.core.engine.request import Request
+from inference_lab.core.engine.request import RUNNING, Request
 from inference_lab.core.engine.running_rows import PlainRequest, RunningRows
 from inference_lab.core.engine.scheduler_output import Batch, SchedulerOutput
 from inference_lab.core.engine.wait_queue import WaitQueue
@@ -108,6 +116,10 @@ class DecodeRuns:
     flat: tuple[int, int]
     block_size: int
     kv: KVCacheManager
+    max_num_seqs: int
+    chunked: bool
+    chunk_cap: int
+    admit_order: Iterator[int]
 
     def fast_in_flight(self) -> bool:
         """Whether the step in flight is a fast step a decode run may end: the fast
@@ -243,6 +255,86 @@ class DecodeRuns:
         duration = cost.seconds * factor
         self.busy_seconds += duration
         self.batch = out.batch
+        self.step_terms = terms
+        self.step_start = now
+        self.step_end = now + duration
+        _log_step(self, cost, log)
+        return duration
+
+    def _start_next(
+        self, vec: RunningRows, now: float, rows: int, price: Price, factor: float, log: StepLog
+    ) -> float | None:
+        """A decode run's step that is not a pure decode one (``rows``: the decoding rows):
+        :meth:`_start_admitting` when one request waits beside them alone (Rule 4), else
+        :meth:`_start_whole`."""
+        if self.waiting.count == 1 and vec.size == rows:  # (an arrival crossed)
+            return self._start_admitting(vec, now, price, factor, log)
+        return self._start_whole(now, price, factor, log)
+
+    def _start_admitting(
+        self, vec: RunningRows, now: float, price: Price, factor: float, log: StepLog
+    ) -> float | None:
+        """Rule 4: :meth:`_start_whole` at a boundary where every running request decodes
+        and one plain request waits (an arrival the run crossed) that the step takes
+        whole: the rows due grow, the head is admitted and the step priced as there, the
+        same figures and state, without the passes over rest rows and the batch object.
+        Any other case (a group, a prefix, a remote or resident KV, the cap, a chunk cut
+        by a prefill without chunking, blocks short) is :meth:`_start_whole`'s, before
+        anything changed."""
+        r = self.waiting.peek()
+        rows = vec.decoding
+        left = self.budget - rows
+        running = self.running
+        if (
+            r is None
+            or r.n != 1
+            or r.cacheable_blocks
+            or r.remote_positions
+            or r.num_blocks
+            or left <= 0
+            or self.running_seqs + 1 > self.max_num_seqs
+            or len(running) != rows
+            or rows < self.fast_least
+            or self.running_seqs != rows
+        ):
+            return self._start_whole(now, price, factor, log)
+        n = r.prefill_length()  # (Scheduler._head_chunk)
+        if n > left:
+            if not self.chunked:
+                return self._start_whole(now, price, factor, log)
+            n = left
+        if n > self.chunk_cap:
+            n = self.chunk_cap
+        kv = self.kv
+        blocks = kv.blocks_for(n)
+        due, wants, need = self.grow_due(vec, vec.g)
+        pool = self.pool
+        if need + blocks > pool.free or pool.filling or pool.evictable:
+            return self._start_whole(now, price, factor, log)
+        if due is not None:  # (FastPath._schedule_whole)
+            self.grow_decoding(vec, due, wants)
+        vec.rest_n = [n]  # (its row: RunningRows.append)
+        vec.size += 1
+        vec.step_decoding = rows
+        self.step_gamma = 0
+        self.step_id += 1
+        mark = self.step_id
+        self.waiting.pop()  # (Scheduler.admit_head)
+        kv.admit(r, 0, blocks, r.first_scheduled_time < 0)
+        r.status = RUNNING
+        r.admit_order = next(self.admit_order)
+        if r.first_scheduled_time < 0:
+            r.first_scheduled_time = now
+        r.batch_mark = mark
+        running.append(r)
+        self.running_seqs += 1
+        self.step_budget = left - n
+        self.step_mark = mark
+        terms = vec.terms_with_one(n, r.num_computed)
+        cost = price(terms)
+        duration = cost.seconds * factor
+        self.busy_seconds += duration
+        self.batch = self.fast_batch
         self.step_terms = terms
         self.step_start = now
         self.step_end = now + duration

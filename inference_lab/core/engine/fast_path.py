@@ -309,7 +309,11 @@ class FastPath(DecodeRuns):
         done = [] if finishing is None else _rows_of(running, finishing, decoding)
         still = k  # the first row that did not emit (k: none)
         if decoding < k:  # the others: the per-request loop's arithmetic
-            members = list(zip(running[decoding:k], vec.rest_n, strict=True))
+            members = (
+                ((running[decoding], vec.rest_n[0]),)  # (one: an admission's end, mostly)
+                if k - decoding == 1
+                else list(zip(running[decoding:k], vec.rest_n, strict=True))
+            )
             rest_done, rest_still = complete_members(members, now, emit)
             done += [decoding + i for i in rest_done]
             if rest_still < len(members):
@@ -415,7 +419,7 @@ class FastPath(DecodeRuns):
             if not pure_next:  # (blocks short: _start_whole declines too)
                 self._count_pure(pure)
                 pure = 0
-                duration = self._start_whole(now, price, factor, log)
+                duration = self._start_next(vec, now, rows, price, factor, log)
                 if duration is None:  # not the fast path's step: the caller's to start
                     return self._settle(vec, boundaries, started, 0, start, now, boundary, True)
                 started += 1

@@ -292,6 +292,24 @@ class RunningRows:
             out.append([dot, total])
         return BatchTerms(k + sum(ns), k + len(ns), out, [])
 
+    def terms_with_one(self, n: int, c: int) -> BatchTerms:
+        """:meth:`terms_with` for one sequence after the decoding rows (``n`` positions,
+        context ``c``): the same integers."""
+        g = self.g
+        k = self.decoding
+        m = c + (n + 1) // 2
+        sat, unsat, unsat_sum = self.sat, self.unsat, self.unsat_sum
+        out = []
+        for j, window in enumerate(self.windows):
+            if window <= 0:
+                base = self.base_sum + k * g + k
+                att = m
+            else:
+                base = sat[j] * (window - 1) + unsat_sum[j] + unsat[j] * g + k
+                att = m if m < window else window
+            out.append([base + n * att, base + att])
+        return BatchTerms(k + n, k + 1, out, [])
+
     def decode_sums(self) -> list[int]:
         """Per window class, the sum over the decoding rows of ``min(computed, W - 1)``
         (``computed`` for full attention): what the roofline's decode terms need."""
