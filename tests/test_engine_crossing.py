@@ -23,6 +23,7 @@ import pytest
 from inference_lab.core.config import Deployment, load_deployment
 from inference_lab.core.engine import Engine, Finished, RequestSpec
 from inference_lab.core.engine import decode_runs as runs_half
+from inference_lab.core.engine import fast_path as fast_half
 from inference_lab.core.engine import runs as runs_module
 from inference_lab.sim.records import StepTotals
 from tests.engine_util import GPT_OSS_20B, LLAMA8B, deployment
@@ -136,25 +137,35 @@ def _count_admitting(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     seen: Counter[str] = Counter()
     admitting = runs_half.DecodeRuns._start_admitting
     start_whole = runs_half.DecodeRuns._start_whole
+    into_whole = fast_half.FastPath._admit_into_whole
 
     def counting(self: Any, *args: Any) -> float | None:
-        before = seen["whole"]
+        before, general, waiting = seen["whole"], seen["general"], self.waiting.count
         duration = admitting(self, *args)
-        seen["lean" if seen["whole"] == before else "handed"] += 1
+        lean = seen["whole"] == before
+        seen["lean" if lean else "handed"] += 1
+        seen["several"] += lean and waiting - self.waiting.count > 1  # (admitted)
+        seen["continued"] += lean and seen["general"] > general  # (a head not plain)
         return duration
 
     def counting_whole(self: Any, *args: Any) -> float | None:
         seen["whole"] += 1
         return start_whole(self, *args)
 
+    def counting_into(self: Any, *args: Any) -> Any:
+        seen["general"] += 1
+        return into_whole(self, *args)
+
     monkeypatch.setattr(runs_half.DecodeRuns, "_start_admitting", counting)
     monkeypatch.setattr(runs_half.DecodeRuns, "_start_whole", counting_whole)
+    monkeypatch.setattr(fast_half.FastPath, "_admit_into_whole", counting_into)
     return seen
 
 
 #: workloads where a run's admissions take the lean path and where they hand over: a
 #: small budget with and without chunking, a cap, blocks short and readmitted preempted
-#: requests, a policy's heap, prefix hits
+#: requests, a policy's heap, prefix hits (light, and loaded: a prefix head after plain
+#: ones admitted)
 ADMITTING: dict[str, tuple[Any, dict[str, Any]]] = {
     "light": CASES["light"],
     "loaded": CASES["loaded"],
@@ -170,6 +181,7 @@ ADMITTING: dict[str, tuple[Any, dict[str, Any]]] = {
     "sjf": (lambda: deployment(GPT_OSS_20B, policy="sjf"), {"rate": 150.0}),
     "preemptions": CASES["preemptions"],
     "prefix-hits": CASES["prefix-hits"],
+    "prefix-loaded": (lambda: deployment(LLAMA8B), {"rate": 300.0, "hashes": True}),
 }
 
 
@@ -180,14 +192,15 @@ def test_admissions_a_run_starts_are_step_by_step(
 ) -> None:
     """decode_runs Rule 4: each workload through runs free to cross arrivals and one
     ``step()`` at a time: the same steps, completions, state and event count; the lean
-    admission was taken (on the light workload, most of the time) and, where the cap or
-    the blocks stop it, handed over."""
+    admission was taken (on the light workload, most of the time; several heads at once
+    when loaded), handed over where the cap or the blocks stop it, and went on by the
+    general loop at a head with a prefix."""
     seen = _count_admitting(monkeypatch)
     make, kw = ADMITTING[name]
     dep = make()
     specs = _specs(300, seed, **kw)
     stepped = _drive(dep, specs, seed, runs=False)
-    assert not seen  # (step() starts no run)
+    assert seen["lean"] + seen["handed"] == 0  # (step() starts no run)
     ran = _drive(dep, specs, seed, runs=True)
     _same(stepped[:4], ran[:4])  # type: ignore[arg-type]
     assert stepped[4] == ran[4]
@@ -196,3 +209,7 @@ def test_admissions_a_run_starts_are_step_by_step(
         assert seen["lean"] > seen["handed"], seen
     if name in ("cap", "preemptions"):  # (the cap, blocks short: handed over)
         assert seen["handed"] > 0, seen
+    if name == "loaded":  # (several heads admitted in one step)
+        assert seen["several"] > 0, seen
+    if name == "prefix-loaded":  # (a head with a prefix after plain ones: the loop's)
+        assert seen["continued"] > 0, seen
