@@ -119,6 +119,10 @@ class DecodeRuns:
     flat: tuple[int, int]
     block_size: int
     kv: KVCacheManager
+    #: the head whose blocks were short at the last lean admission (Rule 4): handed to
+    #: ``_start_whole`` at once while it stays the head (which of the two starts a step
+    #: changes nothing but the time it takes)
+    blocked_head: Request | None = None
     max_num_seqs: int
     chunked: bool
     chunk_cap: int
@@ -280,6 +284,7 @@ class DecodeRuns:
         pool = self.pool
         if (
             r is None
+            or r is self.blocked_head  # (an overloaded worker: its blocks short again)
             or len(self.running) != rows
             or rows < self.fast_least
             or self.running_seqs != rows
@@ -293,6 +298,8 @@ class DecodeRuns:
         blocks = kv.blocks_for(n) if n > 0 else 0
         due, wants, need = self.grow_due(vec, vec.g) if n > 0 else (None, None, 0)
         if n <= 0 or need + blocks > pool.free:
+            if n > 0:
+                self.blocked_head = r  # (the whole step's, until it is not the head)
             return self._start_whole(now, price, factor, log)
         if due is not None:  # (FastPath._schedule_whole)
             self.grow_decoding(vec, due, wants)
