@@ -66,6 +66,7 @@ class RunningRows:
         "pairs",
         "g",
         "windows",
+        "windowed",
         "base_sum",
         "sat",
         "unsat",
@@ -100,6 +101,8 @@ class RunningRows:
         #: sums :meth:`decode_sums` keeps
         self.g = 0
         self.windows = tuple(windows)
+        #: the sliding window classes: (index, window) each
+        self.windowed = tuple((j, w) for j, w in enumerate(self.windows) if w > 0)
         #: sum of the decoding rows' ``lazy_base``
         self.base_sum = 0
         #: per window class: decoding rows saturated (``computed >= W - 1``), the others,
@@ -149,7 +152,7 @@ class RunningRows:
         pairs = self.pairs
         finish_cal = self.finish_cal
         grow_cal = self.grow_cal
-        windows = self.windows
+        windowed = self.windowed
         base_sum = 0
         for r in requests:
             pairs.append((r.id, 1))
@@ -173,9 +176,7 @@ class RunningRows:
                 grow_cal[key] = [entry]
             else:
                 grow.append(entry)
-            for j, window in enumerate(windows):
-                if window <= 0:
-                    continue
+            for j, window in windowed:
                 if c + g >= window - 1:
                     self.sat[j] += 1
                 else:
@@ -203,9 +204,7 @@ class RunningRows:
         else:
             grow.remove((r, c))
         g = self.g
-        for j, window in enumerate(self.windows):
-            if window <= 0:
-                continue
+        for j, window in self.windowed:
             if c + g >= window - 1:
                 self.sat[j] -= 1
             else:
