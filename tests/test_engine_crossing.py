@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ import pytest
 from inference_lab.core.config import Deployment, load_deployment
 from inference_lab.core.engine import Engine, Finished, RequestSpec
 from inference_lab.core.engine import decode_runs as runs_half
+from inference_lab.core.engine import fast_path as fast_half
 from inference_lab.core.engine import runs as runs_module
 from inference_lab.sim.records import StepTotals
 from tests.engine_util import GPT_OSS_20B, LLAMA8B, deployment
@@ -117,6 +119,7 @@ def test_runs_do_cross_arrivals_and_admit(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(runs_module.RunLoop, "_cross", counting_cross)
     monkeypatch.setattr(runs_half.DecodeRuns, "_start_whole", counting_whole)
+    lean = _count_admitting(monkeypatch)
     make, kw = CASES["light"]
     eng = Engine(make())
     specs = _specs(600, 3, **kw)
@@ -125,4 +128,88 @@ def test_runs_do_cross_arrivals_and_admit(monkeypatch: pytest.MonkeyPatch) -> No
     report = eng.run_until(math.inf, StepTotals(), [])
     assert report.arrivals == len(specs)
     assert sum(1 for t in crossed if t is not None) > len(specs) // 2
-    assert sum(1 for d in whole if d is not None) > len(specs) // 2
+    assert sum(1 for d in whole if d is not None) + lean["lean"] > len(specs) // 2
+
+
+def _count_admitting(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Count the decode runs' admissions by ``_start_admitting`` (decode_runs Rule 4):
+    those it started itself (``lean``) and those it handed to ``_start_whole``."""
+    seen: Counter[str] = Counter()
+    admitting = runs_half.DecodeRuns._start_admitting
+    start_whole = runs_half.DecodeRuns._start_whole
+    into_whole = fast_half.FastPath._admit_into_whole
+
+    def counting(self: Any, *args: Any) -> float | None:
+        before, general, waiting = seen["whole"], seen["general"], self.waiting.count
+        duration = admitting(self, *args)
+        lean = seen["whole"] == before
+        seen["lean" if lean else "handed"] += 1
+        seen["several"] += lean and waiting - self.waiting.count > 1  # (admitted)
+        seen["continued"] += lean and seen["general"] > general  # (a head not plain)
+        return duration
+
+    def counting_whole(self: Any, *args: Any) -> float | None:
+        seen["whole"] += 1
+        return start_whole(self, *args)
+
+    def counting_into(self: Any, *args: Any) -> Any:
+        seen["general"] += 1
+        return into_whole(self, *args)
+
+    monkeypatch.setattr(runs_half.DecodeRuns, "_start_admitting", counting)
+    monkeypatch.setattr(runs_half.DecodeRuns, "_start_whole", counting_whole)
+    monkeypatch.setattr(fast_half.FastPath, "_admit_into_whole", counting_into)
+    return seen
+
+
+#: workloads where a run's admissions take the lean path and where they hand over: a
+#: small budget with and without chunking, a cap, blocks short and readmitted preempted
+#: requests, a policy's heap, prefix hits (light, and loaded: a prefix head after plain
+#: ones admitted)
+ADMITTING: dict[str, tuple[Any, dict[str, Any]]] = {
+    "light": CASES["light"],
+    "loaded": CASES["loaded"],
+    "small-budget": (
+        lambda: deployment(GPT_OSS_20B, max_num_batched_tokens=1024),
+        {"rate": 90.0, "prompt_mu": 6.9, "output_mu": 5.3},
+    ),
+    "no-chunking": (
+        lambda: deployment(GPT_OSS_20B, max_num_batched_tokens=1024, enable_chunked_prefill=False),
+        {"rate": 90.0, "prompt_mu": 6.5, "output_mu": 5.3},
+    ),
+    "cap": (lambda: deployment(GPT_OSS_20B, max_num_seqs=12), {"rate": 90.0}),
+    "sjf": (lambda: deployment(GPT_OSS_20B, policy="sjf"), {"rate": 150.0}),
+    "preemptions": CASES["preemptions"],
+    "prefix-hits": CASES["prefix-hits"],
+    "prefix-loaded": (lambda: deployment(LLAMA8B), {"rate": 300.0, "hashes": True}),
+}
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+@pytest.mark.parametrize("name", sorted(ADMITTING))
+def test_admissions_a_run_starts_are_step_by_step(
+    monkeypatch: pytest.MonkeyPatch, name: str, seed: int
+) -> None:
+    """decode_runs Rule 4: each workload through runs free to cross arrivals and one
+    ``step()`` at a time: the same steps, completions, state and event count; the lean
+    admission was taken (on the light workload, most of the time; several heads at once
+    when loaded), handed over where the cap or the blocks stop it, and went on by the
+    general loop at a head with a prefix."""
+    seen = _count_admitting(monkeypatch)
+    make, kw = ADMITTING[name]
+    dep = make()
+    specs = _specs(300, seed, **kw)
+    stepped = _drive(dep, specs, seed, runs=False)
+    assert seen["lean"] + seen["handed"] == 0  # (step() starts no run)
+    ran = _drive(dep, specs, seed, runs=True)
+    _same(stepped[:4], ran[:4])  # type: ignore[arg-type]
+    assert stepped[4] == ran[4]
+    assert seen["lean"] > 0, seen
+    if name == "light":
+        assert seen["lean"] > seen["handed"], seen
+    if name in ("cap", "preemptions"):  # (the cap, blocks short: handed over)
+        assert seen["handed"] > 0, seen
+    if name == "loaded":  # (several heads admitted in one step)
+        assert seen["several"] > 0, seen
+    if name == "prefix-loaded":  # (a head with a prefix after plain ones: the loop's)
+        assert seen["continued"] > 0, seen

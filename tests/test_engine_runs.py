@@ -27,7 +27,7 @@ import pytest
 from inference_lab.core.config import Deployment, load_deployment, split_pd
 from inference_lab.core.engine import Engine, Finished, RequestSpec
 from inference_lab.core.engine import fast_path as fast_module
-from inference_lab.sim.records import StepTotals
+from inference_lab.sim.records import FinishedTable, StepTotals
 from tests.engine_util import DEEPSEEK_V3, GPT_OSS_20B, LLAMA8B, ROOT, deployment
 
 EAGLE = ROOT / "configs" / "frontier" / "Llama-3.1-8B-Instruct-EAGLE.toml"
@@ -292,3 +292,45 @@ def test_the_report_gives_the_queue_at_mid_and_end() -> None:
         at_end,
     )
     assert report.arrivals == 40 and peak > 0
+
+
+@pytest.mark.parametrize(
+    ("make", "rate", "stop"),
+    [
+        (lambda: deployment(GPT_OSS_20B), 60.0, False),
+        (lambda: deployment(GPT_OSS_20B, blocks=500), 120.0, False),
+        (lambda: deployment(LLAMA8B, replicas=2), 90.0, False),
+        (lambda: deployment(GPT_OSS_20B), 60.0, True),
+    ],
+)
+def test_a_run_records_fields_as_its_finished(make: Any, rate: float, stop: bool) -> None:
+    """Rule 4 of the runs: ``run_until`` with ``record`` hands each completion over as the
+    first twelve fields of the ``Finished`` it would append, in the same order (with
+    ``stop_on_finish`` it appends them, as without ``record``): the same table to the
+    bit as the same runs without it."""
+    dep = make()
+    specs = _specs(400, 5, rate=rate)
+    tables = []
+    for direct in (False, True):
+        eng = Engine(dep)
+        for s in specs:
+            eng.submit(s)
+        table = FinishedTable()
+        ended: list[Finished] = []
+        totals = StepTotals()
+        while eng.next_event_time() is not None:
+            eng.run_until(
+                eng.now + 0.25,
+                totals,
+                ended,
+                stop_on_finish=stop,
+                record=table.add_fields if direct else None,
+            )
+            table.extend(ended)
+            ended.clear()
+        assert len(table) == len(specs)
+        tables.append(table)
+    plain, direct = tables
+    assert list(plain) == list(direct)
+    for name in ("arrival_time", "finish_time", "first_token_time", "output_tokens"):
+        assert plain.column(name).tobytes() == direct.column(name).tobytes()

@@ -5,8 +5,9 @@ The pricer is compared with the roofline's general price of the same batch on ev
 shipped plain configuration, and its unrolled forms with its general loop on random
 constants. The stretches are compared, through ``run_until``, with ``step()`` one event
 at a time (``tests/test_engine_runs.py``'s driver) on workloads where they end for every
-reason they can end (the next event, a finish, KV blocks short) and cross sliding-window
-saturations; each reason is counted, so a comparison that never reached it fails.
+reason they can end (the next event, a finish, KV blocks short), cross sliding-window
+saturations and, on gpt-oss's two classes, go on across finishes; each reason is counted,
+so a comparison that never reached it fails.
 """
 
 from __future__ import annotations
@@ -107,11 +108,14 @@ def _count_stretches(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
 
     def counting(worker: Any, vec: Any, pricer: Any, now: float, limit: float, *a: Any) -> Any:
         unsat = list(vec.unsat)
+        ended = a[2] if len(a) > 2 else None
+        before = 0 if ended is None else len(ended)
         run = original(worker, vec, pricer, now, limit, *a)
         seen["steps"] += run.started
         seen["long"] += run.started >= 10
         seen["short" if run.short else "limit" if run.end >= limit else "finish"] += 1
         seen["saturated"] += vec.unsat != unsat and run.boundaries > 0
+        seen["inside"] += ended is not None and len(ended) > before  # (Rule 4)
         return run
 
     monkeypatch.setattr(fast_module, "decode_stretch", counting)
@@ -145,11 +149,41 @@ def test_stretches_are_step_by_step(
     assert seen["steps"] == 0  # (step() takes no stretch)
     ran = _drive(dep, specs, 7, runs=True)
     _same(stepped, ran)
-    assert seen["long"] > 0 and seen["limit"] > 0 and seen["finish"] > 0, seen
+    assert seen["long"] > 0 and seen["limit"] > 0, seen
+    if name == "full-attention":  # (the general stretch ends at a finish)
+        assert seen["finish"] > 0, seen
+    else:  # (gpt-oss's two classes: finishes inside the stretch, Rule 4)
+        assert seen["inside"] > 0, seen
     if name == "short-blocks":
         assert seen["short"] > 0, seen
     if name == "windows":
         assert seen["saturated"] > 0, seen
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
+@pytest.mark.parametrize(
+    ("rate", "kw"),
+    [
+        (60.0, {"prompt_mu": 6.9, "output_mu": 4.0}),
+        (150.0, {"output_mu": 4.5}),
+        (400.0, {"prompt_mu": 3.5, "output_mu": 3.5}),
+    ],
+)
+def test_finishes_inside_stretches_are_step_by_step(
+    monkeypatch: pytest.MonkeyPatch, seed: int, rate: float, kw: dict[str, Any]
+) -> None:
+    """stretch Rule 4: random gpt-oss workloads with short outputs (many finishes, some
+    leaving too few rows for the fast path, some at a boundary that also grows a row or
+    saturates its window) through ``run_until`` and through ``step()`` one event at a
+    time: the same steps, figures, completions and state, and most finishes were taken
+    inside a stretch."""
+    seen = _count_stretches(monkeypatch)
+    dep = deployment(GPT_OSS_20B)
+    specs = _specs(400, seed, rate=rate, **kw)
+    stepped = _drive(dep, specs, seed, runs=False)
+    ran = _drive(dep, specs, seed, runs=True)
+    _same(stepped, ran)
+    assert seen["inside"] > 20, seen
 
 
 def test_a_stretch_takes_most_steps_at_60_per_second(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -112,6 +112,23 @@ class FinishedTable(Sequence[Finished]):
                 floats["transfer_end_time"].append(f.transfer_end_time)
                 floats["transfer_bytes"].append(f.transfer_bytes)
 
+    def add_fields(self, f: tuple[Any, ...]) -> None:
+        """Append one record given as the first twelve fields of its `Finished`, in their
+        order (`Engine.run_until`'s ``record``; not for a disaggregated table)."""
+        at, fst, ftt, fin, rid, prompt, out, pre, n, cached, worker, length = self._appends
+        rid(f[0])
+        prompt(f[1])
+        out(f[2])
+        length(f[3] == "length")
+        at(f[4])
+        fst(f[5])
+        ftt(f[6])
+        fin(f[7])
+        pre(f[8])
+        n(f[9])
+        cached(f[10])
+        worker(f[11])
+
     def clear(self) -> None:
         """Forget every record (the columns are emptied in place, so the appends stay
         bound); a sharded run's shard folds its records into sums and sketches, then

@@ -324,8 +324,14 @@ def _take_run(
     step totals); its completions recorded and, for a reactive workload, followed up at
     the run's end; then the observers told. ``_drive`` calls it; ``ended`` is its
     scratch list, left empty."""
+    table = records[1]
     report = engine.run_until(
-        until, records[0], ended, mid=mid_arrival, stop_on_finish=on_finished is not None
+        until,
+        records[0],
+        ended,
+        mid=mid_arrival,
+        stop_on_finish=on_finished is not None,
+        record=None if on_finished is not None or table.disaggregated else table.add_fields,
     )
     if ended:
         records[1].extend(ended)

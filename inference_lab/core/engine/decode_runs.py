@@ -29,11 +29,21 @@ Rule 2: when a step of the run ends at or past its limit (the next calendar even
 Rule 3: a pure decode step in flight leaves its price terms to be worked out when read
         (:meth:`DecodeRuns.terms_in_flight`: a late arrival joining it, or leaving the
         fast path): nothing changes the decoding rows until it ends.
+Rule 4: at a boundary where every running request decodes and requests wait (arrivals
+        the run crossed), :meth:`DecodeRuns._start_admitting` starts the step the fast
+        path's whole step would start when the head is plain (one sequence, no prefix, no
+        remote or resident KV) and the cap, the budget and the free blocks take it: the
+        rows due grow, the plain heads are admitted with the steps of
+        ``Scheduler.admit_head`` until one does not fit (where ``admit_head`` stops too)
+        or one is not plain (the general loop, ``_admit_into_whole``, admits from there),
+        and the step is priced from the same terms, without the passes over rest rows
+        and the scheduler output. Any other case is handed to ``_start_whole`` before
+        anything changed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 
@@ -42,7 +52,7 @@ from inference_lab.core.decode_pricing import DecodeStep, decode_step
 from inference_lab.core.engine.block_pool import BlockPool
 from inference_lab.core.engine.kv_cache_manager import KVCacheManager
 from inference_lab.core.engine.outputs import StepLog
-from inference_lab.core.engine.request import Request
+from inference_lab.core.engine.request import RUNNING, Request
 from inference_lab.core.engine.running_rows import PlainRequest, RunningRows
 from inference_lab.core.engine.scheduler_output import Batch, SchedulerOutput
 from inference_lab.core.engine.wait_queue import WaitQueue
@@ -100,6 +110,7 @@ class DecodeRuns:
         tuple[tuple[tuple[int, int], ...], list[Request]],
     ]
     _schedule_whole: Callable[[float], SchedulerOutput | None]
+    _admit_into_whole: Callable[[float, int, int, RunningRows, list[int]], SchedulerOutput]
     grow_due: Callable[
         [RunningRows, int],
         tuple[list[tuple[PlainRequest, int]] | None, list[int] | None, int],
@@ -108,6 +119,14 @@ class DecodeRuns:
     flat: tuple[int, int]
     block_size: int
     kv: KVCacheManager
+    #: the head whose blocks were short at the last lean admission (Rule 4): handed to
+    #: ``_start_whole`` at once while it stays the head (which of the two starts a step
+    #: changes nothing but the time it takes)
+    blocked_head: Request | None = None
+    max_num_seqs: int
+    chunked: bool
+    chunk_cap: int
+    admit_order: Iterator[int]
 
     def fast_in_flight(self) -> bool:
         """Whether the step in flight is a fast step a decode run may end: the fast
@@ -186,6 +205,11 @@ class DecodeRuns:
         vec.step_decoding = rows
         if vec.rest_n:
             vec.rest_n = []
+        return self.decode_step_of(rows)
+
+    def decode_step_of(self, rows: int) -> DecodeStep | None:
+        """The decode pricer of a pure step of ``rows`` decoding rows, made once per count
+        (None with MLA classes: the general price)."""
         pricers = self.pricers
         if rows not in pricers:
             k = None if self.roofline.has_mla() else self.roofline.decode_constants(rows)
@@ -230,14 +254,137 @@ class DecodeRuns:
         out = self._schedule_whole(now)
         if out is None:
             return None
+        return self._priced_out(out, now, price, factor, log)
+
+    def _start_next(
+        self, vec: RunningRows, now: float, rows: int, price: Price, factor: float, log: StepLog
+    ) -> float | None:
+        """A decode run's step that is not a pure decode one (``rows``: the decoding rows):
+        :meth:`_start_admitting` when requests wait beside them alone (Rule 4), else
+        :meth:`_start_whole`."""
+        if self.waiting.count and vec.size == rows:  # (arrivals crossed)
+            return self._start_admitting(vec, now, price, factor, log)
+        return self._start_whole(now, price, factor, log)
+
+    def _start_admitting(
+        self, vec: RunningRows, now: float, price: Price, factor: float, log: StepLog
+    ) -> float | None:
+        """Rule 4: :meth:`_start_whole` at a boundary where every running request decodes
+        and requests wait (arrivals the run crossed), when the head is plain and the cap,
+        the budget and the free blocks take it: the rows due grow, the plain heads are
+        admitted with the steps of ``Scheduler.admit_head`` (until one of them does not
+        fit, or a head that is not plain, whose admissions from there on are the general
+        loop's) and the step is priced from the same terms, without the passes over rest
+        rows and the scheduler output. Otherwise it is ``_start_whole``'s, before
+        anything changed."""
+        waiting = self.waiting
+        r = waiting.peek()
+        rows = vec.decoding
+        left = self.budget - rows
+        pool = self.pool
+        if (
+            r is None
+            or r is self.blocked_head  # (an overloaded worker: its blocks short again)
+            or len(self.running) != rows
+            or rows < self.fast_least
+            or self.running_seqs != rows
+            or left <= 0
+            or pool.filling
+            or pool.evictable
+        ):
+            return self._start_whole(now, price, factor, log)
+        n = self._plain_chunk(r, left)
+        kv = self.kv
+        blocks = kv.blocks_for(n) if n > 0 else 0
+        due, wants, need = self.grow_due(vec, vec.g) if n > 0 else (None, None, 0)
+        if n <= 0 or need + blocks > pool.free:
+            if n > 0:
+                self.blocked_head = r  # (the whole step's, until it is not the head)
+            return self._start_whole(now, price, factor, log)
+        if due is not None:  # (FastPath._schedule_whole)
+            self.grow_decoding(vec, due, wants)
+        vec.rest_n = []
+        vec.step_decoding = rows
+        self.step_gamma = 0
+        self.step_id += 1
+        mark = self.step_id
+        rest_c: list[int] = []
+        while True:  # (FastPath._admit_into_whole's loop, for plain heads)
+            rest_c.append(self._admit_plain(vec, r, n, blocks, now, mark))
+            left -= n
+            if left <= 0 or not waiting.count:
+                break
+            r = waiting.peek()
+            assert r is not None  # (some waits)
+            n = self._plain_chunk(r, left)
+            if n < 0:  # not plain: the general admissions from here on
+                out = self._admit_into_whole(now, mark, left, vec, rest_c)
+                return self._priced_out(out, now, price, factor, log)
+            blocks = kv.blocks_for(n) if n > 0 else 0
+            if n == 0 or blocks > pool.free:
+                break
+        self.step_budget = left
+        self.step_mark = mark
+        ns = vec.rest_n
+        terms = vec.terms_with_one(ns[0], rest_c[0]) if len(ns) == 1 else vec.terms_with(ns, rest_c)
+        return self._priced(self.fast_batch, terms, now, price, factor, log)
+
+    def _plain_chunk(self, r: Request, left: int) -> int:
+        """The positions the head ``r`` runs in a step with ``left`` tokens left, as
+        ``Scheduler._admissible_head`` and ``_head_chunk`` give them for a plain request;
+        0 when the cap or the budget stops the admissions there; -1 when ``r`` is not
+        plain (one sequence, no prefix, no remote or resident KV)."""
+        if r.n != 1 or r.cacheable_blocks or r.remote_positions or r.num_blocks:
+            return -1
+        if self.running_seqs + 1 > self.max_num_seqs:
+            return 0
+        n = r.prefill_length()
+        if n > left:
+            if not self.chunked:
+                return 0
+            n = left
+        return n if n <= self.chunk_cap else self.chunk_cap
+
+    def _admit_plain(
+        self, vec: RunningRows, r: Request, n: int, blocks: int, now: float, mark: int
+    ) -> int:
+        """The plain head ``r`` admitted into the fast step marked ``mark`` with its first
+        ``n`` positions in ``blocks`` new blocks (``Scheduler.admit_head``), its row added
+        (``RunningRows.append``); returns its computed positions."""
+        self.waiting.pop()
+        self.kv.admit(r, 0, blocks, r.first_scheduled_time < 0)
+        r.status = RUNNING
+        r.admit_order = next(self.admit_order)
+        if r.first_scheduled_time < 0:
+            r.first_scheduled_time = now
+        r.batch_mark = mark
+        self.running.append(r)
+        self.running_seqs += 1
+        vec.rest_n.append(n)
+        vec.size += 1
+        return r.num_computed
+
+    def _priced_out(
+        self, out: SchedulerOutput, now: float, price: Price, factor: float, log: StepLog
+    ) -> float:
+        """:meth:`_priced` for the scheduler output ``out`` (its terms summed when it has
+        none: a batch that left the fast path)."""
         terms = out.terms
         if terms is None:
             assert out.positions is not None and out.contexts is not None
             terms = self.roofline.batch_terms(out.positions, out.contexts)
+        return self._priced(out.batch, terms, now, price, factor, log)
+
+    def _priced(
+        self, batch: Batch, terms: BatchTerms, now: float, price: Price, factor: float, log: StepLog
+    ) -> float:
+        """The whole step ``batch`` (price terms ``terms``) started at ``now``: priced by
+        ``price`` x ``factor``, set in flight, its figures appended to ``log``; its
+        duration."""
         cost = price(terms)
         duration = cost.seconds * factor
         self.busy_seconds += duration
-        self.batch = out.batch
+        self.batch = batch
         self.step_terms = terms
         self.step_start = now
         self.step_end = now + duration

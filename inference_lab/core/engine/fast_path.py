@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from operator import attrgetter
 from typing import Any
 
-from inference_lab.core.decode_pricing import DecodeStep
+from inference_lab.core.decode_pricing import DecodeStep, TwoClasses
 from inference_lab.core.engine.block_pool import BlockPool
 from inference_lab.core.engine.decode_runs import DecodeRun, DecodeRuns, Ended, Price
 from inference_lab.core.engine.kv_cache_manager import KVCacheManager
@@ -306,18 +306,14 @@ class FastPath(DecodeRuns):
         head = vec.head if tokens else ()  # the decoding rows' (id, 1) each, kept while
         if head is None:  # they stay the same
             head = vec.head = tuple(vec.pairs)
-        done: list[int] = []
-        if finishing is not None:
-            for r in finishing:  # (rows are in admission order: found by bisection)
-                i = bisect_left(running, r.admit_order, 0, decoding, key=_ADMIT_ORDER)
-                done.append(
-                    i if i < decoding and running[i] is r else running.index(r, 0, decoding)
-                )
-            if len(done) > 1:
-                done.sort()
+        done = [] if finishing is None else _rows_of(running, finishing, decoding)
         still = k  # the first row that did not emit (k: none)
         if decoding < k:  # the others: the per-request loop's arithmetic
-            members = list(zip(running[decoding:k], vec.rest_n, strict=True))
+            members = (
+                ((running[decoding], vec.rest_n[0]),)  # (one: an admission's end, mostly)
+                if k - decoding == 1
+                else list(zip(running[decoding:k], vec.rest_n, strict=True))
+            )
             rest_done, rest_still = complete_members(members, now, emit)
             done += [decoding + i for i in rest_done]
             if rest_still < len(members):
@@ -337,6 +333,37 @@ class FastPath(DecodeRuns):
         if still > vec.decoding:
             vec.start_decoding(running[vec.decoding : still])
         return head, finished
+
+    def finish_in_stretch(
+        self, vec: RunningRows, now: float, start: float, ended: Ended
+    ) -> TwoClasses | None:
+        """stretch Rule 4: the pure decode step in flight (from ``start``) ends at ``now``
+        and its end finishes the decoding rows filed at the next count: as
+        ``complete_fast`` ends it (the counter moves on, the rows are written back, freed
+        and dropped in row order, each to ``ended``), when the others still hold the fast
+        path and a pure step of them has two-class constants (returned, the rows' step
+        fields set); None, nothing changed, otherwise."""
+        finishing = vec.finish_cal[vec.g + 1]
+        rows = vec.decoding - len(finishing)
+        if rows < self.fast_least:
+            return None
+        step = self.decode_step_of(rows)
+        two = None if step is None else step.two
+        if two is None:
+            return None
+        vec.advance()
+        running = self.running
+        done = _rows_of(running, finishing, vec.decoding)
+        for i in done:
+            r = running[i]
+            vec.finish_decoding(r)
+            self.finish(r)
+            ended.append((r, now, now - start))
+        vec.drop(done)
+        for i in reversed(done):
+            del running[i]
+        vec.step_decoding = rows
+        return two
 
     # ------------------------------------------------------------------ decode runs
     def decode_run(
@@ -368,6 +395,7 @@ class FastPath(DecodeRuns):
         budget = self.budget
         least = self.fast_least
         scratch: list[tuple[int, int]] = []
+        finishes = None if stop_after_finish else ended  # (a stretch may end requests)
         boundaries = started = pure = 0  # (pure: pure steps not yet counted in step_id)
         priced_rows = -1  # (the rows of the pricer in hand; -1: none)
         start = self.step_start  # (of the step in flight: the first boundary ends it)
@@ -391,7 +419,7 @@ class FastPath(DecodeRuns):
             if not pure_next:  # (blocks short: _start_whole declines too)
                 self._count_pure(pure)
                 pure = 0
-                duration = self._start_whole(now, price, factor, log)
+                duration = self._start_next(vec, now, rows, price, factor, log)
                 if duration is None:  # not the fast path's step: the caller's to start
                     return self._settle(vec, boundaries, started, 0, start, now, boundary, True)
                 started += 1
@@ -409,13 +437,25 @@ class FastPath(DecodeRuns):
                 started += 1
                 pure += 1
                 continue
-            run = decode_stretch(self, vec, pricer, now, limit, factor, log)
+            run = decode_stretch(self, vec, pricer, now, limit, factor, log, finishes)
             started += run.started
             pure += run.started
             boundaries += run.boundaries
             start, now, boundary = run.start, run.end, run.boundary  # (ours: none handled)
             if run.short:  # (the caller's step: the per-request loop's)
                 return self._settle(vec, boundaries, started, pure, start, now, boundary, True)
+
+
+def _rows_of(running: list[Request], finishing: list[Any], decoding: int) -> list[int]:
+    """The rows of the decoding requests ``finishing``, ascending (``running`` is in
+    admission order below ``decoding``: each found by bisection)."""
+    done = []
+    for r in finishing:
+        i = bisect_left(running, r.admit_order, 0, decoding, key=_ADMIT_ORDER)
+        done.append(i if i < decoding and running[i] is r else running.index(r, 0, decoding))
+    if len(done) > 1:
+        done.sort()
+    return done
 
 
 class FastBatch:

@@ -221,6 +221,27 @@ class Request:
             worker=worker,
         )
 
+    def finished_fields(
+        self, finish_time: float, worker: int, frontend_latency: float
+    ) -> tuple[Any, ...]:
+        """The first twelve fields of the ``Finished`` :meth:`report` gives, in their
+        order, without the object (a run's recorder: ``Engine.run_until``'s ``record``)."""
+        out = self.num_output
+        return (
+            self.id,
+            self.prompt_tokens,
+            out,
+            "length" if out >= self.max_tokens else "stop",
+            self.arrival_time - frontend_latency if frontend_latency else self.arrival_time,
+            self.first_scheduled_time,
+            self.first_token_time,
+            finish_time,
+            self.preemptions,
+            self.n,
+            self.cached_tokens,
+            worker,
+        )
+
     def prefill_length(self) -> int:
         """Positions per sequence it must have computed before it decodes: the prompt, and
         after a preemption the outputs it re-prefills (all but the last)."""

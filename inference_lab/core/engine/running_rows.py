@@ -66,6 +66,7 @@ class RunningRows:
         "pairs",
         "g",
         "windows",
+        "windowed",
         "base_sum",
         "sat",
         "unsat",
@@ -100,6 +101,8 @@ class RunningRows:
         #: sums :meth:`decode_sums` keeps
         self.g = 0
         self.windows = tuple(windows)
+        #: the sliding window classes: (index, window) each
+        self.windowed = tuple((j, w) for j, w in enumerate(self.windows) if w > 0)
         #: sum of the decoding rows' ``lazy_base``
         self.base_sum = 0
         #: per window class: decoding rows saturated (``computed >= W - 1``), the others,
@@ -149,7 +152,7 @@ class RunningRows:
         pairs = self.pairs
         finish_cal = self.finish_cal
         grow_cal = self.grow_cal
-        windows = self.windows
+        windowed = self.windowed
         base_sum = 0
         for r in requests:
             pairs.append((r.id, 1))
@@ -173,9 +176,7 @@ class RunningRows:
                 grow_cal[key] = [entry]
             else:
                 grow.append(entry)
-            for j, window in enumerate(windows):
-                if window <= 0:
-                    continue
+            for j, window in windowed:
                 if c + g >= window - 1:
                     self.sat[j] += 1
                 else:
@@ -203,9 +204,7 @@ class RunningRows:
         else:
             grow.remove((r, c))
         g = self.g
-        for j, window in enumerate(self.windows):
-            if window <= 0:
-                continue
+        for j, window in self.windowed:
             if c + g >= window - 1:
                 self.sat[j] -= 1
             else:
@@ -274,25 +273,41 @@ class RunningRows:
         summed here in one pass (integers: in any order the same)."""
         g = self.g
         k = self.decoding
+        rest = [(n, c + (n + 1) // 2) for n, c in zip(ns, cs, strict=True)]  # (n, midpoint)
+        sat, unsat, unsat_sum = self.sat, self.unsat, self.unsat_sum
         out = []
-        for window, sat, unsat, unsat_sum in zip(
-            self.windows, self.sat, self.unsat, self.unsat_sum, strict=True
-        ):
+        for j, window in enumerate(self.windows):
             if window <= 0:
                 dot = total = self.base_sum + k * g + k
-                for n, c in zip(ns, cs, strict=True):
-                    m = c + (n + 1) // 2
+                for n, m in rest:
                     dot += n * m
                     total += m
             else:
-                dot = total = sat * (window - 1) + unsat_sum + unsat * g + k
-                for n, c in zip(ns, cs, strict=True):
-                    m = c + (n + 1) // 2
+                dot = total = sat[j] * (window - 1) + unsat_sum[j] + unsat[j] * g + k
+                for n, m in rest:
                     att = m if m < window else window
                     dot += n * att
                     total += att
             out.append([dot, total])
         return BatchTerms(k + sum(ns), k + len(ns), out, [])
+
+    def terms_with_one(self, n: int, c: int) -> BatchTerms:
+        """:meth:`terms_with` for one sequence after the decoding rows (``n`` positions,
+        context ``c``): the same integers."""
+        g = self.g
+        k = self.decoding
+        m = c + (n + 1) // 2
+        sat, unsat, unsat_sum = self.sat, self.unsat, self.unsat_sum
+        out = []
+        for j, window in enumerate(self.windows):
+            if window <= 0:
+                base = self.base_sum + k * g + k
+                att = m
+            else:
+                base = sat[j] * (window - 1) + unsat_sum[j] + unsat[j] * g + k
+                att = m if m < window else window
+            out.append([base + n * att, base + att])
+        return BatchTerms(k + n, k + 1, out, [])
 
     def decode_sums(self) -> list[int]:
         """Per window class, the sum over the decoding rows of ``min(computed, W - 1)``

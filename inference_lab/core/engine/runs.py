@@ -16,11 +16,17 @@ Rule 3: a lone worker's decode run crosses arrivals (decode_runs Rule 2): when a
         it stops the run when another kind of event is due by then, at ``before``, with
         ``stop_at_arrival`` or ``stop_on_finish``, on an engine of several workers, or
         when an arrival joined the step in flight (its end moved).
+Rule 4: given ``record`` (and neither ``stop_on_finish``, lockstep groups nor
+        hand-offs, whose completions are objects anyway), a run hands each completion
+        to it as the first twelve fields of the ``Finished`` it would append
+        (``Request.finished_fields``), in the same order; otherwise to ``finished``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -77,6 +83,8 @@ class RunLoop:
     _ended: list[tuple[Request, float, float]]
     #: what a decode run crossing arrivals reads (``_cross``; None: it may not)
     _crossing: tuple[RunReport, float, float] | None = None
+    #: where a run's completions go as their fields (Rule 4; None: as ``Finished``)
+    _record: Callable[[tuple[Any, ...]], None] | None = None
     groups: list[DPGroup]
     _handoffs: Handoffs | None
 
@@ -118,20 +126,40 @@ class RunLoop:
         mid: float = -math.inf,
         stop_at_arrival: bool = False,
         stop_on_finish: bool = False,
+        record: Callable[[tuple[Any, ...]], None] | None = None,
     ) -> RunReport:
         """Handle every event earlier than ``before`` as ``step()`` would (Rule 2), each
         started step's figures written to ``log`` and each completion appended to
-        ``finished``. Stops before an arrival with ``stop_at_arrival`` (its caller decides
-        on it), and after the first event that completed a request with
-        ``stop_on_finish`` (its caller submits follow-ups). ``mid``: the time whose queue
-        the report gives."""
-        cal = self._calendar
+        ``finished`` -- or, with ``record`` (Rule 4), handed to it as the first twelve
+        fields of its ``Finished`` in order. Stops before an arrival with
+        ``stop_at_arrival`` (its caller decides on it), and after the first event that
+        completed a request with ``stop_on_finish`` (its caller submits follow-ups).
+        ``mid``: the time whose queue the report gives."""
         report = RunReport()
         self._crossing = (
             None
             if stop_at_arrival or stop_on_finish or not self._one_worker()
             else (report, before, mid)
         )
+        if not (stop_on_finish or self.groups or self._handoffs is not None):
+            self._record = record
+        try:
+            return self._run(before, log, finished, report, mid, stop_at_arrival, stop_on_finish)
+        finally:
+            self._record = None
+
+    def _run(
+        self,
+        before: float,
+        log: StepLog,
+        finished: list[Finished],
+        report: RunReport,
+        mid: float,
+        stop_at_arrival: bool,
+        stop_on_finish: bool,
+    ) -> RunReport:
+        """:meth:`run_until`'s loop."""
+        cal = self._calendar
         while True:
             t = cal.next_time()
             if t is None or t >= before:

@@ -277,7 +277,11 @@ class EventLoop(RunLoop):
         if handoffs is None:
             del self._requests[r.id]
             self._finished += 1
-            finished.append(r.report(now, w.index, self._frontend))
+            record = self._record
+            if record is not None:  # (a run's recorder: its fields, no Finished)
+                record(r.finished_fields(now, w.index, self._frontend))
+            else:
+                finished.append(r.report(now, w.index, self._frontend))
             return
         if not w.internal:
             del self._requests[r.id]

@@ -13,29 +13,42 @@ Rule 1: the stretch starts the same steps, in the same order, with the same figu
         window class by its unsaturated rows before the saturations at the new count),
         which are exact, and each step's price, duration, end time and busy time come
         from the same floating-point operations in the same order.
-Rule 2: a boundary inside a stretch ends a pure decode step (no row finishes there) and
-        changes nothing but the decode counter, the window saturations and the KV blocks
-        the rows grow into; so the run's conditions checked at its first step (nothing
-        waiting, the rows all decoding, the budget) hold throughout. The stretch stops
-        after a step that ends at or past ``limit``, after one whose end finishes a row,
-        and at a boundary whose new blocks the pool cannot give (``short``).
+Rule 2: a boundary inside a stretch ends a pure decode step (no row finishes there, but
+        Rule 4) and changes nothing but the decode counter, the window saturations and
+        the KV blocks the rows grow into; so the run's conditions checked at its first
+        step (nothing waiting, the rows all decoding, the budget) hold throughout. The
+        stretch stops after a step that ends at or past ``limit``, after one whose end
+        finishes a row (but Rule 4), and at a boundary whose new blocks the pool cannot
+        give (``short``).
 Rule 3: a worker whose model has two window classes (full attention and one sliding
         window, as gpt-oss) and at most one stream after attention's takes the stretch
         specialised for them (:func:`_two_classes`): the two sums and the increment of
         the window's as locals, the pricer's arithmetic inline (decode_pricing Rule 3);
         the same operations in the same order as the general loop and its pricer.
+Rule 4: that stretch also goes on across a boundary whose end finishes rows (given the
+        decode run's ``ended``: not when the run stops after a finish): the worker ends
+        the step as ``complete_fast`` would (``FastPath.finish_in_stretch``: the counter
+        moves on, the finished rows are written back, freed and dropped in row order)
+        and, when the rows left still hold the fast path, hands back the two-class
+        constants of their count; the rows that grow into a block at that boundary take
+        it (or the stretch stops there, short), and the next pass starts from the sums
+        of the rows left -- the boundary the decode run would have handled, handled the
+        same way.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from inference_lab.core.decode_pricing import DecodeStep, TwoClasses
 from inference_lab.core.engine.block_pool import BlockPool
 from inference_lab.core.engine.outputs import StepLog
 from inference_lab.core.engine.running_rows import RunningRows
 
-__all__ = ["DecodingWorker", "Stretch", "decode_stretch"]
+__all__ = ["DecodingWorker", "Ended", "Stretch", "decode_stretch"]
+
+#: the requests a decode run ended: each with its finish time and its last step's duration
+Ended = list[tuple[Any, float, float]]
 
 
 class DecodingWorker(Protocol):
@@ -48,6 +61,10 @@ class DecodingWorker(Protocol):
     busy_seconds: float
 
     def grow_at(self, vec: RunningRows, g: int) -> bool: ...
+
+    def finish_in_stretch(
+        self, vec: RunningRows, now: float, start: float, ended: Ended
+    ) -> TwoClasses | None: ...
 
 
 class Stretch(NamedTuple):
@@ -72,6 +89,7 @@ def decode_stretch(
     limit: float,
     factor: float,
     log: StepLog,
+    ended: Ended | None = None,
 ) -> Stretch:
     """Start the pure decode step of ``vec``'s rows due at ``now`` (its blocks taken
     already) and those after it while each one's start is earlier than ``limit`` and
@@ -81,7 +99,7 @@ def decode_stretch(
     flight (or of the short boundary)."""
     windows = vec.windows
     if step.two is not None and windows[0] <= 0 < windows[1]:
-        return _two_classes(worker, vec, step.two, now, limit, factor, log)
+        return _two_classes(worker, vec, step.two, now, limit, factor, log, ended)
     pricer = step.price
     finish_cal = vec.finish_cal
     grow_cal = vec.grow_cal
@@ -151,53 +169,65 @@ def _two_classes(
     limit: float,
     factor: float,
     log: StepLog,
+    ended: Ended | None,
 ) -> Stretch:
     """:func:`decode_stretch` for full attention and one sliding window (Rule 3): the
-    same steps, figures and state, to the bit."""
-    fa0, ma0, a0, k0, a1, k1, state, rate, bw, roof0, most, tail, seq, alpha, beta = k[:15]
-    compute0, c_after, eta_f, memory0, m_after, eta_b = k[15:]
+    same steps, figures and state, to the bit; with ``ended``, across finishes (Rule 4)."""
     finish_cal = vec.finish_cal
     grow_cal = vec.grow_cal
     sat_cal = vec.sat_cal[1]
-    rows = vec.decoding
-    g = vec.g
-    inc = vec.unsat[1]  # (what one more count adds to the window's sum)
-    s0 = vec.base_sum + rows * g + rows  # (decode_step_sums, inline)
-    s1 = vec.sat[1] * (vec.windows[1] - 1) + vec.unsat_sum[1] + inc * g + rows
     pool = worker.pool
     total = worker.total_blocks
-    usage = (total - pool.free) / total
     kv_log, flop_log, bw_log = log.kv_usage.append, log.flop_util.append, log.bw_util.append
     busy = worker.busy_seconds
-    g0 = g  # (the steps started and boundaries handled are counted from g at the end)
+    g = g0 = vec.g  # (the steps started and boundaries handled are counted from g at the end)
     start = now
     short = False
-    while True:
-        tc = (fa0 + a0 * s0 + a1 * s1) / rate  # (decode_pricing's price_two)
-        tm = (ma0 + k0 * s0 + k1 * s1 + state) / bw
-        roof = roof0 + (tc if tc > tm else tm) + most + tail + seq
-        start = now
-        duration = (alpha * roof + beta) * factor
-        now = now + duration
-        busy += duration
-        if roof <= 0:
-            roof = 1.0
-        kv_log(usage)
-        flop_log((compute0 + tc + c_after) * eta_f / roof)
-        bw_log((memory0 + tm + m_after) * eta_b / roof)
-        if now >= limit or g + 1 in finish_cal:
-            break
-        g += 1  # a pure decode step's end: a token each, nothing finishes
-        s0 += rows
-        s1 += inc
-        if sat_cal and g in sat_cal:
-            inc -= _saturate(vec, sat_cal.pop(g), g)
-        if g in grow_cal:
-            vec.g = g
-            if not worker.grow_at(vec, g):
-                short = True
+    while True:  # (a pass per count of rows: a finish inside the stretch starts the next)
+        fa0, ma0, a0, k0, a1, k1, state, rate, bw, roof0, most, tail, seq, alpha, beta = k[:15]
+        compute0, c_after, eta_f, memory0, m_after, eta_b = k[15:]
+        rows = vec.decoding
+        inc = vec.unsat[1]  # (what one more count adds to the window's sum)
+        s0 = vec.base_sum + rows * g + rows  # (decode_step_sums, inline)
+        s1 = vec.sat[1] * (vec.windows[1] - 1) + vec.unsat_sum[1] + inc * g + rows
+        usage = (total - pool.free) / total
+        while True:
+            tc = (fa0 + a0 * s0 + a1 * s1) / rate  # (decode_pricing's price_two)
+            tm = (ma0 + k0 * s0 + k1 * s1 + state) / bw
+            roof = roof0 + (tc if tc > tm else tm) + most + tail + seq
+            start = now
+            duration = (alpha * roof + beta) * factor
+            now = now + duration
+            busy += duration
+            if roof <= 0:
+                roof = 1.0
+            kv_log(usage)
+            flop_log((compute0 + tc + c_after) * eta_f / roof)
+            bw_log((memory0 + tm + m_after) * eta_b / roof)
+            if now >= limit or g + 1 in finish_cal:
                 break
-            usage = (total - pool.free) / total
+            g += 1  # a pure decode step's end: a token each, nothing finishes
+            s0 += rows
+            s1 += inc
+            if sat_cal and g in sat_cal:
+                inc -= _saturate(vec, sat_cal.pop(g), g)
+            if g in grow_cal:
+                vec.g = g
+                if not worker.grow_at(vec, g):
+                    short = True
+                    break
+                usage = (total - pool.free) / total
+        if short or now >= limit or ended is None:
+            break
+        vec.g = g  # (a finish due at the boundary ending the step in flight: Rule 4)
+        two = worker.finish_in_stretch(vec, now, start, ended)
+        if two is None:
+            break
+        k = two
+        g = vec.g
+        if g in grow_cal and not worker.grow_at(vec, g):
+            short = True
+            break
     vec.g = g
     worker.busy_seconds = busy
     if short:  # (its last boundary, at now, started no step)
