@@ -53,15 +53,19 @@ def chat(model: str = LLAMA, **extra: Any) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def llama_full(origins: tuple[str, ...] = ()) -> AsyncIterator[tuple[int, ServeState]]:
+async def llama_full(
+    origins: tuple[str, ...] = (), pinned_tokens: int = 4000
+) -> AsyncIterator[tuple[int, ServeState]]:
     """A server of gpt-oss-20b and Llama-3-70B (each ``max_num_seqs`` 1, ``max_waiting``
-    1) whose Llama queue is full: one long request runs, one waits."""
+    1) whose Llama queue is full: one long request (``pinned_tokens``) runs, one waits."""
     settings = make_settings(GPT, LLAMA, max_num_seqs=1, max_waiting=1)
     settings = attrs.evolve(settings, allowed_origins=origins)
     async with running_server(settings) as (_, port, state):
         runtime = state.runtimes[LLAMA]
         for _ in range(2):
-            runtime.admit_nowait(prompt_tokens=8, max_tokens=4000, priority=0, sink=NullSink())
+            runtime.admit_nowait(
+                prompt_tokens=8, max_tokens=pinned_tokens, priority=0, sink=NullSink()
+            )
         assert runtime.at_bound() and not state.runtimes[GPT].at_bound()
         yield port, state
 
@@ -294,3 +298,104 @@ async def test_a_quick_answer_that_raises_leaves_the_request_to_the_route(
         status, _, body = comparable(answer)
         assert status == 529 and json.loads(body)["error"]["code"] == "queue_saturated"
     assert after - before == 2
+
+
+def _mutated_bodies(seed: int, count: int) -> list[tuple[str, bytes]]:
+    """``count`` request bodies drawn from valid and invalid variations of a chat and a
+    completions request for the full model (never the model with room, whose route would
+    admit them and change the server's state)."""
+    import random
+
+    rng = random.Random(seed)
+    values: dict[str, list[Any]] = {
+        "stream": [True, False, "yes", None],
+        "n": [1, 2, 3, 0, -1, 1.5, "2"],
+        "max_tokens": [1, 16, 0, -5, 10**9, "8", None, 3.0],
+        "temperature": [0, 0.7, 2.5, -1, "hot"],
+        "top_p": [0.5, 1.5],
+        "logprobs": [True, False, 3],
+        "top_logprobs": [0, 5, 50],
+        "stop": ["\n", ["a", "b"], [1], ""],
+        "seed": [7, -1, "x"],
+        "priority": [0, 5, "high"],
+        "min_tokens": [0, 4, 10**9],
+        "ignore_eos": [True, "no"],
+        "stream_options": [{"include_usage": True}, {"bogus": 1}, 3],
+        "user": ["u", 5],
+        "unknown_key": [1, {"a": [1, 2]}],
+        "kv_transfer_params": [{"do_remote_decode": True}, {"do_remote_prefill": 5}, "x"],
+        "response_format": [{"type": "json_object"}, {"type": "text"}, {"type": "nope"}],
+        "tools": [[], [{"type": "function", "function": {"name": "f"}}], "x"],
+        "tool_choice": ["none", "auto", {"type": "function"}],
+    }
+    messages: list[Any] = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello " * 50}],
+        [{"role": "user", "content": [{"type": "text", "text": "parts"}]}],
+        [
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+        ],
+        [{"role": "robot", "content": "hi"}],
+        [],
+        "hi",
+        [{"role": "user"}],
+    ]
+    prompts: list[Any] = ["hi", "hi", [1, 2, 3], ["a"], [[1, 2]], "x" * 300, "", [], 5]
+    models: list[Any] = [LLAMA] * 8 + ["nope", 7, None]
+    out = []
+    for _ in range(count):
+        chat_path = rng.random() < 0.6
+        body: dict[str, Any] = {"model": rng.choice(models)}
+        if chat_path:
+            body["messages"] = rng.choice(messages)
+        else:
+            body["prompt"] = rng.choice(prompts)
+            if rng.random() < 0.3:
+                body["echo"] = rng.choice([True, False])
+        for key in rng.sample(sorted(values), rng.randint(0, 3)):
+            body[key] = rng.choice(values[key])
+        body = {k: v for k, v in body.items() if v is not None or rng.random() < 0.5}
+        path = "/v1/chat/completions" if chat_path else "/v1/completions"
+        payload = json.dumps(body).encode()
+        if rng.random() < 0.05:
+            payload = payload[: rng.randint(0, len(payload))]  # cut short: invalid JSON
+        out.append((path, payload))
+    return out
+
+
+def _same_answer(answer: bytes) -> tuple[int, dict[bytes, bytes], bytes]:
+    """An answer with what depends on its moment taken out: the date, and the values (not
+    the presence) of the pacing lag and Retry-After."""
+    ((status, headers, body),) = h11_answers(answer, 1)
+    named = {bytes(k).lower(): bytes(v) for k, v in headers}
+    for name in (b"date", b"server"):
+        named.pop(name, None)
+    for moment in (b"inference-lab-pacing-lag-ms", b"retry-after"):
+        if moment in named:
+            named[moment] = b"(present)"
+    return status, named, body
+
+
+async def test_drawn_requests_get_the_routes_answer_whether_read_whole_or_not() -> None:
+    """quick_refusal Rule 1, on 80 requests drawn from valid and invalid variations of
+    chat and completions bodies: with the model's queue full, each request read in one
+    read (the quick path may answer it) and the same request read in two (the route
+    answers it) get the same status, headers and body, and the same number of
+    refusals is counted for each."""
+    with trio.fail_after(120):
+        async with llama_full(pinned_tokens=100_000) as (port, state):
+            for k, (path, payload) in enumerate(_mutated_bodies(seed=20261204, count=80)):
+                assert state.runtimes[LLAMA].at_bound()  # full throughout
+                request = post(path, payload, f"x-request-id: drawn-{k}")
+                head, _, body = request.partition(b"\r\n\r\n")
+                before = refused_count(state)
+                whole = await exchange(port, request)
+                after_whole = refused_count(state)
+                split = await exchange(port, head + b"\r\n\r\n", body) if body else whole
+                after_split = refused_count(state)
+                assert _same_answer(whole) == _same_answer(split), (k, path, payload)
+                if body:
+                    assert after_whole - before == after_split - after_whole, (k, payload)
