@@ -205,6 +205,24 @@ def _row(name: str, client: Sequence[float], sims: Sequence[Sequence[float]]) ->
     return " | ".join(cells)
 
 
+def paired_line(name: str, client: Sequence[float], sim: Sequence[float]) -> str:
+    """Each request's client figure against the replay's figure for the same request (the
+    same arrival): the median, p90 and mean of the differences, in ms and relative to the
+    replay's. The distributions' p50s above compare two requests that may differ; this
+    compares each request with itself."""
+    diffs = sorted(c - s for c, s in zip(client, sim, strict=True))
+    rel = sorted((c - s) / s for c, s in zip(client, sim, strict=True))
+
+    def at(values: Sequence[float], q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    return (
+        f"{name} paired by request (client - sim, same arrival): median {at(diffs, 0.5) * 1e3:+.2f} ms "
+        f"({at(rel, 0.5) * 100:+.1f} %), p90 {at(diffs, 0.9) * 1e3:+.2f} ms "
+        f"({at(rel, 0.9) * 100:+.1f} %), mean {statistics.fmean(diffs) * 1e3:+.2f} ms"
+    )
+
+
 async def proxy_stats(url: str) -> dict[str, Any]:
     status, answer = await request_json(url, "GET", "/stats")
     if status != 200:
@@ -500,6 +518,11 @@ def report(args: argparse.Namespace, dep: Deployment, run: Run) -> None:
         ("E2E", [s.e2e for s in sent], _e2e),
     ):
         print(_row(name, client, [[pick(f) for f in replay], [pick(f) for f in loop]]))
+    for name, client, pick in (
+        ("TTFT", [s.ttft for s in sent], _ttft),
+        ("E2E", [s.e2e for s in sent], _e2e),
+    ):
+        print(paired_line(name, client, [pick(f) for f in replay]))
     busy = ", ".join(f"{name} {share * 100:.0f} %" for name, share in run.cpu.items())
     print(
         f"run {run.wall:.1f} s; CPU of a core: {busy}; load average {run.load[0]:.2f} "
