@@ -345,21 +345,28 @@ class DecodeRuns:
             n = left
         return n if n <= self.chunk_cap else self.chunk_cap
 
-    def _admit_plain(
-        self, vec: RunningRows, r: Request, n: int, blocks: int, now: float, mark: int
-    ) -> int:
-        """The plain head ``r`` admitted into the fast step marked ``mark`` with its first
-        ``n`` positions in ``blocks`` new blocks (``Scheduler.admit_head``), its row added
-        (``RunningRows.append``); returns its computed positions."""
+    def enter_running(self, r: Request, hit: int, blocks: int, now: float, mark: int) -> None:
+        """The head of the waiting queue ``r`` admitted into the step marked ``mark``
+        starting at ``now``: out of the queue, its ``hit`` cached positions and ``blocks``
+        new blocks taken (``KVCacheManager.admit``), running in admission order. The one
+        place both ``Scheduler.admit_head`` and a decode run's lean admission do it."""
         self.waiting.pop()
-        self.kv.admit(r, 0, blocks, r.first_scheduled_time < 0)
+        self.kv.admit(r, hit, blocks, r.first_scheduled_time < 0)
         r.status = RUNNING
         r.admit_order = next(self.admit_order)
         if r.first_scheduled_time < 0:
             r.first_scheduled_time = now
         r.batch_mark = mark
         self.running.append(r)
-        self.running_seqs += 1
+        self.running_seqs += r.n
+
+    def _admit_plain(
+        self, vec: RunningRows, r: Request, n: int, blocks: int, now: float, mark: int
+    ) -> int:
+        """The plain head ``r`` admitted into the fast step marked ``mark`` with its first
+        ``n`` positions in ``blocks`` new blocks (``Scheduler.admit_head``), its row added
+        (``RunningRows.append``); returns its computed positions."""
+        self.enter_running(r, 0, blocks, now, mark)
         vec.rest_n.append(n)
         vec.size += 1
         return r.num_computed

@@ -203,15 +203,7 @@ class Scheduler(FastPath):
         hit, n, need, touched = chunk
         if need + touched > self.pool.free:
             return None
-        self.waiting.pop()
-        self.kv.admit(r, hit, need, r.first_scheduled_time < 0)
-        r.status = RUNNING
-        r.admit_order = next(self.admit_order)
-        if r.first_scheduled_time < 0:
-            r.first_scheduled_time = now
-        r.batch_mark = mark
-        self.running.append(r)
-        self.running_seqs += r.n
+        self.enter_running(r, hit, need, now, mark)
         return r, n
 
     def _admissible_head(self, now: float) -> Request | None:
