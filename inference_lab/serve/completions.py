@@ -242,9 +242,7 @@ def parse_body(
     raises ApiError (400)."""
     raw = parse_json_object(body)
     # the model's tokenizer counts the prompt (validation still answers first)
-    model = raw.get("model")  # any JSON value: validation refuses a non-string
-    if type(model) is str and model not in state.runtimes:  # an adapter's: its base's
-        model = state.base_of(model)
+    model = state.counted_as(raw.get("model"))  # an adapter's: its base's
     tokenizer = state.settings.tokenizers.get(model) if type(model) is str else None
     hashing = state.hashing.get(model) if type(model) is str else None  # prefix caching
     default_max_tokens = state.settings.default_max_tokens

@@ -105,7 +105,7 @@ async def create_message(
     settings = state.settings
     try:
         raw = parse_json_object(body)
-        model = _base_name(state, raw.get("model"))
+        model = state.counted_as(raw.get("model"))  # (Rule 4)
         request = parse_messages_request(
             raw,
             tokenizer=settings.tokenizers.get(model) if type(model) is str else None,
@@ -156,7 +156,7 @@ async def count_tokens(state: ServeState, exchange: Exchange, receive: Receive, 
         return
     try:
         raw = parse_json_object(body)
-        model = _base_name(state, raw.get("model"))
+        model = state.counted_as(raw.get("model"))  # (Rule 4)
         tokenizer = state.settings.tokenizers.get(model) if type(model) is str else None
         request = parse_messages_request(raw, tokenizer=tokenizer, count_only=True)
         if state.runtime_for(request.parsed.model) is None:
@@ -166,15 +166,6 @@ async def count_tokens(state: ServeState, exchange: Exchange, receive: Receive, 
         return
     reply = Reply(200, dumps({"input_tokens": request.parsed.prompt_tokens}))
     await send_reply(send, reply, exchange.headers)
-
-
-def _base_name(state: ServeState, model: Any) -> Any:
-    """The model whose tokenizer and prefix rule count a request naming ``model`` (any
-    JSON value: validation refuses a non-string): itself, or a LoRA adapter's base model
-    (Rule 4)."""
-    if type(model) is str and model not in state.runtimes:
-        return state.base_of(model)
-    return model
 
 
 #: Path -> the raw ASGI route serving ``POST`` on it.

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import numpy as np
@@ -198,6 +199,14 @@ class ServeState:
         """The model a name runs on: itself, or an adapter's base model."""
         runtime = self.runtime_for(model)
         return model if runtime is None else runtime.name
+
+    def counted_as(self, model: Any) -> Any:
+        """The model whose tokenizer and prefix rule count a request body naming ``model``
+        (any JSON value: validation refuses a non-string): itself, or a LoRA adapter's base
+        model (serve/lora.py Rule 3)."""
+        if type(model) is str and model not in self.runtimes:
+            return self.base_of(model)
+        return model
 
     async def start(self, nursery: trio.Nursery) -> None:
         """Start the delivery task, the KV-event publishers and every model's runtime in
