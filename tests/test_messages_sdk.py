@@ -1,8 +1,8 @@
 """The Messages API as the official ``anthropic`` SDK uses it, on a real socket (each test
 under ``trio.fail_after``, never the autojump clock): ``messages.create``,
 ``messages.stream`` and its final message, an agent loop of ``tool_use`` and
-``tool_result`` turns that ends with an answer, ``count_tokens``, and a full queue raising
-the SDK's ``OverloadedError`` without its retries."""
+``tool_result`` turns that ends with an answer, ``count_tokens``, a LoRA adapter named as
+the model, and a full queue raising the SDK's ``OverloadedError`` without its retries."""
 
 from __future__ import annotations
 
@@ -130,3 +130,25 @@ async def test_a_full_queue_raises_the_sdks_overloaded_error_without_retries() -
             await client.close()
             for stream in streams:
                 await stream.aclose()
+
+
+async def test_the_sdk_names_a_lora_adapter() -> None:
+    """``messages.create`` and ``count_tokens`` with an adapter's name as ``model`` (as
+    vLLM's Messages handler takes it, through its chat completions): the SDK's ``Message``
+    names the adapter, the adapter was loaded for it, and its prompt is counted as the
+    base model's; an unknown name is the SDK's ``NotFoundError``."""
+    from tests.test_serve_lora import lora_settings
+
+    with trio.fail_after(60):
+        async with running_server(lora_settings()) as (url, _, state):
+            client = client_for(url, max_retries=0)
+            messages: Any = [{"role": "user", "content": "hello " * 20}]
+            message = await client.messages.create(model="sql", max_tokens=4, messages=messages)
+            assert message.model == "sql" and message.usage.output_tokens > 0
+            (base,) = state.runtimes
+            lora = state.runtimes[base].engine.statistics().workers[0].lora
+            assert lora is not None and lora.loads == 1 and lora.resident == ("sql",)
+            counted = await client.messages.count_tokens(model="sql", messages=messages)
+            assert counted.input_tokens == message.usage.input_tokens
+            with pytest.raises(anthropic.NotFoundError):
+                await client.messages.create(model="nope", max_tokens=4, messages=messages)
