@@ -26,6 +26,10 @@ Rule 7: while some model's waiting places are all taken, a completion request re
         in one read that its route would refuse with that model's 529 is refused by the
         connection's own task where it is read (``serve/quick_refusal.py``); every other
         outcome is the route's.
+Rule 8: a prefill server's side-channel calls (``POST /kv_transfer/claim`` and
+        ``/kv_transfer/release``) read whole in one read are answered by the connection's
+        own task where they are read, with their raw route's very reply
+        (``serve/kv_routes.py`` Rule 4): a decode request waits for its claim.
 Rule 5: the app has no WebSocket endpoint: a WebSocket upgrade on any path is refused
         with a 404 in the OpenAI error envelope (the ASGI ``websocket.http.response``
         extension, which hypercorn offers), or closed where the server cannot answer
@@ -54,7 +58,7 @@ from inference_lab.serve.error_replies import (
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.health import HEALTH_PATH
 from inference_lab.serve.health import quick_answer as health_quick_answer
-from inference_lab.serve.kv_routes import KV_ROUTES, quick_admission
+from inference_lab.serve.kv_routes import KV_QUICK_POSTS, KV_ROUTES, quick_admission, quick_kv
 from inference_lab.serve.messages_route import MESSAGES_ROUTES, anthropic_reply, is_messages_path
 from inference_lab.serve.ops import INVOCATIONS, invocations
 from inference_lab.serve.pooling_routes import POOLING_ROUTES
@@ -186,12 +190,17 @@ class InferenceLabApp(QuartTrio):
             return health_quick_answer(state, method, path, headers, client)
         return quick_admission(state, method, path, headers, client)
 
-    #: The ``POST`` targets the connection may refuse itself (Rule 7).
-    quick_posts = QUICK_POSTS
+    #: The ``POST`` targets the connection may answer itself: the completion routes'
+    #: (refused there, Rule 7) and the side channel's (Rule 8).
+    quick_posts = QUICK_POSTS | KV_QUICK_POSTS
 
-    def quick_posting(self) -> bool:
-        """Whether a completion request may be refused where it is read now (Rule 7)."""
-        return STATE_KEY in self.extensions and refusing(get_state(self))
+    def quick_posting(self, target: bytes) -> bool:
+        """Whether a ``POST`` of ``target`` may be answered where it is read now: a
+        side-channel call always (Rule 8), a completion request while it may be refused
+        (Rule 7)."""
+        if STATE_KEY not in self.extensions:
+            return False
+        return target in KV_QUICK_POSTS or refusing(get_state(self))
 
     def quick_post(
         self,
@@ -200,7 +209,11 @@ class InferenceLabApp(QuartTrio):
         client: tuple[str, int] | None,
         body: bytes,
     ) -> QuickReply | None:
-        """The route's 529 for a completion request read whole, or None (Rule 7)."""
+        """The side channel's answer (Rule 8), or the route's 529 for a completion request
+        read whole (Rule 7), or None."""
         if STATE_KEY not in self.extensions:
             return None
-        return quick_refusal(get_state(self), path, headers, client, body)
+        state = get_state(self)
+        if path in KV_ROUTES:
+            return quick_kv(state, path, headers, client, body)
+        return quick_refusal(state, path, headers, client, body)

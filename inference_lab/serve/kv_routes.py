@@ -22,6 +22,10 @@ Rule 3: the admission answer is the snapshot's verdict: a model whose engine is 
         and the places held reach it) a 529; it holds nothing and counts no refusal. With
         one replica it is what an arrival at that instant would get; with several it
         looks at the model's total, not the replica the router would pick.
+Rule 4: a claim or release the connection read whole in one read is answered where it is
+        read (``transport.quick``, :func:`quick_kv`), before the queue of work: each
+        decode request waits for its claim. Its reply is :func:`kv_reply`, the raw route's
+        own, after the same gate; a body over the route's size limit is left to the route.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from inference_lab.api.kv_transfer import ClaimBody, ReleaseBody
+from inference_lab.api.requests import MAX_BODY_BYTES
 from inference_lab.api.schema import parse_json_object, structure
 from inference_lab.errors import ApiError, EngineSleeping, EngineUnavailable, QueueFull
 from inference_lab.serve import gate
@@ -48,16 +53,20 @@ from inference_lab.serve.error_replies import (
 )
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.kv_holds import KVHolds
+from inference_lab.serve.kv_pulls import CLAIM_PATH, RELEASE_PATH
 from inference_lab.serve.routes import to_response
 from inference_lab.serve.state import ServeState
 from inference_lab.serve.transport import QuickReply
 
 __all__ = [
     "ADMISSION_PATH",
+    "KV_QUICK_POSTS",
     "KV_ROUTES",
     "admission_reply",
     "admission_target",
+    "kv_reply",
     "quick_admission",
+    "quick_kv",
     "register_kv_routes",
 ]
 
@@ -84,17 +93,28 @@ def _holds(state: ServeState) -> KVHolds:
     return held
 
 
-def _raw_route(
-    answer: Callable[[KVHolds, dict[str, Any]], dict[str, Any]],
-) -> Callable[[ServeState, Exchange, Receive, Send], Awaitable[None]]:
+#: Path -> what its ``POST`` answers, given the holds and the body's JSON object.
+_ANSWERS: dict[str, Callable[[KVHolds, dict[str, Any]], dict[str, Any]]] = {
+    CLAIM_PATH: lambda holds, raw: holds.claim(structure(raw, ClaimBody, strict=True)),
+    RELEASE_PATH: lambda holds, raw: holds.release(structure(raw, ReleaseBody, strict=True)),
+}
+
+
+def kv_reply(state: ServeState, path: str, body: bytes) -> Reply:
+    """Rule 4: the answer to a side-channel ``POST`` on ``path`` (a key of
+    :data:`KV_ROUTES`) whose whole body is ``body``, once it passed the gate."""
+    try:
+        return json_reply(_ANSWERS[path](_holds(state), parse_json_object(body)))
+    except ApiError as exc:
+        return error_reply(exc)
+
+
+def _raw_route(path: str) -> Callable[[ServeState, Exchange, Receive, Send], Awaitable[None]]:
     async def route(state: ServeState, exchange: Exchange, receive: Receive, send: Send) -> None:
         body = await request_body(state, exchange, receive, send)
         if body is None:
             return
-        try:
-            reply = json_reply(answer(_holds(state), parse_json_object(body)))
-        except ApiError as exc:
-            reply = error_reply(exc)
+        reply = kv_reply(state, path, body)
         with trio.CancelScope(shield=True):
             await send_reply(send, reply, exchange.headers)
 
@@ -102,14 +122,28 @@ def _raw_route(
 
 
 #: The raw ASGI routes (``POST``) of the side channel (``serve/asgi.py`` dispatches them).
-KV_ROUTES = {
-    "/kv_transfer/claim": _raw_route(
-        lambda holds, raw: holds.claim(structure(raw, ClaimBody, strict=True))
-    ),
-    "/kv_transfer/release": _raw_route(
-        lambda holds, raw: holds.release(structure(raw, ReleaseBody, strict=True))
-    ),
-}
+KV_ROUTES = {path: _raw_route(path) for path in _ANSWERS}
+#: Their request targets, which the connection may answer itself (Rule 4).
+KV_QUICK_POSTS = frozenset(path.encode() for path in KV_ROUTES)
+
+
+def quick_kv(
+    state: ServeState,
+    path: str,
+    headers: list[tuple[bytes, bytes]],
+    client: tuple[str, int] | None,
+    body: bytes,
+) -> QuickReply | None:
+    """Rule 4: the whole answer to a side-channel ``POST`` the connection read whole,
+    gated as every request is; None for another path or a body the route would refuse
+    for its size (the route answers those)."""
+    if path not in _ANSWERS or len(body) > MAX_BODY_BYTES:
+        return None
+    exchange = Exchange.read_whole("POST", path, headers, client, trio.current_time())
+    gate.prepare(state, exchange)
+    refusal = shutting_down_reply() if state.draining else gate.check(state, exchange)
+    reply = refusal if refusal is not None else kv_reply(state, path, body)
+    return QuickReply(reply.status, reply.header_list(exchange.headers), reply.body)
 
 
 def admission_reply(state: ServeState, name: str | None) -> Reply:

@@ -8,14 +8,15 @@ may instead have a few requests answered where their bytes are read.
 
 Rule 1: an app offers ``quick_paths`` (request targets, bytes) and ``quick_answer(method,
         path, headers, client) -> QuickReply | None`` (:class:`QuickAnswers`); it may also
-        offer ``quick_posts`` (targets), ``quick_posting() -> bool`` and ``quick_post(path,
-        headers, client, body) -> QuickReply | None`` (:class:`QuickPosts`). The connection
+        offer ``quick_posts`` (targets), ``quick_posting(target) -> bool`` and
+        ``quick_post(path, headers, client, body) -> QuickReply | None``
+        (:class:`QuickPosts`). The connection
         server finds them on the ASGI app hypercorn wraps. A request is offered only when
         one read brought it whole and nothing else (no pipelined request after it), on an
         idle HTTP/1.1 connection (h11 idle both ways, no request in progress, nothing
         buffered), without ``Upgrade`` or ``Expect``: an HTTP/1.1 ``GET`` of a quick path
         without a body (as h11 reads it), or a ``POST`` of a quick post target, its body
-        whole, while ``quick_posting()`` says so (asked before anything is parsed). Anything
+        whole, while ``quick_posting(target)`` says so (asked before anything is parsed). Anything
         else, or a None answer, goes hypercorn's way unchanged.
 Rule 2: the answer is framed by h11 (a connection of its own that parsed the request) with
         hypercorn's ``date`` and ``server`` headers after the app's, and written by the
@@ -86,7 +87,7 @@ class QuickPosts(QuickAnswers, Protocol):
 
     quick_posts: frozenset[bytes]
 
-    def quick_posting(self) -> bool: ...
+    def quick_posting(self, target: bytes) -> bool: ...
 
     def quick_post(
         self,
@@ -145,8 +146,9 @@ def _offered(app: QuickAnswers, data: bytes) -> str | None:
         return "GET" if data.split(b" ", 2)[1] in app.quick_paths else None
     if data.startswith(b"POST "):
         posts = _posts(app)
-        if posts is not None and data.split(b" ", 2)[1] in posts.quick_posts:
-            return "POST" if posts.quick_posting() else None
+        target = data.split(b" ", 2)[1]
+        if posts is not None and target in posts.quick_posts:
+            return "POST" if posts.quick_posting(target) else None
     return None
 
 
