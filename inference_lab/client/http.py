@@ -48,6 +48,7 @@ __all__ = [
     "TCPTransport",
     "Transport",
     "connect_tcp",
+    "connect_tcp_unstamped",
     "parse_base_url",
 ]
 
@@ -142,9 +143,9 @@ class TCPTransport:
 
     __slots__ = ("_stream", "_stamped", "_receipt")
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.SocketStream, *, stamped: bool = True) -> None:
         self._stream = stream
-        self._stamped = enable_receive_timestamps(stream.socket)
+        self._stamped = stamped and enable_receive_timestamps(stream.socket)
         self._receipt: float | None = None
 
     async def send_all(self, data: bytes) -> None:
@@ -170,6 +171,13 @@ class TCPTransport:
 async def connect_tcp(origin: Origin) -> Transport:
     """The default ``Connect``: a TCP connection to ``origin``'s host and port."""
     return TCPTransport(await trio.open_tcp_stream(origin.host, origin.port))
+
+
+async def connect_tcp_unstamped(origin: Origin) -> Transport:
+    """``connect_tcp`` without the kernel's receive timestamps: a plain ``recv`` per read,
+    for a caller that never reads ``received_at`` as a measurement (the proxy relaying a
+    backend's stream); ``received_at`` is then when each read returned."""
+    return TCPTransport(await trio.open_tcp_stream(origin.host, origin.port), stamped=False)
 
 
 class Connection:

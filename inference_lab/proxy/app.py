@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import trio
 
-from inference_lab.client.http import Connect, Origin, connect_tcp
+from inference_lab.client.http import Connect, Origin, connect_tcp_unstamped
 from inference_lab.errors import error_body
 from inference_lab.jsonbytes import dumps
 from inference_lab.proxy.backends import BackendFailed, Exchange, Policy, Pool
@@ -99,7 +99,7 @@ class ProxyApp:
     """The proxy (module rules); ``connect`` opens its backend connections (tests pass
     their own)."""
 
-    def __init__(self, config: ProxyConfig, *, connect: Connect = connect_tcp) -> None:
+    def __init__(self, config: ProxyConfig, *, connect: Connect = connect_tcp_unstamped) -> None:
         self.config = config
         self.prefill = Pool("prefill", config.prefill, config.policy, connect=connect)
         self.decode = Pool("decode", config.decode, config.policy, connect=connect)

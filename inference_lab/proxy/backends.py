@@ -13,6 +13,9 @@ Rule 3: every wait on a backend is bounded: its answer's head within ``timeout``
         the request, and each later piece of its body within ``timeout`` of the previous
         one; a backend that cannot be reached, breaks the protocol or stays silent is a
         :class:`BackendFailed` naming it.
+Rule 4: backend connections are opened without the kernel's receive timestamps
+        (``client/http.py``'s ``connect_tcp_unstamped``): the proxy measures nothing by
+        them, and a relayed stream reads once per token.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from inference_lab.client.http import (
     ConnectionFailed,
     ConnectionPool,
     Origin,
-    connect_tcp,
+    connect_tcp_unstamped,
 )
 
 __all__ = ["POLICIES", "Backend", "BackendFailed", "Exchange", "Pool"]
@@ -80,7 +83,7 @@ class Pool:
         origins: Sequence[Origin],
         policy: Policy,
         *,
-        connect: Connect = connect_tcp,
+        connect: Connect = connect_tcp_unstamped,
     ) -> None:
         self.role = role
         self.policy = policy
@@ -163,13 +166,16 @@ class Exchange:
         """The next piece of the answer's body (``ended`` once it is whole); raises
         :class:`BackendFailed` (Rule 3)."""
         assert self._conn is not None
-        try:
-            with trio.fail_after(self.timeout):
+        data = b""
+        # (a bare cancel scope: ``fail_after``'s generator-based context manager costs more,
+        # and a relayed stream takes this path once per piece)
+        with trio.CancelScope(deadline=trio.current_time() + self.timeout) as scope:
+            try:
                 data, self.ended = await self._conn.receive_body_chunk()
-        except ConnectionFailed as exc:
-            raise self._failed(str(exc)) from None
-        except trio.TooSlowError:
-            raise self._failed(f"silent for {self.timeout:g} s mid-answer") from None
+            except ConnectionFailed as exc:
+                raise self._failed(str(exc)) from None
+        if scope.cancelled_caught:
+            raise self._failed(f"silent for {self.timeout:g} s mid-answer")
         return data
 
     async def body(self, limit: int) -> bytes:
