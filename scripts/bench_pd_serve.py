@@ -26,6 +26,13 @@ sends its requests back to back on one keep-alive connection. Then:
    takes as long), so their prefills queue behind each other in waves, where the served
    streams drift apart -- a different traffic, shown for what it is.
 
+Each request's TTFT and E2E are also compared with the replay's for the same request
+(the paired differences), and the TTFT's differences are counted in decode steps around
+their median: a request's first token comes at a step boundary of the decode server,
+served and simulated, so when the two step grids are out of phase the differences fall
+in two bands a step apart, and the paired median (and the p50's error) is whichever band
+holds more than half.
+
 Where the TTFT went is printed beside (means over every request of the run, its first
 streams' included, as the servers count them): the proxy's stages over the run (``/stats``: its
 front, the prefill's round trip, the hand-off, the decode answer's head) and the replay's
@@ -220,6 +227,39 @@ def paired_line(name: str, client: Sequence[float], sim: Sequence[float]) -> str
         f"{name} paired by request (client - sim, same arrival): median {at(diffs, 0.5) * 1e3:+.2f} ms "
         f"({at(rel, 0.5) * 100:+.1f} %), p90 {at(diffs, 0.9) * 1e3:+.2f} ms "
         f"({at(rel, 0.9) * 100:+.1f} %), mean {statistics.fmean(diffs) * 1e3:+.2f} ms"
+    )
+
+
+def step_bands(diffs: Sequence[float], step: float) -> tuple[float, float, float, float]:
+    """How the per-request differences ``diffs`` (client - replay, s) fall around their
+    median in decode steps of ``step`` seconds: the shares within half a step of the
+    median, a step below it, a step above it, and farther. A request joins the decode
+    server's steps at one of their boundaries, served as simulated: when the two step
+    grids are out of phase, a request's difference is the phase or the phase less a step,
+    and the median lands on whichever band holds more than half."""
+    if not diffs or step <= 0:
+        return (0.0, 0.0, 0.0, 0.0)
+    median = statistics.median(diffs)
+    counts = [0, 0, 0, 0]
+    for d in diffs:
+        k = round((d - median) / step)
+        counts[0 if k == 0 else 1 if k == -1 else 2 if k == 1 else 3] += 1
+    n = len(diffs)
+    return (counts[0] / n, counts[1] / n, counts[2] / n, counts[3] / n)
+
+
+def steps_line(client: Sequence[float], replay: Sequence[Finished], output: int) -> str:
+    """:func:`step_bands` of the TTFT's paired differences, in the replay's decode step
+    (the median of its requests' time per output token after the first)."""
+    if output < 2:
+        return "decode steps: one output token, no decode step"
+    step = statistics.median((f.finish_time - f.first_token_time) / (output - 1) for f in replay)
+    diffs = [c - _ttft(f) for c, f in zip(client, replay, strict=True)]
+    near, below, above, far = step_bands(diffs, step)
+    return (
+        f"TTFT paired differences by decode step ({step * 1e3:.2f} ms): {near * 100:.0f} % within "
+        f"half a step of their median, {below * 100:.0f} % a step below, {above * 100:.0f} % a "
+        f"step above, {far * 100:.0f} % farther"
     )
 
 
@@ -523,6 +563,7 @@ def report(args: argparse.Namespace, dep: Deployment, run: Run) -> None:
         ("E2E", [s.e2e for s in sent], _e2e),
     ):
         print(paired_line(name, client, [pick(f) for f in replay]))
+    print(steps_line([s.ttft for s in sent], replay, args.output))
     busy = ", ".join(f"{name} {share * 100:.0f} %" for name, share in run.cpu.items())
     print(
         f"run {run.wall:.1f} s; CPU of a core: {busy}; load average {run.load[0]:.2f} "

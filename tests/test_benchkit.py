@@ -159,3 +159,14 @@ def test_the_hypervisors_share_of_the_machine_is_read_from_proc_stat(
     assert machine_steal() == (35, 1000)
     monkeypatch.setattr(benchkit, "PROC_STAT", tmp_path / "missing")
     assert machine_steal() is None
+
+
+def test_paired_differences_are_counted_in_decode_steps() -> None:
+    """bench_pd_serve's ``step_bands``: differences a decode step apart fall in the bands
+    around their median (here 0.003 s: six of ten), a step below, a step above, farther."""
+    from bench_pd_serve import step_bands
+
+    step = 0.015
+    diffs = [0.003] * 6 + [0.003 - step] * 2 + [0.003 + step] + [0.003 + 3 * step]
+    assert step_bands(diffs, step) == pytest.approx((0.6, 0.2, 0.1, 0.1))
+    assert step_bands([], step) == (0.0, 0.0, 0.0, 0.0)
