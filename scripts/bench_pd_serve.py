@@ -31,7 +31,9 @@ Each request's TTFT and E2E are also compared with the replay's for the same req
 their median: a request's first token comes at a step boundary of the decode server,
 served and simulated, so when the two step grids are out of phase the differences fall
 in two bands a step apart, and the paired median (and the p50's error) is whichever band
-holds more than half.
+holds more than half. The p50's error is printed again against replays whose warm-up
+arrivals (left out of every figure) come 3 to 12 ms later: their decode steps start that
+much later, so the phase alone moves.
 
 Where the TTFT went is printed beside (means over every request of the run, its first
 streams' included, as the servers count them): the proxy's stages over the run (``/stats``: its
@@ -261,6 +263,33 @@ def steps_line(client: Sequence[float], replay: Sequence[Finished], output: int)
         f"half a step of their median, {below * 100:.0f} % a step below, {above * 100:.0f} % a "
         f"step above, {far * 100:.0f} % farther"
     )
+
+
+#: Milliseconds the warm-up arrivals are moved by in :func:`phase_line`'s replays.
+PHASE_SHIFTS_MS = (0, 3, 6, 9, 12)
+
+
+def shifted_arrivals(arrivals: Sequence[float], warm: int, shift: float) -> list[float]:
+    """``arrivals`` with the first ``warm`` (the warm-up's, left out of every figure)
+    ``shift`` seconds later."""
+    return [at + shift if i < warm else at for i, at in enumerate(arrivals)]
+
+
+def phase_line(args: argparse.Namespace, dep: Deployment, run: Run) -> str:
+    """The TTFT p50's error against replays of the run whose warm-up arrivals (left out of
+    the figures) come :data:`PHASE_SHIFTS_MS` later: the replay's decode steps start
+    later by as much, the measured requests arrive as before, so what moves is the phase
+    between the replay's steps and the served ones alone."""
+    pd = pd_deployment(dep, run.front, run.handoff)
+    warm = args.streams
+    client = statistics.median(s.ttft for s in run.sent[warm:])
+    cells = []
+    for shift in PHASE_SHIFTS_MS:
+        arrivals = shifted_arrivals([s.at for s in run.sent], warm, shift / 1e3)
+        replay = simulate_arrivals(pd, arrivals, args.prompt, args.output)[warm:]
+        p50 = statistics.median(_ttft(f) for f in replay)
+        cells.append(f"+{shift} ms {(client - p50) / p50 * 100:+.1f} %")
+    return "TTFT p50 error with the warm-up arrivals moved: " + ", ".join(cells)
 
 
 async def proxy_stats(url: str) -> dict[str, Any]:
@@ -564,6 +593,7 @@ def report(args: argparse.Namespace, dep: Deployment, run: Run) -> None:
     ):
         print(paired_line(name, client, [pick(f) for f in replay]))
     print(steps_line([s.ttft for s in sent], replay, args.output))
+    print(phase_line(args, dep, run))
     busy = ", ".join(f"{name} {share * 100:.0f} %" for name, share in run.cpu.items())
     print(
         f"run {run.wall:.1f} s; CPU of a core: {busy}; load average {run.load[0]:.2f} "

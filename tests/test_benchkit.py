@@ -170,3 +170,11 @@ def test_paired_differences_are_counted_in_decode_steps() -> None:
     diffs = [0.003] * 6 + [0.003 - step] * 2 + [0.003 + step] + [0.003 + 3 * step]
     assert step_bands(diffs, step) == pytest.approx((0.6, 0.2, 0.1, 0.1))
     assert step_bands([], step) == (0.0, 0.0, 0.0, 0.0)
+
+
+def test_only_the_warm_up_arrivals_are_moved() -> None:
+    """bench_pd_serve's ``shifted_arrivals``: the first ``warm`` arrivals later by the
+    shift, the measured ones as they were."""
+    from bench_pd_serve import shifted_arrivals
+
+    assert shifted_arrivals([0.0, 0.0, 1.0, 2.0], 2, 0.005) == [0.005, 0.005, 1.0, 2.0]
