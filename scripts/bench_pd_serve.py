@@ -32,8 +32,9 @@ their median: a request's first token comes at a step boundary of the decode ser
 served and simulated, so when the two step grids are out of phase the differences fall
 in two bands a step apart, and the paired median (and the p50's error) is whichever band
 holds more than half. The p50's error is printed again against replays whose warm-up
-arrivals (left out of every figure) come 3 to 12 ms later: their decode steps start that
-much later, so the phase alone moves.
+arrivals (left out of every figure) come later by fifths of a decode step: their decode
+steps start that much later, so the phase alone moves, and the mean of those errors is
+the p50's error with the phase averaged out.
 
 Where the TTFT went is printed beside (means over every request of the run, its first
 streams' included, as the servers count them): the proxy's stages over the run (``/stats``: its
@@ -265,8 +266,9 @@ def steps_line(client: Sequence[float], replay: Sequence[Finished], output: int)
     )
 
 
-#: Milliseconds the warm-up arrivals are moved by in :func:`phase_line`'s replays.
-PHASE_SHIFTS_MS = (0, 3, 6, 9, 12)
+#: How many evenly spaced moves of the warm-up arrivals, over one decode step,
+#: :func:`phase_line` replays.
+PHASE_MOVES = 5
 
 
 def shifted_arrivals(arrivals: Sequence[float], warm: int, shift: float) -> list[float]:
@@ -277,19 +279,35 @@ def shifted_arrivals(arrivals: Sequence[float], warm: int, shift: float) -> list
 
 def phase_line(args: argparse.Namespace, dep: Deployment, run: Run) -> str:
     """The TTFT p50's error against replays of the run whose warm-up arrivals (left out of
-    the figures) come :data:`PHASE_SHIFTS_MS` later: the replay's decode steps start
-    later by as much, the measured requests arrive as before, so what moves is the phase
-    between the replay's steps and the served ones alone."""
+    the figures) come later by :data:`PHASE_MOVES` evenly spaced fractions of the replay's
+    decode step: the replay's decode steps start later by as much while the measured
+    requests arrive as before, so only the phase between the replay's steps and the
+    served ones moves; the mean over the moves is the error with the phase averaged out."""
     pd = pd_deployment(dep, run.front, run.handoff)
     warm = args.streams
     client = statistics.median(s.ttft for s in run.sent[warm:])
-    cells = []
-    for shift in PHASE_SHIFTS_MS:
-        arrivals = shifted_arrivals([s.at for s in run.sent], warm, shift / 1e3)
-        replay = simulate_arrivals(pd, arrivals, args.prompt, args.output)[warm:]
-        p50 = statistics.median(_ttft(f) for f in replay)
-        cells.append(f"+{shift} ms {(client - p50) / p50 * 100:+.1f} %")
-    return "TTFT p50 error with the warm-up arrivals moved: " + ", ".join(cells)
+    arrivals = [s.at for s in run.sent]
+    replay = simulate_arrivals(pd, arrivals, args.prompt, args.output)
+    if args.output < 2:
+        return "TTFT p50 error with the warm-up arrivals moved: one output token, no decode step"
+    step = statistics.median(
+        (f.finish_time - f.first_token_time) / (args.output - 1) for f in replay
+    )
+    cells, errors = [], []
+    for k in range(PHASE_MOVES):
+        shift = step * k / PHASE_MOVES
+        moved = simulate_arrivals(
+            pd, shifted_arrivals(arrivals, warm, shift), args.prompt, args.output
+        )
+        p50 = statistics.median(_ttft(f) for f in moved[warm:])
+        errors.append((client - p50) / p50 * 100)
+        cells.append(f"+{shift * 1e3:.1f} ms {errors[-1]:+.1f} %")
+    return (
+        f"TTFT p50 error with the warm-up arrivals moved by fifths of a decode step "
+        f"({step * 1e3:.2f} ms): "
+        + ", ".join(cells)
+        + f"; their mean {statistics.fmean(errors):+.1f} %"
+    )
 
 
 async def proxy_stats(url: str) -> dict[str, Any]:
