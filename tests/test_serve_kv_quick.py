@@ -21,10 +21,10 @@ from inference_lab.serve.state import ServeState
 from tests.conftest import LLAMA, chat_body, make_settings
 from tests.serve_util import running_server
 from tests.test_serve_health import read_answer
+from tests.test_serve_pd import PROMPT_TOKENS, claim_of
 from tests.transport_util import h11_answers
 
 PROMPT = "hello " * 100  # 159 chat prompt tokens on Llama-3.1-8B: 10 blocks
-PROMPT_TOKENS = 159
 REQUEST_ID = "x-request-id: side-channel-7"
 
 
@@ -75,17 +75,6 @@ async def held(port: int) -> dict[str, Any]:
     assert status == 200, answer
     params: dict[str, Any] = answer[FIELD]
     return params
-
-
-def claim_of(params: dict[str, Any], **change: Any) -> dict[str, Any]:
-    claim = {
-        "remote_engine_id": params["remote_engine_id"],
-        "remote_request_id": params["remote_request_id"],
-        "remote_block_ids": params["remote_block_ids"],
-        "model": LLAMA,
-        "prompt_tokens": PROMPT_TOKENS,
-    }
-    return {**claim, **change}
 
 
 def release_of(params: dict[str, Any]) -> dict[str, Any]:

@@ -110,6 +110,19 @@ async def prefill(p: Served, **extra: Any) -> dict[str, Any]:
     return params
 
 
+def claim_of(params: dict[str, Any], **change: Any) -> dict[str, Any]:
+    """The claim a decode server makes of the prefill answer's ``params``, with
+    ``change`` over it."""
+    claim = {
+        "remote_engine_id": params["remote_engine_id"],
+        "remote_request_id": params["remote_request_id"],
+        "remote_block_ids": params["remote_block_ids"],
+        "model": LLAMA,
+        "prompt_tokens": PROMPT_TOKENS,
+    }
+    return {**claim, **change}
+
+
 async def settle() -> None:
     """Let the engine tasks take what the HTTP side queued (a release)."""
     await trio.testing.wait_all_tasks_blocked()
@@ -225,14 +238,8 @@ async def test_a_claim_on_kv_not_held_as_named_is_refused(
     model's name once the body is well formed), and the hold stays claimable."""
     async with serve(pd_settings("prefill")) as p:
         params = await prefill(p)
-        claim = {
-            "remote_engine_id": params["remote_engine_id"],
-            "remote_request_id": params["remote_request_id"],
-            "remote_block_ids": params["remote_block_ids"],
-            "model": LLAMA,
-            "prompt_tokens": PROMPT_TOKENS,
-        }
-        response = await p.post("/kv_transfer/claim", {**claim, **change})
+        claim = claim_of(params)
+        response = await p.post("/kv_transfer/claim", claim_of(params, **change))
         assert response.status_code == status
         assert words in json.loads(await response.get_data())["error"]["message"]
         ok = await p.post("/kv_transfer/claim", claim)
