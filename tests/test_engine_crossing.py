@@ -18,6 +18,7 @@ import random
 from collections import Counter
 from typing import Any
 
+import attrs
 import pytest
 
 from inference_lab.core.config import Deployment, load_deployment
@@ -213,3 +214,60 @@ def test_admissions_a_run_starts_are_step_by_step(
         assert seen["several"] > 0, seen
     if name == "prefix-loaded":  # (a head with a prefix after plain ones: the loop's)
         assert seen["continued"] > 0, seen
+
+
+#: workloads whose admission steps end in a run in each way decode_runs Rule 5 takes: the
+#: new row decodes (light, loaded), it was a prefill chunk (a small budget, chunked
+#: prefills), a preempted request's prefill again (preemptions), it finished at its first
+#: token (one-token outputs)
+ENDS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "light": CASES["light"],
+    "loaded": CASES["loaded"],
+    "small-budget": ADMITTING["small-budget"],
+    "chunked": CASES["chunked"],
+    "preemptions": CASES["preemptions"],
+    "one-token": (lambda: deployment(GPT_OSS_20B), {"rate": 90.0}),  # (every 4th: one)
+}
+
+
+@pytest.mark.parametrize("seed", [31, 32])
+@pytest.mark.parametrize("name", sorted(ENDS))
+def test_ends_of_admission_steps_are_step_by_step(
+    monkeypatch: pytest.MonkeyPatch, name: str, seed: int
+) -> None:
+    """decode_runs Rule 5: each workload through runs free to cross arrivals and one
+    ``step()`` at a time: the same steps, completions, state and event count, with the
+    ends of admission steps taken inline, each way the workload gives."""
+    seen: Counter[str] = Counter()
+    end_admission = runs_half.DecodeRuns._end_admission
+
+    def counting(self: Any, vec: Any, *args: Any) -> bool:
+        r = self.running[vec.decoding]
+        out, decoding = r.num_output, vec.decoding
+        ended = end_admission(self, vec, *args)
+        if ended:
+            seen["finished"] += 1
+        elif vec.decoding > decoding:
+            seen["decodes"] += 1
+        else:
+            seen["again" if out else "chunk"] += 1
+        return ended
+
+    monkeypatch.setattr(runs_half.DecodeRuns, "_end_admission", counting)
+    make, kw = ENDS[name]
+    dep = make()
+    specs = _specs(300, seed, **kw)
+    if name == "one-token":
+        specs = [attrs.evolve(s, target=1) if i % 4 == 0 else s for i, s in enumerate(specs)]
+    stepped = _drive(dep, specs, seed, runs=False)
+    assert not seen  # (step() starts no run)
+    ran = _drive(dep, specs, seed, runs=True)
+    _same(stepped[:4], ran[:4])  # type: ignore[arg-type]
+    assert stepped[4] == ran[4]
+    assert seen["decodes"] > 0, seen
+    if name in ("small-budget", "chunked"):
+        assert seen["chunk"] > 0, seen
+    if name == "preemptions":
+        assert seen["again"] > 0, seen
+    if name == "one-token":
+        assert seen["finished"] > 0, seen

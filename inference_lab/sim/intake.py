@@ -10,8 +10,10 @@ Rule 1: every request is submitted with ``max_tokens = target =`` the sampled ou
 Rule 2: an open loop's arrivals are fed in chunks of :data:`FEED_CHUNK`, in arrival
         order, each chunk before the engine handles an event later than its first
         arrival, filed in the engine's heap as if submitted up front (``preorder``, the
-        engine's Rule 11): the run is the one in which every arrival was submitted before
-        the first step.
+        engine's Rule 6): the run is the one in which every arrival was submitted before
+        the first step. An arrival without a worker hint or an adapter is handed over as
+        its two lengths and its time (``Engine.submit_plain``, the engine's Rule 8: the
+        same request, without a ``RequestSpec`` each).
 Rule 3: :data:`MAX_REFUSAL_STREAK` refusals in a row without one admitted request is a
         :class:`~inference_lab.errors.SimError` (a closed loop refused at one instant
         would spin forever).
@@ -188,6 +190,7 @@ class OpenLoopFeed:
         intake = self._intake
         table = self.table
         submit = self._engine.submit
+        plain = self._engine.submit_plain
         new_spec = self._new_spec
         fed = self._fed
         end = min(fed + FEED_CHUNK, self._count)
@@ -202,16 +205,19 @@ class OpenLoopFeed:
             self._outputs[fed:end].tolist(),
             strict=True,
         ):
-            if hints is not None:  # (a shard: no adapters)
-                spec = new_spec(
-                    prompt_tokens=p, max_tokens=o, arrival_time=t, worker=hints[i - fed]
-                )
-            elif loras is None:
-                spec = new_spec(prompt_tokens=p, max_tokens=o, arrival_time=t)
-            else:
-                spec = new_spec(prompt_tokens=p, max_tokens=o, arrival_time=t, lora=loras[i - fed])
             try:
-                request_id = submit(spec, preorder=i)
+                if hints is not None:  # (a shard: no adapters)
+                    spec = new_spec(
+                        prompt_tokens=p, max_tokens=o, arrival_time=t, worker=hints[i - fed]
+                    )
+                    request_id = submit(spec, preorder=i)
+                elif loras is None:  # (no spec object: engine Rule 8)
+                    request_id = plain(p, o, t, i)
+                else:
+                    spec = new_spec(
+                        prompt_tokens=p, max_tokens=o, arrival_time=t, lora=loras[i - fed]
+                    )
+                    request_id = submit(spec, preorder=i)
             except RequestRefused as exc:
                 self.never_fit.append(i)
                 intake.refuse(table.arrival(i), exc.limit, exc.reason)

@@ -39,6 +39,12 @@ Rule 4: at a boundary where every running request decodes and requests wait (arr
         and the step is priced from the same terms, without the passes over rest rows
         and the scheduler output. Any other case is handed to ``_start_whole`` before
         anything changed.
+Rule 5: the common end of an admission step in a run -- the decoding rows finish nothing
+        and one running rest row (the admission, or a prefill chunk) follows them -- is
+        :meth:`DecodeRuns._end_admission`: ``complete_fast`` and ``complete_members`` for
+        that one member inline (the same arithmetic in the same order; a run reports no
+        tokens), the row starting to decode when it emitted its first token. Any other
+        end of a step that is not pure is ``complete_fast``'s.
 """
 
 from __future__ import annotations
@@ -110,6 +116,7 @@ class DecodeRuns:
         tuple[tuple[tuple[int, int], ...], list[Request]],
     ]
     _schedule_whole: Callable[[float], SchedulerOutput | None]
+    finish: Callable[[Request], None]
     _admit_into_whole: Callable[[float, int, int, RunningRows, list[int]], SchedulerOutput]
     grow_due: Callable[
         [RunningRows, int],
@@ -145,21 +152,53 @@ class DecodeRuns:
         """A decode run's boundary at ``now`` ends the fast step in flight (started at
         ``start``): ``complete_fast``, or for a pure decode step that finishes nothing the
         decode counter moving on. Whether a request finished (in ``ended``)."""
-        if vec.rest_n or vec.decoding != vec.size or vec.g + 1 in vec.finish_cal:
+        rest = vec.rest_n
+        finishes = vec.g + 1 in vec.finish_cal
+        if rest or vec.decoding != vec.size or finishes:
+            if (
+                not finishes
+                and len(rest) == 1
+                and vec.size == vec.decoding + 1 == vec.step_decoding + 1
+                and self.running[vec.decoding].status == RUNNING
+            ):
+                return self._end_admission(vec, now, start, ended)
             _, done = self.complete_fast(now, scratch, False)  # the general end of a step
             scratch.clear()
             for r in done:
                 ended.append((r, now, now - start))
             return bool(done)
-        g = vec.g + 1  # (RunningRows.advance, inline: no finish entry at g)
-        vec.g = g
-        windows = vec.windows
-        for j, cal in enumerate(vec.sat_cal):
-            count = cal.pop(g, 0) if cal else 0
-            if count:
-                vec.sat[j] += count
-                vec.unsat[j] -= count
-                vec.unsat_sum[j] -= count * (windows[j] - 1 - g)
+        _advance_pure(vec)
+        return False
+
+    def _end_admission(self, vec: RunningRows, now: float, start: float, ended: Ended) -> bool:
+        """Rule 5: :meth:`_end_in_run` for the common end of an admission step: the
+        decoding rows finish nothing and one running rest row follows them (``complete_fast``
+        and ``complete_members`` for that one member, inline; no tokens reported). Whether
+        it finished (in ``ended``)."""
+        _advance_pure(vec)
+        d = vec.decoding
+        r = self.running[d]
+        c = r.num_computed + vec.rest_n[0]
+        r.num_computed = c
+        prompt = r.prompt_tokens
+        if c < prompt:  # (a prefill chunk: no token yet)
+            return False
+        new = c - prompt + 1
+        if new > r.max_tokens:
+            new = r.max_tokens
+        out = r.num_output
+        if new <= out:  # (a preempted request's prefill again: its tokens are out)
+            return False
+        if out == 0:
+            r.first_token_time = now
+        r.num_output = new
+        if new >= r.target_tokens:
+            self.finish(r)
+            vec.drop([d])
+            del self.running[d]
+            ended.append((r, now, now - start))
+            return True
+        vec.start_decoding((r,))
         return False
 
     def grow_at(self, vec: RunningRows, g: int) -> bool:
@@ -459,6 +498,20 @@ class DecodeRuns:
             else:
                 self._in_flight(vec, pure, start, end)
         return decode_run_result(boundaries, started, boundary, partial)
+
+
+def _advance_pure(vec: RunningRows) -> None:
+    """``RunningRows.advance`` inline for a count at which no decoding row finishes: the
+    counter moves on and the windows' rows saturating at it move over."""
+    g = vec.g + 1
+    vec.g = g
+    windows = vec.windows
+    for j, cal in enumerate(vec.sat_cal):
+        count = cal.pop(g, 0) if cal else 0
+        if count:
+            vec.sat[j] += count
+            vec.unsat[j] -= count
+            vec.unsat_sum[j] -= count * (windows[j] - 1 - g)
 
 
 def _log_step(worker: DecodeRuns, cost: StepCost, log: StepLog) -> None:

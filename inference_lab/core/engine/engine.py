@@ -40,6 +40,11 @@ Rule 7: ``frontend_latency`` (seconds, ``[scheduler]``) is what a real server's 
         ``arrival_time`` t is an arrival at ``t + frontend_latency`` to everything here
         (its event, its stamp for Rule 2), while the ``Finished`` it ends with reports
         ``arrival_time`` t, so its TTFT, queue time and E2E include the latency.
+Rule 8: ``submit_plain`` is ``submit`` of a spec with a prompt, a length and an arrival
+        time only (every other field its default: the simulator's open loop) without the
+        spec object: the same request, built from :data:`PLAIN_SPEC` with its two
+        lengths set, filed the same way; anything that may be refused or is malformed
+        goes through ``submit``.
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ from inference_lab.core.engine.request import (
 from inference_lab.core.engine.stepping import EventLoop
 from inference_lab.core.speculative import AcceptanceDraws, expected_length
 from inference_lab.errors import RequestRefused
+
+#: Rule 8: a spec of every default field, whose request takes the lengths it is given
+PLAIN_SPEC = RequestSpec(prompt_tokens=1, max_tokens=1)
 
 __all__ = ["Engine"]
 
@@ -163,11 +171,42 @@ class Engine(EventLoop):
         r = Request(rid, spec, arrival, target, stamp)
         if spec.lora is not None:
             self._with_adapter(r, spec.lora)
+        return self._file(r, arrival, preorder)
+
+    def submit_plain(
+        self, prompt_tokens: int, max_tokens: int, arrival_time: float, preorder: int
+    ) -> int:
+        """``submit(RequestSpec(prompt_tokens=..., max_tokens=..., arrival_time=...),
+        preorder=...)`` without the spec (Rule 8: the simulator's feed of an open loop): the
+        same request, filed the same way, and the same answer (an id, RequestRefused or
+        ValueError) -- a request that could be refused or is malformed, or an engine with
+        hand-offs, goes through :meth:`submit` itself."""
+        if (
+            prompt_tokens < 1
+            or max_tokens < 1
+            or prompt_tokens + max_tokens > self._fits_total
+            or self._handoffs is not None
+        ):
+            spec = RequestSpec(
+                prompt_tokens=prompt_tokens, max_tokens=max_tokens, arrival_time=arrival_time
+            )
+            return self.submit(spec, preorder=preorder)
+        rid = next(self._ids)
+        stamp = arrival_time + self._frontend if self._frontend else arrival_time
+        arrival = stamp if stamp > self.now else self.now
+        r = Request(rid, PLAIN_SPEC, arrival, max_tokens, stamp)
+        r.prompt_tokens = prompt_tokens
+        r.max_tokens = max_tokens
+        return self._file(r, arrival, preorder)
+
+    def _file(self, r: Request, arrival: float, preorder: int | None) -> int:
+        """The new request ``r`` prepared for the prefix cache, known and filed to arrive
+        at ``arrival`` (with ``preorder``: Rule 6); its id."""
         self.workers[0].kv.prepare(r)  # the same answer on every worker
-        self._requests[rid] = r
+        self._requests[r.id] = r
         self._pending += 1
         self._calendar.file_arrival(r, arrival, preorder)
-        return rid
+        return r.id
 
     def _with_adapter(self, r: Request, name: str) -> None:
         """``r`` runs with the adapter ``name``: its id, name and own block hashes (lora
