@@ -120,6 +120,7 @@ NOT_CONTENT = frozenset(
         "n",
         "priority",
         "user",
+        "prompt_cache_key",
         "metadata",
         "store",
         "logprobs",

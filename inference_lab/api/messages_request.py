@@ -40,7 +40,7 @@ from inference_lab.api.agent_request import (
     parse_tool_array,
 )
 from inference_lab.api.hashing import PromptHashing, hash_chat
-from inference_lab.api.requests import BYTE_TOKENIZER, ParsedRequest
+from inference_lab.api.requests import BYTE_TOKENIZER, ParsedRequest, session_of
 from inference_lab.api.schema import MAX_INT32, check_depth, invalid_value
 from inference_lab.api.text import placeholder_text, stop_point
 from inference_lab.api.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
@@ -407,6 +407,7 @@ def parse_messages_request(
         stream=stream,
         include_usage=False,
         priority=0,
+        session=_session(raw),
         **stop,
         **hashed,
     )
@@ -422,3 +423,11 @@ def parse_messages_request(
     return MessagesRequest(
         parsed=parsed, agent=agent, messages=tuple(messages), stop_sequences=stops
     )
+
+
+def _session(raw: Mapping[str, Any]) -> int | None:
+    """The request's session (``api/requests.py`` Rule 5): Anthropic's
+    ``metadata.user_id``."""
+    metadata = raw.get("metadata")
+    user_id = metadata.get("user_id") if type(metadata) is dict else None
+    return session_of((("metadata.user_id", user_id),))

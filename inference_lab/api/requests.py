@@ -17,10 +17,16 @@ Rule 4: given a :class:`~inference_lab.api.hashing.PromptHashing` (the model cac
         prefixes), the prompt is counted and hashed in one pass
         (:mod:`inference_lab.api.hashing`): the request carries its block hashes, and the
         count is the same as without hashing.
+Rule 5: a request's session, for the ``session_affinity`` router, is its
+        ``prompt_cache_key`` (OpenAI's key for requests that share a cache), else its
+        ``user`` (on ``/v1/messages``, Anthropic's ``metadata.user_id``): the string's
+        8-byte BLAKE2b digest as an unsigned integer (:func:`session_key`); neither, or an
+        empty string: no session.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -56,6 +62,8 @@ __all__ = [
     "parse_chat_request",
     "parse_completion_request",
     "parse_completion_requests",
+    "session_key",
+    "session_of",
 ]
 
 #: The largest request body the server reads.
@@ -120,6 +128,8 @@ class ParsedRequest:
     #: The index of this request's first choice in its body (a batch of prompts:
     #: ``prompt index x n``).
     index_base: int = 0
+    #: Its session for the ``session_affinity`` router (Rule 5; None: none).
+    session: int | None = None
 
     @property
     def engine_max_tokens(self) -> int:
@@ -273,10 +283,30 @@ def parse_chat_request(
         priority=body.priority or 0,
         n=n,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        session=session_key(body.prompt_cache_key, body.user),
         **stop,
         **hashed,
         **_length_fields(body.ignore_eos, body.min_tokens, max_tokens),
     )
+
+
+def session_key(*keys: str | None) -> int | None:
+    """Rule 5: the session of the first of ``keys`` that is a non-empty string (None:
+    none is)."""
+    for key in keys:
+        if key:
+            digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=8)
+            return int.from_bytes(digest.digest(), "big")
+    return None
+
+
+def session_of(fields: Sequence[tuple[str, Any]]) -> int | None:
+    """Rule 5 for a body read by hand: ``fields`` are (name, raw value) pairs in order of
+    precedence; a value that is neither a string nor null is a 400 naming its field."""
+    for param, value in fields:
+        if value is not None and type(value) is not str:
+            raise invalid_value(param, f"{param} must be a string")
+    return session_key(*(value for _, value in fields))
 
 
 def _token_echo(ids: tuple[int, ...]) -> str:
@@ -398,6 +428,7 @@ def _completion(
         logprobs=body.logprobs,
         echo_tokens=echo_tokens,
         index_base=index_base,
+        session=session_key(body.prompt_cache_key, body.user),
         **stop,
         **hashed,
         **_length_fields(body.ignore_eos, body.min_tokens, max_tokens),

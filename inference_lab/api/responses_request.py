@@ -23,7 +23,7 @@ from inference_lab.api.agents import (
     parse_function_tool,
     parse_tool_choice,
 )
-from inference_lab.api.requests import BYTE_TOKENIZER, ParsedRequest
+from inference_lab.api.requests import BYTE_TOKENIZER, ParsedRequest, session_of
 from inference_lab.api.schema import MAX_INT32, check_depth, invalid_value
 from inference_lab.api.tokenizer import ChatMessage, ChatTemplateError, Tokenizer
 from inference_lab.api.tool_choice import conversation_turn
@@ -283,6 +283,9 @@ def parse_responses_request(
         stream=stream,
         include_usage=False,
         priority=priority,
+        session=session_of(
+            (("prompt_cache_key", raw.get("prompt_cache_key")), ("user", raw.get("user")))
+        ),
     )
     agent = AgentRequest(
         tools=tools,

@@ -171,6 +171,9 @@ class ChatBody:
     )
     ignore_eos: bool | None = None
     min_tokens: int | None = attrs.field(default=None, validator=in_range(0, MAX_INT32))
+    #: OpenAI's keys for requests that share a cache (``api/requests.py`` Rule 5)
+    prompt_cache_key: str | None = None
+    user: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -198,6 +201,9 @@ class CompletionBody:
     )
     ignore_eos: bool | None = None
     min_tokens: int | None = attrs.field(default=None, validator=in_range(0, MAX_INT32))
+    #: OpenAI's keys for requests that share a cache (``api/requests.py`` Rule 5)
+    prompt_cache_key: str | None = None
+    user: str | None = None
 
 
 def _is_token_ids(value: Any) -> bool:

@@ -272,6 +272,7 @@ class ModelRuntime(EngineTask):
         model: str | None = None,
         hold_kv: bool = False,
         remote_positions: int = 0,
+        session: int | None = None,
     ) -> RequestHandle:
         """The single entry into the engine. Synchronous, no checkpoint.
 
@@ -290,7 +291,7 @@ class ModelRuntime(EngineTask):
         this model's own name (the caller checked the engine serves it).
         ``hold_kv`` and ``remote_positions`` are a prefill server's and a decode server's
         parts of a hand-off (Rule 10; ``remote_positions`` needs ``n`` 1 and fewer
-        positions than the prompt).
+        positions than the prompt); ``session`` keys the ``session_affinity`` router.
         """
         if not self._alive or self.sleep_level:
             raise self._closed_refusal()
@@ -300,6 +301,7 @@ class ModelRuntime(EngineTask):
             n=n,
             block_hashes=block_hashes,
             remote_positions=remote_positions,
+            session=session,
         )
         handle = RequestHandle(runtime=self, spec=asked, sink=sink)
         claim = self._admission.admit(handle, asked)
@@ -322,6 +324,7 @@ class ModelRuntime(EngineTask):
             lora=None if model is None or model == self.name else model,
             hold_kv=hold_kv,
             remote_positions=remote_positions,
+            session=session,
         )
         try:
             self._inbox_send.send_nowait(_Arrival(handle))
@@ -336,18 +339,13 @@ class ModelRuntime(EngineTask):
         """Whether an arrival that finds no seat would be refused with a 529 now."""
         return self._alive and not self.sleep_level and self._admission.at_bound()
 
-    def refuse_nowait(
-        self, *, prompt_tokens: int, max_tokens: int, n: int = 1, block_hashes: tuple[int, ...] = ()
-    ) -> QueueFull | None:
-        """The 529 :meth:`admit_nowait` would raise for this request now, counted and told
-        as that one is; None when it would admit it or answer a 503. Nothing else changes
-        (admission Rule 6). For answers written where a request is read
-        (``serve/quick_refusal.py``)."""
+    def refuse_nowait(self, spec: RequestSpec) -> QueueFull | None:
+        """The 529 :meth:`admit_nowait` would raise for ``spec`` (its lengths, ``n``, block
+        hashes and session) now, counted and told as that one is; None when it would admit
+        it or answer a 503. Nothing else changes (admission Rule 6). For answers written
+        where a request is read (``serve/quick_refusal.py``)."""
         if not self.at_bound():
             return None
-        spec = RequestSpec(
-            prompt_tokens=prompt_tokens, max_tokens=max_tokens, n=n, block_hashes=block_hashes
-        )
         return self._queue_full() if self._admission.refuses(spec) else None
 
     def _closed_refusal(self) -> EngineUnavailable:

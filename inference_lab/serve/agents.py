@@ -399,6 +399,7 @@ async def _answer(
         min_length=parsed.min_tokens,
         block_hashes=block_hashes,
         model=parsed.model,
+        session=parsed.session,
         **(kv.admission() if kv is not None else {}),
     )
     if kv is not None:

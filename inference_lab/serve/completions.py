@@ -318,6 +318,7 @@ def _admit(
         drawn=not (parsed.ignore_eos or scoring),
         min_length=parsed.min_tokens,
         model=parsed.model,
+        session=parsed.session,
         **(kv.admission() if kv is not None else {}),
     )
 

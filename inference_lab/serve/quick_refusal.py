@@ -31,6 +31,7 @@ import trio
 
 from inference_lab.api.kv_transfer import FIELD as KV_FIELD
 from inference_lab.api.requests import MAX_BODY_BYTES
+from inference_lab.core.engine import RequestSpec
 from inference_lab.errors import ApiError
 from inference_lab.serve import gate
 from inference_lab.serve.agents import may_plan, refuse_structured
@@ -86,12 +87,14 @@ def quick_refusal(
     except ApiError:
         return None
     exchange.note_pacing_lag(runtime.pacing_lag())
-    refusal = runtime.refuse_nowait(
+    spec = RequestSpec(
         prompt_tokens=engine_prompt,
         max_tokens=parsed.engine_max_tokens,
         n=parsed.n,
         block_hashes=parsed.block_hashes,
+        session=parsed.session,
     )
+    refusal = runtime.refuse_nowait(spec)
     if refusal is None:
         return None
     reply = error_reply(refusal, should_retry_header=state.settings.should_retry_header)

@@ -192,6 +192,7 @@ class Fault:
             arrival=exchange.arrival,
             limit=max(1, parsed.output_cap),
             drawn=False,  # the directive decides where the stream ends, never a drawn length
+            session=parsed.session,
         )
         try:
             await serve_stream(
