@@ -160,3 +160,27 @@ async def test_the_quick_refusal_asks_with_the_session(monkeypatch: pytest.Monke
             reply = quick_refusal(state, "/v1/chat/completions", headers, None, body)
     assert reply is not None and reply.status == 529
     assert [spec.session for spec in asked] == [session_key("alice")]
+
+
+async def test_the_openai_sdks_prompt_cache_key_keeps_a_session_on_its_replica() -> None:
+    """The official client's ``prompt_cache_key`` on a real socket: the resend of a long
+    prompt under the same key finds it cached (its session's replica), under another key
+    the router sends elsewhere it does not."""
+    import openai
+
+    from tests.serve_util import running_server
+
+    seed = first_seed()
+    a, b = apart(seed)
+    with trio.fail_after(30):
+        async with running_server(settings_with(seed)) as (url, _, _state):
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            cached = []
+            for key in (a, a, b):
+                answer = await client.chat.completions.create(
+                    model=LLAMA, messages=PROMPT, max_tokens=4, prompt_cache_key=key
+                )
+                assert answer.usage is not None and answer.usage.prompt_tokens_details
+                cached.append(answer.usage.prompt_tokens_details.cached_tokens or 0)
+            await client.close()
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0
