@@ -52,7 +52,6 @@ from inference_lab.serve.error_replies import (
     error_reply,
     method_not_allowed_reply,
     send_reply,
-    shutting_down_reply,
     websocket_refused_reply,
 )
 from inference_lab.serve.exchange import Exchange
@@ -94,7 +93,7 @@ class LabHTTPConnection(TrioASGIHTTPConnection):
         state = get_state(self.app)
         exchange = Exchange(cast(dict[str, Any], self.scope), received_at(send))
         gate.prepare(state, exchange)
-        refusal = shutting_down_reply() if state.draining else gate.check(state, exchange)
+        refusal = gate.refusal(state, exchange)
         if refusal is not None:
             if is_messages_path(exchange.path):
                 refusal = anthropic_reply(refusal)  # the Messages API's envelope

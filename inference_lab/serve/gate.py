@@ -22,7 +22,7 @@ Rule 6: a POST must declare a JSON body, except a bodiless POST without an ``Ori
 from __future__ import annotations
 
 import hmac
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from urllib.parse import parse_qs
 
 from inference_lab.api.encoding import new_request_id, random_hex
@@ -34,11 +34,13 @@ from inference_lab.serve.error_replies import (
     control_unauthorized_reply,
     preflight_reply,
     route_not_found_reply,
+    shutting_down_reply,
     unsupported_media_type_reply,
 )
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.settings import is_loopback_host
 from inference_lab.serve.state import ServeState
+from inference_lab.serve.transport import QuickReply
 
 __all__ = ["check", "prepare"]
 
@@ -265,3 +267,20 @@ def check(state: ServeState, exchange: Exchange) -> Reply | None:
         if reply is not None:
             return reply
     return None
+
+
+def refusal(state: ServeState, exchange: Exchange) -> Reply | None:
+    """What ``exchange`` (prepared) is answered before its route: the 503 of a server
+    shutting down, else :func:`check`'s refusal; None to let its route answer it."""
+    return shutting_down_reply() if state.draining else check(state, exchange)
+
+
+def quick_reply(state: ServeState, exchange: Exchange, answer: Callable[[], Reply]) -> QuickReply:
+    """The whole answer to a request the connection answers where it reads it
+    (``transport.quick``): ``exchange`` prepared and gated as every request is, then
+    ``answer()`` unless the gate refused it."""
+    prepare(state, exchange)
+    reply = refusal(state, exchange)
+    if reply is None:
+        reply = answer()
+    return QuickReply(reply.status, reply.header_list(exchange.headers), reply.body)

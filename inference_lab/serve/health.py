@@ -24,7 +24,6 @@ from inference_lab.serve.error_replies import (
     Reply,
     json_reply,
     retry_after_header,
-    shutting_down_reply,
 )
 from inference_lab.serve.exchange import Exchange
 from inference_lab.serve.state import ServeState
@@ -58,7 +57,4 @@ def quick_answer(
     if method != "GET" or path != HEALTH_PATH:
         return None
     exchange = Exchange.read_whole(method, path, headers, client, trio.current_time())
-    gate.prepare(state, exchange)
-    refusal = shutting_down_reply() if state.draining else gate.check(state, exchange)
-    reply = refusal if refusal is not None else health_reply(state)
-    return QuickReply(reply.status, reply.header_list(exchange.headers), reply.body)
+    return gate.quick_reply(state, exchange, lambda: health_reply(state))

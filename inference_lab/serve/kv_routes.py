@@ -49,7 +49,6 @@ from inference_lab.serve.error_replies import (
     error_reply,
     json_reply,
     send_reply,
-    shutting_down_reply,
 )
 from inference_lab.serve.exchange import Exchange, Receive, Send
 from inference_lab.serve.kv_holds import KVHolds
@@ -140,10 +139,7 @@ def quick_kv(
     if path not in _ANSWERS or len(body) > MAX_BODY_BYTES:
         return None
     exchange = Exchange.read_whole("POST", path, headers, client, trio.current_time())
-    gate.prepare(state, exchange)
-    refusal = shutting_down_reply() if state.draining else gate.check(state, exchange)
-    reply = refusal if refusal is not None else kv_reply(state, path, body)
-    return QuickReply(reply.status, reply.header_list(exchange.headers), reply.body)
+    return gate.quick_reply(state, exchange, lambda: kv_reply(state, path, body))
 
 
 def admission_reply(state: ServeState, name: str | None) -> Reply:
@@ -197,10 +193,7 @@ def quick_admission(
         "client": client,
     }
     exchange = Exchange(scope, trio.current_time())
-    gate.prepare(state, exchange)
-    refusal = shutting_down_reply() if state.draining else gate.check(state, exchange)
-    reply = refusal if refusal is not None else admission_reply(state, name)
-    return QuickReply(reply.status, reply.header_list(exchange.headers), reply.body)
+    return gate.quick_reply(state, exchange, lambda: admission_reply(state, name))
 
 
 def register_kv_routes(app: QuartTrio, state: ServeState) -> None:
