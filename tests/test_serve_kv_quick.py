@@ -20,8 +20,9 @@ from inference_lab.serve.kv_holds import KVHolds
 from inference_lab.serve.state import ServeState
 from tests.conftest import LLAMA, chat_body, make_settings
 from tests.serve_util import running_server
-from tests.test_serve_health import read_answer
 from tests.test_serve_pd import PROMPT_TOKENS, claim_of
+from tests.test_serve_quick_refusal import exchange as writes_answer
+from tests.test_serve_quick_refusal import post as whole_post
 from tests.transport_util import h11_answers
 
 PROMPT = "hello " * 100  # 159 chat prompt tokens on Llama-3.1-8B: 10 blocks
@@ -30,27 +31,14 @@ REQUEST_ID = "x-request-id: side-channel-7"
 
 def post(path: str, body: Any) -> tuple[bytes, bytes]:
     """A ``POST`` of ``body`` (JSON, or bytes as they are) as its head and its body."""
-    payload = body if isinstance(body, bytes) else json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(payload)}\r\n{REQUEST_ID}\r\n\r\n"
-    ).encode()
-    return head, payload
+    head, _, payload = whole_post(path, body, REQUEST_ID).partition(b"\r\n\r\n")
+    return head + b"\r\n\r\n", payload
 
 
 async def exchange(port: int, head: bytes, body: bytes, *, split: bool) -> bytes:
     """One answer to ``head + body`` on a new connection: in one write (the quick path's
     request), or the body in a second write after a pause (two reads: the route's)."""
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    if split:
-        await stream.send_all(head)
-        await trio.sleep(0.05)
-        await stream.send_all(body)
-    else:
-        await stream.send_all(head + body)
-    answer = await read_answer(stream)
-    await stream.aclose()
-    return answer
+    return await writes_answer(port, *((head, body) if split else (head + body,)))
 
 
 def comparable(answer: bytes) -> tuple[int, dict[bytes, bytes], Any]:
