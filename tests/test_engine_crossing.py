@@ -27,10 +27,12 @@ from inference_lab.core.engine import decode_runs as runs_half
 from inference_lab.core.engine import fast_path as fast_half
 from inference_lab.core.engine import runs as runs_module
 from inference_lab.sim.records import StepTotals
-from tests.engine_util import GPT_OSS_20B, LLAMA8B, deployment
+from tests.engine_util import GPT_OSS_20B, LLAMA8B, ROOT, deployment
 from tests.test_engine_runs import EAGLE, _cutoffs, _disturb, _same, _specs
 
-#: single-worker workloads (crossing needs one worker): light and loaded decode runs, the
+DEEPSEEK_R1 = ROOT / "configs" / "frontier" / "DeepSeek-R1.toml"
+
+#: single-worker workloads (crossing needs one worker): light and loaded decode runs (MLA too), the
 #: fast path left inside a run (groups, prefix hits), late joins (the frontend latency),
 #: preemption, chunked prefills as the run's whole steps, speculative decoding
 CASES: dict[str, tuple[Any, dict[str, Any]]] = {
@@ -53,6 +55,8 @@ CASES: dict[str, tuple[Any, dict[str, Any]]] = {
         {"rate": 100.0},
     ),
     "speculative": (lambda: load_deployment(EAGLE, "h100"), {"rate": 60.0}),
+    # MLA classes: the terms the roofline sums itself (a lone worker: tp 8, no DP ranks)
+    "mla": (lambda: load_deployment(DEEPSEEK_R1, "h200"), {"rate": 60.0}),
 }
 
 

@@ -365,7 +365,12 @@ class DecodeRuns:
         self.step_budget = left
         self.step_mark = mark
         ns = vec.rest_n
-        terms = vec.terms_with_one(ns[0], rest_c[0]) if len(ns) == 1 else vec.terms_with(ns, rest_c)
+        if self.roofline.has_mla():  # the roofline sums MLA classes (as _schedule_whole)
+            terms = self.roofline.batch_terms(vec.ns(), vec.computed_now(self.running))
+        elif len(ns) == 1:
+            terms = vec.terms_with_one(ns[0], rest_c[0])
+        else:
+            terms = vec.terms_with(ns, rest_c)
         return self._priced(self.fast_batch, terms, now, price, factor, log)
 
     def _plain_chunk(self, r: Request, left: int) -> int:
