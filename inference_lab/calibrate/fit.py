@@ -38,6 +38,7 @@ from inference_lab.core.config import (
 )
 from inference_lab.core.roofline import Roofline
 from inference_lab.errors import CalibrationError
+from inference_lab.sim.itl import ItlRecorder
 from inference_lab.sim.run import run_simulation
 
 __all__ = [
@@ -180,8 +181,12 @@ def sim_requests(level: LoadLevel, cap: int) -> int:
 
 def simulate_level(dep: Deployment, level: LoadLevel, cap: int) -> dict[str, float]:
     """The level's metrics predicted by re-simulating it (Rule 1): mean TTFT and TPOT in
-    seconds, output tokens/s; a metric no completed request gives is absent."""
-    result = run_simulation(dep, level_workload(level, sim_requests(level, cap)))
+    seconds, output tokens/s, and where the level measured it the median inter-token
+    latency (:mod:`inference_lab.sim.itl`); a metric no completed request gives is
+    absent."""
+    itl = ItlRecorder() if level.itl is not None else None
+    workload = level_workload(level, sim_requests(level, cap))
+    result = run_simulation(dep, workload, on_events=None if itl is None else itl.observe)
     s = result.summary
     out = {}
     if s.output_tokens_per_s > 0:
@@ -190,6 +195,9 @@ def simulate_level(dep: Deployment, level: LoadLevel, cap: int) -> dict[str, flo
         out["ttft"] = s.ttft.mean / 1e3
     if s.tpot.mean is not None:
         out["tpot"] = s.tpot.mean / 1e3
+    median = None if itl is None else itl.median()
+    if median is not None:
+        out["itl"] = median
     return out
 
 

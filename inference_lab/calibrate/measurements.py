@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 #: What each metric is called in reports.
-METRICS = ("ttft", "tpot", "throughput", "step")
+METRICS = ("ttft", "tpot", "itl", "throughput", "step")
 
 _TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "sec": 1.0}
 #: Highest closed-loop concurrency read (Rule 2): a fit re-simulates at least 4 requests
@@ -73,13 +73,15 @@ class LoadLevel:
     requests: int | None = None
     ttft: float | None = None
     tpot: float | None = None
+    #: the median inter-token latency (every gap of every stream pooled: ``sim.itl``)
+    itl: float | None = None
     throughput: float | None = None
     #: Closed loop: the users' first requests are spread uniformly over this many seconds
     #: (see :func:`start_spread`); 0: all at once.
     start_spread: float = 0.0
 
     def measured(self) -> dict[str, float]:
-        out = {"ttft": self.ttft, "tpot": self.tpot, "throughput": self.throughput}
+        out = {"ttft": self.ttft, "tpot": self.tpot, "itl": self.itl, "throughput": self.throughput}
         return {k: v for k, v in out.items() if v is not None}
 
 

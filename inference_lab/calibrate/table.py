@@ -6,8 +6,8 @@ The columns (docs/fidelity.md#the-measurement-table): where a row comes from (``
 ``source``, ``table``, ``row``, ``column``, ``engine``), what was run (``scenario``,
 ``model_config``, ``hardware``, ``entry``, ``tp``, ``isl``, ``osl``, ``range_ratio``,
 ``level``, ``requests`` and the engine limits ``max_num_seqs``, ``max_num_batched_tokens``,
-``gpu_memory_utilization``), what was measured (``output_tps``, ``ttft_ms``, ``tpot_ms``)
-and ``split``. A blank cell is "not given".
+``gpu_memory_utilization``), what was measured (``output_tps``, ``ttft_ms``, ``tpot_ms``,
+``itl_median_ms``) and ``split``. A blank cell is "not given".
 
 Rule 1: the header must name every column, once, and nothing else; every problem is a
         ConfigError of one line naming ``file:line`` and the column: a missing column, a
@@ -67,7 +67,7 @@ COLUMNS = (
     "id", "source", "table", "row", "column", "engine", "scenario", "model_config",
     "hardware", "entry", "tp", "isl", "osl", "range_ratio", "level", "requests",
     "max_num_seqs", "max_num_batched_tokens", "gpu_memory_utilization",
-    "output_tps", "ttft_ms", "tpot_ms", "split",
+    "output_tps", "ttft_ms", "tpot_ms", "itl_median_ms", "split",
 )  # fmt: skip
 SCENARIOS = ("offline", "burst", "closed_loop")
 SPLITS = ("fit", "test")
@@ -77,7 +77,7 @@ _REQUIRED = (
     "level", "split",
 )  # fmt: skip
 _INTEGERS = ("tp", "level", "requests", "max_num_seqs", "max_num_batched_tokens")
-_NUMBERS = ("isl", "osl", "output_tps", "ttft_ms", "tpot_ms")
+_NUMBERS = ("isl", "osl", "output_tps", "ttft_ms", "tpot_ms", "itl_median_ms")
 #: A measured latency this many times below the datasheet floor is a unit error (Rule 3).
 FLOOR_MARGIN = 10.0
 
@@ -122,6 +122,7 @@ class TableRow:
         for metric, key, scale in (
             ("ttft", "ttft_ms", 1e-3),
             ("tpot", "tpot_ms", 1e-3),
+            ("itl", "itl_median_ms", 1e-3),
             ("throughput", "output_tps", 1.0),
         ):
             value = self.number(key)
@@ -187,7 +188,8 @@ def _check_row(row: TableRow) -> None:
         raise ConfigError(f"{row.where}: gpu_memory_utilization: must be <= 1, got {memory}")
     if not row.measured():
         raise ConfigError(
-            f"{row.where}: measures nothing: output_tps, ttft_ms and tpot_ms are blank"
+            f"{row.where}: measures nothing: output_tps, ttft_ms, tpot_ms and itl_median_ms "
+            "are blank"
         )
 
 
@@ -275,6 +277,7 @@ def _case(row: TableRow, dep: Deployment) -> Case:
         requests=row.integer("requests"),
         ttft=measured.get("ttft"),
         tpot=measured.get("tpot"),
+        itl=measured.get("itl"),
         throughput=measured.get("throughput"),
     )
     return Case(row, dep, start_spread(level))
@@ -332,7 +335,8 @@ def check_units(case: Case) -> None:
         "ttft": roofline.even_price(1, isl - 1, (isl + 1) // 2),
         "tpot": roofline.even_price(1, 0, isl + 1),
     }
-    for metric, key in (("ttft", "ttft_ms"), ("tpot", "tpot_ms")):
+    floors["itl"] = floors["tpot"]
+    for metric, key in (("ttft", "ttft_ms"), ("tpot", "tpot_ms"), ("itl", "itl_median_ms")):
         measured = getattr(case.level, metric)
         if measured is None or measured * FLOOR_MARGIN >= floors[metric]:
             continue

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 __all__ = ["add_table_arguments", "format_groups", "run_table", "table_snippet"]
 
 PROG = "inference-lab calibrate"
-_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "throughput": "tok/s", "step": "step"}
+_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL p50", "throughput": "tok/s", "step": "step"}
 
 
 def add_table_arguments(parser: argparse.ArgumentParser) -> None:
@@ -181,7 +181,8 @@ def _cell(value: tuple[float, float, int] | None) -> str:
 def format_groups(groups: Sequence[GroupError], key: str) -> str:
     """Rule 3 of :mod:`~inference_lab.calibrate.tablefit`: MAPE (mean signed error) per
     metric, one line per model or load level."""
-    metrics = [m for m in ("ttft", "tpot", "throughput") if any(m in g.metrics for g in groups)]
+    order = ("ttft", "tpot", "itl", "throughput")
+    metrics = [m for m in order if any(m in g.metrics for g in groups)]
     title = "per model" if key == "model" else "per load level"
     width = max([len(g.group) for g in groups] + [12])
     lines = [f"residuals {title}: MAPE (mean signed error)"]

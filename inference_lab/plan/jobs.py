@@ -28,7 +28,6 @@ import json
 import os
 import socket
 import time
-from array import array
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +36,9 @@ import numpy as np
 import numpy.typing as npt
 
 from inference_lab.core.config import Deployment, Workload
-from inference_lab.core.engine import StepEvents
 from inference_lab.errors import InferenceLabError
 from inference_lab.sim.disaggregation import DisaggregationSummary
+from inference_lab.sim.itl import ItlRecorder
 from inference_lab.sim.run import run_simulation
 from inference_lab.sim.summary import RequestLatencies, request_latencies
 
@@ -201,34 +200,9 @@ class ProbeResult:
         )
 
 
-class _ItlRecorder:
-    """Inter-token gaps from the engine's events: a request's first token opens its
-    stream (that wait is its TTFT), each later step that gives it tokens adds the gap since
-    its previous one, and a step's second and later tokens for it add gaps of 0."""
-
-    def __init__(self) -> None:
-        self.last: dict[int, float] = {}
-        self.gaps: array[float] = array("d")
-
-    def observe(self, ev: StepEvents) -> None:
-        t = ev.time
-        last = self.last
-        gaps = self.gaps
-        for rid, count in ev.tokens:
-            prev = last.get(rid)
-            if prev is not None:
-                gaps.append(t - prev)
-            if count > 1:
-                gaps.extend([0.0] * (count - 1))
-            last[rid] = t
-        for f in ev.finished:
-            last.pop(f.request_id, None)
-
-    def percentiles(self) -> npt.NDArray[np.float64]:
-        if not self.gaps:
-            return np.full(ITL_PERCENTILES.size, np.nan)
-        data = np.frombuffer(self.gaps, dtype=np.float64)
-        return np.percentile(data, ITL_PERCENTILES, method="linear")
+def _itl_percentiles(itl: ItlRecorder) -> npt.NDArray[np.float64]:
+    out = itl.percentiles(ITL_PERCENTILES)
+    return np.full(ITL_PERCENTILES.size, np.nan) if out is None else out
 
 
 def _empty_latencies() -> RequestLatencies:
@@ -244,7 +218,7 @@ def run_job(job: Job) -> ProbeResult:
     start = time.perf_counter()
     worker = f"{socket.gethostname()}:{os.getpid()}"
     requests = job.workload.num_requests or 0
-    itl = _ItlRecorder()
+    itl = ItlRecorder()
     try:
         result = run_simulation(job.deployment, job.workload, on_events=itl.observe)
     except InferenceLabError as exc:
@@ -272,7 +246,7 @@ def run_job(job: Job) -> ProbeResult:
         error="",
         span_s=result.summary.span_s,
         latencies=request_latencies(result.finished),
-        itl=itl.percentiles(),
+        itl=_itl_percentiles(itl),
         wall_s=time.perf_counter() - start,
         worker=worker,
         pd=None if result.disaggregation is None else PdFigures.of(result.disaggregation),
