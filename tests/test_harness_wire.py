@@ -288,11 +288,12 @@ async def measure_clients(url: str, mode: str) -> tuple[str, str]:
     """What the official client (streaming ``chat.completions.create``, iterated to the
     end) and httpx (``stream`` + ``aiter_lines``) raise on ``mode``; read timeout 0.5 s."""
     timeout = httpx.Timeout(5.0, read=0.5)
+    sdk_timeout = openai.Timeout(5.0, read=0.5)  # the SDK's own HTTP library's type
     headers = {"x-inference-lab-fault": f"{mode};delay_ms=0"}
     body = body_for(stream_options={"include_usage": True})
     raised: BaseException | None = None
     client = openai.AsyncOpenAI(
-        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout
+        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=sdk_timeout
     )
     try:
         stream = await client.chat.completions.create(
