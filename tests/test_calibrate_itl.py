@@ -160,3 +160,27 @@ def test_calibrate_table_reports_the_median_itl_per_model_and_held_out(
     assert header.split()[1:] == ["TTFT", "ITL", "p50"]
     held = [line for line in printed.splitlines() if line.startswith("  large: 3 rows:")]
     assert len(held) == 1 and "ITL p50 " in held[0]
+
+
+def test_the_load_reader_takes_the_pooled_median_itl(tmp_path: Path) -> None:
+    """``inference-lab load -o``'s ``summary.itl`` pools every gap between a request's
+    tokens (``client/report.py``), as ``sim.itl`` does: its ``p50`` is the level's median
+    ITL; without it the level has none; a negative one is a one-line error."""
+    import json
+
+    from inference_lab.calibrate.measurements import read_measurements
+    from inference_lab.client.report import Distribution, Summary
+    from tests.test_calibrate import load_export
+
+    assert "itl" in attrs.fields_dict(Summary) and "p50" in attrs.fields_dict(Distribution)
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps(load_export(summary={"itl": {"mean": 0.005, "p50": 0.0042}})))
+    (level,) = read_measurements([path], "tiny-dense").levels
+    assert level.itl == 0.0042
+    assert level.measured()["itl"] == 0.0042
+    path.write_text(json.dumps(load_export()))
+    (plain,) = read_measurements([path], "tiny-dense").levels
+    assert plain.itl is None and "itl" not in plain.measured()
+    path.write_text(json.dumps(load_export(summary={"itl": {"p50": -1}})))
+    message = config_error(read_measurements, [path], "tiny-dense")
+    assert message.startswith(f"{path}: summary.itl.p50"), message

@@ -12,7 +12,9 @@ Four formats, told apart by their content (docs/fidelity.md#calibrate):
 Rule 1: a load level becomes a :class:`LoadLevel`: the workload that produced it
         (closed loop at a concurrency, Poisson at a rate, or a batch of requests sent at
         once), its mean prompt and output lengths, and the means measured (TTFT, TPOT,
-        output tokens/s); a metric a file does not hold is None and is not fitted.
+        output tokens/s) with, where the file pools every stream's gaps (``inference-lab
+        load``'s ``summary.itl``), the median inter-token latency; a metric a file does
+        not hold is None and is not fitted.
         A closed loop's users start spread over one measured request (:func:`start_spread`).
 Rule 2: every problem is a ConfigError of one line naming the file and the key (or the
         CSV line): unreadable, not one of the formats (JSON nested deeper than the
@@ -227,6 +229,8 @@ def _from_load(doc: Mapping[str, Any], where: str, model: str | None) -> list[Lo
             tpot=_positive(
                 _opt(doc, "summary.tpot.mean"), where, "summary.tpot.mean", allow_none=True
             ),
+            # the load client pools every gap between a request's tokens, as sim.itl does
+            itl=_positive(_opt(doc, "summary.itl.p50"), where, "summary.itl.p50", allow_none=True),
             throughput=_positive(
                 _opt(doc, "summary.output_token_throughput"),
                 where,
