@@ -74,7 +74,7 @@ CAL_BEGIN, CAL_END = "<!-- calibrated-values:begin -->", "<!-- calibrated-values
 TERMS = {
     "trtllm": ("memory_bandwidth", "flops"),
     "nim": ("memory_bandwidth", "flops", "step_overhead"),
-    "vllm": ("memory_bandwidth", "flops", "step_overhead", "seq_overhead"),
+    "vllm": ("memory_bandwidth", "flops", "step_overhead", "seq_overhead", "expert_skew"),
     "sglang": ("memory_bandwidth", "flops", "step_overhead", "frontend_latency"),
 }
 #: Entries whose rows determine fewer terms than their engine's: h200-vllm has two fit
@@ -86,6 +86,7 @@ DATASHEET = {
     "memory_bandwidth": 1.0,
     "flops": 1.0,
     "step_overhead": 0.0,
+    "expert_skew": 0.0,
     "seq_overhead": 0.0,
     "frontend_latency": 0.0,
     "reserved_memory": 0.0,
@@ -503,8 +504,8 @@ def _splice(page: str, body: str, begin: str, end: str) -> str:
 def render_calibrated(cases: Sequence[Case]) -> str:
     """The calibrated entries: what each was fitted on and its shipped values."""
     out = [
-        "| entry | fitted on | terms fitted | memory_bandwidth | flops | step_overhead | seq_overhead | frontend_latency | reserved_memory |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| entry | fitted on | terms fitted | memory_bandwidth | flops | step_overhead | expert_skew | seq_overhead | frontend_latency | reserved_memory |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     entries: dict[str, list[Case]] = {}
     for case in cases:
@@ -517,7 +518,8 @@ def render_calibrated(cases: Sequence[Case]) -> str:
         out.append(
             f"| `{entry}` | {len(fit_rows)} rows: {members[0].row['engine']}, {', '.join(models)} "
             f"| {', '.join(terms_of(entry))} | {eff.memory_bandwidth:.3g} | {eff.flops:.3g} "
-            f"| {eff.step_overhead * 1e3:.3g} ms | {over.seq_overhead * 1e6:.3g} µs "
+            f"| {eff.step_overhead * 1e3:.3g} ms | {eff.expert_skew:.3g} "
+            f"| {over.seq_overhead * 1e6:.3g} µs "
             f"| {over.frontend_latency * 1e3:.3g} ms | {over.reserved_memory / 1e9:.3g} GB |"
         )
     return "\n".join(out)

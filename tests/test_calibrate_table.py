@@ -209,6 +209,11 @@ def test_an_under_determined_fit_is_refused_naming_the_terms(tmp_path: Path) -> 
     ):
         fit(dep, mixed, ["step_overhead", "beta"])
     fit(dep, mixed, ["memory_bandwidth", "flops"])  # these it can tell apart
+    # a dense model routes nothing: the routing skew moves none of its values
+    with pytest.raises(
+        CalibrationError, match=r"^fit: term expert_skew: no measured value moves it"
+    ):
+        fit(dep, mixed, ["memory_bandwidth", "expert_skew"])
 
 
 def test_check_determined_by_hand() -> None:

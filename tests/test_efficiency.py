@@ -234,3 +234,26 @@ def test_sim_prints_and_records_the_efficiency(tmp_path: Path) -> None:
     plain = deploy(tmp_path, dense_config())
     assert "efficiency" not in format_config(plain, workload, "w.toml", 0)
     assert "step table" not in format_config(plain, workload, "w.toml", 0)
+
+
+def test_sim_prints_and_records_a_routing_skew(tmp_path: Path) -> None:
+    """A set ``expert_skew`` is named in ``sim``'s configuration block and recorded in its
+    JSON; at its default the JSON has no such key (what it recorded before the term)."""
+    from inference_lab.core.config import FixedDist, Workload
+    from inference_lab.sim.text import config_dict, format_config
+
+    workload = Workload(
+        arrival_pattern="batched",
+        num_requests=1,
+        input_len_dist=FixedDist(value=10),
+        output_len_dist=FixedDist(value=10),
+        seed=0,
+    )
+    eff = {"memory_bandwidth": 0.8, "expert_skew": 1.5}
+    dep = deploy(tmp_path, dense_config(), {"gpu": gpu_profile(efficiency=eff)})
+    text = format_config(dep, workload, "w.toml", 0)
+    assert "0 ms per step; MoE routing skew 1.5" in text
+    assert config_dict(dep, workload, "w.toml", 0)["efficiency"]["expert_skew"] == 1.5
+    plain = deploy(tmp_path, dense_config(), {"gpu": gpu_profile(efficiency={"flops": 0.5})})
+    assert "expert_skew" not in config_dict(plain, workload, "w.toml", 0)["efficiency"]
+    assert "skew" not in format_config(plain, workload, "w.toml", 0)

@@ -21,6 +21,7 @@ import pytest
 
 from inference_lab.core.config import Deployment, load_deployment, load_model_config
 from inference_lab.core.roofline import SMALL_BATCH, Roofline, expert_read_fraction
+from inference_lab.errors import ConfigError
 from tests.configs_util import (
     GPT_OSS_20B,
     PROFILES,
@@ -310,6 +311,44 @@ def test_stream_without_routing_reads_active_not_resident(tmp_path: Path) -> Non
         assert rf.weight_read(1) == [2e9]
         assert rf.weight_read(5000) == [2e9]
         assert step(rf, [1], [0]) == pytest.approx((2e9 + 4 * 512 * 1) / 1e12, rel=1e-12)
+
+
+def test_a_skewed_router_touches_the_zipf_expectation_of_experts(tmp_path: Path) -> None:
+    """Rule 8, by hand: the stream of the test below (E = 8, k = 2, per_expert 1e9, shared
+    2e9) with ``expert_skew = 1``: expert i is picked with p_i = (1/i) / H_8 by each of a
+    token's two picks, so one token touches sum_i 1 - (1 - p_i)^2 = 2 - sum_i p_i^2
+    experts; many tokens still touch them all. ``expert_skew = 0`` is the uniform price
+    to the bit."""
+    weights = {
+        "precision": "bf16",
+        "active_params": 4e9,
+        "resident_params": 10e9,
+        "routing": {"routed_experts": 8, "experts_per_tok": 2, "moe_layers": 4},
+    }
+    skewed = dense_config(
+        model={"weights": [weights]}, hardware={"gpu": {"efficiency": {"expert_skew": 1.0}}}
+    )
+    rf = Roofline(build(tmp_path, skewed))
+    harmonic = sum(1 / i for i in range(1, 9))
+    touched = 2 - sum((1 / i / harmonic) ** 2 for i in range(1, 9))
+    assert touched == pytest.approx(1.7932, abs=1e-4)  # against uniform 8 (1 - (7/8)^2) = 1.875
+    assert rf.weight_read(1)[0] == pytest.approx(2 * (2e9 + touched * 1e9), rel=1e-12)
+    assert rf.weight_read(100_000)[0] == pytest.approx(2 * 10e9)
+    assert expert_read_fraction(8, 2, 1, 1.0) == pytest.approx(touched, rel=1e-12)
+    plain = dense_config(model={"weights": [weights]})
+    zero = dense_config(
+        model={"weights": [weights]}, hardware={"gpu": {"efficiency": {"expert_skew": 0.0}}}
+    )
+    uniform, at_zero = Roofline(build(tmp_path, plain)), Roofline(build(tmp_path, zero))
+    for tokens in (1, 3, 77, 4096):
+        assert at_zero.weight_read(tokens) == uniform.weight_read(tokens)
+        assert expert_read_fraction(8, 2, tokens, 0.0) == expert_read_fraction(8, 2, tokens)
+    for n, c in (([1, 1], [5, 60]), ([700, 1], [0, 3000])):
+        assert step(at_zero, n, c) == step(uniform, n, c)
+    assert step(rf, [1, 1], [5, 60]) < step(uniform, [1, 1], [5, 60])  # fewer experts read
+    bad = dense_config(hardware={"gpu": {"efficiency": {"expert_skew": -1}}})
+    with pytest.raises(ConfigError, match="expert_skew"):
+        build(tmp_path, bad)
 
 
 def test_routed_stream_reads_shared_plus_expected_distinct_experts(tmp_path: Path) -> None:

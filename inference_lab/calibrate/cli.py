@@ -83,7 +83,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="efficiency",
         metavar="TERMS",
         help="efficiency (memory_bandwidth, flops, step_overhead; the default), "
-        "time_correction (alpha, beta), or a comma-separated list of those names",
+        "time_correction (alpha, beta), or a comma-separated list of terms: those, "
+        "expert_skew, seq_overhead, frontend_latency, reserved_memory",
     )
     parser.add_argument(
         "--name",
@@ -162,7 +163,7 @@ def snippet(
     config: ModelConfig, dep: Deployment, result: FitResult, name: str, sources: list[str]
 ) -> str:
     """Rule 3: the fitted entry as TOML, with the errors before and after as comments."""
-    from inference_lab.calibrate.fit import PRESETS, mape
+    from inference_lab.calibrate.fit import EFFICIENCY_TERMS, PRESETS, mape
 
     hw = dep.hardware
     before, after = mape(result.before), mape(result.after)
@@ -194,8 +195,10 @@ def snippet(
         "flops": eff.flops,
         "step_overhead": eff.step_overhead,
     }
-    eff_values.update({k: v for k, v in fitted.items() if k in PRESETS["efficiency"]})
-    if any(k in fitted for k in PRESETS["efficiency"]) or hw.efficiency is not None:
+    if "expert_skew" in fitted or eff.expert_skew:
+        eff_values["expert_skew"] = eff.expert_skew
+    eff_values.update({k: v for k, v in fitted.items() if k in EFFICIENCY_TERMS})
+    if any(k in fitted for k in EFFICIENCY_TERMS) or hw.efficiency is not None:
         lines.append(f"efficiency = {_toml_value(eff_values)}")
     if (
         {"seq_overhead", "frontend_latency"} & set(fitted)

@@ -74,6 +74,7 @@ PARAMETERS: dict[str, Parameter] = {
     "memory_bandwidth": Parameter("memory_bandwidth", 0.05, 1.0),
     "flops": Parameter("flops", 0.05, 1.0),
     "step_overhead": Parameter("step_overhead", 0.0, 0.1, 1e-3),
+    "expert_skew": Parameter("expert_skew", 0.0, 2.0),
     "seq_overhead": Parameter("seq_overhead", 0.0, 1e-3, 1e-6),
     "frontend_latency": Parameter("frontend_latency", 0.0, 2.0, 1e-3),
     # stepped in units of 100 GB so that a difference (0.003) moves whole KV blocks
@@ -84,7 +85,7 @@ PARAMETERS: dict[str, Parameter] = {
 #: The terms of ``[efficiency]``; ``seq_overhead`` and ``frontend_latency`` are the
 #: ``[overheads]`` table's (fitted only when named; the second is set on the scheduler, where
 #: the loader puts the profile's).
-EFFICIENCY_TERMS = ("memory_bandwidth", "flops", "step_overhead")
+EFFICIENCY_TERMS = ("memory_bandwidth", "flops", "step_overhead", "expert_skew")
 #: ``--fit`` shorthands.
 PRESETS: dict[str, tuple[str, ...]] = {
     "efficiency": ("memory_bandwidth", "flops", "step_overhead"),
@@ -99,6 +100,7 @@ def current(dep: Deployment, names: Sequence[str]) -> list[float]:
         "memory_bandwidth": eff.memory_bandwidth,
         "flops": eff.flops,
         "step_overhead": eff.step_overhead,
+        "expert_skew": eff.expert_skew,
         "seq_overhead": dep.overheads.seq_overhead,
         "frontend_latency": dep.scheduler.frontend_latency,
         "reserved_memory": dep.overheads.reserved_memory,

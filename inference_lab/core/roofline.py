@@ -29,6 +29,11 @@ Rule 7: a speculative step costs its verify batch (each decoding sequence at its
         width) plus its drafter, added before time_correction; without ``[speculative]``
         or MLA layers and with ``ep`` and ``dp_attention`` at 1, every price is the one
         Rules 1-4 give, to the last bit.
+Rule 8: a routed (MoE) stream reads the experts its step's tokens touch: under uniform
+        routing ``E (1 - (1 - 1/E)^(kT))`` of them for ``T`` tokens picking ``k`` of ``E``;
+        with ``[efficiency] expert_skew`` s > 0 the experts' popularity falls as a Zipf
+        law (:func:`zipf_coverage`): real routers send more tokens to some experts, so a
+        batch touches fewer of them. At 0 every price is the uniform one, to the bit.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from inference_lab.core.roofline_terms import (
     collective_terms,
     layer_classes,
     mla_flop_coefficients,
+    zipf_coverage,
 )
 from inference_lab.core.step_table import StepTable
 
@@ -70,9 +76,12 @@ __all__ = [
 ]
 
 
-def expert_read_fraction(num_experts: int, k: int, tokens: int) -> float:
-    """Expected distinct experts touched when ``tokens`` tokens each pick ``k`` of E."""
-    return float(num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** (k * tokens)))
+def expert_read_fraction(num_experts: int, k: int, tokens: int, skew: float = 0.0) -> float:
+    """Expected distinct experts touched when ``tokens`` tokens each pick ``k`` of E
+    (Rule 8: uniform routing at ``skew`` 0, else :func:`zipf_coverage`)."""
+    if skew == 0.0:
+        return float(num_experts * (1.0 - (1.0 - 1.0 / num_experts) ** (k * tokens)))
+    return zipf_coverage(num_experts, k, tokens, skew)
 
 
 class Roofline(BatchSums, KvBlocks):
@@ -105,6 +114,7 @@ class Roofline(BatchSums, KvBlocks):
         eff = dep.efficiency
         self._eta_flops = eff.flops
         self._eta_bw = eff.memory_bandwidth
+        self._skew = eff.expert_skew
         self._overhead = 0.0 if drafting else eff.step_overhead
         #: the host's work per sequence in a step (0: none, and nothing is added)
         self._seq_overhead = 0.0 if drafting else dep.overheads.seq_overhead
@@ -222,7 +232,9 @@ class Roofline(BatchSums, KvBlocks):
                 out.append(b * active)
             else:
                 shared, per_expert, e, k = routed
-                out.append(b * (shared + per_expert * expert_read_fraction(e, k, tokens)))
+                out.append(
+                    b * (shared + per_expert * expert_read_fraction(e, k, tokens, self._skew))
+                )
         return out
 
     def collective_time(self, tokens: int) -> float:
@@ -251,7 +263,7 @@ class Roofline(BatchSums, KvBlocks):
         if tokens:
             for idx, active, per_expert_bytes, e, k in self._experts:
                 flops[idx] += 2.0 * active * tokens
-                mem[idx] += per_expert_bytes * expert_read_fraction(e, k, tokens)
+                mem[idx] += per_expert_bytes * expert_read_fraction(e, k, tokens, self._skew)
         roof = compute = memory = 0.0
         bw = self._expert_bandwidth
         for rate, f, byt in zip(self._expert_rates, flops, mem, strict=True):

@@ -22,6 +22,7 @@ Rule 4: the fabric's collectives are priced from its latency and bandwidth: an a
 from __future__ import annotations
 
 import array
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -146,6 +147,18 @@ def layer_classes(dep: Deployment, layers: Sequence[Layer]) -> LayerClasses:
         state_bytes=state,
         windowed_kv=[(w, windowed[w]) for w in sorted(windowed) if w > 0],
     )
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def zipf_coverage(num_experts: int, k: int, tokens: int, skew: float) -> float:
+    """Expected distinct experts touched when ``tokens`` tokens each pick ``k`` of
+    ``num_experts`` whose popularity falls as a Zipf law of exponent ``skew`` (the
+    roofline's Rule 8): expert ``i`` (from 1) is picked with ``p_i = i^-skew / sum_j
+    j^-skew`` by each of the ``k * tokens`` picks, so it is touched with probability
+    ``1 - (1 - p_i)^(k * tokens)``, and the expectation is the sum over the experts."""
+    ranks = np.arange(1, num_experts + 1, dtype=np.float64) ** -skew
+    p = ranks / ranks.sum()
+    return float(np.sum(1.0 - (1.0 - p) ** (k * tokens)))
 
 
 def all_to_all_time(dep: Deployment, tokens: int, k: int) -> float:

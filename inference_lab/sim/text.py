@@ -158,7 +158,7 @@ def config_dict(
         "affinity_load_ratio": hw.affinity_load_ratio,
         "kv_aware_queue_weight": hw.kv_aware_queue_weight,
         "time_correction": {"alpha": hw.time_correction.alpha, "beta": hw.time_correction.beta},
-        "efficiency": attrs.asdict(deployment.efficiency),
+        "efficiency": _efficiency_dict(deployment),
         "step_table": hw.step_table,
         "scheduler": attrs.asdict(sched),
         "kv_blocks_per_replica": deployment.total_blocks,
@@ -212,6 +212,7 @@ def format_config(
         lines.append(
             f"efficiency HBM bandwidth {eff.memory_bandwidth:g}, FLOP/s {eff.flops:g} of the "
             f"datasheet; {eff.step_overhead * 1e3:g} ms per step"
+            + (f"; MoE routing skew {eff.expert_skew:g}" if eff.expert_skew else "")
         )
     if hw.step_table is not None:
         lines.append(f"steps      measured step table {hw.step_table} (roofline-scaled outside it)")
@@ -507,3 +508,12 @@ def write_request_csv(result: SimResult, out: IO[str]) -> int:
         else:
             writer.writerow(_refused_row(refused[k - completed]))
     return len(order)
+
+
+def _efficiency_dict(deployment: Deployment) -> dict[str, float]:
+    """The efficiency terms a run's JSON records: ``expert_skew`` only where it is set (a
+    run without it records what it recorded before the term existed)."""
+    out = attrs.asdict(deployment.efficiency)
+    if not out["expert_skew"]:
+        del out["expert_skew"]
+    return out

@@ -60,10 +60,17 @@ class Efficiency:
     memory_bandwidth: float = attrs.field(default=1.0, validator=[gt(0), le(1)])
     flops: float = attrs.field(default=1.0, validator=[gt(0), le(1)])
     step_overhead: float = attrs.field(default=0.0, validator=[ge(0), le(1)])
+    #: the Zipf exponent of the MoE experts' popularity (the roofline's Rule 8; 0: uniform)
+    expert_skew: float = attrs.field(default=0.0, validator=[ge(0), le(4)])
 
     @property
     def is_identity(self) -> bool:
-        return self.memory_bandwidth == 1.0 and self.flops == 1.0 and self.step_overhead == 0.0
+        return (
+            self.memory_bandwidth == 1.0
+            and self.flops == 1.0
+            and self.step_overhead == 0.0
+            and self.expert_skew == 0.0
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -73,6 +80,7 @@ class EfficiencyOverride:
     memory_bandwidth: float | None = attrs.field(default=None, validator=[gt(0), le(1)])
     flops: float | None = attrs.field(default=None, validator=[gt(0), le(1)])
     step_overhead: float | None = attrs.field(default=None, validator=[ge(0), le(1)])
+    expert_skew: float | None = attrs.field(default=None, validator=[ge(0), le(4)])
 
     def over(self, base: Efficiency) -> Efficiency:
         changes = {
