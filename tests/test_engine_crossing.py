@@ -26,6 +26,7 @@ from inference_lab.core.engine import Engine, Finished, RequestSpec
 from inference_lab.core.engine import decode_runs as runs_half
 from inference_lab.core.engine import fast_path as fast_half
 from inference_lab.core.engine import runs as runs_module
+from inference_lab.core.engine.request import RUNNING
 from inference_lab.sim.records import StepTotals
 from tests.engine_util import GPT_OSS_20B, LLAMA8B, deployment
 from tests.test_engine_runs import EAGLE, _cutoffs, _disturb, _same, _specs
@@ -219,7 +220,8 @@ def test_admissions_a_run_starts_are_step_by_step(
 #: workloads whose admission steps end in a run in each way decode_runs Rule 5 takes: the
 #: new row decodes (light, loaded), it was a prefill chunk (a small budget, chunked
 #: prefills), a preempted request's prefill again (preemptions), it finished at its first
-#: token (one-token outputs)
+#: token (one-token outputs); decoding rows finishing at the same end, and at the end of
+#: a pure step the run did not take in a stretch (loaded, one-token)
 ENDS: dict[str, tuple[Any, dict[str, Any]]] = {
     "light": CASES["light"],
     "loaded": CASES["loaded"],
@@ -230,6 +232,38 @@ ENDS: dict[str, tuple[Any, dict[str, Any]]] = {
 }
 
 
+def _count_ends(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Count the ways decode_runs Rule 5's inline ends take (``_end_admission``'s, and a
+    pure step's end with finishes in ``_end_in_run``)."""
+    seen: Counter[str] = Counter()
+    end_admission = runs_half.DecodeRuns._end_admission
+    end_in_run = runs_half.DecodeRuns._end_in_run
+
+    def counting(self: Any, vec: Any, *args: Any) -> bool:
+        r = self.running[vec.decoding]
+        out, decoding = r.num_output, vec.decoding
+        finishing = len(vec.finish_cal.get(vec.g + 1, ()))
+        if finishing:
+            seen["with-finishes"] += 1
+        ended = end_admission(self, vec, *args)
+        if r.status != RUNNING:
+            seen["finished"] += 1
+        elif vec.decoding > decoding - finishing:
+            seen["decodes"] += 1
+        else:
+            seen["again" if out else "chunk"] += 1
+        return ended
+
+    def counting_pure(self: Any, vec: Any, *args: Any) -> bool:
+        if vec.size == vec.decoding and vec.g + 1 in vec.finish_cal:
+            seen["pure-finishes"] += 1
+        return end_in_run(self, vec, *args)
+
+    monkeypatch.setattr(runs_half.DecodeRuns, "_end_admission", counting)
+    monkeypatch.setattr(runs_half.DecodeRuns, "_end_in_run", counting_pure)
+    return seen
+
+
 @pytest.mark.parametrize("seed", [31, 32])
 @pytest.mark.parametrize("name", sorted(ENDS))
 def test_ends_of_admission_steps_are_step_by_step(
@@ -238,22 +272,7 @@ def test_ends_of_admission_steps_are_step_by_step(
     """decode_runs Rule 5: each workload through runs free to cross arrivals and one
     ``step()`` at a time: the same steps, completions, state and event count, with the
     ends of admission steps taken inline, each way the workload gives."""
-    seen: Counter[str] = Counter()
-    end_admission = runs_half.DecodeRuns._end_admission
-
-    def counting(self: Any, vec: Any, *args: Any) -> bool:
-        r = self.running[vec.decoding]
-        out, decoding = r.num_output, vec.decoding
-        ended = end_admission(self, vec, *args)
-        if ended:
-            seen["finished"] += 1
-        elif vec.decoding > decoding:
-            seen["decodes"] += 1
-        else:
-            seen["again" if out else "chunk"] += 1
-        return ended
-
-    monkeypatch.setattr(runs_half.DecodeRuns, "_end_admission", counting)
+    seen = _count_ends(monkeypatch)
     make, kw = ENDS[name]
     dep = make()
     specs = _specs(300, seed, **kw)
@@ -271,3 +290,6 @@ def test_ends_of_admission_steps_are_step_by_step(
         assert seen["again"] > 0, seen
     if name == "one-token":
         assert seen["finished"] > 0, seen
+    if name in ("loaded", "one-token"):
+        assert seen["with-finishes"] > 0, seen
+        assert seen["pure-finishes"] > 0, seen

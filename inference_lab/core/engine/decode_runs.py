@@ -39,17 +39,24 @@ Rule 4: at a boundary where every running request decodes and requests wait (arr
         and the step is priced from the same terms, without the passes over rest rows
         and the scheduler output. Any other case is handed to ``_start_whole`` before
         anything changed.
-Rule 5: the common end of an admission step in a run -- the decoding rows finish nothing
-        and one running rest row (the admission, or a prefill chunk) follows them -- is
+Rule 5: the common end of an admission step in a run -- one running rest row (the
+        admission, or a prefill chunk) follows the decoding rows -- is
         :meth:`DecodeRuns._end_admission`: ``complete_fast`` and ``complete_members`` for
         that one member inline (the same arithmetic in the same order; a run reports no
-        tokens), the row starting to decode when it emitted its first token. Any other
-        end of a step that is not pure is ``complete_fast``'s.
+        tokens), the decoding rows finishing at that count then that row, when its last
+        token it was, ended in row order (:meth:`DecodeRuns._drop_finishing`), and the
+        row starting to decode when it emitted its first token. The end of a pure step
+        with finishes that the run did not take in a stretch is the same without the
+        rest row. Any other end (several rest rows, rows whose step changed) is
+        ``complete_fast``'s.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
+from operator import attrgetter
+from typing import Any
 
 import attrs
 
@@ -68,6 +75,10 @@ __all__ = ["DecodeRun", "DecodeRuns"]
 
 Price = Callable[[BatchTerms], StepCost]
 Ended = list[tuple[Request, float, float]]
+
+#: a running request's admission number: ``running`` is in that order (each request
+#: appended takes the scheduler's next one, and removals keep the order)
+_ADMIT_ORDER = attrgetter("admit_order")
 
 
 @attrs.frozen
@@ -150,56 +161,95 @@ class DecodeRuns:
         ended: Ended,
     ) -> bool:
         """A decode run's boundary at ``now`` ends the fast step in flight (started at
-        ``start``): ``complete_fast``, or for a pure decode step that finishes nothing the
-        decode counter moving on. Whether a request finished (in ``ended``)."""
-        rest = vec.rest_n
-        finishes = vec.g + 1 in vec.finish_cal
-        if rest or vec.decoding != vec.size or finishes:
-            if (
-                not finishes
-                and len(rest) == 1
-                and vec.size == vec.decoding + 1 == vec.step_decoding + 1
-                and self.running[vec.decoding].status == RUNNING
-            ):
-                return self._end_admission(vec, now, start, ended)
-            _, done = self.complete_fast(now, scratch, False)  # the general end of a step
-            scratch.clear()
-            for r in done:
-                ended.append((r, now, now - start))
-            return bool(done)
-        _advance_pure(vec)
-        return False
+        ``start``): for a pure decode step the decode counter moving on (and its finishes:
+        Rule 5), for one rest row after the decoding rows :meth:`_end_admission`, else
+        ``complete_fast``. Whether a request finished (in ``ended``)."""
+        d = vec.decoding
+        size = vec.size
+        if size == d:
+            if vec.g + 1 not in vec.finish_cal:
+                _advance_pure(vec)
+                return False
+            if d == vec.step_decoding:
+                finishing = vec.advance()
+                assert finishing is not None
+                self._drop_finishing(vec, finishing, None, now, start, ended)
+                return True
+        elif size == d + 1 == vec.step_decoding + 1 and self.running[d].status == RUNNING:
+            return self._end_admission(vec, now, start, ended)
+        _, done = self.complete_fast(now, scratch, False)  # the general end of a step
+        scratch.clear()
+        for r in done:
+            ended.append((r, now, now - start))
+        return bool(done)
 
     def _end_admission(self, vec: RunningRows, now: float, start: float, ended: Ended) -> bool:
-        """Rule 5: :meth:`_end_in_run` for the common end of an admission step: the
-        decoding rows finish nothing and one running rest row follows them (``complete_fast``
-        and ``complete_members`` for that one member, inline; no tokens reported). Whether
-        it finished (in ``ended``)."""
-        _advance_pure(vec)
+        """Rule 5: :meth:`_end_in_run` for the common end of an admission step: one
+        running rest row follows the decoding rows (``complete_fast`` and
+        ``complete_members`` for that one member, inline; no tokens reported). Whether a
+        request finished (in ``ended``)."""
+        finishing = vec.advance()
         d = vec.decoding
         r = self.running[d]
         c = r.num_computed + vec.rest_n[0]
         r.num_computed = c
         prompt = r.prompt_tokens
-        if c < prompt:  # (a prefill chunk: no token yet)
-            return False
         new = c - prompt + 1
         if new > r.max_tokens:
             new = r.max_tokens
         out = r.num_output
-        if new <= out:  # (a preempted request's prefill again: its tokens are out)
-            return False
+        # (c < prompt: a prefill chunk, no token yet; new <= out: a preempted request's
+        # prefill again, its tokens are out)
+        if c < prompt or new <= out:
+            if finishing is None:
+                return False
+            self._drop_finishing(vec, finishing, None, now, start, ended)
+            return True
         if out == 0:
             r.first_token_time = now
         r.num_output = new
-        if new >= r.target_tokens:
+        last = new >= r.target_tokens
+        if finishing is not None:
+            self._drop_finishing(vec, finishing, r if last else None, now, start, ended)
+        elif last:
             self.finish(r)
             vec.drop([d])
             del self.running[d]
             ended.append((r, now, now - start))
+        if last:
             return True
         vec.start_decoding((r,))
-        return False
+        return finishing is not None
+
+    def _drop_finishing(
+        self,
+        vec: RunningRows,
+        finishing: list[Any],
+        also: Request | None,
+        now: float,
+        start: float,
+        ended: Ended,
+    ) -> None:
+        """The decoding rows ``finishing`` (the decode counter moved on to their finish),
+        then the first rest row's ``also`` when it finished too, end as ``complete_fast``
+        ends them: written back, freed, reported to ``ended`` and dropped, in row
+        order."""
+        running = self.running
+        d = vec.decoding
+        done = _rows_of(running, finishing, d)
+        finish = self.finish
+        for i in done:
+            r = running[i]
+            vec.finish_decoding(r)
+            finish(r)
+            ended.append((r, now, now - start))
+        if also is not None:
+            finish(also)
+            ended.append((also, now, now - start))
+            done.append(d)
+        vec.drop(done)
+        for i in reversed(done):
+            del running[i]
 
     def grow_at(self, vec: RunningRows, g: int) -> bool:
         """The decoding rows filed to grow at ``g`` (the decode counter; some are) take
@@ -498,6 +548,18 @@ class DecodeRuns:
             else:
                 self._in_flight(vec, pure, start, end)
         return decode_run_result(boundaries, started, boundary, partial)
+
+
+def _rows_of(running: list[Request], finishing: list[Any], decoding: int) -> list[int]:
+    """The rows of the decoding requests ``finishing``, ascending (``running`` is in
+    admission order below ``decoding``: each found by bisection)."""
+    done = []
+    for r in finishing:
+        i = bisect_left(running, r.admit_order, 0, decoding, key=_ADMIT_ORDER)
+        done.append(i if i < decoding and running[i] is r else running.index(r, 0, decoding))
+    if len(done) > 1:
+        done.sort()
+    return done
 
 
 def _advance_pure(vec: RunningRows) -> None:
