@@ -22,7 +22,7 @@ import attrs
 import pytest
 
 from inference_lab.core.config import Deployment, load_deployment
-from inference_lab.core.engine import Engine, Finished, RequestSpec
+from inference_lab.core.engine import Engine, Finished, RequestSpec, stepping
 from inference_lab.core.engine import decode_runs as runs_half
 from inference_lab.core.engine import fast_path as fast_half
 from inference_lab.core.engine import runs as runs_module
@@ -131,6 +131,44 @@ def test_runs_do_cross_arrivals_and_admit(monkeypatch: pytest.MonkeyPatch) -> No
     assert report.arrivals == len(specs)
     assert sum(1 for t in crossed if t is not None) > len(specs) // 2
     assert sum(1 for d in whole if d is not None) + lean["lean"] > len(specs) // 2
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+@pytest.mark.parametrize("name", ["light", "loaded", "frontend-latency"])
+def test_arrivals_a_run_crosses_are_inline(
+    monkeypatch: pytest.MonkeyPatch, name: str, seed: int
+) -> None:
+    """The runs' Rule 3: the arrivals a run crosses are ``_arrive``'s for a lone worker,
+    inline (none goes through ``_arrive`` itself there) -- compared with ``step()`` one
+    event at a time."""
+    seen: Counter[str] = Counter()
+    cross = runs_module.RunLoop._cross
+    arrive = stepping.EventLoop._arrive
+
+    def counting_cross(self: Any, end: float) -> float | None:
+        seen["crossing"] += 1
+        arrivals = self._crossing[0].arrivals
+        try:
+            return cross(self, end)
+        finally:
+            seen["crossing"] -= 1
+            seen["crossed"] += self._crossing[0].arrivals - arrivals
+
+    def counting_arrive(self: Any, *args: Any) -> None:
+        seen["arrive-in-cross" if seen["crossing"] else "arrive"] += 1
+        arrive(self, *args)
+
+    monkeypatch.setattr(runs_module.RunLoop, "_cross", counting_cross)
+    monkeypatch.setattr(stepping.EventLoop, "_arrive", counting_arrive)
+    make, kw = CASES[name]
+    dep = make()
+    specs = _specs(300, seed, **kw)
+    stepped = _drive(dep, specs, seed, runs=False)
+    ran = _drive(dep, specs, seed, runs=True)
+    _same(stepped[:4], ran[:4])  # type: ignore[arg-type]
+    assert stepped[4] == ran[4]
+    assert seen["crossed"] > len(specs) // 2, seen
+    assert seen["arrive-in-cross"] == 0, seen
 
 
 def _count_admitting(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
