@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -27,6 +28,7 @@ from inference_lab.core.engine import decode_runs as runs_half
 from inference_lab.core.engine import fast_path as fast_half
 from inference_lab.core.engine import runs as runs_module
 from inference_lab.core.engine.request import RUNNING
+from inference_lab.core.engine.running_rows import RunningRows
 from inference_lab.sim.records import StepTotals
 from tests.engine_util import GPT_OSS_20B, LLAMA8B, deployment
 from tests.test_engine_runs import EAGLE, _cutoffs, _disturb, _same, _specs
@@ -331,3 +333,58 @@ def test_ends_of_admission_steps_are_step_by_step(
     if name in ("loaded", "one-token"):
         assert seen["with-finishes"] > 0, seen
         assert seen["pure-finishes"] > 0, seen
+
+
+def _ids(cal: dict[int, list[Any]]) -> dict[int, list[Any]]:
+    """A calendar with each request named by its id (two sides' objects differ)."""
+    return {
+        k: [(x[0].id, x[1]) if isinstance(x, tuple) else x.id for x in v] for k, v in cal.items()
+    }
+
+
+def test_one_row_starts_as_start_decoding() -> None:
+    """``RunningRows.start_one`` (the end of an admission step, decode_runs Rule 5) leaves
+    the same fields, calendars and sums as ``start_decoding`` of that one row: random
+    rows with prompts in and past the private blocks' table, fresh and grown."""
+    w = Engine(deployment(GPT_OSS_20B)).workers[0]
+    rf = w.roofline
+    rnd = random.Random(5)
+    fields = ("num_computed", "num_output", "lazy_base", "block_room", "num_blocks")
+    for _ in range(300):
+        g = rnd.randrange(0, 50)
+        seed = rnd.random()
+        sides = []
+        for _side in range(2):
+            vec = RunningRows([], rf.room_for, windows=rf.window_classes(), flat=w.room_flat)
+            vec.g = g
+            rows = random.Random(seed)
+            made = []
+            for i in range(rows.randrange(1, 5)):
+                prompt = rows.choice([3, 40, 127, 128, 129, 700, 5000])
+                blocks = rows.choice([0, rf.blocks_for(prompt), rf.blocks_for(prompt) + 1])
+                made.append(
+                    SimpleNamespace(
+                        id=i,
+                        prompt_tokens=prompt,
+                        max_tokens=prompt + 500,
+                        target_tokens=rows.randrange(1, 400),
+                        num_computed=prompt,
+                        num_output=1,
+                        num_blocks=blocks,
+                        block_room=0 if rows.random() < 0.7 else rf.room_for(blocks),
+                        lazy_base=0,
+                    )
+                )
+                vec.append(1)
+            sides.append((vec, made))
+        (one, made_one), (many, made_many) = sides
+        for r, q in zip(made_one, made_many, strict=True):
+            one.start_one(r)
+            many.start_decoding((q,))
+            for name in fields:
+                assert getattr(r, name) == getattr(q, name), name
+        for slot in RunningRows.__slots__:
+            a, b = getattr(one, slot), getattr(many, slot)
+            if slot in ("finish_cal", "grow_cal"):
+                a, b = _ids(a), _ids(b)
+            assert a == b, slot

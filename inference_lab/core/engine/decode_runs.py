@@ -135,6 +135,7 @@ class DecodeRuns:
     ]
     grow_decoding: Callable[[RunningRows, list[tuple[PlainRequest, int]], list[int] | None], None]
     flat: tuple[int, int]
+    room_flat: tuple[int, int, int]
     block_size: int
     kv: KVCacheManager
     #: the head whose blocks were short at the last lean admission (Rule 4): handed to
@@ -218,7 +219,7 @@ class DecodeRuns:
             ended.append((r, now, now - start))
         if last:
             return True
-        vec.start_decoding((r,))
+        vec.start_one(r)
         return finishing is not None
 
     def _drop_finishing(
@@ -384,7 +385,8 @@ class DecodeRuns:
             return self._start_whole(now, price, factor, log)
         n = self._plain_chunk(r, left)
         kv = self.kv
-        blocks = kv.blocks_for(n) if n > 0 else 0
+        p0, tail, bs = self.room_flat  # (blocks_for past the private blocks' table, inline)
+        blocks = (-(-n // bs) + tail if n >= p0 else kv.blocks_for(n)) if n > 0 else 0
         due, wants, need = self.grow_due(vec, vec.g) if n > 0 else (None, None, 0)
         if n <= 0 or need + blocks > pool.free:
             if n > 0:
@@ -398,8 +400,12 @@ class DecodeRuns:
         self.step_id += 1
         mark = self.step_id
         rest_c: list[int] = []
+        rest_n = vec.rest_n
         while True:  # (FastPath._admit_into_whole's loop, for plain heads)
-            rest_c.append(self._admit_plain(vec, r, n, blocks, now, mark))
+            self.enter_running(r, 0, blocks, now, mark)  # (RunningRows.append)
+            rest_n.append(n)
+            vec.size += 1
+            rest_c.append(r.num_computed)
             left -= n
             if left <= 0 or not waiting.count:
                 break
@@ -409,13 +415,16 @@ class DecodeRuns:
             if n < 0:  # not plain: the general admissions from here on
                 out = self._admit_into_whole(now, mark, left, vec, rest_c)
                 return self._priced_out(out, now, price, factor, log)
-            blocks = kv.blocks_for(n) if n > 0 else 0
+            blocks = (-(-n // bs) + tail if n >= p0 else kv.blocks_for(n)) if n > 0 else 0
             if n == 0 or blocks > pool.free:
                 break
         self.step_budget = left
         self.step_mark = mark
-        ns = vec.rest_n
-        terms = vec.terms_with_one(ns[0], rest_c[0]) if len(ns) == 1 else vec.terms_with(ns, rest_c)
+        terms = (
+            vec.terms_with_one(rest_n[0], rest_c[0])
+            if len(rest_n) == 1
+            else vec.terms_with(rest_n, rest_c)
+        )
         return self._priced(self.fast_batch, terms, now, price, factor, log)
 
     def _plain_chunk(self, r: Request, left: int) -> int:
@@ -427,7 +436,8 @@ class DecodeRuns:
             return -1
         if self.running_seqs + 1 > self.max_num_seqs:
             return 0
-        n = r.prefill_length()
+        out = r.num_output  # (r.prefill_length())
+        n = r.prompt_tokens + (out - 1 if out > 1 else 0)
         if n > left:
             if not self.chunked:
                 return 0
@@ -448,17 +458,6 @@ class DecodeRuns:
         r.batch_mark = mark
         self.running.append(r)
         self.running_seqs += r.n
-
-    def _admit_plain(
-        self, vec: RunningRows, r: Request, n: int, blocks: int, now: float, mark: int
-    ) -> int:
-        """The plain head ``r`` admitted into the fast step marked ``mark`` with its first
-        ``n`` positions in ``blocks`` new blocks (``Scheduler.admit_head``), its row added
-        (``RunningRows.append``); returns its computed positions."""
-        self.enter_running(r, 0, blocks, now, mark)
-        vec.rest_n.append(n)
-        vec.size += 1
-        return r.num_computed
 
     def _priced_out(
         self, out: SchedulerOutput, now: float, price: Price, factor: float, log: StepLog
@@ -484,7 +483,11 @@ class DecodeRuns:
         self.step_terms = terms
         self.step_start = now
         self.step_end = now + duration
-        _log_step(self, cost, log)
+        total = self.total_blocks  # (_log_step)
+        roof = cost.roofline if cost.roofline > 0 else 1.0
+        log.kv_usage.append((total - self.pool.free) / total)
+        log.flop_util.append(cost.compute / roof)
+        log.bw_util.append(cost.memory / roof)
         return duration
 
     def _start_pure(self, vec: RunningRows, price: Price, factor: float, log: StepLog) -> float:

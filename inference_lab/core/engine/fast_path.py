@@ -89,6 +89,9 @@ class FastPath(DecodeRuns):
         #: from ``flat[0]`` positions on, ``blocks_for(p) = ceil(p / block_size) +
         #: flat[1]`` (the private blocks no longer grow)
         self.flat = roofline.flat_blocks()
+        #: ``(p0, tail, block_size)``: ``room_for`` past the private blocks' table
+        #: (``RunningRows.start_one``)
+        self.room_flat = (*self.flat, self.block_size)
         self.fast_least = FAST_PATH_MIN // 2
 
     def sync_running(self) -> None:
@@ -165,7 +168,9 @@ class FastPath(DecodeRuns):
         vec = self.vec
         if vec is None:
             rf = self.roofline
-            vec = self.vec = RunningRows(running, rf.room_for, windows=rf.window_classes())
+            vec = self.vec = RunningRows(
+                running, rf.room_for, windows=rf.window_classes(), flat=self.room_flat
+            )
         decoding = vec.decoding
         budget = self.budget
         due, wants, need = self.grow_due(vec, vec.g)

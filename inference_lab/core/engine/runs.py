@@ -249,7 +249,13 @@ class RunLoop:
                     self._join_late(w, r)
             else:
                 self._arrive(r, now)
-            self._report_arrival(report, now, mid)
+            report.arrivals += 1  # (_report_arrival, for one worker)
+            count = waiting.count
+            if count > report.peak_waiting:
+                report.peak_waiting = count
+            if now <= mid:
+                report.waiting_at_mid = count
+            report.waiting_at_end = count
             if w.step_end != end:  # it joined the step in flight (Rule 1)
                 return None
         else:
