@@ -388,3 +388,45 @@ def test_one_row_starts_as_start_decoding() -> None:
             if slot in ("finish_cal", "grow_cal"):
                 a, b = _ids(a), _ids(b)
             assert a == b, slot
+
+
+def test_terms_of_one_admission_as_the_general_terms() -> None:
+    """``RunningRows.terms_with_one`` (a lean admission's price terms, decode_runs Rule 4),
+    unrolled for full attention and one sliding window, gives the integers of its general
+    loop and of ``terms_with``: random decoding rows, chunks in and past the window."""
+    w = Engine(deployment(GPT_OSS_20B)).workers[0]
+    rf = w.roofline
+    rnd = random.Random(7)
+    for _ in range(200):
+        vec = RunningRows([], rf.room_for, windows=rf.window_classes(), flat=w.room_flat)
+        assert vec.two > 0
+        rows = []
+        for i in range(rnd.randrange(1, 12)):
+            prompt = rnd.choice([3, 60, 126, 127, 128, 129, 700])
+            r = SimpleNamespace(
+                id=i,
+                prompt_tokens=prompt,
+                max_tokens=prompt + 500,
+                target_tokens=rnd.randrange(2, 400),
+                num_computed=prompt,
+                num_output=1,
+                num_blocks=rf.blocks_for(prompt + 1),
+                block_room=0,
+                lazy_base=0,
+            )
+            vec.append(1)
+            rows.append(r)
+        vec.start_decoding(rows)
+        vec.g = rnd.randrange(0, 3)
+        n, c = rnd.choice([1, 5, 64, 200, 3000]), rnd.choice([0, 50, 127, 128, 900])
+        one = vec.terms_with_one(n, c)
+        general = vec.terms_with([n], [c])
+        vec.two = 0
+        loop = vec.terms_with_one(n, c)
+        for terms in (general, loop):
+            assert (one.tokens, one.seqs, one.sums, one.mla) == (
+                terms.tokens,
+                terms.seqs,
+                terms.sums,
+                terms.mla,
+            )

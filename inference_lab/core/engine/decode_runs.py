@@ -570,13 +570,13 @@ def _advance_pure(vec: RunningRows) -> None:
     counter moves on and the windows' rows saturating at it move over."""
     g = vec.g + 1
     vec.g = g
-    windows = vec.windows
-    for j, cal in enumerate(vec.sat_cal):
+    for j, window in vec.windowed:  # (a full-attention class never saturates)
+        cal = vec.sat_cal[j]
         count = cal.pop(g, 0) if cal else 0
         if count:
             vec.sat[j] += count
             vec.unsat[j] -= count
-            vec.unsat_sum[j] -= count * (windows[j] - 1 - g)
+            vec.unsat_sum[j] -= count * (window - 1 - g)
 
 
 def _log_step(worker: DecodeRuns, cost: StepCost, log: StepLog) -> None:

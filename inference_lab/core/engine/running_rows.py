@@ -76,6 +76,7 @@ class RunningRows:
         "grow_cal",
         "room_for",
         "flat",
+        "two",
         "head",
     )
 
@@ -108,6 +109,9 @@ class RunningRows:
         self.windows = tuple(windows)
         #: the sliding window classes: (index, window) each
         self.windowed = tuple((j, w) for j, w in enumerate(self.windows) if w > 0)
+        #: the window of the second class when there are two, full attention and one
+        #: sliding window (gpt-oss: :meth:`terms_with_one` unrolled); 0 otherwise
+        self.two = self.windows[1] if len(self.windows) == 2 and self.windows[0] <= 0 else 0
         #: sum of the decoding rows' ``lazy_base``
         self.base_sum = 0
         #: per window class: decoding rows saturated (``computed >= W - 1``), the others,
@@ -270,13 +274,14 @@ class RunningRows:
         that was are returned (None: none)."""
         g = self.g + 1
         self.g = g
-        for j, cal in enumerate(self.sat_cal):
+        for j, window in self.windowed:  # (a full-attention class never saturates)
+            cal = self.sat_cal[j]
             if cal:
                 count = cal.pop(g, 0)
                 if count:
                     self.sat[j] += count
                     self.unsat[j] -= count
-                    self.unsat_sum[j] -= count * (self.windows[j] - 1 - g)
+                    self.unsat_sum[j] -= count * (window - 1 - g)
         return self.finish_cal.pop(g, None)
 
     def decode_totals(self) -> list[list[int]]:
@@ -344,6 +349,14 @@ class RunningRows:
         k = self.decoding
         m = c + (n + 1) // 2
         sat, unsat, unsat_sum = self.sat, self.unsat, self.unsat_sum
+        w = self.two
+        if w:  # (full attention and one sliding window: the loop below, unrolled)
+            full = self.base_sum + k * g + k
+            base = sat[1] * (w - 1) + unsat_sum[1] + unsat[1] * g + k
+            att = m if m < w else w
+            return BatchTerms(
+                k + n, k + 1, [[full + n * m, full + m], [base + n * att, base + att]], []
+            )
         out = []
         for j, window in enumerate(self.windows):
             if window <= 0:
