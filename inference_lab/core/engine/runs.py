@@ -91,6 +91,9 @@ class RunLoop:
     groups: list[DPGroup]
     _handoffs: Handoffs | None
     _pending: int
+    _finished: int
+    _frontend: float
+    _requests: dict[int, Request]
 
     def _arrive(self, r: Request, now: float) -> None:
         raise NotImplementedError
@@ -266,6 +269,25 @@ class RunLoop:
             self.now = end
         return before if t is None or t > before else t
 
+    def _end_requests(
+        self, w: Scheduler, ended: list[tuple[Request, float, float]], finished: list[Finished]
+    ) -> None:
+        """The requests a decode run ended on ``w`` (each with its time and its last step's
+        duration), in order: ``_ended_request`` of each -- inline when a recorder takes
+        their fields without hand-offs (Rule 4)."""
+        record = self._record
+        if record is None or self._handoffs is not None:
+            for r, t, step in ended:
+                self._ended_request(w, r, t, step, finished)
+            return
+        requests = self._requests
+        worker = w.index
+        frontend = self._frontend
+        for r, t, _ in ended:
+            del requests[r.id]
+            record(r.finished_fields(t, worker, frontend))
+        self._finished += len(ended)
+
     def _run_boundary(
         self,
         w: Scheduler,
@@ -294,9 +316,9 @@ class RunLoop:
             cross=None if self._crossing is None else self._cross,
         )
         if run is not None:
-            for r, t, step in ended:
-                self._ended_request(w, r, t, step, finished)
-            ended.clear()
+            if ended:
+                self._end_requests(w, ended, finished)
+                ended.clear()
             self._steps += run.started
             report.events += run.boundaries - 1
             report.steps += run.started
