@@ -252,12 +252,13 @@ class DecodeRuns:
         for i in reversed(done):
             del running[i]
 
-    def grow_at(self, vec: RunningRows, g: int) -> bool:
+    def grow_at(self, vec: RunningRows, g: int, extra: int = 0) -> bool:
         """The decoding rows filed to grow at ``g`` (the decode counter; some are) take
-        their blocks, when the pool has them all (True); False (nothing changed) when it
-        has not. The common case -- each row past its private blocks' table, one block
-        each, filed ``block_size`` counts on -- is ``grow_due`` and ``grow_decoding``
-        inline (the same test, the same calls to the KV cache manager)."""
+        their blocks, when the pool has them all and ``extra`` more (True); False
+        (nothing changed) when it has not. The common case -- each row past its private
+        blocks' table, one block each, filed ``block_size`` counts on -- is ``grow_due``
+        and ``grow_decoding`` inline (the same test, the same calls to the KV cache
+        manager)."""
         grow_cal = vec.grow_cal
         due = grow_cal[g]
         flat, tail = self.flat
@@ -265,8 +266,8 @@ class DecodeRuns:
         for r, c in due:
             room = r.block_room
             if room - c != g or room < flat or room != (r.num_blocks - tail) * bs:
-                return self._grow_general(vec, g)
-        if len(due) > self.pool.free:
+                return self._grow_general(vec, g, extra)
+        if len(due) + extra > self.pool.free:
             return False
         del grow_cal[g]
         self.kv.grow_by_one(due)
@@ -277,10 +278,10 @@ class DecodeRuns:
             later += due
         return True
 
-    def _grow_general(self, vec: RunningRows, g: int) -> bool:
+    def _grow_general(self, vec: RunningRows, g: int, extra: int) -> bool:
         """:meth:`grow_at` for rows that want other than one block each."""
         due, wants, need = self.grow_due(vec, g)
-        if need > self.pool.free:
+        if need + extra > self.pool.free:
             return False
         assert due is not None
         self.grow_decoding(vec, due, wants)
@@ -384,16 +385,15 @@ class DecodeRuns:
         ):
             return self._start_whole(now, price, factor, log)
         n = self._plain_chunk(r, left)
+        if n <= 0:
+            return self._start_whole(now, price, factor, log)
         kv = self.kv
         p0, tail, bs = self.room_flat  # (blocks_for past the private blocks' table, inline)
-        blocks = (-(-n // bs) + tail if n >= p0 else kv.blocks_for(n)) if n > 0 else 0
-        due, wants, need = self.grow_due(vec, vec.g) if n > 0 else (None, None, 0)
-        if n <= 0 or need + blocks > pool.free:
-            if n > 0:
-                self.blocked_head = r  # (the whole step's, until it is not the head)
+        blocks = -(-n // bs) + tail if n >= p0 else kv.blocks_for(n)
+        g = vec.g  # the rows due grow first, when the blocks suffice for them and the head
+        if not (self.grow_at(vec, g, blocks) if g in vec.grow_cal else blocks <= pool.free):
+            self.blocked_head = r  # (the whole step's, until it is not the head)
             return self._start_whole(now, price, factor, log)
-        if due is not None:  # (FastPath._schedule_whole)
-            self.grow_decoding(vec, due, wants)
         vec.rest_n = []
         vec.step_decoding = rows
         self.step_gamma = 0
