@@ -16,16 +16,19 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
 import pytest
 
 from inference_lab.core.config import Deployment, load_deployment
-from inference_lab.core.engine import Engine, Finished, RequestSpec
+from inference_lab.core.engine import Engine, Finished, RequestSpec, stepping
 from inference_lab.core.engine import decode_runs as runs_half
 from inference_lab.core.engine import fast_path as fast_half
 from inference_lab.core.engine import runs as runs_module
+from inference_lab.core.engine.request import RUNNING
+from inference_lab.core.engine.running_rows import RunningRows
 from inference_lab.sim.records import StepTotals
 from tests.engine_util import GPT_OSS_20B, LLAMA8B, ROOT, deployment
 from tests.test_engine_runs import EAGLE, _cutoffs, _disturb, _same, _specs
@@ -136,6 +139,44 @@ def test_runs_do_cross_arrivals_and_admit(monkeypatch: pytest.MonkeyPatch) -> No
     assert sum(1 for d in whole if d is not None) + lean["lean"] > len(specs) // 2
 
 
+@pytest.mark.parametrize("seed", [21, 22])
+@pytest.mark.parametrize("name", ["light", "loaded", "frontend-latency"])
+def test_arrivals_a_run_crosses_are_inline(
+    monkeypatch: pytest.MonkeyPatch, name: str, seed: int
+) -> None:
+    """The runs' Rule 3: the arrivals a run crosses are ``_arrive``'s for a lone worker,
+    inline (none goes through ``_arrive`` itself there) -- compared with ``step()`` one
+    event at a time."""
+    seen: Counter[str] = Counter()
+    cross = runs_module.RunLoop._cross
+    arrive = stepping.EventLoop._arrive
+
+    def counting_cross(self: Any, end: float) -> float | None:
+        seen["crossing"] += 1
+        arrivals = self._crossing[0].arrivals
+        try:
+            return cross(self, end)
+        finally:
+            seen["crossing"] -= 1
+            seen["crossed"] += self._crossing[0].arrivals - arrivals
+
+    def counting_arrive(self: Any, *args: Any) -> None:
+        seen["arrive-in-cross" if seen["crossing"] else "arrive"] += 1
+        arrive(self, *args)
+
+    monkeypatch.setattr(runs_module.RunLoop, "_cross", counting_cross)
+    monkeypatch.setattr(stepping.EventLoop, "_arrive", counting_arrive)
+    make, kw = CASES[name]
+    dep = make()
+    specs = _specs(300, seed, **kw)
+    stepped = _drive(dep, specs, seed, runs=False)
+    ran = _drive(dep, specs, seed, runs=True)
+    _same(stepped[:4], ran[:4])  # type: ignore[arg-type]
+    assert stepped[4] == ran[4]
+    assert seen["crossed"] > len(specs) // 2, seen
+    assert seen["arrive-in-cross"] == 0, seen
+
+
 def _count_admitting(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """Count the decode runs' admissions by ``_start_admitting`` (decode_runs Rule 4):
     those it started itself (``lean``) and those it handed to ``_start_whole``."""
@@ -223,7 +264,8 @@ def test_admissions_a_run_starts_are_step_by_step(
 #: workloads whose admission steps end in a run in each way decode_runs Rule 5 takes: the
 #: new row decodes (light, loaded), it was a prefill chunk (a small budget, chunked
 #: prefills), a preempted request's prefill again (preemptions), it finished at its first
-#: token (one-token outputs)
+#: token (one-token outputs); decoding rows finishing at the same end, and at the end of
+#: a pure step the run did not take in a stretch (loaded, one-token)
 ENDS: dict[str, tuple[Any, dict[str, Any]]] = {
     "light": CASES["light"],
     "loaded": CASES["loaded"],
@@ -234,6 +276,38 @@ ENDS: dict[str, tuple[Any, dict[str, Any]]] = {
 }
 
 
+def _count_ends(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Count the ways decode_runs Rule 5's inline ends take (``_end_admission``'s, and a
+    pure step's end with finishes in ``_end_in_run``)."""
+    seen: Counter[str] = Counter()
+    end_admission = runs_half.DecodeRuns._end_admission
+    end_in_run = runs_half.DecodeRuns._end_in_run
+
+    def counting(self: Any, vec: Any, *args: Any) -> bool:
+        r = self.running[vec.decoding]
+        out, decoding = r.num_output, vec.decoding
+        finishing = len(vec.finish_cal.get(vec.g + 1, ()))
+        if finishing:
+            seen["with-finishes"] += 1
+        ended = end_admission(self, vec, *args)
+        if r.status != RUNNING:
+            seen["finished"] += 1
+        elif vec.decoding > decoding - finishing:
+            seen["decodes"] += 1
+        else:
+            seen["again" if out else "chunk"] += 1
+        return ended
+
+    def counting_pure(self: Any, vec: Any, *args: Any) -> bool:
+        if vec.size == vec.decoding and vec.g + 1 in vec.finish_cal:
+            seen["pure-finishes"] += 1
+        return end_in_run(self, vec, *args)
+
+    monkeypatch.setattr(runs_half.DecodeRuns, "_end_admission", counting)
+    monkeypatch.setattr(runs_half.DecodeRuns, "_end_in_run", counting_pure)
+    return seen
+
+
 @pytest.mark.parametrize("seed", [31, 32])
 @pytest.mark.parametrize("name", sorted(ENDS))
 def test_ends_of_admission_steps_are_step_by_step(
@@ -242,22 +316,7 @@ def test_ends_of_admission_steps_are_step_by_step(
     """decode_runs Rule 5: each workload through runs free to cross arrivals and one
     ``step()`` at a time: the same steps, completions, state and event count, with the
     ends of admission steps taken inline, each way the workload gives."""
-    seen: Counter[str] = Counter()
-    end_admission = runs_half.DecodeRuns._end_admission
-
-    def counting(self: Any, vec: Any, *args: Any) -> bool:
-        r = self.running[vec.decoding]
-        out, decoding = r.num_output, vec.decoding
-        ended = end_admission(self, vec, *args)
-        if ended:
-            seen["finished"] += 1
-        elif vec.decoding > decoding:
-            seen["decodes"] += 1
-        else:
-            seen["again" if out else "chunk"] += 1
-        return ended
-
-    monkeypatch.setattr(runs_half.DecodeRuns, "_end_admission", counting)
+    seen = _count_ends(monkeypatch)
     make, kw = ENDS[name]
     dep = make()
     specs = _specs(300, seed, **kw)
@@ -275,3 +334,103 @@ def test_ends_of_admission_steps_are_step_by_step(
         assert seen["again"] > 0, seen
     if name == "one-token":
         assert seen["finished"] > 0, seen
+    if name in ("loaded", "one-token"):
+        assert seen["with-finishes"] > 0, seen
+        assert seen["pure-finishes"] > 0, seen
+
+
+def _ids(cal: dict[int, list[Any]]) -> dict[int, list[Any]]:
+    """A calendar with each request named by its id (two sides' objects differ)."""
+    return {
+        k: [(x[0].id, x[1]) if isinstance(x, tuple) else x.id for x in v] for k, v in cal.items()
+    }
+
+
+def test_one_row_starts_as_start_decoding() -> None:
+    """``RunningRows.start_one`` (the end of an admission step, decode_runs Rule 5) leaves
+    the same fields, calendars and sums as ``start_decoding`` of that one row: random
+    rows with prompts in and past the private blocks' table, fresh and grown."""
+    w = Engine(deployment(GPT_OSS_20B)).workers[0]
+    rf = w.roofline
+    rnd = random.Random(5)
+    fields = ("num_computed", "num_output", "lazy_base", "block_room", "num_blocks")
+    for _ in range(300):
+        g = rnd.randrange(0, 50)
+        seed = rnd.random()
+        sides = []
+        for _side in range(2):
+            vec = RunningRows([], rf.room_for, windows=rf.window_classes(), flat=w.room_flat)
+            vec.g = g
+            rows = random.Random(seed)
+            made = []
+            for i in range(rows.randrange(1, 5)):
+                prompt = rows.choice([3, 40, 127, 128, 129, 700, 5000])
+                blocks = rows.choice([0, rf.blocks_for(prompt), rf.blocks_for(prompt) + 1])
+                made.append(
+                    SimpleNamespace(
+                        id=i,
+                        prompt_tokens=prompt,
+                        max_tokens=prompt + 500,
+                        target_tokens=rows.randrange(1, 400),
+                        num_computed=prompt,
+                        num_output=1,
+                        num_blocks=blocks,
+                        block_room=0 if rows.random() < 0.7 else rf.room_for(blocks),
+                        lazy_base=0,
+                    )
+                )
+                vec.append(1)
+            sides.append((vec, made))
+        (one, made_one), (many, made_many) = sides
+        for r, q in zip(made_one, made_many, strict=True):
+            one.start_one(r)
+            many.start_decoding((q,))
+            for name in fields:
+                assert getattr(r, name) == getattr(q, name), name
+        for slot in RunningRows.__slots__:
+            a, b = getattr(one, slot), getattr(many, slot)
+            if slot in ("finish_cal", "grow_cal"):
+                a, b = _ids(a), _ids(b)
+            assert a == b, slot
+
+
+def test_terms_of_one_admission_as_the_general_terms() -> None:
+    """``RunningRows.terms_with_one`` (a lean admission's price terms, decode_runs Rule 4),
+    unrolled for full attention and one sliding window, gives the integers of its general
+    loop and of ``terms_with``: random decoding rows, chunks in and past the window."""
+    w = Engine(deployment(GPT_OSS_20B)).workers[0]
+    rf = w.roofline
+    rnd = random.Random(7)
+    for _ in range(200):
+        vec = RunningRows([], rf.room_for, windows=rf.window_classes(), flat=w.room_flat)
+        assert vec.two > 0
+        rows = []
+        for i in range(rnd.randrange(1, 12)):
+            prompt = rnd.choice([3, 60, 126, 127, 128, 129, 700])
+            r = SimpleNamespace(
+                id=i,
+                prompt_tokens=prompt,
+                max_tokens=prompt + 500,
+                target_tokens=rnd.randrange(2, 400),
+                num_computed=prompt,
+                num_output=1,
+                num_blocks=rf.blocks_for(prompt + 1),
+                block_room=0,
+                lazy_base=0,
+            )
+            vec.append(1)
+            rows.append(r)
+        vec.start_decoding(rows)
+        vec.g = rnd.randrange(0, 3)
+        n, c = rnd.choice([1, 5, 64, 200, 3000]), rnd.choice([0, 50, 127, 128, 900])
+        one = vec.terms_with_one(n, c)
+        general = vec.terms_with([n], [c])
+        vec.two = 0
+        loop = vec.terms_with_one(n, c)
+        for terms in (general, loop):
+            assert (one.tokens, one.seqs, one.sums, one.mla) == (
+                terms.tokens,
+                terms.seqs,
+                terms.sums,
+                terms.mla,
+            )

@@ -92,6 +92,29 @@ class EventCalendar:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
+    def top(self) -> tuple[float, int, int, Any] | None:
+        """The earliest live event's entry ``(time, sequence, kind, payload)``, or None
+        (stale ones are dropped): :meth:`next_time` and what :meth:`pop` would take, in
+        one look; :meth:`drop_top` then takes it."""
+        heap = self.heap
+        while heap:
+            top = heap[0]
+            kind = top[2]
+            if kind == ARRIVAL:
+                if top[3].status == PENDING:
+                    return top
+            elif kind == TRANSFER:
+                if top[3].status == RECEIVING:
+                    return top
+            elif top[1] == top[3].boundary_seq:
+                return top
+            heapq.heappop(heap)
+        return None
+
+    def drop_top(self) -> None:
+        """Take the earliest event, live as :meth:`top` found it."""
+        heapq.heappop(self.heap)
+
     def pop(self) -> tuple[float, int, Any]:
         """Take the earliest live event: (time, kind, payload). Raises RuntimeError when
         there is none."""

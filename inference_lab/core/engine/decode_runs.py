@@ -39,17 +39,24 @@ Rule 4: at a boundary where every running request decodes and requests wait (arr
         and the step is priced from the same terms, without the passes over rest rows
         and the scheduler output. Any other case is handed to ``_start_whole`` before
         anything changed.
-Rule 5: the common end of an admission step in a run -- the decoding rows finish nothing
-        and one running rest row (the admission, or a prefill chunk) follows them -- is
+Rule 5: the common end of an admission step in a run -- one running rest row (the
+        admission, or a prefill chunk) follows the decoding rows -- is
         :meth:`DecodeRuns._end_admission`: ``complete_fast`` and ``complete_members`` for
         that one member inline (the same arithmetic in the same order; a run reports no
-        tokens), the row starting to decode when it emitted its first token. Any other
-        end of a step that is not pure is ``complete_fast``'s.
+        tokens), the decoding rows finishing at that count then that row, when its last
+        token it was, ended in row order (:meth:`DecodeRuns._drop_finishing`), and the
+        row starting to decode when it emitted its first token. The end of a pure step
+        with finishes that the run did not take in a stretch is the same without the
+        rest row. Any other end (several rest rows, rows whose step changed) is
+        ``complete_fast``'s.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
+from operator import attrgetter
+from typing import Any
 
 import attrs
 
@@ -68,6 +75,10 @@ __all__ = ["DecodeRun", "DecodeRuns"]
 
 Price = Callable[[BatchTerms], StepCost]
 Ended = list[tuple[Request, float, float]]
+
+#: a running request's admission number: ``running`` is in that order (each request
+#: appended takes the scheduler's next one, and removals keep the order)
+_ADMIT_ORDER = attrgetter("admit_order")
 
 
 @attrs.frozen
@@ -124,6 +135,7 @@ class DecodeRuns:
     ]
     grow_decoding: Callable[[RunningRows, list[tuple[PlainRequest, int]], list[int] | None], None]
     flat: tuple[int, int]
+    room_flat: tuple[int, int, int]
     block_size: int
     kv: KVCacheManager
     #: the head whose blocks were short at the last lean admission (Rule 4): handed to
@@ -150,63 +162,103 @@ class DecodeRuns:
         ended: Ended,
     ) -> bool:
         """A decode run's boundary at ``now`` ends the fast step in flight (started at
-        ``start``): ``complete_fast``, or for a pure decode step that finishes nothing the
-        decode counter moving on. Whether a request finished (in ``ended``)."""
-        rest = vec.rest_n
-        finishes = vec.g + 1 in vec.finish_cal
-        if rest or vec.decoding != vec.size or finishes:
-            if (
-                not finishes
-                and len(rest) == 1
-                and vec.size == vec.decoding + 1 == vec.step_decoding + 1
-                and self.running[vec.decoding].status == RUNNING
-            ):
-                return self._end_admission(vec, now, start, ended)
-            _, done = self.complete_fast(now, scratch, False)  # the general end of a step
-            scratch.clear()
-            for r in done:
-                ended.append((r, now, now - start))
-            return bool(done)
-        _advance_pure(vec)
-        return False
+        ``start``): for a pure decode step the decode counter moving on (and its finishes:
+        Rule 5), for one rest row after the decoding rows :meth:`_end_admission`, else
+        ``complete_fast``. Whether a request finished (in ``ended``)."""
+        d = vec.decoding
+        size = vec.size
+        if size == d:
+            if vec.g + 1 not in vec.finish_cal:
+                _advance_pure(vec)
+                return False
+            if d == vec.step_decoding:
+                finishing = vec.advance()
+                assert finishing is not None
+                self._drop_finishing(vec, finishing, None, now, start, ended)
+                return True
+        elif size == d + 1 == vec.step_decoding + 1 and self.running[d].status == RUNNING:
+            return self._end_admission(vec, now, start, ended)
+        _, done = self.complete_fast(now, scratch, False)  # the general end of a step
+        scratch.clear()
+        for r in done:
+            ended.append((r, now, now - start))
+        return bool(done)
 
     def _end_admission(self, vec: RunningRows, now: float, start: float, ended: Ended) -> bool:
-        """Rule 5: :meth:`_end_in_run` for the common end of an admission step: the
-        decoding rows finish nothing and one running rest row follows them (``complete_fast``
-        and ``complete_members`` for that one member, inline; no tokens reported). Whether
-        it finished (in ``ended``)."""
-        _advance_pure(vec)
+        """Rule 5: :meth:`_end_in_run` for the common end of an admission step: one
+        running rest row follows the decoding rows (``complete_fast`` and
+        ``complete_members`` for that one member, inline; no tokens reported). Whether a
+        request finished (in ``ended``)."""
+        finishing = vec.advance()
         d = vec.decoding
         r = self.running[d]
         c = r.num_computed + vec.rest_n[0]
         r.num_computed = c
         prompt = r.prompt_tokens
-        if c < prompt:  # (a prefill chunk: no token yet)
-            return False
         new = c - prompt + 1
         if new > r.max_tokens:
             new = r.max_tokens
         out = r.num_output
-        if new <= out:  # (a preempted request's prefill again: its tokens are out)
-            return False
+        # (c < prompt: a prefill chunk, no token yet; new <= out: a preempted request's
+        # prefill again, its tokens are out)
+        if c < prompt or new <= out:
+            if finishing is None:
+                return False
+            self._drop_finishing(vec, finishing, None, now, start, ended)
+            return True
         if out == 0:
             r.first_token_time = now
         r.num_output = new
-        if new >= r.target_tokens:
+        last = new >= r.target_tokens
+        if finishing is not None:
+            self._drop_finishing(vec, finishing, r if last else None, now, start, ended)
+        elif last:
             self.finish(r)
             vec.drop([d])
             del self.running[d]
             ended.append((r, now, now - start))
+        if last:
             return True
-        vec.start_decoding((r,))
-        return False
+        vec.start_one(r)
+        return finishing is not None
 
-    def grow_at(self, vec: RunningRows, g: int) -> bool:
+    def _drop_finishing(
+        self,
+        vec: RunningRows,
+        finishing: list[Any],
+        also: Request | None,
+        now: float,
+        start: float,
+        ended: Ended,
+    ) -> None:
+        """The decoding rows ``finishing`` (the decode counter moved on to their finish),
+        then the first rest row's ``also`` when it finished too, end as ``complete_fast``
+        ends them: written back, freed, reported to ``ended`` and dropped, in row
+        order."""
+        running = self.running
+        d = vec.decoding
+        done = _rows_of(running, finishing, d)
+        finish = self.finish
+        for i in done:
+            r = running[i]
+            vec.finish_decoding(r)
+            finish(r)
+            ended.append((r, now, now - start))
+        if also is not None:
+            finish(also)
+            ended.append((also, now, now - start))
+            done.append(d)
+        vec.drop(done)
+        for i in reversed(done):
+            del running[i]
+
+    def grow_at(self, vec: RunningRows, g: int, extra: int = 0) -> bool:
         """The decoding rows filed to grow at ``g`` (the decode counter; some are) take
-        their blocks, when the pool has them all (True); False (nothing changed) when it
-        has not. The common case -- each row past its private blocks' table, one block
-        each, filed ``block_size`` counts on -- is ``grow_due`` and ``grow_decoding``
-        inline (the same test, the same calls to the KV cache manager)."""
+        their blocks, when the pool has them all and ``extra`` more (True); False
+        (nothing changed) when it has not. The common case -- each row past its private
+        blocks' table, one block each, filed ``block_size`` counts on -- is ``grow_due``
+        and ``grow_decoding`` inline (the same test, the same calls to the KV cache
+        manager)."""
         grow_cal = vec.grow_cal
         due = grow_cal[g]
         flat, tail = self.flat
@@ -214,8 +266,8 @@ class DecodeRuns:
         for r, c in due:
             room = r.block_room
             if room - c != g or room < flat or room != (r.num_blocks - tail) * bs:
-                return self._grow_general(vec, g)
-        if len(due) > self.pool.free:
+                return self._grow_general(vec, g, extra)
+        if len(due) + extra > self.pool.free:
             return False
         del grow_cal[g]
         self.kv.grow_by_one(due)
@@ -226,10 +278,10 @@ class DecodeRuns:
             later += due
         return True
 
-    def _grow_general(self, vec: RunningRows, g: int) -> bool:
+    def _grow_general(self, vec: RunningRows, g: int, extra: int) -> bool:
         """:meth:`grow_at` for rows that want other than one block each."""
         due, wants, need = self.grow_due(vec, g)
-        if need > self.pool.free:
+        if need + extra > self.pool.free:
             return False
         assert due is not None
         self.grow_decoding(vec, due, wants)
@@ -333,23 +385,27 @@ class DecodeRuns:
         ):
             return self._start_whole(now, price, factor, log)
         n = self._plain_chunk(r, left)
-        kv = self.kv
-        blocks = kv.blocks_for(n) if n > 0 else 0
-        due, wants, need = self.grow_due(vec, vec.g) if n > 0 else (None, None, 0)
-        if n <= 0 or need + blocks > pool.free:
-            if n > 0:
-                self.blocked_head = r  # (the whole step's, until it is not the head)
+        if n <= 0:
             return self._start_whole(now, price, factor, log)
-        if due is not None:  # (FastPath._schedule_whole)
-            self.grow_decoding(vec, due, wants)
+        kv = self.kv
+        p0, tail, bs = self.room_flat  # (blocks_for past the private blocks' table, inline)
+        blocks = -(-n // bs) + tail if n >= p0 else kv.blocks_for(n)
+        g = vec.g  # the rows due grow first, when the blocks suffice for them and the head
+        if not (self.grow_at(vec, g, blocks) if g in vec.grow_cal else blocks <= pool.free):
+            self.blocked_head = r  # (the whole step's, until it is not the head)
+            return self._start_whole(now, price, factor, log)
         vec.rest_n = []
         vec.step_decoding = rows
         self.step_gamma = 0
         self.step_id += 1
         mark = self.step_id
         rest_c: list[int] = []
+        rest_n = vec.rest_n
         while True:  # (FastPath._admit_into_whole's loop, for plain heads)
-            rest_c.append(self._admit_plain(vec, r, n, blocks, now, mark))
+            self.enter_running(r, 0, blocks, now, mark)  # (RunningRows.append)
+            rest_n.append(n)
+            vec.size += 1
+            rest_c.append(r.num_computed)
             left -= n
             if left <= 0 or not waiting.count:
                 break
@@ -359,18 +415,17 @@ class DecodeRuns:
             if n < 0:  # not plain: the general admissions from here on
                 out = self._admit_into_whole(now, mark, left, vec, rest_c)
                 return self._priced_out(out, now, price, factor, log)
-            blocks = kv.blocks_for(n) if n > 0 else 0
+            blocks = (-(-n // bs) + tail if n >= p0 else kv.blocks_for(n)) if n > 0 else 0
             if n == 0 or blocks > pool.free:
                 break
         self.step_budget = left
         self.step_mark = mark
-        ns = vec.rest_n
         if self.roofline.has_mla():  # the roofline sums MLA classes (as _schedule_whole)
             terms = self.roofline.batch_terms(vec.ns(), vec.computed_now(self.running))
-        elif len(ns) == 1:
-            terms = vec.terms_with_one(ns[0], rest_c[0])
+        elif len(rest_n) == 1:
+            terms = vec.terms_with_one(rest_n[0], rest_c[0])
         else:
-            terms = vec.terms_with(ns, rest_c)
+            terms = vec.terms_with(rest_n, rest_c)
         return self._priced(self.fast_batch, terms, now, price, factor, log)
 
     def _plain_chunk(self, r: Request, left: int) -> int:
@@ -382,7 +437,8 @@ class DecodeRuns:
             return -1
         if self.running_seqs + 1 > self.max_num_seqs:
             return 0
-        n = r.prefill_length()
+        out = r.num_output  # (r.prefill_length())
+        n = r.prompt_tokens + (out - 1 if out > 1 else 0)
         if n > left:
             if not self.chunked:
                 return 0
@@ -403,17 +459,6 @@ class DecodeRuns:
         r.batch_mark = mark
         self.running.append(r)
         self.running_seqs += r.n
-
-    def _admit_plain(
-        self, vec: RunningRows, r: Request, n: int, blocks: int, now: float, mark: int
-    ) -> int:
-        """The plain head ``r`` admitted into the fast step marked ``mark`` with its first
-        ``n`` positions in ``blocks`` new blocks (``Scheduler.admit_head``), its row added
-        (``RunningRows.append``); returns its computed positions."""
-        self.enter_running(r, 0, blocks, now, mark)
-        vec.rest_n.append(n)
-        vec.size += 1
-        return r.num_computed
 
     def _priced_out(
         self, out: SchedulerOutput, now: float, price: Price, factor: float, log: StepLog
@@ -439,7 +484,11 @@ class DecodeRuns:
         self.step_terms = terms
         self.step_start = now
         self.step_end = now + duration
-        _log_step(self, cost, log)
+        total = self.total_blocks  # (_log_step)
+        roof = cost.roofline if cost.roofline > 0 else 1.0
+        log.kv_usage.append((total - self.pool.free) / total)
+        log.flop_util.append(cost.compute / roof)
+        log.bw_util.append(cost.memory / roof)
         return duration
 
     def _start_pure(self, vec: RunningRows, price: Price, factor: float, log: StepLog) -> float:
@@ -505,18 +554,30 @@ class DecodeRuns:
         return decode_run_result(boundaries, started, boundary, partial)
 
 
+def _rows_of(running: list[Request], finishing: list[Any], decoding: int) -> list[int]:
+    """The rows of the decoding requests ``finishing``, ascending (``running`` is in
+    admission order below ``decoding``: each found by bisection)."""
+    done = []
+    for r in finishing:
+        i = bisect_left(running, r.admit_order, 0, decoding, key=_ADMIT_ORDER)
+        done.append(i if i < decoding and running[i] is r else running.index(r, 0, decoding))
+    if len(done) > 1:
+        done.sort()
+    return done
+
+
 def _advance_pure(vec: RunningRows) -> None:
     """``RunningRows.advance`` inline for a count at which no decoding row finishes: the
     counter moves on and the windows' rows saturating at it move over."""
     g = vec.g + 1
     vec.g = g
-    windows = vec.windows
-    for j, cal in enumerate(vec.sat_cal):
+    for j, window in vec.windowed:  # (a full-attention class never saturates)
+        cal = vec.sat_cal[j]
         count = cal.pop(g, 0) if cal else 0
         if count:
             vec.sat[j] += count
             vec.unsat[j] -= count
-            vec.unsat_sum[j] -= count * (windows[j] - 1 - g)
+            vec.unsat_sum[j] -= count * (window - 1 - g)
 
 
 def _log_step(worker: DecodeRuns, cost: StepCost, log: StepLog) -> None:

@@ -197,7 +197,11 @@ class Engine(EventLoop):
         r = Request(rid, PLAIN_SPEC, arrival, max_tokens, stamp)
         r.prompt_tokens = prompt_tokens
         r.max_tokens = max_tokens
-        return self._file(r, arrival, preorder)
+        # (_file: without block hashes, KVCacheManager.prepare leaves the fields as made)
+        self._requests[rid] = r
+        self._pending += 1
+        self._calendar.file_arrival(r, arrival, preorder)
+        return rid
 
     def _file(self, r: Request, arrival: float, preorder: int | None) -> int:
         """The new request ``r`` prepared for the prefix cache, known and filed to arrive

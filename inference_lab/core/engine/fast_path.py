@@ -30,14 +30,12 @@ Rule 4: a decode run (:meth:`~inference_lab.core.engine.decode_runs.DecodeRuns.d
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Iterator
-from operator import attrgetter
 from typing import Any
 
 from inference_lab.core.decode_pricing import DecodeStep, TwoClasses
 from inference_lab.core.engine.block_pool import BlockPool
-from inference_lab.core.engine.decode_runs import DecodeRun, DecodeRuns, Ended, Price
+from inference_lab.core.engine.decode_runs import DecodeRun, DecodeRuns, Ended, Price, _rows_of
 from inference_lab.core.engine.kv_cache_manager import KVCacheManager
 from inference_lab.core.engine.outputs import StepLog
 from inference_lab.core.engine.request import Request, complete_members
@@ -54,10 +52,6 @@ __all__ = ["FAST_PATH_MIN", "DecodeRun", "FastBatch", "FastPath"]
 #: rows. (Counted in instructions on gpt-oss-20b at 60 requests/s, whose batches hold ~30
 #: requests, and on the default simulator benchmark, 8 does no worse than 16 or 32.)
 FAST_PATH_MIN = 8
-
-#: a running request's admission number: ``running`` is in that order (each request
-#: appended takes the scheduler's next one, and removals keep the order)
-_ADMIT_ORDER = attrgetter("admit_order")
 
 
 class FastPath(DecodeRuns):
@@ -95,6 +89,9 @@ class FastPath(DecodeRuns):
         #: from ``flat[0]`` positions on, ``blocks_for(p) = ceil(p / block_size) +
         #: flat[1]`` (the private blocks no longer grow)
         self.flat = roofline.flat_blocks()
+        #: ``(p0, tail, block_size)``: ``room_for`` past the private blocks' table
+        #: (``RunningRows.start_one``)
+        self.room_flat = (*self.flat, self.block_size)
         self.fast_least = FAST_PATH_MIN // 2
 
     def sync_running(self) -> None:
@@ -171,7 +168,9 @@ class FastPath(DecodeRuns):
         vec = self.vec
         if vec is None:
             rf = self.roofline
-            vec = self.vec = RunningRows(running, rf.room_for, windows=rf.window_classes())
+            vec = self.vec = RunningRows(
+                running, rf.room_for, windows=rf.window_classes(), flat=self.room_flat
+            )
         decoding = vec.decoding
         budget = self.budget
         due, wants, need = self.grow_due(vec, vec.g)
@@ -352,16 +351,7 @@ class FastPath(DecodeRuns):
         if two is None:
             return None
         vec.advance()
-        running = self.running
-        done = _rows_of(running, finishing, vec.decoding)
-        for i in done:
-            r = running[i]
-            vec.finish_decoding(r)
-            self.finish(r)
-            ended.append((r, now, now - start))
-        vec.drop(done)
-        for i in reversed(done):
-            del running[i]
+        self._drop_finishing(vec, finishing, None, now, start, ended)
         vec.step_decoding = rows
         return two
 
@@ -444,18 +434,6 @@ class FastPath(DecodeRuns):
             start, now, boundary = run.start, run.end, run.boundary  # (ours: none handled)
             if run.short:  # (the caller's step: the per-request loop's)
                 return self._settle(vec, boundaries, started, pure, start, now, boundary, True)
-
-
-def _rows_of(running: list[Request], finishing: list[Any], decoding: int) -> list[int]:
-    """The rows of the decoding requests ``finishing``, ascending (``running`` is in
-    admission order below ``decoding``: each found by bisection)."""
-    done = []
-    for r in finishing:
-        i = bisect_left(running, r.admit_order, 0, decoding, key=_ADMIT_ORDER)
-        done.append(i if i < decoding and running[i] is r else running.index(r, 0, decoding))
-    if len(done) > 1:
-        done.sort()
-    return done
 
 
 class FastBatch:

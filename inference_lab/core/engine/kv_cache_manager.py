@@ -230,7 +230,10 @@ class KVCacheManager:
         if hit < r.cacheable_blocks:
             r.next_cache_position = (hit + 1) * bs
             pool.filling += 1
-        pool.allocate(new_blocks)
+        if pool.evictable:
+            pool.allocate(new_blocks)
+        else:  # (BlockPool.allocate with nothing evictable, inline)
+            pool.free -= new_blocks
         r.num_blocks = hit + new_blocks
 
     def cache_batch(self, batch: Sequence[tuple[CachedRequest, int]]) -> None:
@@ -302,7 +305,10 @@ class KVCacheManager:
         to the evictable queue, tail first, its own ones to the empty blocks."""
         held = r.held_hashes
         pool = self.pool
-        pool.release(held, r.num_blocks - len(held))
+        if held:
+            pool.release(held, r.num_blocks - len(held))
+        else:  # (BlockPool.release of its own blocks alone, inline)
+            pool.free += r.num_blocks
         r.num_blocks = 0
         r.block_room = 0
         if held:

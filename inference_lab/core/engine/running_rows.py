@@ -75,6 +75,8 @@ class RunningRows:
         "finish_cal",
         "grow_cal",
         "room_for",
+        "flat",
+        "two",
         "head",
     )
 
@@ -83,6 +85,7 @@ class RunningRows:
         requests: Sequence[PlainRequest],
         room_for: Callable[[int], int],
         windows: Sequence[int] = (),
+        flat: tuple[int, int, int] = (1 << 62, 0, 1),
     ) -> None:
         self.size = len(requests)
         #: rows ``[0, decoding)`` decode (their prefill done): a step gives each one
@@ -97,12 +100,18 @@ class RunningRows:
         self.head: tuple[tuple[int, int], ...] | None = None
         #: the most positions a number of KV blocks holds (``Roofline.room_for``)
         self.room_for = room_for
+        #: ``(p0, tail, block_size)``: ``room_for(b) = (b - tail) * block_size`` whenever
+        #: that is at least ``p0`` (``Roofline.flat_blocks``; the default: never)
+        self.flat = flat
         #: Rule 3: the decode counter, and the attention window classes (0: full) whose
         #: sums :meth:`decode_sums` keeps
         self.g = 0
         self.windows = tuple(windows)
         #: the sliding window classes: (index, window) each
         self.windowed = tuple((j, w) for j, w in enumerate(self.windows) if w > 0)
+        #: the window of the second class when there are two, full attention and one
+        #: sliding window (gpt-oss: :meth:`terms_with_one` unrolled); 0 otherwise
+        self.two = self.windows[1] if len(self.windows) == 2 and self.windows[0] <= 0 else 0
         #: sum of the decoding rows' ``lazy_base``
         self.base_sum = 0
         #: per window class: decoding rows saturated (``computed >= W - 1``), the others,
@@ -188,6 +197,47 @@ class RunningRows:
         self.base_sum += base_sum
         self.decoding += len(requests)
 
+    def start_one(self, r: PlainRequest) -> None:
+        """:meth:`start_decoding` for the first rest row alone (the end of an admission
+        step): the same fields, calendars and sums, ``room_for`` past the private blocks'
+        table inline (``flat``)."""
+        g = self.g
+        self.head = None
+        del self.rest_n[0]
+        self.pairs.append((r.id, 1))
+        c = r.lazy_base = r.num_computed - g
+        self.base_sum += c
+        key = r.target_tokens - (r.num_output - g)
+        slot = self.finish_cal.get(key)
+        if slot is None:
+            self.finish_cal[key] = [r]
+        else:
+            slot.append(r)
+        key = r.block_room - c
+        if key < g:  # ``block_room`` short of what its blocks hold (0: never asked)
+            p0, tail, bs = self.flat
+            room = (r.num_blocks - tail) * bs
+            r.block_room = room if room >= p0 else self.room_for(r.num_blocks)
+            key = r.block_room - c
+            if key < g:
+                key = g
+        entry = (r, c)
+        grow = self.grow_cal.get(key)
+        if grow is None:
+            self.grow_cal[key] = [entry]
+        else:
+            grow.append(entry)
+        for j, window in self.windowed:
+            if c + g >= window - 1:
+                self.sat[j] += 1
+            else:
+                self.unsat[j] += 1
+                self.unsat_sum[j] += c
+                cal = self.sat_cal[j]
+                key = window - 1 - c
+                cal[key] = cal.get(key, 0) + 1
+        self.decoding += 1
+
     def finish_decoding(self, r: PlainRequest) -> None:
         """The decoding request ``r`` emitted its last token and its row is about to be
         dropped: write its ``computed`` and ``output`` (its target) back, take it out of
@@ -224,13 +274,14 @@ class RunningRows:
         that was are returned (None: none)."""
         g = self.g + 1
         self.g = g
-        for j, cal in enumerate(self.sat_cal):
+        for j, window in self.windowed:  # (a full-attention class never saturates)
+            cal = self.sat_cal[j]
             if cal:
                 count = cal.pop(g, 0)
                 if count:
                     self.sat[j] += count
                     self.unsat[j] -= count
-                    self.unsat_sum[j] -= count * (self.windows[j] - 1 - g)
+                    self.unsat_sum[j] -= count * (window - 1 - g)
         return self.finish_cal.pop(g, None)
 
     def decode_totals(self) -> list[list[int]]:
@@ -298,6 +349,14 @@ class RunningRows:
         k = self.decoding
         m = c + (n + 1) // 2
         sat, unsat, unsat_sum = self.sat, self.unsat, self.unsat_sum
+        w = self.two
+        if w:  # (full attention and one sliding window: the loop below, unrolled)
+            full = self.base_sum + k * g + k
+            base = sat[1] * (w - 1) + unsat_sum[1] + unsat[1] * g + k
+            att = m if m < w else w
+            return BatchTerms(
+                k + n, k + 1, [[full + n * m, full + m], [base + n * att, base + att]], []
+            )
         out = []
         for j, window in enumerate(self.windows):
             if window <= 0:

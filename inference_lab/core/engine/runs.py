@@ -15,7 +15,10 @@ Rule 3: a lone worker's decode run crosses arrivals (decode_runs Rule 2): when a
         be; counted, and the queue read after each) and gives the run its next limit;
         it stops the run when another kind of event is due by then, at ``before``, with
         ``stop_at_arrival`` or ``stop_on_finish``, on an engine of several workers, or
-        when an arrival joined the step in flight (its end moved).
+        when an arrival joined the step in flight (its end moved). The calendar is read
+        once per arrival (``EventCalendar.top``: the earliest live entry, then
+        ``drop_top``), and an arrival without a worker hint is ``_arrive``'s steps for
+        a lone worker whose boundary is filed, inline.
 Rule 4: given ``record`` (and neither ``stop_on_finish``, lockstep groups nor
         hand-offs, whose completions are objects anyway), a run hands each completion
         to it as the first twelve fields of the ``Finished`` it would append
@@ -35,7 +38,7 @@ from inference_lab.core.engine.dp_group import DPGroup
 from inference_lab.core.engine.drafting import DraftCounts
 from inference_lab.core.engine.handoff import Handoffs
 from inference_lab.core.engine.outputs import Finished, StepEvents, StepInfo, StepLog
-from inference_lab.core.engine.request import Request
+from inference_lab.core.engine.request import WAITING, Request
 from inference_lab.core.engine.scheduler import Scheduler
 from inference_lab.core.roofline import BatchTerms, StepCost
 
@@ -87,8 +90,15 @@ class RunLoop:
     _record: Callable[[tuple[Any, ...]], None] | None = None
     groups: list[DPGroup]
     _handoffs: Handoffs | None
+    _pending: int
+    _finished: int
+    _frontend: float
+    _requests: dict[int, Request]
 
     def _arrive(self, r: Request, now: float) -> None:
+        raise NotImplementedError
+
+    def _join_late(self, w: Scheduler, r: Request) -> None:
         raise NotImplementedError
 
     def _received(self, r: Request, now: float) -> None:
@@ -212,30 +222,71 @@ class RunLoop:
         was filed before the boundary would be) and return the time of the next event
         (or the run's end) for the run to go on to; None when it must stop there (an
         event of another kind is due by ``end``, or ``end`` is the run's end), its
-        boundary then filed by the caller."""
+        boundary then filed by the caller. An arrival without a worker hint is
+        ``_arrive``'s for a lone worker whose boundary is filed, inline."""
         crossing = self._crossing
         assert crossing is not None  # (only handed to a run that may cross)
         report, before, mid = crossing
         cal = self._calendar
-        while True:
-            t = cal.next_time()
-            if t is None or t > end:
+        top = cal.top
+        w = self.workers[0]
+        waiting = w.waiting
+        while (event := top()) is not None:
+            t = event[0]
+            if t > end:
                 break
-            if t >= before or cal.heap[0][2] != ARRIVAL:
+            if t >= before or event[2] != ARRIVAL:
                 return None
-            _, _, r = cal.pop()
+            cal.drop_top()
+            r = event[3]
             if t > self.now:
                 self.now = t
+            now = self.now
             report.events += 1
-            self._arrive(r, self.now)
-            self._report_arrival(report, self.now, mid)
-            if self.workers[0].step_end != end:  # it joined the step in flight (Rule 1)
+            if r.routed_worker is None and w.scheduled:  # (_arrive, for one worker)
+                self._pending -= 1
+                r.worker = w.index
+                r.status = WAITING
+                waiting.push(r)
+                if r.stamped_time < w.step_start and waiting.count == 1 and w.batch:
+                    self._join_late(w, r)
+            else:
+                self._arrive(r, now)
+            report.arrivals += 1  # (_report_arrival, for one worker)
+            count = waiting.count
+            if count > report.peak_waiting:
+                report.peak_waiting = count
+            if now <= mid:
+                report.waiting_at_mid = count
+            report.waiting_at_end = count
+            if w.step_end != end:  # it joined the step in flight (Rule 1)
                 return None
+        else:
+            t = None
         if end >= before:
             return None
         if end > self.now:
             self.now = end
         return before if t is None or t > before else t
+
+    def _end_requests(
+        self, w: Scheduler, ended: list[tuple[Request, float, float]], finished: list[Finished]
+    ) -> None:
+        """The requests a decode run ended on ``w`` (each with its time and its last step's
+        duration), in order: ``_ended_request`` of each -- inline when a recorder takes
+        their fields without hand-offs (Rule 4)."""
+        record = self._record
+        if record is None or self._handoffs is not None:
+            for r, t, step in ended:
+                self._ended_request(w, r, t, step, finished)
+            return
+        requests = self._requests
+        worker = w.index
+        frontend = self._frontend
+        for r, t, _ in ended:
+            del requests[r.id]
+            record(r.finished_fields(t, worker, frontend))
+        self._finished += len(ended)
 
     def _run_boundary(
         self,
@@ -265,9 +316,9 @@ class RunLoop:
             cross=None if self._crossing is None else self._cross,
         )
         if run is not None:
-            for r, t, step in ended:
-                self._ended_request(w, r, t, step, finished)
-            ended.clear()
+            if ended:
+                self._end_requests(w, ended, finished)
+                ended.clear()
             self._steps += run.started
             report.events += run.boundaries - 1
             report.steps += run.started

@@ -60,7 +60,7 @@ class DecodingWorker(Protocol):
     total_blocks: int
     busy_seconds: float
 
-    def grow_at(self, vec: RunningRows, g: int) -> bool: ...
+    def grow_at(self, vec: RunningRows, g: int, extra: int = 0) -> bool: ...
 
     def finish_in_stretch(
         self, vec: RunningRows, now: float, start: float, ended: Ended
