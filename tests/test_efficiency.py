@@ -213,19 +213,26 @@ def test_bad_profiles_and_entries_are_one_line(
     assert expected in message
 
 
-def test_sim_prints_and_records_the_efficiency(tmp_path: Path) -> None:
-    """``sim``'s configuration block names a non-default efficiency and a step table, and
-    its JSON records both; a datasheet deployment prints neither line."""
+def _one_request() -> Any:
+    """A workload of one request of 10 + 10 tokens (what ``sim``'s configuration block
+    is printed for here)."""
     from inference_lab.core.config import FixedDist, Workload
-    from inference_lab.sim.text import config_dict, format_config
 
-    workload = Workload(
+    return Workload(
         arrival_pattern="batched",
         num_requests=1,
         input_len_dist=FixedDist(value=10),
         output_len_dist=FixedDist(value=10),
         seed=0,
     )
+
+
+def test_sim_prints_and_records_the_efficiency(tmp_path: Path) -> None:
+    """``sim``'s configuration block names a non-default efficiency and a step table, and
+    its JSON records both; a datasheet deployment prints neither line."""
+    from inference_lab.sim.text import config_dict, format_config
+
+    workload = _one_request()
     eff = {"memory_bandwidth": 0.8, "flops": 0.5, "step_overhead": 5e-5}
     dep = deploy(tmp_path, dense_config(), {"gpu": gpu_profile(efficiency=eff)})
     text = format_config(dep, workload, "w.toml", 0)
@@ -239,16 +246,9 @@ def test_sim_prints_and_records_the_efficiency(tmp_path: Path) -> None:
 def test_sim_prints_and_records_a_routing_skew(tmp_path: Path) -> None:
     """A set ``expert_skew`` is named in ``sim``'s configuration block and recorded in its
     JSON; at its default the JSON has no such key (what it recorded before the term)."""
-    from inference_lab.core.config import FixedDist, Workload
     from inference_lab.sim.text import config_dict, format_config
 
-    workload = Workload(
-        arrival_pattern="batched",
-        num_requests=1,
-        input_len_dist=FixedDist(value=10),
-        output_len_dist=FixedDist(value=10),
-        seed=0,
-    )
+    workload = _one_request()
     eff = {"memory_bandwidth": 0.8, "expert_skew": 1.5}
     dep = deploy(tmp_path, dense_config(), {"gpu": gpu_profile(efficiency=eff)})
     text = format_config(dep, workload, "w.toml", 0)

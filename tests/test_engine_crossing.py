@@ -93,10 +93,9 @@ def _drive(
     return totals, finished, eng.statistics(), eng.now, events
 
 
-@pytest.mark.parametrize("seed", [11, 12, 13])
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_runs_that_cross_arrivals_are_step_by_step(name: str, seed: int) -> None:
-    """Every case, three seeds: the same steps, completions, state and event count."""
+def _both_ways(name: str, seed: int) -> tuple[list[RequestSpec], Any]:
+    """Case ``name``'s 300 requests driven both ways (seed ``seed``): the same steps,
+    completions, state and count of events. Returns the specs and the stepped result."""
     make, kw = CASES[name]
     dep = make()
     specs = _specs(300, seed, **kw)
@@ -104,6 +103,14 @@ def test_runs_that_cross_arrivals_are_step_by_step(name: str, seed: int) -> None
     ran = _drive(dep, specs, seed, runs=True)
     _same(stepped[:4], ran[:4])  # type: ignore[arg-type]
     assert stepped[4] == ran[4]
+    return specs, stepped
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_runs_that_cross_arrivals_are_step_by_step(name: str, seed: int) -> None:
+    """Every case, three seeds: the same steps, completions, state and event count."""
+    _, stepped = _both_ways(name, seed)
     assert len(stepped[1]) > 100
 
 
@@ -166,13 +173,7 @@ def test_arrivals_a_run_crosses_are_inline(
 
     monkeypatch.setattr(runs_module.RunLoop, "_cross", counting_cross)
     monkeypatch.setattr(stepping.EventLoop, "_arrive", counting_arrive)
-    make, kw = CASES[name]
-    dep = make()
-    specs = _specs(300, seed, **kw)
-    stepped = _drive(dep, specs, seed, runs=False)
-    ran = _drive(dep, specs, seed, runs=True)
-    _same(stepped[:4], ran[:4])  # type: ignore[arg-type]
-    assert stepped[4] == ran[4]
+    specs, _ = _both_ways(name, seed)
     assert seen["crossed"] > len(specs) // 2, seen
     assert seen["arrive-in-cross"] == 0, seen
 
