@@ -435,3 +435,49 @@ def test_terms_of_one_admission_as_the_general_terms() -> None:
                 terms.sums,
                 terms.mla,
             )
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_plain_admissions_as_admit(caching: bool) -> None:
+    """A lean admission's ``KVCacheManager.admit_plain`` (lean_admission Rule 1) sets the
+    request's and the pool's fields as ``admit`` with no hit: random plain requests, first
+    admissions and again after a preemption, with prefix caching's counts on and off."""
+    rnd = random.Random(11)
+    for _ in range(100):
+        sides = []
+        prompt, out, first = rnd.randrange(1, 900), rnd.choice([0, 1, 2, 40]), rnd.random() < 0.5
+        blocks = rnd.randrange(0, 9)
+        for lean in (False, True):
+            w = Engine(deployment(GPT_OSS_20B, enable_prefix_caching=caching)).workers[0]
+            kv = w.kv
+            r = SimpleNamespace(
+                prompt_tokens=prompt, num_output=out, cached_tokens=-5, num_blocks=0,
+                cacheable_blocks=0, num_computed=0,
+            )  # fmt: skip
+            if lean:
+                kv.admit_plain(r, blocks, first)
+            else:
+                kv.admit(r, 0, blocks, first)
+            pool = kv.pool
+            sides.append((vars(r), pool.free, pool.queries, pool.hits, pool.filling))
+        assert sides[0] == sides[1]
+
+
+@pytest.mark.parametrize("dep", [(GPT_OSS_20B, "b200"), (DEEPSEEK_R1, "h200")])
+def test_plain_price_is_price(dep: tuple[Any, str]) -> None:
+    """``Roofline.plain_price`` (lean_admission Rule 2) is the price ``price`` gives where
+    it is its common case, and None for an MLA model (whose price is not)."""
+    rf = Engine(load_deployment(*dep)).workers[0].roofline
+    if rf.has_mla():
+        assert rf.plain_price is None
+        return
+    assert rf.plain_price is not None
+    rnd = random.Random(5)
+    for _ in range(100):
+        seqs = rnd.randrange(1, 300)
+        terms = rf.batch_terms(
+            [rnd.choice([1, 1, 1, 64, 700]) for _ in range(seqs)],
+            [rnd.randrange(0, 5000) for _ in range(seqs)],
+        )
+        cost = rf.plain_price(terms.tokens, terms.seqs, terms.sums)
+        assert cost == rf.price(terms)
