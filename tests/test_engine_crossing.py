@@ -278,8 +278,9 @@ ENDS: dict[str, tuple[Any, dict[str, Any]]] = {
 
 
 def _count_ends(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """Count the ways decode_runs Rule 5's inline ends take (``_end_admission``'s, and a
-    pure step's end with finishes in ``_end_in_run``)."""
+    """Count the ways decode_runs Rule 5's inline ends take (``_end_admission``'s, a
+    pure step's end with finishes in ``_end_in_run``, and ``FastPath.end_rest_rows``'
+    with several rest rows)."""
     seen: Counter[str] = Counter()
     end_admission = runs_half.DecodeRuns._end_admission
     end_in_run = runs_half.DecodeRuns._end_in_run
@@ -304,8 +305,20 @@ def _count_ends(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
             seen["pure-finishes"] += 1
         return end_in_run(self, vec, *args)
 
+    def counting_rest(self: Any, vec: Any, *args: Any) -> bool:
+        seen["several"] += 1
+        if vec.g + 1 in vec.finish_cal:
+            seen["several-with-finishes"] += 1
+        rest = [r for r in self.running[vec.decoding : vec.size] if r.status == RUNNING]
+        ended = end_rest_rows(self, vec, *args)
+        if any(r.status != RUNNING for r in rest):
+            seen["several-finished"] += 1
+        return ended
+
+    end_rest_rows = fast_half.FastPath.end_rest_rows
     monkeypatch.setattr(runs_half.DecodeRuns, "_end_admission", counting)
     monkeypatch.setattr(runs_half.DecodeRuns, "_end_in_run", counting_pure)
+    monkeypatch.setattr(fast_half.FastPath, "end_rest_rows", counting_rest)
     return seen
 
 
@@ -316,7 +329,8 @@ def test_ends_of_admission_steps_are_step_by_step(
 ) -> None:
     """decode_runs Rule 5: each workload through runs free to cross arrivals and one
     ``step()`` at a time: the same steps, completions, state and event count, with the
-    ends of admission steps taken inline, each way the workload gives."""
+    ends of admission steps taken inline (one rest row and several), each way the
+    workload gives."""
     seen = _count_ends(monkeypatch)
     make, kw = ENDS[name]
     dep = make()
@@ -329,6 +343,7 @@ def test_ends_of_admission_steps_are_step_by_step(
     _same(stepped[:4], ran[:4])  # type: ignore[arg-type]
     assert stepped[4] == ran[4]
     assert seen["decodes"] > 0, seen
+    assert seen["several"] > 0, seen
     if name in ("small-budget", "chunked"):
         assert seen["chunk"] > 0, seen
     if name == "preemptions":
@@ -338,6 +353,9 @@ def test_ends_of_admission_steps_are_step_by_step(
     if name in ("loaded", "one-token"):
         assert seen["with-finishes"] > 0, seen
         assert seen["pure-finishes"] > 0, seen
+        assert seen["several-with-finishes"] > 0, seen
+    if name in ("one-token", "small-budget"):
+        assert seen["several-finished"] > 0, seen
 
 
 def _ids(cal: dict[int, list[Any]]) -> dict[int, list[Any]]:

@@ -48,8 +48,10 @@ Rule 5: the common end of an admission step in a run -- one running rest row (th
         token it was, ended in row order (:meth:`DecodeRuns._drop_finishing`), and the
         row starting to decode when it emitted its first token. The end of a pure step
         with finishes that the run did not take in a stretch is the same without the
-        rest row. Any other end (several rest rows, rows whose step changed) is
-        ``complete_fast``'s.
+        rest row. Several rest rows after the decoding ones are
+        ``FastPath.end_rest_rows``' (``complete_members``' arithmetic per row inline, no
+        tokens; the finishes and the rows starting to decode as ``complete_fast``'s). Any
+        other end (rows whose step changed) is ``complete_fast``'s.
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ class DecodeRuns:
         tuple[tuple[tuple[int, int], ...], list[Request]],
     ]
     _schedule_whole: Callable[[float], SchedulerOutput | None]
+    end_rest_rows: Callable[[RunningRows, float, float, Ended], bool]
     finish: Callable[[Request], None]
     _admit_into_whole: Callable[[float, int, int, RunningRows, list[int]], SchedulerOutput]
     grow_due: Callable[
@@ -178,8 +181,10 @@ class DecodeRuns:
                 assert finishing is not None
                 self._drop_finishing(vec, finishing, None, now, start, ended)
                 return True
-        elif size == d + 1 == vec.step_decoding + 1 and self.running[d].status == RUNNING:
-            return self._end_admission(vec, now, start, ended)
+        elif d == vec.step_decoding:
+            if size == d + 1 and self.running[d].status == RUNNING:
+                return self._end_admission(vec, now, start, ended)
+            return self.end_rest_rows(vec, now, start, ended)
         _, done = self.complete_fast(now, scratch, False)  # the general end of a step
         scratch.clear()
         for r in done:
