@@ -14,20 +14,21 @@ Rule 2: the step is priced from the same terms as the whole step's: the roofline
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 from inference_lab.core.engine.outputs import StepLog
 from inference_lab.core.engine.request import RUNNING, Request
 from inference_lab.core.engine.running_rows import RunningRows
-
-if TYPE_CHECKING:
-    from inference_lab.core.engine.decode_runs import DecodeRuns, Price
+from inference_lab.core.roofline import BatchTerms, Roofline, StepCost
 
 __all__ = ["admit_plain"]
 
+Price = Callable[[BatchTerms], StepCost]
+
 
 def admit_plain(
-    worker: DecodeRuns,
+    worker: Any,
     vec: RunningRows,
     r: Request,
     n: int,
@@ -38,7 +39,8 @@ def admit_plain(
     factor: float,
     log: StepLog,
 ) -> float:
-    """The admissions of a lean admission's step from the plain head ``r`` (``n``
+    """The admissions of ``worker``'s (a ``DecodeRuns``, which imports this module) lean
+    admission step from the plain head ``r`` (``n``
     positions, ``blocks`` new blocks, which the pool has; ``left`` tokens left in the
     step; the step's id counted), Rules 1 and 2, and the step started: its duration."""
     mark = worker.step_id
@@ -73,13 +75,14 @@ def admit_plain(
         n = worker._plain_chunk(r, left)
         if n < 0:  # not plain: the general admissions from here on
             out = worker._admit_into_whole(now, mark, left, vec, rest_c)
-            return worker._priced_out(out, now, price, factor, log)
+            duration: float = worker._priced_out(out, now, price, factor, log)
+            return duration
         blocks = (-(-n // bs) + tail if n >= p0 else kv.blocks_for(n)) if n > 0 else 0
         if n == 0 or blocks > pool.free:
             break
     worker.step_budget = left
     worker.step_mark = mark
-    roofline = worker.roofline
+    roofline: Roofline = worker.roofline
     plain = roofline.plain_price
     if plain is None and roofline.has_mla():  # the roofline sums MLA classes
         terms = roofline.batch_terms(vec.ns(), vec.computed_now(running))
@@ -88,4 +91,5 @@ def admit_plain(
     else:
         terms = vec.terms_with(rest_n, rest_c)
     cost = price(terms) if plain is None else plain(terms.tokens, terms.seqs, terms.sums)
-    return worker.set_priced(worker.fast_batch, terms, cost, now, factor, log)
+    duration = worker.set_priced(worker.fast_batch, terms, cost, now, factor, log)
+    return duration
