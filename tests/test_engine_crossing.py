@@ -278,8 +278,9 @@ ENDS: dict[str, tuple[Any, dict[str, Any]]] = {
 
 
 def _count_ends(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """Count the ways decode_runs Rule 5's inline ends take (``_end_admission``'s, and a
-    pure step's end with finishes in ``_end_in_run``)."""
+    """Count the ways decode_runs Rule 5's inline ends take (``_end_admission``'s, a
+    pure step's end with finishes in ``_end_in_run``, and ``FastPath.end_rest_rows``'
+    with several rest rows)."""
     seen: Counter[str] = Counter()
     end_admission = runs_half.DecodeRuns._end_admission
     end_in_run = runs_half.DecodeRuns._end_in_run
@@ -304,8 +305,20 @@ def _count_ends(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
             seen["pure-finishes"] += 1
         return end_in_run(self, vec, *args)
 
+    def counting_rest(self: Any, vec: Any, *args: Any) -> bool:
+        seen["several"] += 1
+        if vec.g + 1 in vec.finish_cal:
+            seen["several-with-finishes"] += 1
+        rest = [r for r in self.running[vec.decoding : vec.size] if r.status == RUNNING]
+        ended = end_rest_rows(self, vec, *args)
+        if any(r.status != RUNNING for r in rest):
+            seen["several-finished"] += 1
+        return ended
+
+    end_rest_rows = fast_half.FastPath.end_rest_rows
     monkeypatch.setattr(runs_half.DecodeRuns, "_end_admission", counting)
     monkeypatch.setattr(runs_half.DecodeRuns, "_end_in_run", counting_pure)
+    monkeypatch.setattr(fast_half.FastPath, "end_rest_rows", counting_rest)
     return seen
 
 
@@ -316,7 +329,8 @@ def test_ends_of_admission_steps_are_step_by_step(
 ) -> None:
     """decode_runs Rule 5: each workload through runs free to cross arrivals and one
     ``step()`` at a time: the same steps, completions, state and event count, with the
-    ends of admission steps taken inline, each way the workload gives."""
+    ends of admission steps taken inline (one rest row and several), each way the
+    workload gives."""
     seen = _count_ends(monkeypatch)
     make, kw = ENDS[name]
     dep = make()
@@ -329,6 +343,7 @@ def test_ends_of_admission_steps_are_step_by_step(
     _same(stepped[:4], ran[:4])  # type: ignore[arg-type]
     assert stepped[4] == ran[4]
     assert seen["decodes"] > 0, seen
+    assert seen["several"] > 0, seen
     if name in ("small-budget", "chunked"):
         assert seen["chunk"] > 0, seen
     if name == "preemptions":
@@ -338,6 +353,9 @@ def test_ends_of_admission_steps_are_step_by_step(
     if name in ("loaded", "one-token"):
         assert seen["with-finishes"] > 0, seen
         assert seen["pure-finishes"] > 0, seen
+        assert seen["several-with-finishes"] > 0, seen
+    if name in ("one-token", "small-budget"):
+        assert seen["several-finished"] > 0, seen
 
 
 def _ids(cal: dict[int, list[Any]]) -> dict[int, list[Any]]:
@@ -435,3 +453,49 @@ def test_terms_of_one_admission_as_the_general_terms() -> None:
                 terms.sums,
                 terms.mla,
             )
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_plain_admissions_as_admit(caching: bool) -> None:
+    """A lean admission's ``KVCacheManager.admit_plain`` (lean_admission Rule 1) sets the
+    request's and the pool's fields as ``admit`` with no hit: random plain requests, first
+    admissions and again after a preemption, with prefix caching's counts on and off."""
+    rnd = random.Random(11)
+    for _ in range(100):
+        sides = []
+        prompt, out, first = rnd.randrange(1, 900), rnd.choice([0, 1, 2, 40]), rnd.random() < 0.5
+        blocks = rnd.randrange(0, 9)
+        for lean in (False, True):
+            w = Engine(deployment(GPT_OSS_20B, enable_prefix_caching=caching)).workers[0]
+            kv = w.kv
+            r = SimpleNamespace(
+                prompt_tokens=prompt, num_output=out, cached_tokens=-5, num_blocks=0,
+                cacheable_blocks=0, num_computed=0,
+            )  # fmt: skip
+            if lean:
+                kv.admit_plain(r, blocks, first)
+            else:
+                kv.admit(r, 0, blocks, first)
+            pool = kv.pool
+            sides.append((vars(r), pool.free, pool.queries, pool.hits, pool.filling))
+        assert sides[0] == sides[1]
+
+
+@pytest.mark.parametrize("dep", [(GPT_OSS_20B, "b200"), (DEEPSEEK_R1, "h200")])
+def test_plain_price_is_price(dep: tuple[Any, str]) -> None:
+    """``Roofline.plain_price`` (lean_admission Rule 2) is the price ``price`` gives where
+    it is its common case, and None for an MLA model (whose price is not)."""
+    rf = Engine(load_deployment(*dep)).workers[0].roofline
+    if rf.has_mla():
+        assert rf.plain_price is None
+        return
+    assert rf.plain_price is not None
+    rnd = random.Random(5)
+    for _ in range(100):
+        seqs = rnd.randrange(1, 300)
+        terms = rf.batch_terms(
+            [rnd.choice([1, 1, 1, 64, 700]) for _ in range(seqs)],
+            [rnd.randrange(0, 5000) for _ in range(seqs)],
+        )
+        cost = rf.plain_price(terms.tokens, terms.seqs, terms.sums)
+        assert cost == rf.price(terms)

@@ -193,6 +193,8 @@ class Roofline(BatchSums, KvBlocks):
         self._by_tokens: dict[int, tuple[tuple[float, ...], tuple[float, ...], float]] = {}
         #: :meth:`price`'s common case: no step table, no MLA class, no DP attention
         self._plain = self._table is None and not self._mla and self.dp == 1
+        #: :meth:`_plain_price` where :meth:`price` is it, for callers that skip the dispatch
+        self.plain_price = self._plain_price if self._plain else None
         self._plain_by_tokens: dict[
             int, tuple[float, float, float, list[tuple[float, float]], list[tuple[float, float]]]
         ] = {}

@@ -37,8 +37,9 @@ Rule 4: at a boundary where every running request decodes and requests wait (arr
         ``Scheduler.admit_head`` until one does not fit (where ``admit_head`` stops too)
         or one is not plain (the general loop, ``_admit_into_whole``, admits from there),
         and the step is priced from the same terms, without the passes over rest rows
-        and the scheduler output. Any other case is handed to ``_start_whole`` before
-        anything changed.
+        and the scheduler output (the admissions and the price:
+        :func:`~inference_lab.core.engine.lean_admission.admit_plain`). Any other case is
+        handed to ``_start_whole`` before anything changed.
 Rule 5: the common end of an admission step in a run -- one running rest row (the
         admission, or a prefill chunk) follows the decoding rows -- is
         :meth:`DecodeRuns._end_admission`: ``complete_fast`` and ``complete_members`` for
@@ -47,8 +48,10 @@ Rule 5: the common end of an admission step in a run -- one running rest row (th
         token it was, ended in row order (:meth:`DecodeRuns._drop_finishing`), and the
         row starting to decode when it emitted its first token. The end of a pure step
         with finishes that the run did not take in a stretch is the same without the
-        rest row. Any other end (several rest rows, rows whose step changed) is
-        ``complete_fast``'s.
+        rest row. Several rest rows after the decoding ones are
+        ``FastPath.end_rest_rows``' (``complete_members``' arithmetic per row inline, no
+        tokens; the finishes and the rows starting to decode as ``complete_fast``'s). Any
+        other end (rows whose step changed) is ``complete_fast``'s.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from inference_lab.core.builders import frozen_builder
 from inference_lab.core.decode_pricing import DecodeStep, decode_step
 from inference_lab.core.engine.block_pool import BlockPool
 from inference_lab.core.engine.kv_cache_manager import KVCacheManager
+from inference_lab.core.engine.lean_admission import admit_plain
 from inference_lab.core.engine.outputs import StepLog
 from inference_lab.core.engine.request import RUNNING, Request
 from inference_lab.core.engine.running_rows import PlainRequest, RunningRows
@@ -127,6 +131,7 @@ class DecodeRuns:
         tuple[tuple[tuple[int, int], ...], list[Request]],
     ]
     _schedule_whole: Callable[[float], SchedulerOutput | None]
+    end_rest_rows: Callable[[RunningRows, float, float, Ended], bool]
     finish: Callable[[Request], None]
     _admit_into_whole: Callable[[float, int, int, RunningRows, list[int]], SchedulerOutput]
     grow_due: Callable[
@@ -176,8 +181,10 @@ class DecodeRuns:
                 assert finishing is not None
                 self._drop_finishing(vec, finishing, None, now, start, ended)
                 return True
-        elif size == d + 1 == vec.step_decoding + 1 and self.running[d].status == RUNNING:
-            return self._end_admission(vec, now, start, ended)
+        elif d == vec.step_decoding:
+            if size == d + 1 and self.running[d].status == RUNNING:
+                return self._end_admission(vec, now, start, ended)
+            return self.end_rest_rows(vec, now, start, ended)
         _, done = self.complete_fast(now, scratch, False)  # the general end of a step
         scratch.clear()
         for r in done:
@@ -398,35 +405,7 @@ class DecodeRuns:
         vec.step_decoding = rows
         self.step_gamma = 0
         self.step_id += 1
-        mark = self.step_id
-        rest_c: list[int] = []
-        rest_n = vec.rest_n
-        while True:  # (FastPath._admit_into_whole's loop, for plain heads)
-            self.enter_running(r, 0, blocks, now, mark)  # (RunningRows.append)
-            rest_n.append(n)
-            vec.size += 1
-            rest_c.append(r.num_computed)
-            left -= n
-            if left <= 0 or not waiting.count:
-                break
-            r = waiting.peek()
-            assert r is not None  # (some waits)
-            n = self._plain_chunk(r, left)
-            if n < 0:  # not plain: the general admissions from here on
-                out = self._admit_into_whole(now, mark, left, vec, rest_c)
-                return self._priced_out(out, now, price, factor, log)
-            blocks = (-(-n // bs) + tail if n >= p0 else kv.blocks_for(n)) if n > 0 else 0
-            if n == 0 or blocks > pool.free:
-                break
-        self.step_budget = left
-        self.step_mark = mark
-        if self.roofline.has_mla():  # the roofline sums MLA classes (as _schedule_whole)
-            terms = self.roofline.batch_terms(vec.ns(), vec.computed_now(self.running))
-        elif len(rest_n) == 1:
-            terms = vec.terms_with_one(rest_n[0], rest_c[0])
-        else:
-            terms = vec.terms_with(rest_n, rest_c)
-        return self._priced(self.fast_batch, terms, now, price, factor, log)
+        return admit_plain(self, vec, r, n, blocks, left, now, price, factor, log)
 
     def _plain_chunk(self, r: Request, left: int) -> int:
         """The positions the head ``r`` runs in a step with ``left`` tokens left, as
@@ -477,7 +456,18 @@ class DecodeRuns:
         """The whole step ``batch`` (price terms ``terms``) started at ``now``: priced by
         ``price`` x ``factor``, set in flight, its figures appended to ``log``; its
         duration."""
-        cost = price(terms)
+        return self.set_priced(batch, terms, price(terms), now, factor, log)
+
+    def set_priced(
+        self,
+        batch: Batch,
+        terms: BatchTerms,
+        cost: StepCost,
+        now: float,
+        factor: float,
+        log: StepLog,
+    ) -> float:
+        """:meth:`_priced` for the price ``cost`` of ``terms``."""
         duration = cost.seconds * factor
         self.busy_seconds += duration
         self.batch = batch

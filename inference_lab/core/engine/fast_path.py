@@ -38,7 +38,7 @@ from inference_lab.core.engine.block_pool import BlockPool
 from inference_lab.core.engine.decode_runs import DecodeRun, DecodeRuns, Ended, Price, _rows_of
 from inference_lab.core.engine.kv_cache_manager import KVCacheManager
 from inference_lab.core.engine.outputs import StepLog
-from inference_lab.core.engine.request import Request, complete_members
+from inference_lab.core.engine.request import RUNNING, Request, complete_members
 from inference_lab.core.engine.running_rows import PlainRequest, RunningRows
 from inference_lab.core.engine.scheduler_output import Batch, SchedulerOutput, scheduler_output
 from inference_lab.core.engine.stretch import decode_stretch
@@ -333,6 +333,38 @@ class FastPath(DecodeRuns):
             vec.start_decoding(running[vec.decoding : still])
         return head, finished
 
+    def end_rest_rows(self, vec: RunningRows, now: float, start: float, ended: Ended) -> bool:
+        """decode_runs Rule 5: ``complete_fast`` for a decode run's step (from ``start``)
+        ending at ``now`` with several rest rows after the decoding ones, the rows' step
+        unchanged: ``complete_members``' arithmetic per rest row inline (a run reports no
+        tokens), then the same finishes in row order (each to ``ended``) and the same rows
+        starting to decode. Whether a request finished."""
+        finishing = vec.advance()
+        d = vec.decoding
+        k = vec.size
+        running = self.running
+        last, still = _complete_rest(running, vec.rest_n, d, k, now)
+        if finishing is not None or last:
+            done = [] if finishing is None else _rows_of(running, finishing, d)
+            finish = self.finish
+            for i in done:
+                r = running[i]
+                vec.finish_decoding(r)
+                finish(r)
+                ended.append((r, now, now - start))
+            for i in last:
+                r = running[i]
+                finish(r)
+                ended.append((r, now, now - start))
+            done += last
+            vec.drop(done)
+            for i in reversed(done):
+                del running[i]
+            still -= len(done) if still == k else sum(1 for i in done if i < still)
+        if still > vec.decoding:
+            vec.start_decoding(running[vec.decoding : still])
+        return finishing is not None or bool(last)
+
     def finish_in_stretch(
         self, vec: RunningRows, now: float, start: float, ended: Ended
     ) -> TwoClasses | None:
@@ -470,3 +502,35 @@ class FastBatch:
             w.batch.append(item)
             return
         self._rows().append(n)
+
+
+def _complete_rest(
+    running: list[Request], rest_n: list[int], d: int, k: int, now: float
+) -> tuple[list[int], int]:
+    """``complete_members`` for the rest rows ``running[d:k]`` (at ``rest_n``) of a decode
+    run's step ending at ``now``, without their tokens: the rows whose last token it was,
+    and the first row that emitted nothing (``k``: none)."""
+    last: list[int] = []
+    still = k
+    for i, n in enumerate(rest_n, d):
+        r = running[i]
+        if r.status != RUNNING:
+            continue
+        c = r.num_computed + n
+        r.num_computed = c
+        prompt = r.prompt_tokens
+        if c >= prompt:
+            new = c - prompt + 1
+            if new > r.max_tokens:
+                new = r.max_tokens
+            out = r.num_output
+            if new > out:
+                if out == 0:
+                    r.first_token_time = now
+                r.num_output = new
+                if new >= r.target_tokens:
+                    last.append(i)
+                continue
+        if still == k:
+            still = i
+    return last, still

@@ -236,6 +236,17 @@ class KVCacheManager:
             pool.free -= new_blocks
         r.num_blocks = hit + new_blocks
 
+    def admit_plain(self, r: CachedRequest, new_blocks: int, first: bool) -> None:
+        """:meth:`admit` for a request with nothing cached and no cacheable block (no hit)
+        while nothing is evictable: the same fields, the same counts."""
+        if self.enabled:
+            out = r.num_output
+            self.pool.queries += r.prompt_tokens + (out - 1 if out > 1 else 0)
+        if first:
+            r.cached_tokens = 0
+        self.pool.free -= new_blocks
+        r.num_blocks = new_blocks
+
     def cache_batch(self, batch: Sequence[tuple[CachedRequest, int]]) -> None:
         """A step ends: each member still holding its blocks and computing ``n`` more
         positions caches the blocks they fill. Called only while ``pool.filling``."""
