@@ -245,19 +245,28 @@ class DecodeRuns:
         running = self.running
         d = vec.decoding
         done = _rows_of(running, finishing, d)
+        self._end_decoding(vec, done, now, start, ended)
+        if also is not None:
+            self.finish(also)
+            ended.append((also, now, now - start))
+            done.append(d)
+        vec.drop(done)
+        for i in reversed(done):
+            del running[i]
+
+    def _end_decoding(
+        self, vec: RunningRows, done: list[int], now: float, start: float, ended: Ended
+    ) -> None:
+        """The decoding rows ``done`` (ascending) of a step from ``start`` ending at
+        ``now``: written back, freed and reported to ``ended``, in row order (not yet
+        dropped)."""
+        running = self.running
         finish = self.finish
         for i in done:
             r = running[i]
             vec.finish_decoding(r)
             finish(r)
             ended.append((r, now, now - start))
-        if also is not None:
-            finish(also)
-            ended.append((also, now, now - start))
-            done.append(d)
-        vec.drop(done)
-        for i in reversed(done):
-            del running[i]
 
     def grow_at(self, vec: RunningRows, g: int, extra: int = 0) -> bool:
         """The decoding rows filed to grow at ``g`` (the decode counter; some are) take

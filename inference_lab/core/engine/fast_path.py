@@ -346,12 +346,8 @@ class FastPath(DecodeRuns):
         last, still = _complete_rest(running, vec.rest_n, d, k, now)
         if finishing is not None or last:
             done = [] if finishing is None else _rows_of(running, finishing, d)
+            self._end_decoding(vec, done, now, start, ended)
             finish = self.finish
-            for i in done:
-                r = running[i]
-                vec.finish_decoding(r)
-                finish(r)
-                ended.append((r, now, now - start))
             for i in last:
                 r = running[i]
                 finish(r)
