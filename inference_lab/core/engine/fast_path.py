@@ -325,13 +325,20 @@ class FastPath(DecodeRuns):
                     vec.finish_decoding(r)
                 self.finish(r)
                 finished.append(r)
-            vec.drop(done)
-            for i in reversed(done):
-                del running[i]
-            still -= len(done) if still == k else sum(1 for i in done if i < still)
+            still = self._drop_rows(vec, done, still, k)
         if still > vec.decoding:
             vec.start_decoding(running[vec.decoding : still])
         return head, finished
+
+    def _drop_rows(self, vec: RunningRows, done: list[int], still: int, k: int) -> int:
+        """The rows ``done`` (ascending, finished) dropped from ``vec`` and the running
+        list; returns ``still`` (the first rest row that emitted nothing, ``k``: none)
+        as its index after the drop."""
+        vec.drop(done)
+        running = self.running
+        for i in reversed(done):
+            del running[i]
+        return still - (len(done) if still == k else sum(1 for i in done if i < still))
 
     def end_rest_rows(self, vec: RunningRows, now: float, start: float, ended: Ended) -> bool:
         """decode_runs Rule 5: ``complete_fast`` for a decode run's step (from ``start``)
@@ -353,10 +360,7 @@ class FastPath(DecodeRuns):
                 finish(r)
                 ended.append((r, now, now - start))
             done += last
-            vec.drop(done)
-            for i in reversed(done):
-                del running[i]
-            still -= len(done) if still == k else sum(1 for i in done if i < still)
+            still = self._drop_rows(vec, done, still, k)
         if still > vec.decoding:
             vec.start_decoding(running[vec.decoding : still])
         return finishing is not None or bool(last)
