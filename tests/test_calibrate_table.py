@@ -14,8 +14,16 @@ import attrs
 import pytest
 
 from inference_lab import cli
-from inference_lab.calibrate.fit import Prediction, apply, check_determined, fit, mape
-from inference_lab.calibrate.measurements import Measurements, StepSample
+from inference_lab.calibrate.fit import (
+    Prediction,
+    apply,
+    check_determined,
+    fit,
+    mape,
+    sim_requests,
+    simulate_level,
+)
+from inference_lab.calibrate.measurements import Measurements, StepSample, start_spread
 from inference_lab.calibrate.table import (
     COLUMNS,
     check_units,
@@ -99,6 +107,31 @@ def test_a_row_becomes_the_entry_at_its_limits_and_its_mean_lengths(tmp_path: Pa
     assert (case.level.prompt_tokens, case.level.output_tokens) == (900, 90)
     assert case.level.kind == "closed" and case.level.level == 4
     assert case.level.start_spread == pytest.approx(0.030 + 89 * 0.005)
+
+
+def test_a_fixed_length_closed_loop_is_rerun_in_lock_step(tmp_path: Path) -> None:
+    """``vllm bench serve --max-concurrency`` with fixed lengths (no range_ratio) and its
+    request count given: every user starts at once and, the requests alike, they stay in
+    step, so the row is re-simulated as measured: no start spread, exactly its 8 requests
+    (2 per user). Drawn lengths, or no count, keep the steady state's spread and at least
+    32 requests. All starting at once, the 4 prompts of 1,000 tokens queue for the
+    2,048-token steps: the mean TTFT is longer than with the starts spread."""
+    configs, profiles = setup_models(tmp_path)
+    rows = [
+        row(id="fixed", requests="8"),
+        row(id="drawn", requests="8", range_ratio="0.8"),
+        row(id="uncounted", requests=""),
+    ]
+    cases = row_cases(
+        read_table(write_table(tmp_path / "t.csv", rows)), config_finder([configs]), profiles
+    )
+    fixed, drawn, uncounted = (c.level for c in cases)
+    assert fixed.lock_step and fixed.start_spread == 0 and sim_requests(fixed, 200) == 8
+    for level in (drawn, uncounted):
+        assert not level.lock_step and level.start_spread > 0 and sim_requests(level, 200) == 32
+    dep = cases[0].deployment
+    spread = start_spread(attrs.evolve(fixed, lock_step=False))
+    assert simulate_level(dep, fixed, 200)["ttft"] > simulate_level(dep, spread, 200)["ttft"]
 
 
 @pytest.mark.parametrize(

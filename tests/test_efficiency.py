@@ -257,3 +257,19 @@ def test_sim_prints_and_records_a_routing_skew(tmp_path: Path) -> None:
     plain = deploy(tmp_path, dense_config(), {"gpu": gpu_profile(efficiency={"flops": 0.5})})
     assert "expert_skew" not in config_dict(plain, workload, "w.toml", 0)["efficiency"]
     assert "skew" not in format_config(plain, workload, "w.toml", 0)
+
+
+def test_sim_prints_and_records_a_layer_overhead(tmp_path: Path) -> None:
+    """A set ``layer_overhead`` is named in ``sim``'s configuration block and recorded in
+    its JSON; at its default the JSON has no such key (what it recorded before the term)."""
+    from inference_lab.sim.text import config_dict, format_config
+
+    workload = _one_request()
+    eff = {"memory_bandwidth": 0.8, "layer_overhead": 4e-5}
+    dep = deploy(tmp_path, dense_config(), {"gpu": gpu_profile(efficiency=eff)})
+    text = format_config(dep, workload, "w.toml", 0)
+    assert "0 ms per step; 40 µs per layer per step" in text
+    assert config_dict(dep, workload, "w.toml", 0)["efficiency"]["layer_overhead"] == 4e-5
+    plain = deploy(tmp_path, dense_config(), {"gpu": gpu_profile(efficiency={"flops": 0.5})})
+    assert "layer_overhead" not in config_dict(plain, workload, "w.toml", 0)["efficiency"]
+    assert "per layer" not in format_config(plain, workload, "w.toml", 0)

@@ -351,6 +351,36 @@ def test_a_skewed_router_touches_the_zipf_expectation_of_experts(tmp_path: Path)
         build(tmp_path, bad)
 
 
+def test_a_layer_overhead_is_paid_once_per_layer_in_every_step(tmp_path: Path) -> None:
+    """Rule 9, by hand: the 4-layer model of these tests with ``step_overhead`` 1 ms and
+    ``layer_overhead`` 50 µs: one sequence decoding at 1,000 positions costs its roofline,
+    (2e9 + 4 · 512 · 1001) / 1e12 s, plus 1 ms + 4 × 50 µs; a model of two layer classes
+    (2 + 3 layers) pays it five times; at 0 every price is the plain one, to the bit; a
+    value out of its range is a one-line error naming the key."""
+    eff = {"step_overhead": 1e-3, "layer_overhead": 5e-5}
+    rf = Roofline(build(tmp_path, dense_config(hardware={"gpu": {"efficiency": eff}})))
+    roof = (2e9 + 4 * 512 * 1001) / 1e12
+    assert step(rf, [1], [1000]) == pytest.approx(roof + 1e-3 + 4 * 5e-5, rel=1e-12)
+    two = dense_config(
+        model={"layers": [attention(count=2), attention(count=3, window=128)]},
+        hardware={"gpu": {"efficiency": {"layer_overhead": 5e-5}}},
+    )
+    plain_two = dense_config(model={"layers": [attention(count=2), attention(count=3, window=128)]})
+    n, c = [1], [1000]
+    paid = step(Roofline(build(tmp_path, two)), n, c) - step(
+        Roofline(build(tmp_path, plain_two)), n, c
+    )
+    assert paid == pytest.approx(5 * 5e-5, rel=1e-9)
+    zero = dense_config(hardware={"gpu": {"efficiency": {"layer_overhead": 0.0}}})
+    at_zero, plain = Roofline(build(tmp_path, zero)), Roofline(build(tmp_path, dense_config()))
+    for n, c in (([1, 1], [5, 60]), ([700, 1], [0, 3000])):
+        assert step(at_zero, n, c) == step(plain, n, c)
+    for value in (-1e-6, 0.5):
+        bad = dense_config(hardware={"gpu": {"efficiency": {"layer_overhead": value}}})
+        with pytest.raises(ConfigError, match="layer_overhead"):
+            build(tmp_path, bad)
+
+
 def test_routed_stream_reads_shared_plus_expected_distinct_experts(tmp_path: Path) -> None:
     """active 4e9, resident 10e9, E = 8, k = 2: per_expert = 1e9, shared = 2e9; one token
     reads 2e9 + 8·(1 − (7/8)²)·1e9 values, and many tokens read (almost) all resident."""

@@ -84,7 +84,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="TERMS",
         help="efficiency (memory_bandwidth, flops, step_overhead; the default), "
         "time_correction (alpha, beta), or a comma-separated list of terms: those, "
-        "expert_skew, seq_overhead, frontend_latency, reserved_memory",
+        "expert_skew, layer_overhead, seq_overhead, frontend_latency, reserved_memory",
     )
     parser.add_argument(
         "--name",
@@ -195,8 +195,9 @@ def snippet(
         "flops": eff.flops,
         "step_overhead": eff.step_overhead,
     }
-    if "expert_skew" in fitted or eff.expert_skew:
-        eff_values["expert_skew"] = eff.expert_skew
+    for name in ("expert_skew", "layer_overhead"):
+        if name in fitted or getattr(eff, name):
+            eff_values[name] = getattr(eff, name)
     eff_values.update({k: v for k, v in fitted.items() if k in EFFICIENCY_TERMS})
     if any(k in fitted for k in EFFICIENCY_TERMS) or hw.efficiency is not None:
         lines.append(f"efficiency = {_toml_value(eff_values)}")

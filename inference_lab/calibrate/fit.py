@@ -75,6 +75,7 @@ PARAMETERS: dict[str, Parameter] = {
     "flops": Parameter("flops", 0.05, 1.0),
     "step_overhead": Parameter("step_overhead", 0.0, 0.1, 1e-3),
     "expert_skew": Parameter("expert_skew", 0.0, 2.0),
+    "layer_overhead": Parameter("layer_overhead", 0.0, 1e-3, 1e-5),
     "seq_overhead": Parameter("seq_overhead", 0.0, 1e-3, 1e-6),
     "frontend_latency": Parameter("frontend_latency", 0.0, 2.0, 1e-3),
     # stepped in units of 100 GB so that a difference (0.003) moves whole KV blocks
@@ -85,7 +86,7 @@ PARAMETERS: dict[str, Parameter] = {
 #: The terms of ``[efficiency]``; ``seq_overhead`` and ``frontend_latency`` are the
 #: ``[overheads]`` table's (fitted only when named; the second is set on the scheduler, where
 #: the loader puts the profile's).
-EFFICIENCY_TERMS = ("memory_bandwidth", "flops", "step_overhead", "expert_skew")
+EFFICIENCY_TERMS = ("memory_bandwidth", "flops", "step_overhead", "expert_skew", "layer_overhead")
 #: ``--fit`` shorthands.
 PRESETS: dict[str, tuple[str, ...]] = {
     "efficiency": ("memory_bandwidth", "flops", "step_overhead"),
@@ -101,6 +102,7 @@ def current(dep: Deployment, names: Sequence[str]) -> list[float]:
         "flops": eff.flops,
         "step_overhead": eff.step_overhead,
         "expert_skew": eff.expert_skew,
+        "layer_overhead": eff.layer_overhead,
         "seq_overhead": dep.overheads.seq_overhead,
         "frontend_latency": dep.scheduler.frontend_latency,
         "reserved_memory": dep.overheads.reserved_memory,
@@ -169,10 +171,13 @@ def level_workload(level: LoadLevel, requests: int) -> Workload:
 def sim_requests(level: LoadLevel, cap: int) -> int:
     """How many requests the level is re-simulated with: a batch its own size (never cut:
     its tail is part of its throughput); a closed loop the measured count, at least 32
-    and 4 per user, at most ``cap`` unless 4 per user need more; an open loop the
-    measured count or a minute of arrivals, at least 100, at most ``cap``."""
+    and 4 per user, at most ``cap`` unless 4 per user need more (a ``lock_step`` run
+    exactly the measured count: its waves); an open loop the measured count or a minute of
+    arrivals, at least 100, at most ``cap``."""
     if level.kind == "batched":
         return round(level.level)
+    if level.lock_step and level.requests is not None:
+        return level.requests
     if level.kind == "closed":
         users = round(level.level)
         want = max(level.requests or 0, 4 * users, 32)

@@ -81,6 +81,11 @@ class LoadLevel:
     #: Closed loop: the users' first requests are spread uniformly over this many seconds
     #: (see :func:`start_spread`); 0: all at once.
     start_spread: float = 0.0
+    #: Closed loop of identical requests (fixed lengths, every output to its limit), all
+    #: users starting at one instant (``vllm bench serve --max-concurrency``): the users
+    #: finish together and start again together, so the run is its waves, never a steady
+    #: state. Re-simulated as measured: no start spread, its own request count.
+    lock_step: bool = False
 
     def measured(self) -> dict[str, float]:
         out = {"ttft": self.ttft, "tpot": self.tpot, "itl": self.itl, "throughput": self.throughput}
@@ -356,8 +361,8 @@ def start_spread(level: LoadLevel) -> LoadLevel:
     (output − 1) · TPOT`` (when both were measured): a closed loop of identical requests
     measured over a run is in its steady state, its requests at every phase, not the
     lock-step of users that all started at one instant (which would put every prefill in
-    the same steps)."""
-    if level.kind != "closed" or level.ttft is None or level.tpot is None:
+    the same steps). A ``lock_step`` run keeps its users' common start."""
+    if level.kind != "closed" or level.ttft is None or level.tpot is None or level.lock_step:
         return level
     return attrs.evolve(level, start_spread=level.ttft + (level.output_tokens - 1) * level.tpot)
 

@@ -18,7 +18,9 @@ Rule 2: a row becomes a :class:`Case` (:func:`row_cases`): its model config's en
         to a server (``burst``), or trtllm-bench's offline run (``offline``, its engine
         limits derived by trtllm-bench's own rule, :func:`trtllm_bench_limits`).
         Lengths drawn uniformly from ``[floor(range_ratio * L), L]`` are re-simulated at
-        their mean.
+        their mean. A closed loop of fixed lengths (no ``range_ratio``) with its request
+        count given is run in lock step (``LoadLevel.lock_step``): every user starting at
+        once, the count as measured.
 Rule 3: a row is refused before any fit (one line naming the row): a config with no such
         entry, a deployment that cannot hold the weights or one request of the row's
         lengths, and a latency below the datasheet roofline's floor by more than
@@ -275,6 +277,11 @@ def _case(row: TableRow, dep: Deployment) -> Case:
         prompt_tokens=isl,
         output_tokens=osl,
         requests=row.integer("requests"),
+        lock_step=(
+            kind == "closed"
+            and row.number("range_ratio") is None
+            and row.integer("requests") is not None
+        ),
         ttft=measured.get("ttft"),
         tpot=measured.get("tpot"),
         itl=measured.get("itl"),

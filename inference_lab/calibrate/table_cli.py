@@ -230,8 +230,9 @@ def table_snippet(
         "flops": eff.flops,
         "step_overhead": eff.step_overhead,
     }
-    if "expert_skew" in result.fitted or eff.expert_skew:
-        values["expert_skew"] = eff.expert_skew
+    for name in ("expert_skew", "layer_overhead"):
+        if name in result.fitted or getattr(eff, name):
+            values[name] = getattr(eff, name)
     values.update({k: v for k, v in result.fitted.items() if k in values})
     before, after = mape(result.before), mape(result.after)
     models = sorted({c.row["model_config"] for c in cases})

@@ -34,6 +34,10 @@ Rule 8: a routed (MoE) stream reads the experts its step's tokens touch: under u
         with ``[efficiency] expert_skew`` s > 0 the experts' popularity falls as a Zipf
         law (:func:`zipf_coverage`): real routers send more tokens to some experts, so a
         batch touches fewer of them. At 0 every price is the uniform one, to the bit.
+Rule 9: ``[efficiency] layer_overhead`` adds its time once per transformer layer to every
+        step, beside ``step_overhead`` (each layer's kernels and tensor-parallel
+        synchronisation, which a deeper model pays more of); at 0 every price is the one
+        Rules 1-8 give, to the bit.
 """
 
 from __future__ import annotations
@@ -115,7 +119,12 @@ class Roofline(BatchSums, KvBlocks):
         self._eta_flops = eff.flops
         self._eta_bw = eff.memory_bandwidth
         self._skew = eff.expert_skew
-        self._overhead = 0.0 if drafting else eff.step_overhead
+        # Rule 9: the fixed time of a step, and of each of its transformer layers
+        self._overhead = (
+            0.0
+            if drafting
+            else eff.step_overhead + eff.layer_overhead * sum(x.count for x in layers)
+        )
         #: the host's work per sequence in a step (0: none, and nothing is added)
         self._seq_overhead = 0.0 if drafting else dep.overheads.seq_overhead
         self._table: StepTable | None = None if drafting else dep.step_table

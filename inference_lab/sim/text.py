@@ -213,6 +213,11 @@ def format_config(
             f"efficiency HBM bandwidth {eff.memory_bandwidth:g}, FLOP/s {eff.flops:g} of the "
             f"datasheet; {eff.step_overhead * 1e3:g} ms per step"
             + (f"; MoE routing skew {eff.expert_skew:g}" if eff.expert_skew else "")
+            + (
+                f"; {eff.layer_overhead * 1e6:g} µs per layer per step"
+                if eff.layer_overhead
+                else ""
+            )
         )
     if hw.step_table is not None:
         lines.append(f"steps      measured step table {hw.step_table} (roofline-scaled outside it)")
@@ -511,9 +516,11 @@ def write_request_csv(result: SimResult, out: IO[str]) -> int:
 
 
 def _efficiency_dict(deployment: Deployment) -> dict[str, float]:
-    """The efficiency terms a run's JSON records: ``expert_skew`` only where it is set (a
-    run without it records what it recorded before the term existed)."""
+    """The efficiency terms a run's JSON records: ``expert_skew`` and ``layer_overhead``
+    only where they are set (a run without them records what it recorded before the terms
+    existed)."""
     out = attrs.asdict(deployment.efficiency)
-    if not out["expert_skew"]:
-        del out["expert_skew"]
+    for name in ("expert_skew", "layer_overhead"):
+        if not out[name]:
+            del out[name]
     return out

@@ -54,14 +54,18 @@ class TimeCorrection:
 @attrs.frozen(kw_only=True)
 class Efficiency:
     """Where a real engine falls short of the datasheet roofline (docs/fidelity.md):
-    the achievable fraction of HBM bandwidth and of peak FLOP/s, and a fixed overhead per
-    step (scheduler, kernel launches, sampling). The defaults are the roofline itself."""
+    the achievable fraction of HBM bandwidth and of peak FLOP/s, a fixed overhead per
+    step (scheduler, kernel launches, sampling) and one per transformer layer per step
+    (the layer's kernels and tensor-parallel synchronisation, whatever the batch). The
+    defaults are the roofline itself."""
 
     memory_bandwidth: float = attrs.field(default=1.0, validator=[gt(0), le(1)])
     flops: float = attrs.field(default=1.0, validator=[gt(0), le(1)])
     step_overhead: float = attrs.field(default=0.0, validator=[ge(0), le(1)])
     #: the Zipf exponent of the MoE experts' popularity (the roofline's Rule 8; 0: uniform)
     expert_skew: float = attrs.field(default=0.0, validator=[ge(0), le(4)])
+    #: seconds each transformer layer adds to every step (the roofline's Rule 9; 0: none)
+    layer_overhead: float = attrs.field(default=0.0, validator=[ge(0), le(0.01)])
 
     @property
     def is_identity(self) -> bool:
@@ -70,6 +74,7 @@ class Efficiency:
             and self.flops == 1.0
             and self.step_overhead == 0.0
             and self.expert_skew == 0.0
+            and self.layer_overhead == 0.0
         )
 
 
@@ -81,6 +86,7 @@ class EfficiencyOverride:
     flops: float | None = attrs.field(default=None, validator=[gt(0), le(1)])
     step_overhead: float | None = attrs.field(default=None, validator=[ge(0), le(1)])
     expert_skew: float | None = attrs.field(default=None, validator=[ge(0), le(4)])
+    layer_overhead: float | None = attrs.field(default=None, validator=[ge(0), le(0.01)])
 
     def over(self, base: Efficiency) -> Efficiency:
         changes = {
