@@ -388,6 +388,28 @@ def test_calibrate_table_reports_per_model_and_level_and_writes_the_profile_tabl
     assert len(cases) == 6
 
 
+def test_every_fitted_term_is_reported_in_its_unit() -> None:
+    """The reports print a fraction bare, a time term in ms or µs as the solver steps it
+    (the time per layer in µs), the reserved memory in GB: each report of a fit naming
+    ``layer_overhead`` says it in µs."""
+    from inference_lab.calibrate.cli import format_report
+    from inference_lab.calibrate.fit import FitResult, shown
+    from inference_lab.calibrate.table_cli import format_fit
+
+    assert shown("flops", 0.5) == "0.5"
+    assert shown("step_overhead", 3.26e-3) == "3.26 ms"
+    assert shown("seq_overhead", 1.382e-4) == "138.2 us"
+    assert shown("layer_overhead", 1.679e-4) == "167.9 us"
+    assert shown("reserved_memory", 2e9) == "2 GB"
+    same = Prediction({"ttft": [(1.0, 1.0)]})
+    result = FitResult(
+        names=("flops", "layer_overhead"), initial=(1.0, 0.0), values=(0.5, 1.679e-4),
+        before=same, after=same, evaluations=1, iterations=1,
+    )  # fmt: skip
+    line = "flops 0.5 (from 1), layer_overhead 167.9 us (from 0 us)"
+    assert line in format_fit(result) and line in format_report(result)
+
+
 @pytest.mark.parametrize(
     ("argv", "code", "line"),
     [

@@ -262,7 +262,7 @@ def worse_metrics(result: FitResult) -> list[str]:
 
 def at_bounds(result: FitResult) -> list[str]:
     """Rule 4: the fitted terms that ended at one of their bounds."""
-    from inference_lab.calibrate.fit import PARAMETERS
+    from inference_lab.calibrate.fit import PARAMETERS, shown
 
     out = []
     for name, value in zip(result.names, result.values, strict=True):
@@ -271,20 +271,19 @@ def at_bounds(result: FitResult) -> list[str]:
             value, bound.upper, abs_tol=1e-12
         ):
             edge = "lower" if math.isclose(value, bound.lower, abs_tol=1e-12) else "upper"
-            out.append(f"{name} = {value / bound.scale:.4g} (its {edge} bound)")
+            out.append(f"{name} = {shown(name, value)} (its {edge} bound)")
     return out
 
 
 def format_report(result: FitResult) -> str:
     """The fitted values, and a table of every measured value's error before and after,
     each metric's change marked (Rule 5)."""
-    from inference_lab.calibrate.fit import PARAMETERS, mape
+    from inference_lab.calibrate.fit import mape, shown
 
     lines = [
         "fitted     "
         + ", ".join(
-            f"{n} {v / PARAMETERS[n].scale:.4g}{' ms' if PARAMETERS[n].scale != 1 else ''}"
-            f" (from {i / PARAMETERS[n].scale:.4g})"
+            f"{n} {shown(n, v)} (from {shown(n, i)})"
             for n, v, i in zip(result.names, result.values, result.initial, strict=True)
         )
     ]

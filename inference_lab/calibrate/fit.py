@@ -83,6 +83,21 @@ PARAMETERS: dict[str, Parameter] = {
     "alpha": Parameter("alpha", 0.1, 10.0),
     "beta": Parameter("beta", 0.0, 0.1, 1e-3),
 }
+
+
+def shown(name: str, value: float) -> str:
+    """A term's value as the reports print it: fractions and exponents bare, the time terms
+    in ms or µs (as the solver steps them), the reserved memory in GB."""
+    if name == "reserved_memory":
+        return f"{value / 1e9:.4g} GB"
+    scale = PARAMETERS[name].scale
+    if scale == 1.0:
+        return f"{value:.4g}"
+    if scale >= 1e-3:
+        return f"{value / 1e-3:.4g} ms"
+    return f"{value / 1e-6:.4g} us"
+
+
 #: The terms of ``[efficiency]``; ``seq_overhead`` and ``frontend_latency`` are the
 #: ``[overheads]`` table's (fitted only when named; the second is set on the scheduler, where
 #: the loader puts the profile's).

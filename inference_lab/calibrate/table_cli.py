@@ -141,24 +141,14 @@ def run_table(args: argparse.Namespace, names: Sequence[str]) -> int:
     return EXIT_OK
 
 
-def _value(name: str, value: float) -> str:
-    from inference_lab.calibrate.fit import PARAMETERS
-
-    if name == "reserved_memory":
-        return f"{value / 1e9:.4g} GB"
-    scale = PARAMETERS[name].scale
-    unit = {1.0: "", 1e-3: " ms", 1e-6: " us"}[scale]
-    return f"{value / scale:.4g}{unit}"
-
-
 def format_fit(result: FitResult) -> str:
     """The fitted values and the MAPE per metric before and after."""
-    from inference_lab.calibrate.fit import mape
+    from inference_lab.calibrate.fit import mape, shown
 
     lines = [
         "fitted     "
         + ", ".join(
-            f"{n} {_value(n, v)} (from {_value(n, i)})"
+            f"{n} {shown(n, v)} (from {shown(n, i)})"
             for n, v, i in zip(result.names, result.values, result.initial, strict=True)
         ),
         f"           {result.iterations} iterations, {result.evaluations} evaluations",
@@ -196,6 +186,7 @@ def format_groups(groups: Sequence[GroupError], key: str) -> str:
 def format_holdout(by: str, folds: Sequence[Fold], models: Sequence[str]) -> str:
     """Each fold's held-out rows: their MAPE (mean signed error) per metric, and the
     values fitted without them."""
+    from inference_lab.calibrate.fit import shown
     from inference_lab.calibrate.tablefit import not_run, pooled
 
     if not folds:
@@ -213,7 +204,7 @@ def format_holdout(by: str, folds: Sequence[Fold], models: Sequence[str]) -> str
         failed = not_run(fold.predictions)
         if failed:
             cells += f"{', ' if cells else ''}{failed} did not run (no request fits the KV cache)"
-        fitted = ", ".join(f"{n} {_value(n, v)}" for n, v in fold.values.items())
+        fitted = ", ".join(f"{n} {shown(n, v)}" for n, v in fold.values.items())
         lines.append(f"  {fold.held_out}: {len(fold.tested_on)} rows: {cells}  [{fitted}]")
     return "\n".join(lines)
 
