@@ -506,9 +506,13 @@ def test_calibrate_exits_1_in_one_line_on_inputs_it_cannot_hold(
     assert err.count("\n") == 1
 
 
-def test_a_fitted_routing_skew_is_in_the_snippet(setup: tuple[Path, Path, Deployment]) -> None:
-    """``--fit`` naming ``expert_skew``: the snippet's ``efficiency`` carries the fitted
-    value beside the entry's other efficiency terms, and loads as the entry's."""
+@pytest.mark.parametrize(("name", "value"), [("expert_skew", 1.25), ("layer_overhead", 3e-5)])
+def test_a_fitted_optional_efficiency_term_is_in_the_snippet(
+    setup: tuple[Path, Path, Deployment], name: str, value: float
+) -> None:
+    """``--fit`` naming ``expert_skew`` or ``layer_overhead``: the snippet's ``efficiency``
+    carries the fitted value beside the entry's other efficiency terms, and loads as the
+    entry's."""
     from inference_lab.calibrate.cli import snippet
     from inference_lab.calibrate.fit import FitResult, Prediction
 
@@ -516,37 +520,14 @@ def test_a_fitted_routing_skew_is_in_the_snippet(setup: tuple[Path, Path, Deploy
     config = load_model_config(path, profiles)
     same = Prediction({"ttft": [(1.0, 1.0)]})
     result = FitResult(
-        names=("expert_skew",), initial=(0.0,), values=(1.25,), before=same, after=same,
+        names=(name,), initial=(0.0,), values=(value,), before=same, after=same,
         evaluations=1, iterations=1,
     )  # fmt: skip
     text = snippet(config, dep, result, "gpu-cal", ["m.json"])
     entry = tomllib.loads(text)["hardware"]["gpu-cal"]
     assert entry["efficiency"] == {
-        "memory_bandwidth": 1.0, "flops": 1.0, "step_overhead": 0.0, "expert_skew": 1.25,
+        "memory_bandwidth": 1.0, "flops": 1.0, "step_overhead": 0.0, name: value,
     }  # fmt: skip
     path.write_text(path.read_text() + "\n" + text)
     loaded = load_model_config(path, profiles).deployments["gpu-cal"]
-    assert loaded.efficiency.expert_skew == 1.25
-
-
-def test_a_fitted_layer_overhead_is_in_the_snippet(setup: tuple[Path, Path, Deployment]) -> None:
-    """``--fit`` naming ``layer_overhead``: the snippet's ``efficiency`` carries the fitted
-    value beside the entry's other efficiency terms, and loads as the entry's."""
-    from inference_lab.calibrate.cli import snippet
-    from inference_lab.calibrate.fit import FitResult, Prediction
-
-    path, profiles, dep = setup
-    config = load_model_config(path, profiles)
-    same = Prediction({"ttft": [(1.0, 1.0)]})
-    result = FitResult(
-        names=("layer_overhead",), initial=(0.0,), values=(3e-5,), before=same, after=same,
-        evaluations=1, iterations=1,
-    )  # fmt: skip
-    text = snippet(config, dep, result, "gpu-cal", ["m.json"])
-    entry = tomllib.loads(text)["hardware"]["gpu-cal"]
-    assert entry["efficiency"] == {
-        "memory_bandwidth": 1.0, "flops": 1.0, "step_overhead": 0.0, "layer_overhead": 3e-5,
-    }  # fmt: skip
-    path.write_text(path.read_text() + "\n" + text)
-    loaded = load_model_config(path, profiles).deployments["gpu-cal"]
-    assert loaded.efficiency.layer_overhead == 3e-5
+    assert getattr(loaded.efficiency, name) == value
