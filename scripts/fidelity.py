@@ -11,12 +11,13 @@ and the predicted-vs-measured plot:
     python scripts/fidelity.py holdout   # the out-of-sample folds (writes holdout.csv)
     python scripts/fidelity.py table     # docs/fidelity.md's tables, results.csv, fidelity.png
 
-Out of sample (docs/fidelity.md says why): an entry with ``test`` rows in the CSV keeps
-that split (the shipped values are fitted on its ``fit`` rows, its ``test`` rows are out
-of sample); the others are fitted on every row and held out by whole model where they
-cover two models or more (each model predicted by the terms fitted on the others), else
-by whole load range where they cover one model at several concurrencies (each half of
-the levels predicted from the other).
+Out of sample (docs/fidelity.md says why): an entry with ``test`` rows of a model its
+``fit`` rows also have keeps that split (the shipped values are fitted on its ``fit`` rows,
+its ``test`` rows are out of sample); the others are held out by whole model where their
+fit rows cover two models or more (each model predicted by the terms fitted on the
+others), else by whole load range where they cover one model at several concurrencies
+(each half of the levels predicted from the other). A ``test`` row of a model no fit row
+has is out of sample on the shipped values themselves.
 
 Rule: every figure this script writes comes from the shipped data (the CSV, the configs,
 the profiles) and the simulator; nothing is typed in by hand.
@@ -67,26 +68,46 @@ BEGIN, END = "<!-- fidelity-table:begin -->", "<!-- fidelity-table:end -->"
 CAL_BEGIN, CAL_END = "<!-- calibrated-values:begin -->", "<!-- calibrated-values:end -->"
 #: What each calibrated entry fits, by its engine tag (the entry's name after the GPU's):
 #: throughput-only tables cannot tell a per-step overhead from the bandwidth; vLLM's
-#: bursts of 100-1,000 requests pin the host's per-sequence work (the memory vLLM keeps
-#: out of its KV cache is not fitted: the profiles compute it as vLLM does, with
-#: [overheads] weight_scales, expert_*_multiple and profile_run); SGLang's closed loops at 4-64 users (the
-#: KV cache never full) its per-request latency in front of the engine.
+#: bursts of 100-1,000 requests pin the host's per-sequence work, and models of different
+#: depths its time per layer (the memory vLLM keeps out of its KV cache is not fitted: the
+#: profiles compute it as vLLM does, with [overheads] weight_scales, expert_*_multiple and
+#: profile_run); SGLang's closed loops at 4-64 users (the KV cache never full) its
+#: per-request latency in front of the engine.
 TERMS = {
     "trtllm": ("memory_bandwidth", "flops"),
     "nim": ("memory_bandwidth", "flops", "step_overhead"),
-    "vllm": ("memory_bandwidth", "flops", "step_overhead", "seq_overhead", "expert_skew"),
+    "vllm": (
+        "memory_bandwidth",
+        "flops",
+        "step_overhead",
+        "seq_overhead",
+        "expert_skew",
+        "layer_overhead",
+    ),
     "sglang": ("memory_bandwidth", "flops", "step_overhead", "frontend_latency"),
 }
-#: Entries whose rows determine fewer terms than their engine's: h200-vllm has two fit
-#: rows of one model (bursts of 100 32K-token and 500 2K-token prompts, both FLOP-bound),
-#: which tell the FLOP fraction and the per-sequence work apart and nothing else.
-ENTRY_TERMS = {"h200-vllm": ("flops", "seq_overhead")}
+#: Entries whose rows determine fewer terms than their engine's (beside those INHERITS
+#: gives them): h200-vllm's two models fit the GPU's bandwidth and FLOP fractions;
+#: b200-vllm's one (two closed loops of GLM-4.6-FP8 at tp 8, both bound by the same decode
+#: step) its FLOP fraction and a time per step, the Blackwell kernels' own.
+ENTRY_TERMS = {
+    "h200-vllm": ("memory_bandwidth", "flops"),
+    "b200-vllm": ("flops", "step_overhead"),
+}
+#: Entries that take the host's terms (the engine's work per sequence and per layer in a
+#: step, and its router's skew) from another entry of the same engine, and fit only the
+#: GPU's own: h200-vllm's rows (two TP-8 MoE models of 61 and 92 layers) and b200-vllm's
+#: (one) cannot tell the time per layer from the time per step nor the per-sequence work
+#: from the bandwidth; h100-vllm's five models of 24-92 layers at tp 1 and 8 can.
+HOST_TERMS = ("seq_overhead", "expert_skew", "layer_overhead")
+INHERITS = {"h200-vllm": ("h100-vllm", HOST_TERMS), "b200-vllm": ("h100-vllm", HOST_TERMS)}
 #: Where every fit starts: the datasheet (no efficiency or host terms).
 DATASHEET = {
     "memory_bandwidth": 1.0,
     "flops": 1.0,
     "step_overhead": 0.0,
     "expert_skew": 0.0,
+    "layer_overhead": 0.0,
     "seq_overhead": 0.0,
     "frontend_latency": 0.0,
     "reserved_memory": 0.0,
@@ -140,16 +161,21 @@ def entry_cases(rows: Sequence[TableRow]) -> dict[str, list[Case]]:
 
 def holdout_kind(cases: Sequence[Case]) -> str:
     """How an entry is measured out of sample (the module docstring): by the CSV's split
-    where it has test rows (the shipped values are fitted on the others), else by whole
-    model, else by whole load range."""
-    if any(c.row["split"] == "test" for c in cases):
+    where a test row is of a model the fit rows have (the shipped values are fitted on the
+    others), else by whole model among the fit rows, else by whole load range. Test rows
+    of a model no fit row has are out of sample as they stand: the shipped values never
+    saw that model."""
+    fit = [c for c in cases if c.row["split"] == "fit"]
+    models = {c.row["model_config"] for c in fit}
+    tests = [c for c in cases if c.row["split"] == "test"]
+    if any(c.row["model_config"] in models for c in tests):
         return "split"
-    if len({c.row["model_config"] for c in cases}) >= 2:
+    if len(models) >= 2:
         return "model"
-    closed = [c for c in cases if c.level.kind == "closed"]
-    if len({c.level.level for c in closed}) >= 2 and len(closed) == len(cases):
+    closed = [c for c in fit if c.level.kind == "closed"]
+    if len({c.level.level for c in closed}) >= 2 and len(closed) == len(fit):
         return "concurrency"
-    return "none"
+    return "split" if tests else "none"
 
 
 # ---------------------------------------------------------------------------------------
@@ -163,7 +189,7 @@ def fit_entries(workers: int, only: list[str] | None) -> None:
         if only and entry not in only:
             continue
         terms = terms_of(entry)
-        start_at = {n: DATASHEET[n] for n in terms}
+        start_at = {**inherited(entry), **{n: DATASHEET[n] for n in terms}}
         fit_on = [
             attrs.evolve(c, deployment=apply(c.deployment, start_at))
             for c in cases
@@ -182,7 +208,18 @@ def fit_entries(workers: int, only: list[str] | None) -> None:
             f"{time.monotonic() - start:.0f} s)",
             flush=True,
         )
-        write_profile(entry, result.fitted)
+        write_profile(entry, {**inherited(entry), **result.fitted})
+
+
+def inherited(entry: str) -> dict[str, float]:
+    """The host's terms ``entry`` takes from its INHERITS donor's profile (none if it has no
+    donor)."""
+    if entry not in INHERITS:
+        return {}
+    donor, names = INHERITS[entry]
+    profile = load_hardware_profile(PROFILES / f"{donor}.toml")
+    values = {**attrs.asdict(profile.efficiency), **attrs.asdict(profile.overheads)}
+    return {n: float(values[n]) for n in names}
 
 
 def write_profile(entry: str, fitted: dict[str, float]) -> None:
@@ -238,7 +275,8 @@ def predictions(workers: int) -> tuple[list[Case], dict[str, dict[str, dict[str,
     held, unfitted = read_holdout()
     for entry, members in groups.items():
         if holdout_kind(members) in ("model", "concurrency"):
-            missing = [c.row["id"] for c in members if c.row["id"] not in {**held, **unfitted}]
+            fitted = [c for c in members if c.row["split"] == "fit"]
+            missing = [c.row["id"] for c in fitted if c.row["id"] not in {**held, **unfitted}]
             if missing:
                 raise InferenceLabError(
                     f"{HOLDOUT}: no held-out prediction of {', '.join(missing[:3])}: run "
@@ -262,8 +300,12 @@ def holdout_entries(workers: int, only: list[str] | None) -> None:
         if (only and entry not in only) or kind not in ("model", "concurrency"):
             continue
         terms = terms_of(entry)
-        start_at = {n: DATASHEET[n] for n in terms}
-        cases = [attrs.evolve(c, deployment=apply(c.deployment, start_at)) for c in cases]
+        start_at = {**inherited(entry), **{n: DATASHEET[n] for n in terms}}
+        cases = [
+            attrs.evolve(c, deployment=apply(c.deployment, start_at))
+            for c in cases
+            if c.row["split"] == "fit"
+        ]
         start = time.monotonic()
         with mapper(workers) as run:
             folds = holdout(cases, terms, kind, SIM_CAP, run, FIT_ITERATIONS)
@@ -501,11 +543,20 @@ def _splice(page: str, body: str, begin: str, end: str) -> str:
     return f"{head}{begin}\n{body}\n{end}{tail}"
 
 
+def terms_text(entry: str) -> str:
+    """The terms an entry is fitted on, and those it takes from its donor."""
+    text = ", ".join(terms_of(entry))
+    if entry in INHERITS:
+        donor, names = INHERITS[entry]
+        text += f"; {', '.join(names)} from `{donor}`"
+    return text
+
+
 def render_calibrated(cases: Sequence[Case]) -> str:
     """The calibrated entries: what each was fitted on and its shipped values."""
     out = [
-        "| entry | fitted on | terms fitted | memory_bandwidth | flops | step_overhead | expert_skew | seq_overhead | frontend_latency | reserved_memory |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| entry | fitted on | terms fitted | memory_bandwidth | flops | step_overhead | layer_overhead | expert_skew | seq_overhead | frontend_latency | reserved_memory |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     entries: dict[str, list[Case]] = {}
     for case in cases:
@@ -517,8 +568,9 @@ def render_calibrated(cases: Sequence[Case]) -> str:
         models = sorted({c.row["model_config"] for c in members})
         out.append(
             f"| `{entry}` | {len(fit_rows)} rows: {members[0].row['engine']}, {', '.join(models)} "
-            f"| {', '.join(terms_of(entry))} | {eff.memory_bandwidth:.3g} | {eff.flops:.3g} "
-            f"| {eff.step_overhead * 1e3:.3g} ms | {eff.expert_skew:.3g} "
+            f"| {terms_text(entry)} | {eff.memory_bandwidth:.3g} | {eff.flops:.3g} "
+            f"| {eff.step_overhead * 1e3:.3g} ms | {eff.layer_overhead * 1e6:.3g} µs "
+            f"| {eff.expert_skew:.3g} "
             f"| {over.seq_overhead * 1e6:.3g} µs "
             f"| {over.frontend_latency * 1e3:.3g} ms | {over.reserved_memory / 1e9:.3g} GB |"
         )

@@ -6,7 +6,9 @@ one line."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
+import attrs
 import fidelity
 
 from inference_lab.core.config import load_deployment, load_hardware_profile
@@ -18,7 +20,7 @@ def test_the_shipped_measurements_load_with_sources_and_become_cases() -> None:
     measured figure; every row is a case on its calibrated entry that passes the unit
     check (fidelity.entry_cases runs inference_lab.calibrate.table.check_units)."""
     rows = fidelity.read_rows()
-    assert len(rows) == 103
+    assert len(rows) == 113
     for row in rows:
         assert row["source"] and row["table"] and row["row"]
         assert row.measured()
@@ -35,10 +37,42 @@ def test_every_entry_is_measured_out_of_sample() -> None:
     without an out-of-sample measure."""
     groups = fidelity.entry_cases(fidelity.read_rows())
     kinds = {entry: fidelity.holdout_kind(cases) for entry, cases in groups.items()}
-    assert kinds["h100-vllm"] == "model"
-    assert kinds["h200-sglang"] == kinds["mi300x-sglang"] == "concurrency"
-    assert kinds["h200-vllm"] == kinds["h100-trtllm"] == kinds["h100-nim"] == "split"
+    assert kinds["h100-vllm"] == kinds["h200-vllm"] == "model"
+    assert kinds["h200-sglang"] == kinds["mi300x-sglang"] == kinds["b200-vllm"] == "concurrency"
+    assert kinds["h100-trtllm"] == kinds["h100-nim"] == "split"
     assert "none" not in kinds.values()
+
+
+def case(model: str, split: str = "fit", level: int = 8) -> SimpleNamespace:
+    return SimpleNamespace(
+        row={"model_config": model, "split": split},
+        level=SimpleNamespace(kind="closed", level=level),
+    )
+
+
+def test_how_an_entry_is_held_out_by_hand() -> None:
+    """A test row of a model the fit rows have makes a split; a test row of a model no fit
+    row has is out of sample as it stands and leaves the hold-out to the fit rows: by
+    model where they cover two, by load range where one model has two levels."""
+    kind = fidelity.holdout_kind
+    assert kind([case("a"), case("b"), case("c", "test")]) == "model"
+    assert kind([case("a"), case("b"), case("a", "test")]) == "split"
+    assert kind([case("a", level=8), case("a", level=64), case("c", "test")]) == "concurrency"
+    assert kind([case("a"), case("c", "test")]) == "split"
+    assert kind([case("a")]) == "none"
+
+
+def test_the_inheriting_entries_carry_their_donors_host_terms() -> None:
+    """h200-vllm and b200-vllm take the host's terms from h100-vllm (fidelity.INHERITS):
+    the shipped profiles hold the donor's values, so a refit of the donor that is not
+    carried over fails here."""
+    for entry, (donor, names) in fidelity.INHERITS.items():
+        assert donor == "h100-vllm" and names == fidelity.HOST_TERMS
+        values = fidelity.inherited(entry)
+        assert set(values) == set(names) and values["layer_overhead"] > 0
+        profile = load_hardware_profile(PROFILES / f"{entry}.toml")
+        shipped = {**attrs.asdict(profile.efficiency), **attrs.asdict(profile.overheads)}
+        assert {n: shipped[n] for n in names} == values
 
 
 def test_hopper_runs_mxfp4_weights_at_the_bf16_rate_in_the_vllm_profiles() -> None:

@@ -192,9 +192,20 @@ ARCHITECTURES: dict[str, tuple[int, int, list[W], list[L]]] = {
         [("bf16", 31_984_210_944, 32_762_123_264, None)],
         [(64, 64, 128, 8, 0)],
     ),
+    # GLM-4.5's architecture: 92 layers (3 dense), 160 + 1 experts of 1536, 8 routed active
+    "GLM-4.6-FP8": (
+        5120,
+        202752,
+        [
+            ("fp8", 32_005_160_960, 351_170_723_840, (160, 8, 89)),
+            ("bf16", 851_158_944, 1_627_105_184, None),
+        ],
+        [(92, 96, 128, 8, 0)],
+    ),
 }
 #: The KV cache's precision where it is not bf16 (the FP8 / FP4 checkpoints keep it in FP8).
 KV_PRECISION = {
+    "GLM-4.6-FP8": "fp8",
     "Llama-3.1-8B-Instruct-FP8": "fp8",
     "Llama-3.3-70B-Instruct-FP8": "fp8",
     "Llama-3.3-70B-Instruct-FP4": "fp8",
@@ -331,7 +342,7 @@ def test_every_shipped_profile_is_documented() -> None:
 #: The calibrated profiles (docs/fidelity.md): each layered on a datasheet profile, whose
 #: numbers it keeps (but the memory of the GPUs measured, where it differs: the DGX B200's
 #: 180 GB; nvidia-smi's 81,559 MiB and 143,771 MiB for the H100 and H200 the engines see),
-#: with a fitted efficiency.
+#: with a fitted efficiency (nvidia-smi's 183,359 MiB for the B200 vLLM sees).
 CALIBRATED: dict[str, tuple[str, float | None]] = {
     "h100-trtllm": ("h100", None),
     "h200-trtllm": ("h200", None),
@@ -339,6 +350,7 @@ CALIBRATED: dict[str, tuple[str, float | None]] = {
     "h100-nim": ("h100", None),
     "h100-vllm": ("h100", 81_559 * 2**20),
     "h200-vllm": ("h200", 143_771 * 2**20),
+    "b200-vllm": ("b200", 183_359 * 2**20),
     "h200-sglang": ("h200", 143_771 * 2**20),
     "mi300x-sglang": ("mi300x", None),
 }
