@@ -77,9 +77,10 @@ def max_num_seqs(name: str) -> int:
 def test_gpt_oss_20b_entries_and_scheduler() -> None:
     """gpt-oss-20b runs on exactly b200, b300, h200 and gh200, all at tp = 1, with
     max_num_batched_tokens 8192, max_num_seqs 256, fcfs, block_size 64; and on the
-    vLLM-calibrated h100-vllm, at vLLM's 1,024 sequences."""
+    vLLM-calibrated h100-vllm, h200-vllm and b200-vllm, at vLLM's 1,024 sequences."""
     cfg = load_model_config(GPT_OSS_20B, PROFILES)
-    assert set(cfg.deployments) == {"b200", "b300", "h200", "gh200", "h100-vllm"}
+    vllm = {"h100-vllm", "h200-vllm", "b200-vllm"}
+    assert set(cfg.deployments) == {"b200", "b300", "h200", "gh200"} | vllm
     for name, dep in cfg.deployments.items():
         assert dep.hardware.tp == 1
         s = dep.scheduler
