@@ -358,6 +358,22 @@ def test_ends_of_admission_steps_are_step_by_step(
         assert seen["several-finished"] > 0, seen
 
 
+def decoding_row(i: int, prompt: int, target: int, blocks: int, room: int) -> SimpleNamespace:
+    """A request past its prefill with one token out, as RunningRows sees it: ``blocks`` KV
+    blocks, ``room`` positions left in its last one, ``target`` tokens to make."""
+    return SimpleNamespace(
+        id=i,
+        prompt_tokens=prompt,
+        max_tokens=prompt + 500,
+        target_tokens=target,
+        num_computed=prompt,
+        num_output=1,
+        num_blocks=blocks,
+        block_room=room,
+        lazy_base=0,
+    )
+
+
 def _ids(cal: dict[int, list[Any]]) -> dict[int, list[Any]]:
     """A calendar with each request named by its id (two sides' objects differ)."""
     return {
@@ -385,19 +401,9 @@ def test_one_row_starts_as_start_decoding() -> None:
             for i in range(rows.randrange(1, 5)):
                 prompt = rows.choice([3, 40, 127, 128, 129, 700, 5000])
                 blocks = rows.choice([0, rf.blocks_for(prompt), rf.blocks_for(prompt) + 1])
-                made.append(
-                    SimpleNamespace(
-                        id=i,
-                        prompt_tokens=prompt,
-                        max_tokens=prompt + 500,
-                        target_tokens=rows.randrange(1, 400),
-                        num_computed=prompt,
-                        num_output=1,
-                        num_blocks=blocks,
-                        block_room=0 if rows.random() < 0.7 else rf.room_for(blocks),
-                        lazy_base=0,
-                    )
-                )
+                target = rows.randrange(1, 400)
+                room = 0 if rows.random() < 0.7 else rf.room_for(blocks)
+                made.append(decoding_row(i, prompt, target, blocks, room))
                 vec.append(1)
             sides.append((vec, made))
         (one, made_one), (many, made_many) = sides
@@ -426,17 +432,7 @@ def test_terms_of_one_admission_as_the_general_terms() -> None:
         rows = []
         for i in range(rnd.randrange(1, 12)):
             prompt = rnd.choice([3, 60, 126, 127, 128, 129, 700])
-            r = SimpleNamespace(
-                id=i,
-                prompt_tokens=prompt,
-                max_tokens=prompt + 500,
-                target_tokens=rnd.randrange(2, 400),
-                num_computed=prompt,
-                num_output=1,
-                num_blocks=rf.blocks_for(prompt + 1),
-                block_room=0,
-                lazy_base=0,
-            )
+            r = decoding_row(i, prompt, rnd.randrange(2, 400), rf.blocks_for(prompt + 1), 0)
             vec.append(1)
             rows.append(r)
         vec.start_decoding(rows)
