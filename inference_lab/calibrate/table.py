@@ -270,18 +270,16 @@ def _case(row: TableRow, dep: Deployment) -> Case:
         dep = _trtllm_bench_deployment(row, dep, isl, osl)
     _check_fits(row, dep, isl, osl)
     measured = row.measured()
+    requests = row.integer("requests")
+    fixed = row.number("range_ratio") is None
     level = LoadLevel(
         source=row.where,
         kind=kind,
         level=level_value,
         prompt_tokens=isl,
         output_tokens=osl,
-        requests=row.integer("requests"),
-        lock_step=(
-            kind == "closed"
-            and row.number("range_ratio") is None
-            and row.integer("requests") is not None
-        ),
+        requests=requests,
+        lock_step=kind == "closed" and fixed and requests is not None,
         ttft=measured.get("ttft"),
         tpot=measured.get("tpot"),
         itl=measured.get("itl"),
