@@ -32,13 +32,11 @@ import csv
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import attrs
 
-import attrs  # noqa: E402
-from fidelity_entries import (  # noqa: E402
+# first: it puts the checkout's root on the path for inference_lab (and names it ROOT)
+from fidelity_entries import (
     DATA,
     DATASHEET,
     FIT_ITERATIONS,
@@ -51,6 +49,7 @@ from fidelity_entries import (  # noqa: E402
     PLOT,
     PROFILES,
     RESULTS,
+    ROOT,
     SIM_CAP,
     TERMS,
     engine_tag,
@@ -66,11 +65,11 @@ from fidelity_entries import (  # noqa: E402
     terms_text,
 )
 
-from inference_lab.calibrate.fit import apply, is_missing, mape, simulate_level  # noqa: E402
-from inference_lab.calibrate.table import Case, datasheet_case, trtllm_bench_limits  # noqa: E402
-from inference_lab.calibrate.tablefit import fit_entry, holdout  # noqa: E402
-from inference_lab.core.config import load_hardware_profile  # noqa: E402
-from inference_lab.errors import InferenceLabError  # noqa: E402
+from inference_lab.calibrate.fit import apply, is_missing, mape, simulate_level
+from inference_lab.calibrate.table import Case, datasheet_case, trtllm_bench_limits
+from inference_lab.calibrate.tablefit import fit_entry, holdout
+from inference_lab.core.config import load_hardware_profile
+from inference_lab.errors import InferenceLabError
 
 #: Where the generated tables go in docs/fidelity.md.
 BEGIN, END = "<!-- fidelity-table:begin -->", "<!-- fidelity-table:end -->"
